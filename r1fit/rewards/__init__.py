@@ -1,0 +1,66 @@
+"""Reward functions for GRPO and the registry that combines them.
+
+The contract
+------------
+A reward function scores ONE completion::
+
+    def my_reward(completion: str, solution: str, **info) -> float:
+        ...
+
+- ``completion``: the generated text only, without the prompt.
+- ``solution``: the dataset row's ``solution`` field, unchanged (tagged ``<answer>..</answer>`` or
+  a bare answer; :func:`extract_answer` with ``untagged_is_answer=True`` handles both).
+- ``info``: extra keyword arguments; it always holds ``problem: str`` (the prompt's question text)
+  and may gain keys in later versions, so a reward MUST accept ``**info`` (this is checked when the
+  reward is resolved).
+- Return a finite float, typically in [0, 1]. ``int``, ``bool``, numpy scalars and one-element
+  tensors are accepted too.
+
+Exceptions and non-finite or non-number returns do not stop training: that sample's component is
+0, the failure is counted (``RewardResult.errors``, ``RewardScorer.total_errors``) and the first
+traceback of each reward is logged once to the ``r1fit.rewards`` logger.
+
+Using rewards
+-------------
+Name rewards in the config as ``{name: weight}``; a name is a built-in (``accuracy``, ``format``,
+``iou``, ``iou_hit``) or ``"package.module:function"`` for your own function, importable from
+``sys.path``::
+
+    scorer = RewardScorer({"accuracy": 1.0, "format": 0.5, "my_pkg.rewards:length_penalty": -0.1})
+    result = scorer.score(completions, solutions, [{"problem": p} for p in problems])
+    result.total        # [N] float32 weighted sum, used for advantages
+    result.components   # name -> [N] unweighted scores, for logging
+"""
+
+from r1fit.rewards.accuracy import accuracy, math_equivalent
+from r1fit.rewards.answer import extract_answer, normalize
+from r1fit.rewards.format import format_reward
+from r1fit.rewards.iou import box_iou, iou, iou_hit, parse_box
+from r1fit.rewards.registry import (
+    BUILTIN_REWARDS,
+    RewardConfigError,
+    RewardFn,
+    RewardInputError,
+    RewardResult,
+    RewardScorer,
+    resolve_reward,
+)
+
+__all__ = [
+    "BUILTIN_REWARDS",
+    "RewardConfigError",
+    "RewardFn",
+    "RewardInputError",
+    "RewardResult",
+    "RewardScorer",
+    "accuracy",
+    "box_iou",
+    "extract_answer",
+    "format_reward",
+    "iou",
+    "iou_hit",
+    "math_equivalent",
+    "normalize",
+    "parse_box",
+    "resolve_reward",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from r1fit.cli import main
+
+sys.exit(main())

@@ -1,0 +1,181 @@
+"""GRPO policy loss: a PPO-style clipped surrogate per token, an optional KL penalty, and an aggregation.
+
+Shapes: ``logp``, ``old_logp``, ``ref_logp`` and ``mask`` are ``[B, T]`` (completion tokens of ``B``
+sequences, right-padded); ``advantages`` is ``[B]`` (one per sequence) or ``[B, T]``.
+
+Micro-batching: the training step splits a batch into micro-batches and accumulates gradients. Every
+aggregation here therefore takes the *whole batch's* normalisers (``total_tokens``, ``total_seqs``,
+``max_new_tokens``) and returns this micro-batch's *contribution* to the whole-batch mean, so that
+summing the losses (and gradients) of all micro-batches gives exactly the whole-batch value. Dividing
+each micro-batch by its own token count instead would weight a short micro-batch's tokens more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from r1fit.algorithms.kl import kl_k3
+
+Aggregation = Callable[..., Tensor]
+
+
+def token_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    *,
+    epsilon: float,
+    epsilon_high: float | None = None,
+    beta: float = 0.0,
+    ref_logp: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Per-token loss ``-min(r*A, clip(r, 1-eps, 1+eps_high)*A) + beta*k3`` and a bool "clipped" mask.
+
+    ``r = exp(logp - old_logp)``. ``epsilon_high`` defaults to ``epsilon``; a larger value is DAPO's
+    "clip-higher", which lets low-probability tokens grow further. A token counts as clipped when the
+    clipped branch is strictly the one chosen, i.e. its gradient is zero: ``r < 1-eps`` with ``A < 0`` or
+    ``r > 1+eps_high`` with ``A > 0``. The KL term is added only when ``beta > 0``.
+    """
+    epsilon_high = _check_clip(epsilon, epsilon_high, beta, ref_logp)
+    adv = advantages.unsqueeze(-1) if advantages.ndim == logp.ndim - 1 else advantages
+    ratio = torch.exp(logp - old_logp)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * adv
+    # min of the two is PPO's pessimistic bound: clipping removes the incentive, never the penalty.
+    loss = -torch.minimum(unclipped, clipped)
+    is_clipped = ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + epsilon_high) & (adv > 0))
+    if beta > 0:
+        loss = loss + beta * kl_k3(logp, ref_logp)
+    return loss, is_clipped
+
+
+def _token_mean(token_loss: Tensor, mask: Tensor, *, total_tokens: int, total_seqs: int, max_new_tokens: int) -> Tensor:
+    """DAPO: every valid token of the whole batch weighs the same, ``sum / total_tokens``."""
+    return _masked(token_loss, mask).sum() / total_tokens
+
+
+def _seq_mean_token_mean(
+    token_loss: Tensor, mask: Tensor, *, total_tokens: int, total_seqs: int, max_new_tokens: int
+) -> Tensor:
+    """GRPO: mean over each sequence's valid tokens, then mean over the batch's sequences."""
+    # A sequence's own length is local to its micro-batch, so only the sequence count must be global.
+    # clamp: a sequence with no valid token contributes 0 instead of 0/0.
+    seq_len = mask.sum(dim=-1).clamp(min=1)
+    return (_masked(token_loss, mask).sum(dim=-1) / seq_len).sum() / total_seqs
+
+
+def _seq_mean_token_sum_norm(
+    token_loss: Tensor, mask: Tensor, *, total_tokens: int, total_seqs: int, max_new_tokens: int
+) -> Tensor:
+    """Dr. GRPO: each sequence's token sum divided by the constant ``max_new_tokens``, then mean over sequences.
+
+    A constant divisor removes GRPO's length bias (long wrong answers penalised less per token).
+    """
+    return _masked(token_loss, mask).sum() / (max_new_tokens * total_seqs)
+
+
+AGGREGATIONS: dict[str, Aggregation] = {
+    "token_mean": _token_mean,
+    "seq_mean_token_mean": _seq_mean_token_mean,
+    "seq_mean_token_sum_norm": _seq_mean_token_sum_norm,
+}
+
+
+def aggregate(
+    token_loss: Tensor,
+    mask: Tensor,
+    mode: str,
+    *,
+    total_tokens: int,
+    total_seqs: int,
+    max_new_tokens: int,
+) -> Tensor:
+    """Reduce a ``[B, T]`` per-token loss to this micro-batch's contribution to the whole-batch loss.
+
+    ``mode`` is a key of ``AGGREGATIONS``. ``total_tokens`` (valid tokens) and ``total_seqs`` (sequences)
+    count the whole batch across all micro-batches; ``max_new_tokens`` is the generation limit. Summed
+    over the micro-batches of a batch, the returned values equal the value for the whole batch at once.
+    """
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {mode!r}; allowed: {sorted(AGGREGATIONS)}")
+    if token_loss.ndim != 2:
+        raise ValueError(f"token_loss must be 2-D [B, T], got shape {tuple(token_loss.shape)}")
+    if mask.shape != token_loss.shape:
+        raise ValueError(f"mask shape {tuple(mask.shape)} does not match token_loss shape {tuple(token_loss.shape)}")
+    for name, value in (("total_tokens", total_tokens), ("total_seqs", total_seqs), ("max_new_tokens", max_new_tokens)):
+        if int(value) != value or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value}")
+    if token_loss.shape[0] > total_seqs:
+        raise ValueError(f"micro-batch has {token_loss.shape[0]} sequences but total_seqs={total_seqs}")
+    return AGGREGATIONS[mode](
+        token_loss, mask.bool(), total_tokens=total_tokens, total_seqs=total_seqs, max_new_tokens=max_new_tokens
+    )
+
+
+def grpo_loss(
+    logp: Tensor,
+    old_logp: Tensor | None,
+    ref_logp: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    epsilon: float,
+    epsilon_high: float | None = None,
+    beta: float = 0.0,
+    aggregation: str,
+    total_tokens: int,
+    total_seqs: int,
+    max_new_tokens: int,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GRPO loss of one micro-batch (its contribution to the whole-batch loss) and detached stats.
+
+    ``old_logp=None`` means one optimisation step per rollout (``num_iterations == 1``): ``logp.detach()``
+    stands in, so the ratio is 1 in value while its gradient is the policy gradient ``A * grad(logp)``.
+    ``ref_logp`` is required when ``beta > 0``; when given with ``beta == 0`` it is used for the stat only.
+
+    Stats (each a contribution to the whole-batch value, summed over micro-batches like the loss, and
+    token-weighted like ``token_mean``): ``clip_fraction`` = fraction of valid tokens whose clipped
+    branch was chosen; ``kl`` = mean k3 per valid token (present only when ``ref_logp`` is given).
+    """
+    if logp.ndim != 2:
+        raise ValueError(f"logp must be 2-D [B, T], got shape {tuple(logp.shape)}")
+    if old_logp is None:
+        old_logp = logp.detach()
+    for name, tensor in (("old_logp", old_logp), ("ref_logp", ref_logp), ("mask", mask)):
+        if tensor is not None and tensor.shape != logp.shape:
+            raise ValueError(f"{name} shape {tuple(tensor.shape)} does not match logp shape {tuple(logp.shape)}")
+    if advantages.shape not in (logp.shape[:1], logp.shape):
+        raise ValueError(f"advantages must be [B] or [B, T] for logp {tuple(logp.shape)}, got {tuple(advantages.shape)}")
+
+    token_loss, clipped = token_policy_loss(
+        logp, old_logp, advantages, epsilon=epsilon, epsilon_high=epsilon_high, beta=beta, ref_logp=ref_logp
+    )
+    norms = {"total_tokens": total_tokens, "total_seqs": total_seqs, "max_new_tokens": max_new_tokens}
+    loss = aggregate(token_loss, mask, aggregation, **norms)
+    with torch.no_grad():
+        stats = {"clip_fraction": aggregate(clipped.to(token_loss.dtype), mask, "token_mean", **norms)}
+        if ref_logp is not None:
+            stats["kl"] = aggregate(kl_k3(logp, ref_logp), mask, "token_mean", **norms)
+    return loss, stats
+
+
+def _masked(token_loss: Tensor, mask: Tensor) -> Tensor:
+    # where, not multiply: padded positions may hold inf/NaN (e.g. -inf log-probs), and NaN * 0 is NaN.
+    return torch.where(mask, token_loss, torch.zeros((), dtype=token_loss.dtype, device=token_loss.device))
+
+
+def _check_clip(epsilon: float, epsilon_high: float | None, beta: float, ref_logp: Tensor | None) -> float:
+    """Validate the clip/KL settings and return ``epsilon_high`` with its default filled in."""
+    if not 0 < epsilon < 1:
+        raise ValueError(f"epsilon must be in (0, 1), got {epsilon}")
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    if epsilon_high <= 0:
+        raise ValueError(f"epsilon_high must be > 0, got {epsilon_high}")
+    if beta < 0:
+        raise ValueError(f"beta must be >= 0, got {beta}")
+    if beta > 0 and ref_logp is None:
+        raise ValueError(f"beta={beta} > 0 needs ref_logp (reference-model log-probs), got None")
+    return epsilon_high

@@ -1,0 +1,408 @@
+"""The typed config tree: one dataclass per section, one help text per field.
+
+A config is built from the defaults (which are the built-in demo), then a YAML file, then dotted
+``key.sub=value`` overrides, in that order. Every field carries its help text in ``metadata["help"]``;
+``r1fit config-help`` prints them and the README's reference is generated from the same text.
+Unknown keys and bad values raise :class:`ConfigError` with one line naming the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config key or value; the message names the key and what is allowed."""
+
+
+def opt(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
+        le: float | None = None) -> Any:
+    """A config field with its help text and optional numeric bounds."""
+    meta = {"help": help, "ge": ge, "gt": gt, "le": le}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: json.loads(json.dumps(default)), metadata=meta)
+    if dataclasses.is_dataclass(default):
+        return field(default_factory=type(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+DEFAULT_SYSTEM_PROMPT = (
+    "Think about the question inside <think> </think>, then give the final answer inside "
+    "<answer> </answer>."
+)
+
+
+@dataclass
+class LoraConfig:
+    r: int = opt(0, "LoRA rank; 0 means full fine-tuning of the language model.", ge=0)
+    alpha: int = opt(32, "LoRA scaling numerator (scale = alpha / r).", gt=0)
+    dropout: float = opt(0.0, "Dropout on the LoRA input.", ge=0, le=1)
+    target: str = opt("all-linear", "Language-model linear layers to adapt: 'all-linear' or a "
+                      "comma-separated list of module names such as 'q_proj,v_proj'.")
+
+
+@dataclass
+class ModelConfig:
+    path: str = opt("builtin:tiny", "Model to train: a local Hugging Face folder, a hub id such as "
+                    "'Qwen/Qwen2.5-VL-3B-Instruct', or 'builtin:tiny' / 'builtin:small-realvocab'.")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = opt(
+        "float32", "Weight dtype; 'auto' takes the checkpoint's dtype.")
+    lora: LoraConfig = opt(LoraConfig(), "LoRA settings.")
+    freeze_vision: bool = opt(False, "Keep the vision tower frozen (full fine-tuning only; LoRA never "
+                              "adapts it).")
+    attn_implementation: str = opt("sdpa", "Attention kernel passed to from_pretrained "
+                                   "('sdpa', 'eager', 'flash_attention_2').")
+
+
+@dataclass
+class ShapesConfig:
+    kinds: list[str] = opt(["color"], "Question kinds of builtin:shapes: any of color, count, "
+                           "position.")
+    image_size: int = opt(56, "Side of the square builtin:shapes images in pixels.", ge=28)
+    max_distractors: int = opt(1, "Most extra shapes drawn besides the asked-about one.", ge=0)
+    train_size: int = opt(5000, "Number of builtin:shapes training questions.", ge=1)
+
+
+@dataclass
+class DataConfig:
+    train: str = opt("builtin:shapes", "Training prompts: a JSONL file of {image, problem, solution} "
+                     "rows (image paths relative to the file) or 'builtin:shapes'.")
+    eval: str | None = opt("builtin:shapes", "Held-out prompts in the same format, or null for no "
+                           "evaluation.")
+    eval_size: int = opt(200, "Evaluate on at most this many held-out questions.", ge=1)
+    max_pixels: int = opt(56 * 56, "Images are resized (aspect kept) to at most this many pixels.",
+                          ge=28 * 28)
+    min_pixels: int = opt(28 * 28, "Images are resized (aspect kept) to at least this many pixels.",
+                          ge=28 * 28)
+    max_images: int = opt(1, "Most images per row; rows with more are bad rows.", ge=0)
+    max_bad_fraction: float = opt(0.05, "Stop with an error when more than this fraction of rows are "
+                                  "bad (missing/corrupt image, missing field, bad JSON).", ge=0, le=1)
+    system_prompt: str = opt(DEFAULT_SYSTEM_PROMPT, "System message put before every prompt.")
+    shapes: ShapesConfig = opt(ShapesConfig(), "Settings of the builtin:shapes task.")
+
+
+@dataclass
+class AlgoConfig:
+    num_generations: int = opt(8, "Completions sampled per prompt (the GRPO group size, G).", ge=2)
+    num_iterations: int = opt(1, "Optimizer updates per rollout batch (mu); > 1 reuses the rollout "
+                              "with PPO clipping against the old log-probs.", ge=1)
+    beta: float = opt(0.0, "Weight of the k3 KL penalty to the reference model; 0 loads no "
+                      "reference at all.", ge=0)
+    epsilon: float = opt(0.2, "PPO clip range below 1 (and above, unless epsilon_high is set).", gt=0)
+    epsilon_high: float | None = opt(0.28, "PPO clip range above 1 (DAPO clip-higher); null means "
+                                     "epsilon.", gt=0)
+    max_new_tokens: int = opt(24, "Longest completion in tokens.", ge=1)
+    temperature: float = opt(1.0, "Sampling temperature (log-probs use the same temperature).",
+                             gt=0)
+    top_p: float = opt(1.0, "Nucleus sampling mass.", gt=0, le=1)
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = opt(
+        "token_mean", "How token losses become one number: token_mean (DAPO), seq_mean_token_mean "
+        "(GRPO), seq_mean_token_sum_norm (Dr. GRPO).")
+    scale_rewards: bool = opt(True, "Divide advantages by the group's reward std (off = Dr. GRPO).")
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = opt("runs/demo", "Where metrics.jsonl, checkpoints and the final model go.")
+    max_steps: int = opt(200, "GRPO steps (one rollout batch each, num_iterations updates each).",
+                         ge=0)
+    seed: int = opt(0, "Seed of data order, sampling and initialisation.")
+    prompts_per_step: int = opt(8, "Prompts per step; each gets num_generations completions.", ge=1)
+    learning_rate: float = opt(2e-4, "Peak learning rate of AdamW.", gt=0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = opt(
+        "cosine", "Learning-rate shape after warm-up (decays to 10% of the peak).")
+    warmup_steps: int = opt(5, "Linear learning-rate warm-up, in optimizer updates.", ge=0)
+    weight_decay: float = opt(0.0, "AdamW weight decay.", ge=0)
+    max_grad_norm: float = opt(1.0, "Clip the global gradient norm to this value (0 = no clipping).",
+                               ge=0)
+    device: str = opt("auto", "'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
+    overwrite: bool = opt(False, "Replace an earlier run found in output_dir instead of stopping.")
+    early_stop_patience: int = opt(0, "Stop after this many evaluations without a new best eval "
+                                   "accuracy and restore the best weights (0 = never).", ge=0)
+
+
+@dataclass
+class SFTConfig:
+    steps: int = opt(100, "Steps of `r1fit sft` (learning each row's solution).", ge=0)
+    format_warmup_steps: int = opt(
+        60, "Steps of the format warm-up that `r1fit train` runs before GRPO: SFT on the "
+        "<think>/<answer> format with the answer of a random row, teaching the format but not the "
+        "task, so that GRPO's first rewards are not all zero. Set 0 for an instruct model.", ge=0)
+    batch_size: int = opt(16, "Rows per supervised step.", ge=1)
+    learning_rate: float = opt(1e-3, "Peak learning rate of the supervised steps.", gt=0)
+    think: str = opt("I look at the image.", "Text put inside <think> </think> in warm-up targets and "
+                     "in solutions that lack the tags.")
+
+
+@dataclass
+class MemoryConfig:
+    micro_batch: int = opt(4, "Sequences per forward/backward; peak memory is set by this, not by "
+                           "num_generations or prompts_per_step.", ge=1)
+    generation_batch: int = opt(32, "Sequences generated together (KV cache on).", ge=1)
+    gradient_checkpointing: bool = opt(True, "Recompute layer activations in the backward pass.")
+    logits_chunk: int = opt(1024, "Tokens per chunk of the LM head; the full [tokens x vocab] logits "
+                            "are never materialised.", ge=1)
+
+
+@dataclass
+class EvalConfig:
+    every: int = opt(25, "Evaluate every N GRPO steps (0 = only before and after training).", ge=0)
+    before_train: bool = opt(True, "Evaluate once before GRPO starts (after the SFT warm-up).")
+    batch: int = opt(64, "Questions generated together during evaluation (greedy).", ge=1)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = opt(0, "Save the model every N steps (0 = only at the end).", ge=0)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = opt(ModelConfig(), "The policy model.")
+    data: DataConfig = opt(DataConfig(), "Prompts and images.")
+    algo: AlgoConfig = opt(AlgoConfig(), "GRPO settings.")
+    rewards: dict[str, float] = opt({"accuracy": 1.0, "format": 0.5},
+                                    "Reward name (accuracy, format, iou, iou_hit, or "
+                                    "'module:function') -> weight of the weighted sum.")
+    train: TrainConfig = opt(TrainConfig(), "The optimisation loop.")
+    sft: SFTConfig = opt(SFTConfig(), "Supervised fine-tuning (and the warm-up before GRPO).")
+    memory: MemoryConfig = opt(MemoryConfig(), "What bounds peak memory.")
+    eval: EvalConfig = opt(EvalConfig(), "Held-out evaluation.")
+    checkpoint: CheckpointConfig = opt(CheckpointConfig(), "Saving.")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """A short hash of the resolved config, for run identity."""
+        text = json.dumps(self.to_dict(), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------
+# building and validating
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if origin is list:
+        return "a list"
+    if origin is dict:
+        return "a mapping"
+    name = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
+    return name.get(getattr(tp, "__name__", ""), str(tp))
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against the annotation ``tp`` (with YAML-ish string coercion)."""
+    origin = typing.get_origin(tp)
+    bad = ConfigError(f"{key}: got {value!r}, expected {_describe(tp)}")
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise bad
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        if isinstance(value, str) and value.lower() in ("null", "none", "~") and \
+                type(None) in typing.get_args(tp):
+            return None
+        for arg in typing.get_args(tp):
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(key, value, arg)
+            except ConfigError:
+                pass
+        raise bad
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise bad
+    if tp is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if tp is float:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise bad
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise bad
+        return [_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
+    if origin is dict:
+        _, val_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise bad
+        return {str(k): _coerce(f"{key}.{k}", v, val_tp) for k, v in value.items()}
+    raise bad
+
+
+def _check_bounds(key: str, value: Any, meta: typing.Mapping[str, Any]) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}: got {value!r}, expected a finite number")
+    if meta.get("ge") is not None and value < meta["ge"]:
+        raise ConfigError(f"{key}: got {value!r}, expected a number >= {meta['ge']}")
+    if meta.get("gt") is not None and value <= meta["gt"]:
+        raise ConfigError(f"{key}: got {value!r}, expected a number > {meta['gt']}")
+    if meta.get("le") is not None and value > meta["le"]:
+        raise ConfigError(f"{key}: got {value!r}, expected a number <= {meta['le']}")
+
+
+def _apply(obj: Any, data: dict[str, Any], prefix: str) -> None:
+    """Write a nested mapping into the dataclass ``obj``, validating each leaf."""
+    if not isinstance(data, dict):
+        where = prefix.rstrip(".") or "config"
+        raise ConfigError(f"{where}: got {data!r}, expected a mapping of its keys "
+                          f"({', '.join(f.name for f in dataclasses.fields(obj))})")
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    hints = _hints(type(obj))
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        if name not in fields:
+            raise ConfigError(f"unknown key '{key}'; allowed here: {', '.join(fields)}")
+        current = getattr(obj, name)
+        if dataclasses.is_dataclass(current):
+            _apply(current, value, key + ".")
+            continue
+        value = _coerce(key, value, hints[name])
+        _check_bounds(key, value, fields[name].metadata)
+        if isinstance(value, dict):
+            for k, v in value.items():
+                _check_bounds(f"{key}.{k}", v, fields[name].metadata)
+        setattr(obj, name, value)
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' is not key=value (e.g. algo.num_generations=8)")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override '{item}' has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def _nest(path: list[str], value: Any) -> dict[str, Any]:
+    out: Any = value
+    for part in reversed(path):
+        out = {part: out}
+    return out
+
+
+def _check_consistency(cfg: Config) -> None:
+    if cfg.data.min_pixels > cfg.data.max_pixels:
+        raise ConfigError(f"data.min_pixels ({cfg.data.min_pixels}) must be <= data.max_pixels "
+                          f"({cfg.data.max_pixels})")
+    if not cfg.rewards:
+        raise ConfigError("rewards: at least one reward is needed, e.g. rewards.accuracy=1.0")
+    for name, weight in cfg.rewards.items():
+        if not math.isfinite(weight):
+            raise ConfigError(f"rewards.{name}: got {weight!r}, expected a finite number")
+    bad = [k for k in cfg.data.shapes.kinds if k not in ("color", "count", "position")]
+    if bad or not cfg.data.shapes.kinds:
+        raise ConfigError(f"data.shapes.kinds: got {cfg.data.shapes.kinds!r}, expected a non-empty "
+                          "list of color, count, position")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults, then the YAML file (if any), then ``key.sub=value`` overrides; validated."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f":{mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+        _apply(cfg, data, "")
+    for item in overrides:
+        keys, value = _parse_override(item)
+        if keys[0] == "rewards" and len(keys) == 2:
+            # a reward name may contain dots ('pkg.mod:fn'): everything after 'rewards.' is the name
+            _apply(cfg, {"rewards": {**cfg.rewards, keys[1]: value}}, "")
+            continue
+        if keys[0] == "rewards" and len(keys) > 2:
+            name = ".".join(keys[1:])
+            _apply(cfg, {"rewards": {**cfg.rewards, name: value}}, "")
+            continue
+        _apply(cfg, _nest(keys, value), "")
+    _check_consistency(cfg)
+    return cfg
+
+
+def iter_fields(cls: type = Config, prefix: str = "") -> typing.Iterator[tuple[str, Any, str]]:
+    """Yield (dotted key, default, help) for every leaf of the config tree."""
+    default = cls()
+    for f in dataclasses.fields(cls):
+        value = getattr(default, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from iter_fields(type(value), f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", value, f.metadata.get("help", "")
+
+
+def config_reference_markdown() -> str:
+    """The config reference table (the README embeds this output)."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    for key, default, help_text in iter_fields():
+        shown = json.dumps(default) if not isinstance(default, str) else default
+        rows.append(f"| `{key}` | `{shown}` | {help_text} |")
+    return "\n".join(rows)

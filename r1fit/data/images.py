@@ -1,0 +1,132 @@
+"""Image loading and the pixel budget.
+
+Qwen2-VL / Qwen2.5-VL cut images into 14 px patches and merge 2x2 patches into one token, so one token
+covers 28x28 pixels and the number of image tokens grows with ``width * height``. Capping the pixel
+count here (before the processor) bounds the sequence length, hence memory, of every sample; the lower
+bound keeps tiny images from collapsing to a single token.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from PIL import Image
+
+from r1fit.data.errors import BadRowError, DataError
+
+# One merged Qwen vision token covers 28x28 px; a side shorter than that cannot form a token.
+MIN_SIDE = 28
+
+
+def _one_line(exc: BaseException) -> str:
+    """Exception text squeezed onto one line (PIL messages occasionally contain newlines)."""
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+def check_pixel_budget(min_pixels: int, max_pixels: int) -> None:
+    """Raise ``DataError`` unless ``MIN_SIDE**2 <= max_pixels`` and ``0 < min_pixels <= max_pixels``."""
+    if not isinstance(min_pixels, int) or not isinstance(max_pixels, int):
+        raise DataError(f"min_pixels/max_pixels must be integers, got {min_pixels!r}/{max_pixels!r}")
+    if max_pixels < MIN_SIDE * MIN_SIDE:
+        raise DataError(f"max_pixels={max_pixels} is below one 28x28 vision token ({MIN_SIDE * MIN_SIDE})")
+    if not 0 < min_pixels <= max_pixels:
+        raise DataError(f"min_pixels={min_pixels} must be > 0 and <= max_pixels={max_pixels}")
+
+
+def _fitted_size(width: int, height: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Integer size closest to ``width:height`` with area in [min_pixels, max_pixels], sides >= 28.
+
+    When no integer size satisfies every constraint (an extremely elongated image), the area cap wins
+    over the aspect ratio, because the cap is what protects memory.
+    """
+    area = width * height
+    scale = 1.0
+    if area > max_pixels:
+        scale = math.sqrt(max_pixels / area)
+    elif area < min_pixels:
+        scale = math.sqrt(min_pixels / area)
+    target_w, target_h = width * scale, height * scale
+    short = min(target_w, target_h)
+    if short < MIN_SIDE:  # enlarge both sides so the short one reaches 28 px, keeping the aspect ratio
+        target_w, target_h = target_w * MIN_SIDE / short, target_h * MIN_SIDE / short
+
+    aspect = width / height
+    # Fix the short side (two rounding candidates), then pick the long side inside the budget that is
+    # nearest to the aspect-true value. Rounding the two sides independently can leave the budget.
+    transpose = target_w < target_h
+    long_t, short_t = (target_h, target_w) if transpose else (target_w, target_h)
+    long_aspect = 1 / aspect if transpose else aspect
+    best: tuple[float, int, int] | None = None
+    for short_side in {max(MIN_SIDE, math.floor(short_t)), max(MIN_SIDE, math.ceil(short_t))}:
+        low = max(MIN_SIDE, math.ceil(min_pixels / short_side))
+        high = max_pixels // short_side
+        if low > high:
+            continue
+        long_side = min(max(round(long_t), low), high)
+        error = abs(long_side / short_side - long_aspect)
+        if best is None or error < best[0]:
+            best = (error, long_side, short_side)
+    if best is None:  # no feasible size keeps both bounds: honour max_pixels and the 28 px floor
+        short_side = max(MIN_SIDE, math.floor(short_t))
+        best = (0.0, max(MIN_SIDE, max_pixels // short_side), short_side)
+    _, long_side, short_side = best
+    return (short_side, long_side) if transpose else (long_side, short_side)
+
+
+def fit_pixel_budget(img: Image.Image, min_pixels: int, max_pixels: int) -> Image.Image:
+    """Return ``img`` as RGB with ``min_pixels <= w*h <= max_pixels`` and both sides >= 28 px.
+
+    The image is resized (LANCZOS down, BICUBIC up) only when it is outside the budget or has a side
+    shorter than 28 px; the aspect ratio is kept up to integer rounding. Raises ``DataError`` for an
+    impossible budget.
+    """
+    check_pixel_budget(min_pixels, max_pixels)
+    rgb = img if img.mode == "RGB" else img.convert("RGB")
+    width, height = rgb.size
+    if width < 1 or height < 1:
+        raise BadRowError(f"image has an empty size {width}x{height}")
+    if min_pixels <= width * height <= max_pixels and min(width, height) >= MIN_SIDE:
+        return rgb
+    new_w, new_h = _fitted_size(width, height, min_pixels, max_pixels)
+    # LANCZOS is the best downsampler; for upsampling it rings visibly on flat colours, BICUBIC does not.
+    resample = Image.Resampling.LANCZOS if new_w * new_h < width * height else Image.Resampling.BICUBIC
+    return rgb.resize((new_w, new_h), resample=resample)
+
+
+def verify_image(path: str | os.PathLike[str]) -> None:
+    """Cheap integrity check without decoding pixels: the file exists and ``Image.verify()`` passes.
+
+    Raises ``BadRowError`` with a one-line reason. ``verify()`` checks headers and, for PNG, chunk
+    checksums; it cannot see every corruption, so decoding can still fail later (see ``load_image``).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise BadRowError(f"image not found: {path}")
+    try:
+        with Image.open(path) as img:
+            img.verify()
+    # PIL plugins raise many types on corrupt input (OSError, SyntaxError, struct.error, IndexError,
+    # DecompressionBombError...); any of them means "this file is unusable".
+    except Exception as exc:  # noqa: BLE001
+        raise BadRowError(f"corrupt image {path}: {_one_line(exc)}") from exc
+
+
+def load_image(path: str | os.PathLike[str]) -> Image.Image:
+    """Open and fully decode an image file (``Image.open`` + ``load()``), raising ``BadRowError``.
+
+    Decoding eagerly surfaces truncated/corrupt files here, with the path in the message, instead of
+    deep inside the processor. The returned image is in its file mode; ``fit_pixel_budget`` makes it RGB.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise BadRowError(f"image not found: {path}")
+    try:
+        with Image.open(path) as img:
+            img.load()
+            # The context manager closes the file; the decoded pixels stay in memory.
+            return img
+    except Exception as exc:  # noqa: BLE001 - see verify_image
+        raise BadRowError(f"cannot decode image {path}: {_one_line(exc)}") from exc

@@ -1,0 +1,44 @@
+"""The metrics sink: one JSON object per line in ``<output_dir>/metrics.jsonl``."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN/inf; null says "not a number" honestly
+    return value
+
+
+class MetricsWriter:
+    """Appends metric rows and flushes each one, so a crash loses at most the row being written."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._file.write(json.dumps({k: _plain(v) for k, v in row.items()}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """All rows of a metrics.jsonl file."""
+    with Path(path).open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,212 @@
+"""What the GRPO and SFT loops share: run set-up, model/data building, evaluation, saving."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from r1fit.config import Config
+from r1fit.data.dataset import PromptDataset, PromptSampler, load_dataset
+from r1fit.data.sample import Sample
+from r1fit.data.shapes import ShapesSpec
+from r1fit.models.load import load_policy, special_token_ids
+from r1fit.report.metrics import MetricsWriter
+from r1fit.rewards.accuracy import accuracy
+from r1fit.rewards.format import format_reward
+from r1fit.rollout.batch import encode_prompts
+from r1fit.rollout.generate import SamplingSettings, TokenIds, generate_completions
+
+log = logging.getLogger("r1fit")
+
+
+class RunError(RuntimeError):
+    """A run cannot start or go on; the message says why and what to do."""
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RunError(f"train.device={name} but CUDA is not available on this machine")
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def prepare_output_dir(cfg: Config, kind: str) -> Path:
+    """Create the output folder; refuse to mix a new run into an old run's metrics."""
+    out = Path(cfg.train.output_dir)
+    metrics = out / "metrics.jsonl"
+    if metrics.exists() and metrics.stat().st_size > 0:
+        if not cfg.train.overwrite:
+            raise RunError(f"{out} already holds a run (metrics.jsonl); choose another "
+                           "train.output_dir or pass train.overwrite=true to replace it")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps({"kind": kind, **cfg.to_dict()}, indent=2))
+    return out
+
+
+def setup_logging(out: Path) -> None:
+    """Log to the terminal (rich when it is one) and to ``<output_dir>/log.txt``."""
+    root = logging.getLogger("r1fit")
+    root.setLevel(logging.INFO)
+    for handler in list(root.handlers):
+        if getattr(handler, "_r1fit", False):
+            root.removeHandler(handler)
+            handler.close()
+    file_handler = logging.FileHandler(out / "log.txt")
+    file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    if sys.stderr.isatty():
+        from rich.logging import RichHandler
+
+        term: logging.Handler = RichHandler(show_path=False)
+    else:
+        term = logging.StreamHandler()
+        term.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    for handler in (file_handler, term):
+        handler._r1fit = True  # type: ignore[attr-defined]
+        root.addHandler(handler)
+
+
+@dataclass
+class Run:
+    """The pieces every loop starts with."""
+
+    cfg: Config
+    out: Path
+    device: torch.device
+    model: Any
+    processor: Any
+    ids: TokenIds
+    metrics: MetricsWriter
+
+
+def start_run(cfg: Config, kind: str) -> Run:
+    out = prepare_output_dir(cfg, kind)
+    setup_logging(out)
+    device = pick_device(cfg.train.device)
+    seed_everything(cfg.train.seed)
+    m = cfg.model
+    model, processor = load_policy(
+        m.path, lora_r=m.lora.r, lora_alpha=m.lora.alpha, lora_dropout=m.lora.dropout,
+        lora_target=m.lora.target, freeze_vision=m.freeze_vision, dtype=m.dtype, device=device,
+        gradient_checkpointing=cfg.memory.gradient_checkpointing,
+        attn_implementation=m.attn_implementation)
+    special = special_token_ids(model, processor)
+    ids = TokenIds(pad=special["pad"], eos=list(special["eos"]), blocked=list(special["blocked"]))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    log.info("%s run: model %s (%.2fM params, %.2fM trainable) on %s -> %s", kind, m.path,
+             total / 1e6, trainable / 1e6, device, out)
+    return Run(cfg, out, device, model, processor, ids, MetricsWriter(out / "metrics.jsonl"))
+
+
+def build_datasets(cfg: Config) -> tuple[PromptDataset, PromptDataset | None]:
+    d = cfg.data
+    shapes = ShapesSpec(image_size=d.shapes.image_size, kinds=list(d.shapes.kinds),
+                        max_distractors=d.shapes.max_distractors)
+    common = dict(min_pixels=d.min_pixels, max_pixels=d.max_pixels, max_images=d.max_images,
+                  max_bad_fraction=d.max_bad_fraction, seed=cfg.train.seed, shapes=shapes)
+    train = load_dataset(d.train, split="train", size=d.shapes.train_size, **common)
+    evalset = None
+    if d.eval:
+        evalset = load_dataset(d.eval, split="eval", size=d.eval_size, **common)
+    log.info("data: %d training rows (%d bad, skipped), %s", len(train), train.bad_rows,
+             f"{len(evalset)} eval rows ({evalset.bad_rows} bad)" if evalset else "no eval set")
+    return train, evalset
+
+
+class BadRowCounter:
+    """Counts rows skipped while training (corrupt images found on decode)."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.count = start
+
+    def fetch(self, dataset: PromptDataset, sampler: PromptSampler, k: int) -> list[Sample]:
+        """``k`` good samples from the sampler's stream, skipping (and counting) bad rows."""
+        good: list[Sample] = []
+        attempts = 0
+        while len(good) < k:
+            samples, errors = dataset.fetch(sampler.next_batch(k - len(good)))
+            good.extend(samples)
+            for message in errors:
+                self.count += 1
+                log.warning("skipping %s", message)
+            attempts += 1
+            if attempts > 100:
+                raise RunError(f"{dataset.name}: could not fetch {k} good rows in 100 tries; "
+                               "the data is mostly bad")
+        return good
+
+
+def decode(processor: Any, completions: Sequence[torch.Tensor]) -> list[str]:
+    return processor.tokenizer.batch_decode([c.tolist() for c in completions],
+                                            skip_special_tokens=True)
+
+
+@torch.no_grad()
+def evaluate(model: Any, processor: Any, dataset: PromptDataset, cfg: Config, ids: TokenIds,
+             device: torch.device) -> dict[str, float]:
+    """Greedy decoding on the held-out set: accuracy and format rate (under inference mode)."""
+    settings = SamplingSettings(max_new_tokens=cfg.algo.max_new_tokens, greedy=True)
+    correct = formatted = 0.0
+    for start in range(0, len(dataset), cfg.eval.batch):
+        samples, _ = dataset.fetch(list(range(start, min(start + cfg.eval.batch, len(dataset)))))
+        prompts = encode_prompts(processor, samples, cfg.data.system_prompt)
+        with torch.inference_mode():
+            completions = generate_completions(model, prompts, repeats=1,
+                                               batch_size=cfg.eval.batch, settings=settings,
+                                               ids=ids, device=device)
+        for sample, text in zip(samples, decode(processor, completions)):
+            correct += accuracy(text, sample.solution, problem=sample.problem)
+            formatted += format_reward(text, sample.solution, problem=sample.problem)
+    n = max(1, len(dataset))
+    return {"eval/accuracy": correct / n, "eval/format": formatted / n, "eval/size": len(dataset)}
+
+
+def save_model(model: Any, processor: Any, folder: Path) -> None:
+    """A plain Hugging Face folder (the adapter only, for LoRA) that from_pretrained loads."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+
+
+@contextmanager
+def timed(into: dict[str, float], key: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        into[key] = into.get(key, 0.0) + time.perf_counter() - start
+
+
+def finish_summary(run: Run, history: list[dict[str, Any]], *, steps: int) -> dict[str, Any]:
+    """Write ``summary.json`` (first/last evaluation, steps) and print it."""
+    summary: dict[str, Any] = {"output_dir": str(run.out), "steps": steps}
+    evals = [h for h in history if "eval/accuracy" in h]
+    if evals:
+        summary["eval_accuracy_start"] = evals[0]["eval/accuracy"]
+        summary["eval_accuracy_end"] = evals[-1]["eval/accuracy"]
+        summary["eval_format_end"] = evals[-1]["eval/format"]
+        summary["eval_accuracy_gain"] = evals[-1]["eval/accuracy"] - evals[0]["eval/accuracy"]
+    (run.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    run.metrics.close()
+    log.info("summary: %s", json.dumps(summary))
+    return summary

@@ -1,0 +1,64 @@
+"""Completion log-probs of a batch, micro-batch by micro-batch, with the LM head in token chunks.
+
+The backbone runs without the LM head; only the hidden states that predict completion tokens go
+through the head, ``memory.logits_chunk`` tokens at a time, so the [tokens x vocab] logits never
+exist in full (see :func:`r1fit.algorithms.logprobs.chunked_token_logprobs`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from r1fit.algorithms.logprobs import chunked_token_logprobs
+from r1fit.models.load import lm_backbone_and_head
+from r1fit.rollout.batch import Batch, Prompt, collate
+
+
+def completion_logprobs(model: Any, batch: Batch, *, chunk_size: int,
+                        temperature: float = 1.0) -> torch.Tensor:
+    """Log-probs [B, Tc] (float32) of the completion tokens of ``batch``; 0 where masked."""
+    backbone, head = lm_backbone_and_head(model)
+    hidden = backbone(**batch.inputs)
+    width = batch.completion_ids.shape[1]
+    # the hidden state at column t predicts the token at column t + 1
+    predicting = hidden[:, batch.prompt_len - 1: batch.prompt_len - 1 + width]
+    mask = batch.completion_mask.bool()
+    token_logp = chunked_token_logprobs(predicting[mask], head.weight, batch.completion_ids[mask],
+                                        bias=head.bias, chunk_size=chunk_size,
+                                        temperature=temperature)
+    out = torch.zeros(mask.shape, dtype=token_logp.dtype, device=token_logp.device)
+    return out.masked_scatter(mask, token_logp)
+
+
+def micro_batches(rows: Sequence[Prompt], completions: Sequence[torch.Tensor],
+                  size: int) -> Iterator[tuple[slice, list[Prompt], list[torch.Tensor]]]:
+    """Consecutive slices of at most ``size`` rows."""
+    for start in range(0, len(rows), size):
+        piece = slice(start, min(start + size, len(rows)))
+        yield piece, list(rows[piece]), list(completions[piece])
+
+
+def pad_rows(values: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Stack 1-D/2-D row tensors of varying width into [N, width] (zeros after each row)."""
+    out = torch.zeros((len(values), width), dtype=values[0].dtype)
+    for i, v in enumerate(values):
+        out[i, : v.shape[-1]] = v.reshape(-1)
+    return out
+
+
+@torch.no_grad()
+def logprobs_in_micro_batches(model: Any, rows: Sequence[Prompt],
+                              completions: Sequence[torch.Tensor], *, micro_batch: int,
+                              chunk_size: int, temperature: float, pad_id: int,
+                              device: torch.device) -> torch.Tensor:
+    """Log-probs [N, max completion length] of all rows, no gradients, ``micro_batch`` rows at a
+    time (the old-policy and reference log-probs)."""
+    width = max(int(c.shape[0]) for c in completions)
+    parts = []
+    for _, prompts, comps in micro_batches(rows, completions, micro_batch):
+        batch = collate(prompts, comps, pad_id).to(device)
+        parts.extend(completion_logprobs(model, batch, chunk_size=chunk_size,
+                                         temperature=temperature).cpu())
+    return pad_rows(parts, width)

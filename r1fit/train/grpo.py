@@ -1,0 +1,185 @@
+"""GRPO for vision-language models: one loop, read top to bottom.
+
+Each step: take ``prompts_per_step`` prompts, sample ``num_generations`` completions per prompt
+(in chunks of ``memory.generation_batch``), score them, turn rewards into group-normalised
+advantages, then make ``num_iterations`` optimizer updates on that rollout, each accumulating
+gradients over micro-batches of ``memory.micro_batch`` sequences. Peak memory is set by the two chunk
+sizes, never by the group size.
+
+Departures from the GRPO paper, on purpose:
+- the loss aggregation is a choice (``algo.loss_aggregation``; DAPO's token mean by default) and
+  PPO clipping is asymmetric (``algo.epsilon_high``, DAPO's clip-higher);
+- ``beta`` defaults to 0 (no KL term, no reference model), as in DAPO and Dr. GRPO;
+- a step counts rollouts, not optimizer updates: with ``num_iterations`` = mu, one step makes mu
+  updates.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from r1fit.algorithms.advantages import group_advantages
+from r1fit.algorithms.losses import grpo_loss
+from r1fit.config import Config
+from r1fit.data.dataset import PromptSampler
+from r1fit.memory.telemetry import peak_memory_bytes
+from r1fit.models.load import make_reference
+from r1fit.report.progress import progress_bar
+from r1fit.rewards.accuracy import accuracy
+from r1fit.rewards.registry import RewardScorer
+from r1fit.rollout.batch import Prompt, collate, encode_prompts
+from r1fit.rollout.generate import SamplingSettings, generate_completions
+from r1fit.train.common import (BadRowCounter, build_datasets, decode, evaluate, finish_summary,
+                                save_model, start_run, timed)
+from r1fit.train.forward import completion_logprobs, logprobs_in_micro_batches, micro_batches
+from r1fit.train.optim import build_optimizer, build_scheduler
+from r1fit.train.sft import supervised_steps
+
+log = logging.getLogger("r1fit.grpo")
+
+
+def train_grpo(cfg: Config) -> dict[str, Any]:
+    """Run GRPO as configured; returns the summary (also written to ``summary.json``)."""
+    run = start_run(cfg, "grpo")
+    model, processor, device, algo = run.model, run.processor, run.device, cfg.algo
+    train_set, eval_set = build_datasets(cfg)
+    sampler = PromptSampler(len(train_set), seed=cfg.train.seed)
+    bad_rows = BadRowCounter(train_set.bad_rows)
+    scorer = RewardScorer(cfg.rewards)
+    reference = make_reference(model, cfg.model.path, lora_r=cfg.model.lora.r, beta=algo.beta,
+                               dtype=cfg.model.dtype, device=device)
+
+    if cfg.sft.format_warmup_steps:  # teach the answer format so GRPO's first rewards are not all 0
+        supervised_steps(run, train_set, cfg.sft.format_warmup_steps, format_only=True,
+                         metrics_prefix="warmup/")
+
+    optimizer = build_optimizer(model, cfg.train.learning_rate, cfg.train.weight_decay)
+    total_updates = cfg.train.max_steps * algo.num_iterations
+    scheduler = build_scheduler(optimizer, cfg.train.lr_schedule, cfg.train.warmup_steps,
+                                total_updates)
+    settings = SamplingSettings(algo.max_new_tokens, algo.temperature, algo.top_p)
+    history: list[dict[str, float]] = []
+    if eval_set is not None and cfg.eval.before_train:
+        history.append({"step": 0, **evaluate(model, processor, eval_set, cfg, run.ids, device)})
+        run.metrics.write(history[-1])
+        log.info("eval before GRPO: %s", history[-1])
+
+    best, since_best, step = -1.0, 0, 0
+    with progress_bar("GRPO", cfg.train.max_steps) as advance:
+        for step in range(1, cfg.train.max_steps + 1):
+            times: dict[str, float] = {}
+            # 1. rollout: G completions per prompt, generated generation_batch rows at a time
+            samples = bad_rows.fetch(train_set, sampler, cfg.train.prompts_per_step)
+            with timed(times, "seconds_generate"):
+                prompts = encode_prompts(processor, samples, cfg.data.system_prompt)
+                completions = generate_completions(
+                    model, prompts, repeats=algo.num_generations,
+                    batch_size=cfg.memory.generation_batch, settings=settings, ids=run.ids,
+                    device=device)
+            rows: list[Prompt] = [p for p in prompts for _ in range(algo.num_generations)]
+            row_samples = [p.sample for p in rows]
+
+            # 2. score: weighted rewards, then advantages normalised within each group
+            with timed(times, "seconds_score"):
+                texts = decode(processor, completions)
+                rewards = scorer.score(texts, [s.solution for s in row_samples],
+                                       [{"problem": s.problem} for s in row_samples])
+                advantages = group_advantages(rewards.total, algo.num_generations,
+                                              scale_std=algo.scale_rewards)
+                correct = [accuracy(t, s.solution, problem=s.problem)
+                           for t, s in zip(texts, row_samples)]
+
+            # 3. update: old/reference log-probs once, then mu clipped updates on this rollout
+            with timed(times, "seconds_update"):
+                logp_args = dict(micro_batch=cfg.memory.micro_batch,
+                                 chunk_size=cfg.memory.logits_chunk,
+                                 temperature=algo.temperature, pad_id=run.ids.pad, device=device)
+                old_logp = (logprobs_in_micro_batches(model, rows, completions, **logp_args)
+                            if algo.num_iterations > 1 else None)
+                ref_logp = None
+                if reference is not None:
+                    with reference.model() as ref_model:
+                        ref_logp = logprobs_in_micro_batches(ref_model, rows, completions,
+                                                             **logp_args)
+                updates = [policy_update(model, optimizer, scheduler, rows, completions,
+                                         advantages, old_logp, ref_logp, cfg, run.ids.pad, device)
+                           for _ in range(algo.num_iterations)]
+
+            # 4. log one line per step
+            n_tokens = sum(int(c.shape[0]) for c in completions)
+            seconds = sum(times.values())
+            row = {"step": step,
+                   **{k: sum(u[k] for u in updates) / len(updates) for k in updates[0]},
+                   "reward_mean": rewards.total.mean().item(),
+                   "reward_std": rewards.total.std().item(),
+                   **{f"reward/{k}": v.mean().item() for k, v in rewards.components.items()},
+                   "accuracy": sum(correct) / len(correct),
+                   "completion_len_mean": n_tokens / len(completions),
+                   **times, "tokens_per_second": n_tokens / max(seconds, 1e-9),
+                   "learning_rate": scheduler.get_last_lr()[0],
+                   "peak_memory_bytes": peak_memory_bytes(device),
+                   "bad_rows": bad_rows.count, "reward_errors": scorer.total_errors}
+            if eval_set is not None and cfg.eval.every and step % cfg.eval.every == 0 \
+                    and step != cfg.train.max_steps:
+                row.update(evaluate(model, processor, eval_set, cfg, run.ids, device))
+                history.append({"step": step, **{k: v for k, v in row.items() if "eval/" in k}})
+                if row["eval/accuracy"] > best:
+                    best, since_best = row["eval/accuracy"], 0
+                else:
+                    since_best += 1
+            run.metrics.write(row)
+            advance(f"reward {row['reward_mean']:.2f} acc {row['accuracy']:.2f}")
+            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                save_model(model, processor, run.out / f"checkpoint-{step}")
+            if cfg.train.early_stop_patience and since_best >= cfg.train.early_stop_patience:
+                log.info("early stop at step %d: eval accuracy has not improved on %.3f for %d "
+                         "evaluations", step, best, since_best)
+                break
+
+    final: dict[str, Any] = {"step": step}
+    if eval_set is not None:
+        final.update(evaluate(model, processor, eval_set, cfg, run.ids, device))
+        run.metrics.write(final)
+        history.append(final)
+    save_model(model, processor, run.out / "final")
+    return finish_summary(run, history, steps=step)
+
+
+def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
+                  rows: list[Prompt], completions: list[torch.Tensor], advantages: torch.Tensor,
+                  old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None, cfg: Config,
+                  pad_id: int, device: torch.device) -> dict[str, float]:
+    """One optimizer update over all rows, accumulating gradients micro-batch by micro-batch.
+
+    The loss of each micro-batch is its share of the whole-batch loss (global token and sequence
+    counts), so the accumulated gradient equals the gradient of the unsplit batch.
+    """
+    algo = cfg.algo
+    totals = dict(total_tokens=sum(int(c.shape[0]) for c in completions), total_seqs=len(rows),
+                  max_new_tokens=algo.max_new_tokens)
+    optimizer.zero_grad(set_to_none=True)
+    sums = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
+    for piece, prompts, comps in micro_batches(rows, completions, cfg.memory.micro_batch):
+        batch = collate(prompts, comps, pad_id).to(device)
+        logp = completion_logprobs(model, batch, chunk_size=cfg.memory.logits_chunk,
+                                   temperature=algo.temperature)
+        width = logp.shape[1]
+        old = old_logp[piece, :width].to(device) if old_logp is not None else None
+        ref = ref_logp[piece, :width].to(device) if ref_logp is not None else None
+        loss, stats = grpo_loss(logp, old, ref, advantages[piece].to(device),
+                                batch.completion_mask, epsilon=algo.epsilon,
+                                epsilon_high=algo.epsilon_high or algo.epsilon, beta=algo.beta,
+                                aggregation=algo.loss_aggregation, **totals)
+        loss.backward()
+        sums["loss"] += loss.item()
+        sums["kl"] += float(stats["kl"])
+        sums["clip_fraction"] += float(stats["clip_fraction"])
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    max_norm = cfg.train.max_grad_norm or float("inf")
+    sums["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+    optimizer.step()
+    scheduler.step()
+    return sums

@@ -1,0 +1,39 @@
+"""AdamW over the trainable parameters and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters (check model.lora.r and "
+                         "model.freeze_vision)")
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+
+
+def lr_lambda(schedule: str, warmup: int, total: int, floor: float = 0.1):
+    """Multiplier of the peak rate at update ``i``: linear warm-up, then constant/cosine/linear
+    decay to ``floor`` of the peak at ``total`` updates."""
+
+    def factor(i: int) -> float:
+        if warmup and i < warmup:
+            return (i + 1) / warmup
+        if schedule == "constant" or total <= warmup:
+            return 1.0
+        progress = min(1.0, (i - warmup) / max(1, total - warmup))
+        if schedule == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        if schedule == "linear":
+            return floor + (1 - floor) * (1 - progress)
+        raise ValueError(f"unknown lr schedule {schedule!r}")
+
+    return factor
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup: int,
+                    total: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(schedule, warmup, total))

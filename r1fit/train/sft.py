@@ -1,0 +1,115 @@
+"""Supervised fine-tuning on the same data, model and memory machinery as GRPO.
+
+The loss is the token-mean cross-entropy of the answer tokens only (the prompt and image tokens are
+context), computed with the chunked LM head and accumulated over micro-batches. ``r1fit train`` uses
+the same steps as a short warm-up before GRPO; there it learns the
+``<think>/<answer>`` format with a random row's answer, so the task itself is left to GRPO.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Any
+
+import torch
+
+from r1fit.config import Config
+from r1fit.data.dataset import PromptDataset, PromptSampler
+from r1fit.data.sample import Sample
+from r1fit.memory.telemetry import peak_memory_bytes
+from r1fit.report.progress import progress_bar
+from r1fit.rewards.answer import extract_answer
+from r1fit.rollout.batch import collate, encode_prompts
+from r1fit.train.common import (BadRowCounter, Run, build_datasets, evaluate, finish_summary,
+                                save_model, start_run)
+from r1fit.train.forward import completion_logprobs, micro_batches
+from r1fit.train.optim import build_optimizer, build_scheduler
+
+log = logging.getLogger("r1fit.sft")
+
+
+def target_text(solution: str, think: str) -> str:
+    """The assistant turn to learn: the solution as is when it already thinks, else wrapped in the
+    ``<think>..</think><answer>..</answer>`` format."""
+    if "<think>" in solution and "<answer>" in solution:
+        return solution.strip()
+    answer = extract_answer(solution) or solution.strip()
+    return f"<think>{think}</think><answer>{answer}</answer>"
+
+
+def build_targets(samples: list[Sample], think: str, rng: random.Random | None) -> list[str]:
+    """Targets of one batch. With ``rng`` (the format warm-up) each row gets the answer of a random
+    row of the batch: right format, answers from the data's own distribution, no link to the
+    image. Without, each row's own solution."""
+    solutions = [s.solution for s in samples]
+    if rng is not None:
+        solutions = [rng.choice(solutions) for _ in samples]
+    return [target_text(sol, think) for sol in solutions]
+
+
+def supervised_steps(run: Run, dataset: PromptDataset, steps: int, *, format_only: bool,
+                     metrics_prefix: str = "") -> list[dict[str, float]]:
+    """``steps`` SFT updates with their own AdamW and schedule; one metrics row per step.
+    ``format_only`` learns the answer format with random answers (the warm-up before GRPO)."""
+    cfg, model, processor = run.cfg, run.model, run.processor
+    sampler = PromptSampler(len(dataset), seed=cfg.train.seed + 1)
+    rng = random.Random(cfg.train.seed + 1) if format_only else None
+    bad_rows = BadRowCounter(dataset.bad_rows)
+    optimizer = build_optimizer(model, cfg.sft.learning_rate, cfg.train.weight_decay)
+    scheduler = build_scheduler(optimizer, cfg.train.lr_schedule, cfg.train.warmup_steps, steps)
+    end_of_turn = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    rows_out = []
+    model.train()
+    with progress_bar("SFT warm-up" if metrics_prefix else "SFT", steps) as advance:
+        for step in range(1, steps + 1):
+            start = time.perf_counter()
+            samples = bad_rows.fetch(dataset, sampler, cfg.sft.batch_size)
+            prompts = encode_prompts(processor, samples, cfg.data.system_prompt)
+            targets = [torch.tensor(processor.tokenizer(t, add_special_tokens=False)["input_ids"]
+                                    + [end_of_turn], dtype=torch.long)
+                       for t in build_targets(samples, cfg.sft.think, rng)]
+            total_tokens = sum(int(t.shape[0]) for t in targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss_sum = 0.0
+            for _, mb_prompts, mb_targets in micro_batches(prompts, targets, cfg.memory.micro_batch):
+                batch = collate(mb_prompts, mb_targets, run.ids.pad).to(run.device)
+                logp = completion_logprobs(model, batch, chunk_size=cfg.memory.logits_chunk)
+                # this micro-batch's share of the batch's token-mean cross-entropy
+                loss = -(logp * batch.completion_mask).sum() / total_tokens
+                loss.backward()
+                loss_sum += loss.item()
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                params, cfg.train.max_grad_norm or float("inf")).item()
+            optimizer.step()
+            scheduler.step()
+            seconds = time.perf_counter() - start
+            row = {f"{metrics_prefix}step": step, f"{metrics_prefix}loss": loss_sum,
+                   f"{metrics_prefix}grad_norm": grad_norm,
+                   f"{metrics_prefix}tokens_per_second": total_tokens / seconds,
+                   f"{metrics_prefix}peak_memory_bytes": peak_memory_bytes(run.device),
+                   f"{metrics_prefix}bad_rows": bad_rows.count}
+            run.metrics.write(row)
+            rows_out.append(row)
+            advance(f"loss {loss_sum:.3f}")
+    return rows_out
+
+
+def train_sft(cfg: Config) -> dict[str, Any]:
+    """``r1fit sft``: supervised fine-tuning for ``sft.steps`` steps, evaluated before and after."""
+    run = start_run(cfg, "sft")
+    train_set, eval_set = build_datasets(cfg)
+    history: list[dict[str, Any]] = []
+    if eval_set is not None and cfg.eval.before_train:
+        history.append({"step": 0, **evaluate(run.model, run.processor, eval_set, cfg, run.ids,
+                                              run.device)})
+        run.metrics.write(history[-1])
+    supervised_steps(run, train_set, cfg.sft.steps, format_only=False)
+    if eval_set is not None:
+        history.append({"step": cfg.sft.steps, **evaluate(run.model, run.processor, eval_set, cfg,
+                                                          run.ids, run.device)})
+        run.metrics.write(history[-1])
+    save_model(run.model, run.processor, run.out / "final")
+    return finish_summary(run, history, steps=cfg.sft.steps)

@@ -1,0 +1,207 @@
+import math
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from r1fit.algorithms.logprobs import chunked_token_logprobs, full_token_logprobs
+
+F64 = torch.float64
+
+
+def _inputs(n: int = 37, hidden_size: int = 8, vocab: int = 50, dtype: torch.dtype = F64, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, hidden_size, generator=g, dtype=dtype).requires_grad_()
+    weight = torch.randn(vocab, hidden_size, generator=g, dtype=dtype).requires_grad_()
+    bias = torch.randn(vocab, generator=g, dtype=dtype).requires_grad_()
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    upstream = torch.randn(n, generator=g, dtype=F64)  # a non-uniform d loss / d logp
+    return hidden, weight, bias, targets, upstream
+
+
+def _value_and_grads(fn, hidden, weight, bias, targets, upstream, **kwargs):
+    out = fn(hidden, weight, targets, bias=bias, **kwargs)
+    leaves = [t for t in (hidden, weight, bias) if t is not None and t.requires_grad]
+    grads = torch.autograd.grad((out * upstream.to(out.dtype)).sum(), leaves)
+    return out.detach(), grads
+
+
+def test_full_logprobs_hand_example():
+    # hidden [1, 0], weight rows [0, 0], [ln 3, 0]: logits [0, ln 3] -> softmax [1/4, 3/4].
+    weight = torch.tensor([[0.0, 0.0], [math.log(3), 0.0]], dtype=F64)
+    out = full_token_logprobs(torch.tensor([[1.0, 0.0]], dtype=F64), weight, torch.tensor([1]))
+    assert out.item() == pytest.approx(math.log(0.75), abs=1e-12)
+    # temperature 2 halves the logits: [0, ln 3 / 2] -> p(1) = sqrt 3 / (1 + sqrt 3).
+    hot = full_token_logprobs(torch.tensor([[1.0, 0.0]], dtype=F64), weight, torch.tensor([1]), temperature=2.0)
+    assert hot.item() == pytest.approx(math.log(math.sqrt(3) / (1 + math.sqrt(3))), abs=1e-12)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 37, 64])  # 7 does not divide 37; 64 > N
+@pytest.mark.parametrize("use_bias", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_matches_full_values_and_grads(chunk_size, use_bias, temperature):
+    hidden, weight, bias, targets, upstream = _inputs()
+    bias = bias if use_bias else None
+    out, grads = _value_and_grads(
+        chunked_token_logprobs, hidden, weight, bias, targets, upstream, chunk_size=chunk_size, temperature=temperature
+    )
+    ref, ref_grads = _value_and_grads(full_token_logprobs, hidden, weight, bias, targets, upstream, temperature=temperature)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    assert len(grads) == len(ref_grads) == (3 if use_bias else 2)
+    for grad, ref_grad in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, ref_grad, atol=1e-12, rtol=0)
+
+
+def test_gradcheck_against_finite_differences():
+    hidden, weight, bias, targets, _ = _inputs(n=5, hidden_size=3, vocab=6)
+    assert torch.autograd.gradcheck(
+        lambda h, w, b: chunked_token_logprobs(h, w, targets, bias=b, chunk_size=2, temperature=0.9),
+        (hidden, weight, bias),
+    )
+
+
+def test_frozen_weight_gets_no_gradient_buffer():
+    hidden, weight, _, targets, upstream = _inputs()
+    weight.requires_grad_(False)  # LoRA: the LM head is frozen
+    with LiveBytes() as tracker:
+        _, (grad_hidden,) = _value_and_grads(chunked_token_logprobs, hidden, weight, None, targets, upstream, chunk_size=8)
+    _, (ref_grad_hidden,) = _value_and_grads(full_token_logprobs, hidden, weight, None, targets, upstream)
+    torch.testing.assert_close(grad_hidden, ref_grad_hidden, atol=1e-12, rtol=0)
+    assert tuple(weight.shape) not in tracker.shapes  # no [V, H] gradient was ever allocated
+
+
+def test_leading_dims_are_flattened_and_restored():
+    hidden, weight, bias, targets, _ = _inputs(n=12)
+    out = chunked_token_logprobs(hidden.view(3, 4, -1), weight, targets.view(3, 4), bias=bias, chunk_size=5)
+    assert out.shape == (3, 4)
+    torch.testing.assert_close(out.reshape(-1), full_token_logprobs(hidden, weight, targets, bias=bias))
+
+
+def test_bf16_inputs_give_float32_logprobs_close_to_float32_reference():
+    hidden, weight, _, targets, upstream = _inputs(dtype=torch.bfloat16)
+    out, (grad_hidden, grad_weight) = _value_and_grads(
+        chunked_token_logprobs, hidden, weight, None, targets, upstream, chunk_size=8
+    )
+    assert out.dtype == torch.float32
+    assert grad_hidden.dtype == grad_weight.dtype == torch.bfloat16
+    h32, w32 = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    ref, (ref_grad_hidden, _) = _value_and_grads(full_token_logprobs, h32, w32, None, targets, upstream)
+    # bf16 logits carry ~3 significant digits; the float32 log-sum-exp adds no further error.
+    torch.testing.assert_close(out, ref, atol=0.1, rtol=0.02)
+    torch.testing.assert_close(grad_hidden.float(), ref_grad_hidden, atol=0.1, rtol=0.05)
+
+
+def test_no_grad_forward_works_for_old_and_reference_logprobs():
+    hidden, weight, _, targets, _ = _inputs()
+    with torch.no_grad():
+        out = chunked_token_logprobs(hidden, weight, targets, chunk_size=8)
+    assert not out.requires_grad
+    torch.testing.assert_close(out, full_token_logprobs(hidden, weight, targets).detach())
+
+
+# ---------------------------------------------------------------- memory
+
+N, V, H, CHUNK = 2048, 50_000, 16, 128
+FULL_LOGITS_BYTES = N * V * 4  # 409.6 MB: what the unchunked logits alone would cost
+
+
+def _big_inputs():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(N, H, generator=g).requires_grad_()
+    weight = (torch.randn(V, H, generator=g) * 0.1).requires_grad_()
+    return hidden, weight, torch.randint(0, V, (N,), generator=g)
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the distinct storages autograd saves for backward while running ``fn``."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = fn()
+    del out
+    return sum(storages.values())
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of tensor storages alive at once among those created inside the block (CPU-safe).
+
+    Every op's outputs are seen here; a storage counts from creation until it is freed (weakref on the
+    storage, which outlives its views), so in-place ops and views are not counted twice.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self.tracked: set[int] = set()
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self.live -= nbytes
+        self.tracked.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            self.shapes.add(tuple(tensor.shape))
+            storage = tensor.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes == 0 or key in self.tracked:
+                continue
+            self.tracked.add(key)
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, key, nbytes)
+        return out
+
+
+def test_saved_for_backward_is_far_below_full_logits():
+    hidden, weight, targets = _big_inputs()
+    saved = _saved_bytes(lambda: chunked_token_logprobs(hidden, weight, targets, chunk_size=CHUNK))
+    # hidden (131 kB) + weight (3.2 MB, a parameter anyway) + targets + log-sum-exp: ~3.4 MB.
+    assert saved < FULL_LOGITS_BYTES / 50
+    # The hook really sees what autograd keeps: the reference on 256 tokens saves >= its 256 x V logits.
+    full_saved = _saved_bytes(lambda: full_token_logprobs(hidden[:256], weight, targets[:256]))
+    assert full_saved >= 256 * V * 4
+
+
+def test_peak_live_memory_in_forward_and_backward_is_one_chunk_of_logits():
+    hidden, weight, targets = _big_inputs()
+    with LiveBytes() as tracker:
+        chunked_token_logprobs(hidden, weight, targets, chunk_size=CHUNK).sum().backward()
+    chunk_logits_bytes = CHUNK * V * 4  # 25.6 MB
+    weight_grad_bytes = V * H * 4  # 3.2 MB
+    assert tracker.peak < 2 * chunk_logits_bytes + weight_grad_bytes
+    assert tracker.peak < FULL_LOGITS_BYTES / 10
+    assert (N, V) not in tracker.shapes
+
+
+# ---------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"targets": torch.tensor([0, 50, 1])}, r"targets must lie in \[0, 50\)"),
+        ({"targets": torch.tensor([0.0, 1.0, 2.0])}, "targets must be an int64"),
+        ({"targets": torch.tensor([0, 1])}, "targets shape"),
+        ({"weight": torch.zeros(50, 5)}, "weight must be"),
+        ({"bias": torch.zeros(49)}, "bias must be"),
+        ({"chunk_size": 0}, "chunk_size must be a positive integer"),
+        ({"temperature": 0.0}, "temperature must be > 0"),
+    ],
+)
+def test_bad_inputs_raise_value_error(overrides, message):
+    args = {"hidden": torch.zeros(3, 4), "weight": torch.zeros(50, 4), "targets": torch.tensor([0, 1, 2])}
+    kwargs = {"bias": None, "chunk_size": 2, "temperature": 1.0}
+    args.update({k: v for k, v in overrides.items() if k in args})
+    kwargs.update({k: v for k, v in overrides.items() if k in kwargs})
+    with pytest.raises(ValueError, match=message):
+        chunked_token_logprobs(args["hidden"], args["weight"], args["targets"], **kwargs)

@@ -1,0 +1,275 @@
+import math
+
+import pytest
+import torch
+
+from r1fit.algorithms.losses import AGGREGATIONS, aggregate, grpo_loss, token_policy_loss
+
+F64 = torch.float64
+ALL_AGGREGATIONS = sorted(AGGREGATIONS)
+
+
+def _logp_with_ratios(ratios: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [1, len] logp (leaf, requires grad) and old_logp = 0 such that exp(logp - old_logp) = ratios."""
+    logp = torch.tensor([[math.log(r) for r in ratios]], dtype=F64, requires_grad=True)
+    return logp, torch.zeros_like(logp)
+
+
+# ---------------------------------------------------------------- per-token clipped loss, by hand
+
+
+def test_clipped_ratio_is_exactly_1_2_and_has_zero_gradient():
+    # A = +1, epsilon = 0.2. Token 0: ratio 1.5 -> clipped to 1.2, loss = -1.2, d loss / d logp = 0.
+    # Token 1: ratio 1.1 is inside [0.8, 1.2], loss = -1.1, d(-ratio * A)/d logp = -ratio = -1.1.
+    logp, old = _logp_with_ratios([1.5, 1.1])
+    loss, clipped = token_policy_loss(logp, old, torch.tensor([1.0], dtype=F64), epsilon=0.2)
+    torch.testing.assert_close(loss, torch.tensor([[-1.2, -1.1]], dtype=F64))
+    assert clipped.tolist() == [[True, False]]
+    loss.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -1.1]], dtype=F64))
+
+
+def test_low_side_clipping_depends_on_advantage_sign():
+    # ratio 0.7, epsilon 0.2 -> clip(0.7) = 0.8.
+    # A = -1: min(-0.7, -0.8) = -0.8 (clipped branch), loss 0.8, gradient 0.
+    # A = +1: min(0.7, 0.8) = 0.7 (unclipped: a worse token keeps its penalty), loss -0.7, grad -0.7.
+    logp, old = _logp_with_ratios([0.7])
+    logp2, _ = _logp_with_ratios([0.7])
+    loss, clipped = token_policy_loss(
+        torch.cat([logp, logp2]), torch.cat([old, old]), torch.tensor([-1.0, 1.0], dtype=F64), epsilon=0.2
+    )
+    torch.testing.assert_close(loss, torch.tensor([[0.8], [-0.7]], dtype=F64))
+    assert clipped.tolist() == [[True], [False]]
+    loss.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0]], dtype=F64))
+    torch.testing.assert_close(logp2.grad, torch.tensor([[-0.7]], dtype=F64))
+
+
+def test_clip_higher_with_epsilon_high_0_28():
+    # A = +1, epsilon = 0.2. ratio 1.25: clipped at 1.2 when symmetric (loss -1.2, grad 0), but inside
+    # [0.8, 1.28] with epsilon_high 0.28 (loss -1.25, grad -1.25). ratio 1.3 -> clipped at 1.28.
+    logp, old = _logp_with_ratios([1.25, 1.3])
+    adv = torch.tensor([1.0], dtype=F64)
+    symmetric, sym_clipped = token_policy_loss(logp, old, adv, epsilon=0.2)
+    torch.testing.assert_close(symmetric, torch.tensor([[-1.2, -1.2]], dtype=F64))
+    assert sym_clipped.tolist() == [[True, True]]
+    higher, high_clipped = token_policy_loss(logp, old, adv, epsilon=0.2, epsilon_high=0.28)
+    torch.testing.assert_close(higher, torch.tensor([[-1.25, -1.28]], dtype=F64))
+    assert high_clipped.tolist() == [[False, True]]
+    higher.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.25, 0.0]], dtype=F64))
+
+
+def test_kl_term_added_only_with_positive_beta():
+    # ratio 1, A = 1, logp = log 0.5, ref = log 0.25: k3 = 0.5 + ln 2 - 1 = 0.193147;
+    # loss = -1 + 0.1 * 0.193147 = -0.980685.
+    logp = torch.tensor([[math.log(0.5)]], dtype=F64)
+    ref = torch.tensor([[math.log(0.25)]], dtype=F64)
+    adv = torch.tensor([1.0], dtype=F64)
+    with_kl, _ = token_policy_loss(logp, logp, adv, epsilon=0.2, beta=0.1, ref_logp=ref)
+    assert with_kl.item() == pytest.approx(-0.980685, abs=1e-6)
+    without, _ = token_policy_loss(logp, logp, adv, epsilon=0.2, beta=0.0, ref_logp=ref)
+    assert without.item() == pytest.approx(-1.0, abs=1e-12)
+
+
+# ---------------------------------------------------------------- aggregations, by hand
+
+TOKEN_LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], dtype=F64)
+MASK = torch.tensor([[1, 1, 0], [1, 0, 0]])
+# Valid tokens: row 0 -> 1, 2 (length 2); row 1 -> 4 (length 1). 3 tokens, 2 sequences, max_new_tokens 3.
+HAND = {
+    "token_mean": 7 / 3,  # (1 + 2 + 4) / 3
+    "seq_mean_token_mean": 2.75,  # ((1 + 2) / 2 + 4 / 1) / 2 = (1.5 + 4) / 2
+    "seq_mean_token_sum_norm": 7 / 6,  # ((1 + 2) / 3 + 4 / 3) / 2
+}
+NORMS = {"total_tokens": 3, "total_seqs": 2, "max_new_tokens": 3}
+
+
+@pytest.mark.parametrize("mode", ALL_AGGREGATIONS)
+def test_aggregation_on_hand_example(mode):
+    assert aggregate(TOKEN_LOSS, MASK, mode, **NORMS).item() == pytest.approx(HAND[mode], abs=1e-12)
+
+
+@pytest.mark.parametrize("mode", ALL_AGGREGATIONS)
+def test_aggregation_contributions_of_single_rows_sum_to_whole(mode):
+    # Row 0 alone contributes 3/3, 1.5/2, 1/2; row 1 contributes 4/3, 4/2, (4/3)/2.
+    parts = [aggregate(TOKEN_LOSS[i : i + 1], MASK[i : i + 1], mode, **NORMS).item() for i in range(2)]
+    assert sum(parts) == pytest.approx(HAND[mode], abs=1e-12)
+
+
+def test_padding_values_never_leak_into_the_loss():
+    poisoned = TOKEN_LOSS.clone()
+    poisoned[MASK == 0] = float("nan")
+    assert aggregate(poisoned, MASK, "token_mean", **NORMS).item() == pytest.approx(7 / 3, abs=1e-12)
+
+
+def test_grpo_loss_stats_on_hand_example():
+    # Tokens: ratio 1.5 (clipped), ratio 1.1, and a padded one; A = 1; ref = logp except token 1,
+    # where ref - logp = -ln 2, so k3 = 0.5 + ln 2 - 1 = 0.193147 there. Two valid tokens:
+    # clip_fraction = 1/2, kl = 0.193147 / 2, token_mean loss = (-1.2 - 1.1) / 2 = -1.15.
+    logp, old = _logp_with_ratios([1.5, 1.1, 1.0])
+    ref = logp.detach().clone()
+    ref[0, 1] -= math.log(2)
+    loss, stats = grpo_loss(
+        logp, old, ref, torch.tensor([1.0], dtype=F64), torch.tensor([[1, 1, 0]]),
+        epsilon=0.2, beta=0.0, aggregation="token_mean", total_tokens=2, total_seqs=1, max_new_tokens=3,
+    )
+    assert loss.item() == pytest.approx(-1.15, abs=1e-12)
+    assert stats["clip_fraction"].item() == pytest.approx(0.5)
+    assert stats["kl"].item() == pytest.approx((0.5 + math.log(2) - 1) / 2, abs=1e-12)
+    assert not any(v.requires_grad for v in stats.values())
+
+
+def test_old_logp_none_gives_ratio_one_and_policy_gradient():
+    # ratio = exp(logp - logp.detach()) = 1, so token_mean loss = -A = -2 in value, and
+    # d loss / d logp = -A / total_tokens = -2 / 2 = -1 on each valid token, 0 on padding.
+    logp = torch.randn(1, 3, dtype=F64, requires_grad=True)
+    loss, stats = grpo_loss(
+        logp, None, None, torch.tensor([2.0], dtype=F64), torch.tensor([[1, 1, 0]]),
+        epsilon=0.2, aggregation="token_mean", total_tokens=2, total_seqs=1, max_new_tokens=3,
+    )
+    assert loss.item() == pytest.approx(-2.0, abs=1e-12)
+    assert "kl" not in stats and stats["clip_fraction"].item() == 0.0
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.0, -1.0, 0.0]], dtype=F64))
+
+
+# ---------------------------------------------------------------- vectorised vs slow reference loop
+
+
+def reference_grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, epsilon, epsilon_high, beta, aggregation, max_new_tokens):
+    """Obvious loop over sequences and tokens, scalar by scalar, over the whole batch."""
+    seq_sums, seq_lens = [], []
+    for b in range(logp.shape[0]):
+        total, count = 0.0, 0
+        for t in range(logp.shape[1]):
+            if not mask[b, t]:
+                continue
+            ratio = torch.exp(logp[b, t] - old_logp[b, t])
+            a = advantages[b]
+            clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+            token = -torch.minimum(ratio * a, clipped_ratio * a)
+            if beta > 0:
+                d = ref_logp[b, t] - logp[b, t]
+                token = token + beta * (torch.exp(d) - d - 1)
+            total, count = total + token, count + 1
+        seq_sums.append(total)
+        seq_lens.append(count)
+    if aggregation == "token_mean":
+        return sum(seq_sums) / sum(seq_lens)
+    if aggregation == "seq_mean_token_mean":
+        return sum(s / max(n, 1) for s, n in zip(seq_sums, seq_lens)) / len(seq_sums)
+    return sum(s / max_new_tokens for s in seq_sums) / len(seq_sums)
+
+
+def _random_batch(seed: int, batch: int = 6, length: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    logp = (-torch.rand(batch, length, generator=g, dtype=F64) * 3).requires_grad_()
+    # old/ref within +-0.4 of logp, so some ratios fall outside [0.8, 1.28] and get clipped.
+    old = logp.detach() + (torch.rand(batch, length, generator=g, dtype=F64) - 0.5) * 0.8
+    ref = logp.detach() + (torch.rand(batch, length, generator=g, dtype=F64) - 0.5) * 0.8
+    adv = torch.randn(batch, generator=g, dtype=F64)
+    lengths = torch.randint(1, length + 1, (batch,), generator=g)
+    mask = torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)  # right padding
+    return logp, old, ref, adv, mask
+
+
+@pytest.mark.parametrize("aggregation", ALL_AGGREGATIONS)
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_vectorised_matches_reference_loop(aggregation, beta):
+    logp, old, ref, adv, mask = _random_batch(seed=7)
+    settings = {"epsilon": 0.2, "epsilon_high": 0.28, "beta": beta, "aggregation": aggregation}
+    loss, stats = grpo_loss(
+        logp, old, ref, adv, mask, **settings, total_tokens=int(mask.sum()), total_seqs=6, max_new_tokens=5
+    )
+    (grad,) = torch.autograd.grad(loss, logp)
+    expected = reference_grpo_loss(logp, old, ref, adv, mask, **settings, max_new_tokens=5)
+    (expected_grad,) = torch.autograd.grad(expected, logp)
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(grad, expected_grad)
+    assert 0 < stats["clip_fraction"].item() < 1  # the random batch really exercises clipping
+
+
+# ---------------------------------------------------------------- micro-batching == whole batch
+
+
+def _policy(weight: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Log-probs [B, T] of targets under a tiny linear LM head, so gradients reach a real parameter."""
+    return (hidden @ weight).log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("aggregation", ALL_AGGREGATIONS)
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("use_old", [False, True])
+def test_micro_batches_sum_to_whole_batch(aggregation, beta, use_old):
+    g = torch.Generator().manual_seed(3)
+    batch, length, hidden_size, vocab = 6, 7, 4, 11
+    weight = torch.randn(hidden_size, vocab, generator=g, dtype=F64, requires_grad=True)
+    hidden = torch.randn(batch, length, hidden_size, generator=g, dtype=F64)
+    targets = torch.randint(0, vocab, (batch, length), generator=g)
+    with torch.no_grad():
+        old = _policy(weight + 0.3 * torch.randn(weight.shape, generator=g, dtype=F64), hidden, targets)
+        ref = _policy(weight + 0.3 * torch.randn(weight.shape, generator=g, dtype=F64), hidden, targets)
+    adv = torch.randn(batch, generator=g, dtype=F64)
+    mask = torch.arange(length).unsqueeze(0) < torch.tensor([7, 1, 3, 5, 2, 6]).unsqueeze(1)
+    kwargs = {
+        "epsilon": 0.2, "epsilon_high": 0.28, "beta": beta, "aggregation": aggregation,
+        "total_tokens": int(mask.sum()), "total_seqs": batch, "max_new_tokens": length,
+    }
+
+    def run(rows: slice) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logp = _policy(weight, hidden[rows], targets[rows])
+        return grpo_loss(logp, old[rows] if use_old else None, ref[rows], adv[rows], mask[rows], **kwargs)
+
+    full_loss, full_stats = run(slice(None))
+    (full_grad,) = torch.autograd.grad(full_loss, weight)
+    for micro in (1, 2, 4):  # 4 does not divide 6: micro-batches of 4 and 2
+        weight.grad = None
+        total_loss, total_stats = 0.0, {k: 0.0 for k in full_stats}
+        for start in range(0, batch, micro):
+            loss, stats = run(slice(start, start + micro))
+            loss.backward()  # gradient accumulation, as in the training step
+            total_loss = total_loss + loss.detach()
+            total_stats = {k: total_stats[k] + stats[k] for k in stats}
+        torch.testing.assert_close(total_loss, full_loss.detach(), atol=1e-6, rtol=0)
+        torch.testing.assert_close(weight.grad, full_grad, atol=1e-6, rtol=0)
+        for key, value in full_stats.items():
+            torch.testing.assert_close(total_stats[key], value, atol=1e-6, rtol=0)
+    assert full_grad.abs().max() > 1e-3  # not a vacuous all-zero gradient
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _call(**overrides):
+    logp = torch.zeros(2, 3)
+    kwargs = {
+        "epsilon": 0.2, "beta": 0.0, "aggregation": "token_mean",
+        "total_tokens": 6, "total_seqs": 2, "max_new_tokens": 3,
+    }
+    args = {"old_logp": None, "ref_logp": None, "advantages": torch.zeros(2), "mask": torch.ones(2, 3)}
+    args.update({k: overrides.pop(k) for k in list(overrides) if k in args})
+    kwargs.update(overrides)
+    return grpo_loss(logp, args["old_logp"], args["ref_logp"], args["advantages"], args["mask"], **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"aggregation": "sum"}, r"unknown loss aggregation 'sum'; allowed: \['seq_mean_token_mean', 'seq_mean_token_sum_norm', 'token_mean'\]"),
+        ({"epsilon": 0.0}, "epsilon must be in"),
+        ({"epsilon": 1.5}, "epsilon must be in"),
+        ({"epsilon_high": -0.1}, "epsilon_high must be > 0"),
+        ({"beta": -1.0}, "beta must be >= 0"),
+        ({"beta": 0.1}, "needs ref_logp"),
+        ({"total_tokens": 0}, "total_tokens must be a positive integer"),
+        ({"max_new_tokens": 2.5}, "max_new_tokens must be a positive integer"),
+        ({"total_seqs": 1}, "micro-batch has 2 sequences but total_seqs=1"),
+        ({"mask": torch.ones(2, 4)}, "mask shape"),
+        ({"old_logp": torch.zeros(3)}, "old_logp shape"),
+        ({"advantages": torch.zeros(3)}, "advantages must be"),
+    ],
+)
+def test_bad_settings_raise_value_error(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        _call(**overrides)

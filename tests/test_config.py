@@ -1,0 +1,79 @@
+"""Config: defaults are the demo, YAML + overrides, one-line errors naming the key."""
+
+import pytest
+
+from r1fit.config import Config, ConfigError, config_reference_markdown, iter_fields, load_config
+
+
+def test_defaults_are_the_demo():
+    cfg = load_config()
+    assert cfg.model.path == "builtin:tiny"
+    assert cfg.data.train == "builtin:shapes"
+    assert cfg.model.lora.r == 0
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("algo:\n  num_generations: 4\n  beta: 0.04\nmodel:\n  lora:\n    r: 8\n"
+                    "rewards:\n  format: 1.0\n")
+    cfg = load_config(path, ["algo.num_generations=16", "data.eval=null", "memory.micro_batch=2",
+                             "rewards.mypkg.mod:fn=0.5"])
+    assert cfg.algo.num_generations == 16
+    assert cfg.algo.beta == 0.04
+    assert cfg.model.lora.r == 8
+    assert cfg.data.eval is None
+    assert cfg.memory.micro_batch == 2
+    # a YAML rewards mapping replaces the default one; overrides add to it
+    assert cfg.rewards == {"format": 1.0, "mypkg.mod:fn": 0.5}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algo.num_generation=8", "unknown key 'algo.num_generation'; allowed here: num_generations"),
+    ("algo.num_generations=1", "algo.num_generations: got 1, expected a number >= 2"),
+    ("algo.loss_aggregation=sum", "algo.loss_aggregation: got 'sum', expected one of 'token_mean'"),
+    ("train.seed=abc", "train.seed: got 'abc', expected an integer"),
+    ("memory.gradient_checkpointing=maybe", "memory.gradient_checkpointing: got 'maybe', expected true or false"),
+    ("model.lora=3", "model.lora: got 3, expected a mapping"),
+    ("algo.beta=-0.1", "algo.beta: got -0.1, expected a number >= 0"),
+    ("data.max_pixels=100", "data.max_pixels: got 100, expected a number >= 784"),
+    ("algo.top_p=1.5", "algo.top_p: got 1.5, expected a number <= 1"),
+    ("train.learning_rate=nan", "train.learning_rate: got nan, expected a finite number"),
+    ("rewards.accuracy=abc", "rewards.accuracy: got 'abc', expected a number"),
+    ("data.shapes.kinds=size", "data.shapes.kinds: got ['size']"),
+    ("nonsense", "override 'nonsense' is not key=value"),
+])
+def test_errors_name_the_key(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_min_pixels_above_max(tmp_path):
+    with pytest.raises(ConfigError, match="data.min_pixels .* must be <= data.max_pixels"):
+        load_config(None, ["data.min_pixels=5000", "data.max_pixels=4000"])
+
+
+def test_bad_yaml_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("algo:\n  beta: [0.1\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:\d+: not valid YAML"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_every_field_has_help():
+    for key, _, help_text in iter_fields():
+        assert help_text.strip(), f"{key} has no help text"
+    table = config_reference_markdown()
+    for key in ("train.output_dir", "train.max_steps", "train.seed", "train.prompts_per_step",
+                "algo.num_generations", "algo.num_iterations", "algo.beta", "algo.max_new_tokens",
+                "memory.micro_batch", "memory.gradient_checkpointing", "model.path", "model.lora.r",
+                "data.train", "data.eval", "data.max_pixels", "data.min_pixels", "checkpoint.every"):
+        assert f"`{key}`" in table
+
+
+def test_fingerprint_changes_with_values():
+    assert Config().fingerprint() == Config().fingerprint()
+    assert load_config(None, ["train.seed=1"]).fingerprint() != Config().fingerprint()
