@@ -9,9 +9,25 @@ import torch
 
 
 def peak_rss_bytes() -> int:
-    """High-water mark of this process's resident memory (Linux reports KiB, macOS bytes)."""
+    """High-water mark of this process's resident memory since start or the last
+    :func:`reset_peak` (Linux reports KiB, macOS bytes)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def reset_peak(device: torch.device) -> bool:
+    """Start a new peak-memory window (each step logs its own peak). On CPU this resets the
+    kernel's RSS high-water mark (Linux ``clear_refs``); returns False where that is impossible,
+    and the peak then stays the process-lifetime peak."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def current_rss_bytes() -> int:
@@ -25,7 +41,8 @@ def current_rss_bytes() -> int:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """The number logged as ``peak_memory_bytes``: CUDA max allocated, else process peak RSS."""
+    """The number logged as ``peak_memory_bytes``: CUDA max allocated, else process peak RSS
+    (both since the last :func:`reset_peak`)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return peak_rss_bytes()

@@ -165,6 +165,25 @@ def build_builtin(name: str, dest: str | os.PathLike[str]) -> None:
     """Write built-in `name` (model, generation config, processor, tokenizer, marker) into `dest`."""
     spec = _spec(name)
     dest = Path(dest)
+    model, tokenizer = create_model(name)
+    model.save_pretrained(dest, safe_serialization=True)
+    make_processor(tokenizer).save_pretrained(dest)
+    marker = {
+        "name": spec.name,
+        "builder_version": BUILDER_VERSION,
+        "seed": spec.seed,
+        "description": spec.description,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+    }
+    (dest / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def create_model(name: str) -> tuple[Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer]:
+    """Create built-in `name` in memory (float32, deterministic weights) with its tokenizer.
+
+    `build_builtin` saves exactly this; tests compare it with what `from_pretrained` loads back.
+    """
+    spec = _spec(name)
     tokenizer = build_tokenizer()
     config = _make_config(spec, tokenizer)
     # Seed the global RNG that transformers' weight init draws from, so every build of a given
@@ -178,16 +197,7 @@ def build_builtin(name: str, dest: str | os.PathLike[str]) -> None:
         eos_token_id=[ids["im_end"], ids["endoftext"]],
         pad_token_id=ids["endoftext"],
     )
-    model.save_pretrained(dest, safe_serialization=True)
-    make_processor(tokenizer).save_pretrained(dest)
-    marker = {
-        "name": spec.name,
-        "builder_version": BUILDER_VERSION,
-        "seed": spec.seed,
-        "description": spec.description,
-        "num_parameters": sum(p.numel() for p in model.parameters()),
-    }
-    (dest / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+    return model, tokenizer
 
 
 def make_processor(

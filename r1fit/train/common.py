@@ -110,7 +110,15 @@ def start_run(cfg: Config, kind: str) -> Run:
         gradient_checkpointing=cfg.memory.gradient_checkpointing,
         attn_implementation=m.attn_implementation)
     special = special_token_ids(model, processor)
-    ids = TokenIds(pad=special["pad"], eos=list(special["eos"]), blocked=list(special["blocked"]))
+    # a completion ends at <|im_end|> or, if the model emits it, at <|endoftext|> (Qwen's
+    # generation_config stops at both)
+    eos = [special["eos"]]
+    end_of_text = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    if isinstance(end_of_text, int) and end_of_text != processor.tokenizer.unk_token_id \
+            and end_of_text not in eos:
+        eos.append(end_of_text)
+    ids = TokenIds(pad=special["pad"], eos=eos,
+                   blocked=[special["image_pad"], special["video_pad"]])
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     log.info("%s run: model %s (%.2fM params, %.2fM trainable) on %s -> %s", kind, m.path,

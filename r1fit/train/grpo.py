@@ -112,7 +112,8 @@ def train_grpo(cfg: Config) -> dict[str, Any]:
             n_tokens = sum(int(c.shape[0]) for c in completions)
             seconds = sum(times.values())
             row = {"step": step,
-                   **{k: sum(u[k] for u in updates) / len(updates) for k in updates[0]},
+                   **{k: None if updates[0][k] is None else sum(u[k] for u in updates) / len(updates)
+                      for k in updates[0]},
                    "reward_mean": rewards.total.mean().item(),
                    "reward_std": rewards.total.std().item(),
                    **{f"reward/{k}": v.mean().item() for k, v in rewards.components.items()},
@@ -161,7 +162,8 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
     totals = dict(total_tokens=sum(int(c.shape[0]) for c in completions), total_seqs=len(rows),
                   max_new_tokens=algo.max_new_tokens)
     optimizer.zero_grad(set_to_none=True)
-    sums = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
+    sums: dict[str, float | None] = {"loss": 0.0, "clip_fraction": 0.0,
+                                     "kl": 0.0 if ref_logp is not None else None}
     for piece, prompts, comps in micro_batches(rows, completions, cfg.memory.micro_batch):
         batch = collate(prompts, comps, pad_id).to(device)
         logp = completion_logprobs(model, batch, chunk_size=cfg.memory.logits_chunk,
@@ -175,8 +177,9 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
                                 aggregation=algo.loss_aggregation, **totals)
         loss.backward()
         sums["loss"] += loss.item()
-        sums["kl"] += float(stats["kl"])
         sums["clip_fraction"] += float(stats["clip_fraction"])
+        if "kl" in stats:  # only with a reference model (beta > 0); else logged as null
+            sums["kl"] += float(stats["kl"])
     params = [p for group in optimizer.param_groups for p in group["params"]]
     max_norm = cfg.train.max_grad_norm or float("inf")
     sums["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_norm).item()

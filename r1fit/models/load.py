@@ -1,0 +1,337 @@
+"""Load the policy (full fine-tuning or LoRA), its KL reference, and expose backbone + LM head.
+
+Everything goes through `AutoModelForImageTextToText.from_pretrained` / `AutoProcessor.from_pretrained`,
+for hub ids, local folders and the `builtin:` models alike, so the built-in test models run the
+same code paths as a real Qwen2-VL / Qwen2.5-VL checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from torch import nn
+from transformers import AutoModelForImageTextToText, AutoProcessor, PreTrainedModel, ProcessorMixin
+
+from r1fit.models.builtin import BUILTIN_PREFIX, ensure_builtin
+from r1fit.models.errors import ModelConfigError
+
+__all__ = [
+    "LORA_TARGETS",
+    "ModelConfigError",
+    "Reference",
+    "language_model_lora_regex",
+    "lm_backbone_and_head",
+    "load_policy",
+    "make_reference",
+    "resolve_model_path",
+    "special_token_ids",
+    "unwrap",
+]
+
+#: Linear layers of a Qwen2 decoder layer that LoRA may adapt.
+LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+_DTYPES: dict[str, torch.dtype | str] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "auto": "auto",
+}
+
+
+def resolve_model_path(path: str) -> str:
+    """Turn a user model path into something `from_pretrained` accepts.
+
+    `builtin:<name>` -> its cache folder (built on first use); an existing local folder must hold
+    a `config.json`; a string that is clearly a filesystem path but does not exist is an error;
+    anything else (a hub id such as `Qwen/Qwen2.5-VL-3B-Instruct`) is returned unchanged.
+    """
+    if not isinstance(path, str) or not path.strip():
+        raise ModelConfigError(f"model path must be a non-empty string, got {path!r}")
+    if path.startswith(BUILTIN_PREFIX):
+        return str(ensure_builtin(path[len(BUILTIN_PREFIX) :]))
+    expanded = os.path.expanduser(path)
+    if os.path.isdir(expanded):
+        if not os.path.isfile(os.path.join(expanded, "config.json")):
+            raise ModelConfigError(f"model folder {path!r} has no config.json (not a saved Hugging Face model)")
+        return expanded
+    if os.path.exists(expanded):
+        raise ModelConfigError(f"model path {path!r} is a file; expected a model folder or a hub id")
+    # Hub ids are "name" or "org/name"; anything starting like a path, or with deeper nesting,
+    # is a local folder the user mistyped, and deserves a clearer error than a hub lookup.
+    if path.startswith(("/", "./", "../", "~")) or path.count("/") > 1:
+        raise ModelConfigError(f"model folder {path!r} does not exist")
+    return path
+
+
+def load_policy(
+    path: str,
+    *,
+    lora_r: int,
+    lora_alpha: int,
+    lora_dropout: float,
+    lora_target: str | Sequence[str],
+    freeze_vision: bool,
+    dtype: str,
+    device: torch.device | str,
+    gradient_checkpointing: bool,
+    attn_implementation: str = "sdpa",
+) -> tuple[nn.Module, ProcessorMixin]:
+    """Load the trainable policy and its processor.
+
+    `lora_r == 0`: full fine-tuning; every parameter trains except the vision tower when
+    `freeze_vision`. `lora_r > 0`: LoRA adapters on the language model's linear layers named by
+    `lora_target` (`"all-linear"`, or names from `LORA_TARGETS` as a list or comma-separated
+    string); the vision tower is never adapted and, like every base weight, stays frozen, so
+    `freeze_vision` changes nothing under LoRA. The returned model is then a `PeftModel`.
+    `model.config.use_cache` is False (training forwards need no KV cache); generation keeps
+    using the cache through `generation_config.use_cache` or an explicit `use_cache=True`.
+    """
+    if not isinstance(lora_r, int) or lora_r < 0:
+        raise ModelConfigError(f"lora_r must be an integer >= 0, got {lora_r!r}")
+    if lora_r > 0 and lora_alpha <= 0:
+        raise ModelConfigError(f"lora_alpha must be > 0 when LoRA is on, got {lora_alpha!r}")
+    if not 0.0 <= lora_dropout < 1.0:
+        raise ModelConfigError(f"lora_dropout must be in [0, 1), got {lora_dropout!r}")
+    target_regex = language_model_lora_regex(lora_target) if lora_r > 0 else None
+
+    folder = resolve_model_path(path)
+    model = _from_pretrained(folder, path, dtype=dtype, device=device, attn_implementation=attn_implementation)
+    processor = _load_processor(folder, path)
+    model.train()
+
+    if freeze_vision:
+        _vision_tower(model, path).requires_grad_(False)
+    # The cache is useless (and costs memory) in training forwards, and incompatible with
+    # gradient checkpointing; the inner text model reads its own config, so set both.
+    model.config.use_cache = False
+    if hasattr(model.config, "text_config"):
+        model.config.text_config.use_cache = False
+    if gradient_checkpointing:
+        # Non-reentrant checkpointing back-propagates through segments whose inputs need no grad
+        # (frozen embeddings under LoRA); peft still adds its `enable_input_require_grads` hook.
+        # Only active in train mode: generate under model.eval() to keep the KV cache.
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+    if lora_r > 0:
+        lora_config = LoraConfig(
+            r=lora_r,
+            lora_alpha=lora_alpha,
+            lora_dropout=lora_dropout,
+            target_modules=target_regex,
+            bias="none",
+        )
+        with warnings.catch_warnings():
+            # peft probes the deprecated `is_gradient_checkpointing` property; not our call site.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            model = get_peft_model(model, lora_config)
+    return model, processor
+
+
+def language_model_lora_regex(lora_target: str | Sequence[str]) -> str:
+    """peft `target_modules` regex matching the chosen projections inside the language model only.
+
+    A regex rather than a name list because Qwen2.5-VL's vision blocks also have `gate_proj`,
+    `up_proj` and `down_proj`; matching on `language_model.layers.N` keeps LoRA off the vision tower.
+    """
+    if isinstance(lora_target, str):
+        names = list(LORA_TARGETS) if lora_target in ("all-linear", "all") else [
+            n.strip() for n in lora_target.split(",") if n.strip()
+        ]
+    else:
+        names = list(lora_target)
+    if not names:
+        raise ModelConfigError("lora_target is empty; use 'all-linear' or names from " + ", ".join(LORA_TARGETS))
+    unknown = [n for n in names if n not in LORA_TARGETS]
+    if unknown:
+        raise ModelConfigError(
+            f"lora_target has unknown module name(s) {unknown}; choose from 'all-linear', " + ", ".join(LORA_TARGETS)
+        )
+    attn = [n for n in LORA_TARGETS if n in names and n in _ATTN]
+    mlp = [n for n in LORA_TARGETS if n in names and n not in _ATTN]
+    parts = []
+    if attn:
+        parts.append(r"self_attn\.(?:" + "|".join(attn) + ")")
+    if mlp:
+        parts.append(r"mlp\.(?:" + "|".join(mlp) + ")")
+    return r"(?:.*\.)?language_model\.layers\.\d+\.(?:" + "|".join(parts) + ")"
+
+
+class Reference:
+    """The frozen KL reference policy.
+
+    Either a view of the LoRA policy with its adapters switched off (no second copy of the
+    weights), or a separate frozen model for full fine-tuning. Use as
+    `with ref.model() as m: out = m(**batch)`: the block runs under `torch.no_grad()` with `m`
+    in eval mode.
+    """
+
+    def __init__(self, module: nn.Module, *, adapter_view: bool) -> None:
+        if adapter_view and not isinstance(module, PeftModel):
+            raise ModelConfigError("an adapter-view reference needs a peft model (lora_r > 0)")
+        self._module = module
+        #: True when the reference is the policy itself with adapters disabled.
+        self.adapter_view = adapter_view
+
+    @contextmanager
+    def model(self) -> Iterator[nn.Module]:
+        """Yield the reference module, ready for a no-grad forward."""
+        if not self.adapter_view:
+            with torch.no_grad():
+                yield self._module
+            return
+        # The policy is shared: switch it to eval (no dropout) for the reference pass and give it
+        # back in the mode the training loop left it in.
+        was_training = self._module.training
+        self._module.eval()
+        try:
+            with self._module.disable_adapter(), torch.no_grad():
+                yield self._module
+        finally:
+            self._module.train(was_training)
+
+
+def make_reference(
+    policy: nn.Module,
+    path: str,
+    *,
+    lora_r: int,
+    beta: float,
+    dtype: str,
+    device: torch.device | str,
+    attn_implementation: str = "sdpa",
+) -> Reference | None:
+    """Build the KL reference for `policy` (loaded from `path`), or None when `beta == 0`.
+
+    With LoRA the reference is the policy with adapters disabled; with full fine-tuning it is a
+    second copy loaded from `path` with `from_pretrained`, in eval mode with no gradients.
+    """
+    if beta < 0:
+        raise ModelConfigError(f"beta (KL coefficient) must be >= 0, got {beta!r}")
+    if beta == 0:
+        return None
+    if lora_r > 0:
+        if not isinstance(policy, PeftModel):
+            raise ModelConfigError(f"lora_r={lora_r} but the policy has no LoRA adapters (load it with load_policy)")
+        return Reference(policy, adapter_view=True)
+    folder = resolve_model_path(path)
+    ref = _from_pretrained(folder, path, dtype=dtype, device=device, attn_implementation=attn_implementation)
+    ref.eval().requires_grad_(False)
+    return Reference(ref, adapter_view=False)
+
+
+def unwrap(model: nn.Module) -> PreTrainedModel:
+    """The underlying transformers model, through peft, `torch.compile` and DDP wrappers."""
+    while True:
+        if isinstance(model, PeftModel):
+            model = model.get_base_model()
+        elif hasattr(model, "_orig_mod"):  # torch.compile
+            model = model._orig_mod
+        elif isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            break
+    if not isinstance(model, PreTrainedModel):
+        raise ModelConfigError(f"expected a transformers model, got {type(model).__name__}")
+    return model
+
+
+def lm_backbone_and_head(model: nn.Module) -> tuple[Callable[..., torch.Tensor], nn.Linear]:
+    """Split a VLM into (backbone, lm_head) so callers can compute log-probs in chunks.
+
+    `backbone(**inputs)` runs the vision tower + language model WITHOUT the LM head and returns
+    the final, already RMS-normed hidden states [B, T, H]; `backbone(...) @ head.weight.T` equals
+    the model's own logits. `inputs` are the model's forward kwargs (input_ids, attention_mask,
+    pixel_values, image_grid_thw, mm_token_type_ids, ...). It calls the inner
+    `Qwen2_5_VLModel`, whose LoRA layers are injected in place, so it follows the wrapper's state:
+    adapters on, or off inside `disable_adapter()`.
+    """
+    base = unwrap(model)
+    inner = getattr(base, "model", None)
+    head = base.get_output_embeddings()
+    if inner is None or not isinstance(head, nn.Linear):
+        raise ModelConfigError(f"{type(base).__name__} has no inner .model / linear LM head to split")
+
+    def backbone(**inputs: Any) -> torch.Tensor:
+        for key in ("labels", "logits_to_keep"):
+            if key in inputs:
+                raise ModelConfigError(f"backbone() does not take {key!r}; apply the head yourself")
+        inputs.setdefault("use_cache", False)
+        # ForConditionalGeneration.forward does exactly `lm_head(self.model(...)[0])`; the text
+        # model applies its final norm before returning last_hidden_state.
+        return inner(**inputs, return_dict=True).last_hidden_state
+
+    return backbone, head
+
+
+def special_token_ids(model: nn.Module, processor: ProcessorMixin) -> dict[str, int]:
+    """Ids generation and masking need: image/video pads and vision delimiters (from the model
+    config, which is what the model itself uses), plus eos and pad (from the tokenizer).
+
+    Keys: `image_pad`, `video_pad`, `vision_start`, `vision_end`, `eos`, `pad`. Generation should
+    never sample `image_pad` / `video_pad`.
+    """
+    config = unwrap(model).config
+    tokenizer = getattr(processor, "tokenizer", processor)
+    ids: dict[str, int] = {}
+    for key, attr in (
+        ("image_pad", "image_token_id"),
+        ("video_pad", "video_token_id"),
+        ("vision_start", "vision_start_token_id"),
+        ("vision_end", "vision_end_token_id"),
+    ):
+        value = getattr(config, attr, None)
+        if value is None:
+            raise ModelConfigError(f"model config ({type(config).__name__}) has no {attr}; not a Qwen2-VL-style model")
+        ids[key] = int(value)
+    if tokenizer.eos_token_id is None:
+        raise ModelConfigError("the tokenizer has no eos token")
+    ids["eos"] = int(tokenizer.eos_token_id)
+    # Qwen-Instruct tokenizers pad with <|endoftext|>; fall back to eos if a tokenizer has no pad.
+    ids["pad"] = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    return ids
+
+
+def _from_pretrained(
+    folder: str, path: str, *, dtype: str, device: torch.device | str, attn_implementation: str
+) -> PreTrainedModel:
+    if dtype not in _DTYPES:
+        raise ModelConfigError(f"dtype must be one of {', '.join(_DTYPES)}; got {dtype!r}")
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(
+            folder, dtype=_DTYPES[dtype], attn_implementation=attn_implementation
+        )
+    except (OSError, ValueError, KeyError, ImportError) as err:
+        raise ModelConfigError(f"cannot load model {path!r}: {_one_line(err)}") from err
+    return model.to(device)
+
+
+def _load_processor(folder: str, path: str) -> ProcessorMixin:
+    try:
+        return AutoProcessor.from_pretrained(folder)
+    except (OSError, ValueError, KeyError, ImportError) as err:
+        raise ModelConfigError(f"cannot load processor for {path!r}: {_one_line(err)}") from err
+
+
+def _vision_tower(model: nn.Module, path: str) -> nn.Module:
+    inner = getattr(unwrap(model), "model", None)
+    visual = getattr(inner, "visual", None)
+    if visual is None:
+        raise ModelConfigError(f"model {path!r} has no vision tower (.model.visual); cannot freeze_vision")
+    return visual
+
+
+def _one_line(err: BaseException) -> str:
+    return re.sub(r"\s+", " ", str(err)).strip() or type(err).__name__

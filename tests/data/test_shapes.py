@@ -1,0 +1,183 @@
+"""builtin:shapes: determinism, disjoint splits, balanced answers, and answers visible in the pixels."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from r1fit.data.errors import DataError
+from r1fit.data.shapes import (
+    RADIUS_FRACTION,
+    ShapesItem,
+    ShapesSource,
+    ShapesSpec,
+    answer_space,
+    make_item,
+    render_item,
+    split_of,
+)
+
+SPECS = [
+    ShapesSpec(),
+    ShapesSpec(image_size=84, max_distractors=2, colors=["red", "blue", "orange"], background="black"),
+    ShapesSpec(image_size=28, max_distractors=0, kinds=["position", "color"]),
+]
+
+
+def _pixels(src: ShapesSource, i: int) -> bytes:
+    return src.sample(i).images[0].tobytes()
+
+
+def test_same_seed_same_items_different_seed_differs() -> None:
+    a = ShapesSource(ShapesSpec(), split="train", size=30, seed=3)
+    b = ShapesSource(ShapesSpec(), split="train", size=30, seed=3)
+    c = ShapesSource(ShapesSpec(), split="train", size=30, seed=4)
+    for i in range(30):
+        sa, sb = a.sample(i), b.sample(i)
+        assert (sa.problem, sa.solution, sa.source) == (sb.problem, sb.solution, sb.source)
+        assert _pixels(a, i) == _pixels(b, i)
+    assert sum(_pixels(a, i) != _pixels(c, i) for i in range(30)) >= 25
+
+
+def test_item_depends_only_on_seed_split_index() -> None:
+    spec = ShapesSpec()
+    small = ShapesSource(spec, split="eval", size=10, seed=0)
+    large = ShapesSource(spec, split="eval", size=50, seed=0)
+    assert small.items == large.items[:10]
+    assert make_item(spec, seed=0, split="eval", index=7) == large.items[7]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_train_and_eval_are_disjoint(spec: ShapesSpec) -> None:
+    train = ShapesSource(spec, split="train", size=1500, seed=0).items
+    # disjoint across seeds too: the split is a hash of the item key, not of the seed
+    evals = ShapesSource(spec, split="eval", size=300, seed=0).items + ShapesSource(
+        spec, split="eval", size=300, seed=1
+    ).items
+    assert all(split_of(it.key) == "train" for it in train)
+    assert all(split_of(it.key) == "eval" for it in evals)
+    assert not {it.key for it in train} & {it.key for it in evals}
+    if spec.image_size >= 56:  # (a 28 px image leaves few distinct scenes, so repeats are expected there)
+        assert len({it.key for it in evals}) > 0.9 * len(evals), "eval should not be a handful of repeats"
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_answers_balanced_per_kind(spec: ShapesSpec) -> None:
+    items = ShapesSource(spec, split="train", size=600, seed=1).items
+    space = spec.answer_space()
+    kinds = Counter(it.kind for it in items)
+    assert set(kinds) == set(spec.kinds) and max(kinds.values()) - min(kinds.values()) <= 1
+    for kind, answers in space.items():
+        counts = Counter(it.answer for it in items if it.kind == kind)
+        assert set(counts) == set(answers)
+        assert max(counts.values()) - min(counts.values()) <= 1
+
+
+def test_answer_space() -> None:
+    assert answer_space() == {
+        "color": ["red", "green", "blue", "yellow"],
+        "count": ["1", "2"],
+        "position": ["left", "right"],
+    }
+    assert answer_space(["count"], max_distractors=2) == {"count": ["1", "2", "3"]}
+    assert ShapesSpec(kinds=["color"], colors=["red", "blue"]).answer_space() == {"color": ["red", "blue"]}
+    with pytest.raises(DataError, match="unknown shapes kind"):
+        answer_space(["size"])
+
+
+def _components(mask: np.ndarray) -> int:
+    """Number of 4-connected True regions (a plain flood fill: the reference, not the fast way)."""
+    seen = np.zeros_like(mask)
+    count = 0
+    for y, x in zip(*np.nonzero(mask)):
+        if seen[y, x]:
+            continue
+        count += 1
+        stack = [(y, x)]
+        seen[y, x] = True
+        while stack:
+            cy, cx = stack.pop()
+            for ny, nx in ((cy + 1, cx), (cy - 1, cx), (cy, cx + 1), (cy, cx - 1)):
+                if 0 <= ny < mask.shape[0] and 0 <= nx < mask.shape[1] and mask[ny, nx] and not seen[ny, nx]:
+                    seen[ny, nx] = True
+                    stack.append((ny, nx))
+    return count
+
+
+def _check_visible(item: ShapesItem, spec: ShapesSpec) -> None:
+    """The answer can be read off the rendered pixels alone."""
+    pixels = np.asarray(render_item(item, spec))
+    size = item.image_size
+    background = np.all(pixels == spec.rgb(spec.background), axis=-1)
+    if item.kind == "color":
+        name = item.problem.split("the ")[1].split("?")[0]
+        named = [s for s in item.shapes if s.name == name]
+        assert len(named) == 1, "the asked-about shape must be unique"
+        assert tuple(pixels[named[0].cy, named[0].cx]) == spec.rgb(item.answer)
+    elif item.kind == "count":
+        assert _components(~background) == int(item.answer)
+    else:
+        color = item.problem.split("the ")[1].split(" shape")[0]
+        xs = np.nonzero(np.all(pixels == spec.rgb(color), axis=-1))[1]
+        assert len(xs) > 0 and sum(s.color == color for s in item.shapes) == 1
+        assert (xs.max() < size / 2) if item.answer == "left" else (xs.min() >= size / 2)
+    # every shape is drawn fully inside the image, on its own
+    assert _components(~background) == len(item.shapes)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_answer_is_visible_in_pixels(spec: ShapesSpec) -> None:
+    for split in ("train", "eval"):
+        for item in ShapesSource(spec, split=split, size=120, seed=5).items:
+            _check_visible(item, spec)
+
+
+def test_shapes_are_large() -> None:
+    spec = ShapesSpec()
+    items = ShapesSource(spec, split="train", size=300, seed=0).items
+    # (a lone shape of a position question gets half the width, so it is smaller; not checked here)
+    lone = [it.shapes[0].r for it in items if len(it.shapes) == 1 and it.kind != "position"]
+    pair = [s.r for it in items if len(it.shapes) == 2 for s in it.shapes]
+    assert lone and pair
+    assert min(lone) >= 0.8 * RADIUS_FRACTION * spec.image_size - 1  # radius ~0.3 x side (13-16 px at 56)
+    assert min(pair) >= 0.15 * spec.image_size  # two side by side still span about a third of the side each
+    assert all(len(it.shapes) <= 2 for it in items)  # max_distractors=1
+
+
+def test_problem_text_format() -> None:
+    items = ShapesSource(ShapesSpec(), split="eval", size=6, seed=0).items
+    texts = {it.kind: it.problem for it in items}
+    assert texts["color"].startswith("What colour is the ") and texts["color"].endswith("Answer with one word.")
+    assert texts["count"] == "How many shapes are there? Answer with a number."
+    assert texts["position"].endswith("on the left or the right? Answer with one word.")
+    sample = ShapesSource(ShapesSpec(), split="eval", size=6, seed=0).sample(4)
+    assert sample.source == "builtin:shapes/eval#4" and len(sample.images) == 1
+    assert sample.images[0].size == (56, 56) and sample.images[0].mode == "RGB"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"kinds": ["color", "size"]}, "ShapesSpec.kinds"),
+        ({"kinds": []}, "ShapesSpec.kinds"),
+        ({"colors": ["red"]}, "ShapesSpec.colors"),
+        ({"colors": ["grey", "gray"]}, "ShapesSpec.colors"),
+        ({"colors": ["red", "#00ff00"]}, "single-word colour name"),
+        ({"colors": ["red", "notacolour"]}, "not a colour name"),
+        ({"background": "red"}, "ShapesSpec.background"),
+        ({"max_distractors": -1}, "ShapesSpec.max_distractors"),
+        ({"max_distractors": 4}, "ShapesSpec.image_size=56 is too small"),
+        ({"image_size": 20}, "ShapesSpec.image_size=20 is too small"),
+        ({"image_size": 56.0}, "ShapesSpec.image_size must be an integer"),
+    ],
+)
+def test_spec_validation_names_the_field(kwargs: dict, match: str) -> None:
+    with pytest.raises(DataError, match=match):
+        ShapesSpec(**kwargs)
+
+
+def test_bad_split_is_rejected() -> None:
+    with pytest.raises(DataError, match="split must be one of"):
+        make_item(ShapesSpec(), seed=0, split="test", index=0)
