@@ -188,7 +188,8 @@ def create_model(name: str) -> tuple[Qwen2_5_VLForConditionalGeneration, Qwen2To
     config = _make_config(spec, tokenizer)
     # Seed the global RNG that transformers' weight init draws from, so every build of a given
     # BUILDER_VERSION has bit-identical weights.
-    with _fork_rng(spec.seed):
+    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream untouched
+        torch.manual_seed(spec.seed)
         model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32).eval()
     ids = _token_ids(tokenizer)
     # Mirrors Qwen2.5-VL-Instruct's generation_config.json: stop on <|im_end|> or <|endoftext|>.
@@ -250,7 +251,11 @@ def _make_config(spec: BuiltinSpec, tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLConf
         "num_key_value_heads": spec.num_kv_heads,
         "max_position_embeddings": 32768,
         "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": list(spec.mrope_section)},
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1_000_000.0,
+            "mrope_section": list(spec.mrope_section),
+        },
         # As in Qwen's config.json: bos is <|endoftext|> although the tokenizer adds no bos.
         "bos_token_id": ids["endoftext"],
         "eos_token_id": ids["im_end"],
@@ -280,19 +285,3 @@ def _make_config(spec: BuiltinSpec, tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLConf
         vision_end_token_id=ids["vision_end"],
         tie_word_embeddings=spec.tie_word_embeddings,
     )
-
-
-class _fork_rng:
-    """Seed torch's CPU RNG inside the block and restore the caller's RNG state afterwards."""
-
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-
-    def __enter__(self) -> None:
-        self._state = torch.random.get_rng_state()
-        torch.manual_seed(self.seed)
-
-    def __exit__(self, *exc: object) -> None:
-        torch.random.set_rng_state(self._state)
-
-

@@ -147,9 +147,11 @@ def language_model_lora_regex(lora_target: str | Sequence[str]) -> str:
     `up_proj` and `down_proj`; matching on `language_model.layers.N` keeps LoRA off the vision tower.
     """
     if isinstance(lora_target, str):
-        names = list(LORA_TARGETS) if lora_target in ("all-linear", "all") else [
-            n.strip() for n in lora_target.split(",") if n.strip()
-        ]
+        names = (
+            list(LORA_TARGETS)
+            if lora_target in ("all-linear", "all")
+            else [n.strip() for n in lora_target.split(",") if n.strip()]
+        )
     else:
         names = list(lora_target)
     if not names:

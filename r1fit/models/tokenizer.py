@@ -13,14 +13,12 @@ from __future__ import annotations
 import itertools
 import json
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
 from transformers import Qwen2Tokenizer
 
 # Qwen2's pre-tokenisation regex (copied from transformers' tokenization_qwen2.py) so our BPE splits
 # text exactly where Qwen's does.
-_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 #: Upper bound on the trained BPE part of the vocabulary (bytes + merges); training stops earlier
 #: (~700) once the small corpus has no pair left to merge.
@@ -72,8 +70,24 @@ QWEN2VL_CHAT_TEMPLATE = (
 _SHAPES = ("circle", "square", "triangle", "rectangle", "star", "diamond", "ellipse", "hexagon", "shape", "object")
 _COLOURS = ("red", "green", "blue", "yellow", "orange", "purple", "black", "white", "grey", "gray", "pink", "brown")
 _POSITIONS = (
-    "left", "right", "top", "bottom", "middle", "center", "centre", "above", "below", "next to",
-    "upper left", "upper right", "lower left", "lower right", "corner", "side", "between", "inside",
+    "left",
+    "right",
+    "top",
+    "bottom",
+    "middle",
+    "center",
+    "centre",
+    "above",
+    "below",
+    "next to",
+    "upper left",
+    "upper right",
+    "lower left",
+    "lower right",
+    "corner",
+    "side",
+    "between",
+    "inside",
 )
 _COUNT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
 _QUESTIONS = (
@@ -129,7 +143,9 @@ def training_corpus() -> list[str]:
 def _train_bpe(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """Train Qwen2-style byte-level BPE on `training_corpus()`; return (vocab, merges)."""
     tok = Tokenizer(
-        models.BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
+        models.BPE(
+            unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False
+        )
     )
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -174,7 +190,9 @@ def build_tokenizer(bpe_vocab_size: int = BPE_VOCAB_SIZE) -> Qwen2Tokenizer:
         model_max_length=32768,
         clean_up_tokenization_spaces=False,
     )
-    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN2VL_SPECIAL_TOKENS], special_tokens=True)
+    tokenizer.add_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in QWEN2VL_SPECIAL_TOKENS], special_tokens=True
+    )
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in REASONING_TOKENS])
     # Qwen lists every special but <|endoftext|> as `additional_special_tokens`; mirroring that keeps
     # `all_special_ids` (and so skip_special_tokens) the same as with a real checkpoint.

@@ -96,13 +96,18 @@ class Run:
     processor: Any
     ids: TokenIds
     metrics: MetricsWriter
+    train_set: PromptDataset
+    eval_set: PromptDataset | None
 
 
 def start_run(cfg: Config, kind: str) -> Run:
+    """Output folder and logging, then the data (cheap to check, so bad data fails before a big
+    model loads), then the model."""
     out = prepare_output_dir(cfg, kind)
     setup_logging(out)
     device = pick_device(cfg.train.device)
     seed_everything(cfg.train.seed)
+    train_set, eval_set = build_datasets(cfg)
     m = cfg.model
     model, processor = load_policy(
         m.path, lora_r=m.lora.r, lora_alpha=m.lora.alpha, lora_dropout=m.lora.dropout,
@@ -123,7 +128,8 @@ def start_run(cfg: Config, kind: str) -> Run:
     total = sum(p.numel() for p in model.parameters())
     log.info("%s run: model %s (%.2fM params, %.2fM trainable) on %s -> %s", kind, m.path,
              total / 1e6, trainable / 1e6, device, out)
-    return Run(cfg, out, device, model, processor, ids, MetricsWriter(out / "metrics.jsonl"))
+    return Run(cfg, out, device, model, processor, ids, MetricsWriter(out / "metrics.jsonl"),
+               train_set, eval_set)
 
 
 def build_datasets(cfg: Config) -> tuple[PromptDataset, PromptDataset | None]:

@@ -25,14 +25,14 @@ from r1fit.algorithms.advantages import group_advantages
 from r1fit.algorithms.losses import grpo_loss
 from r1fit.config import Config
 from r1fit.data.dataset import PromptSampler
-from r1fit.memory.telemetry import peak_memory_bytes
+from r1fit.memory.telemetry import peak_memory_bytes, reset_peak
 from r1fit.models.load import make_reference
 from r1fit.report.progress import progress_bar
 from r1fit.rewards.accuracy import accuracy
 from r1fit.rewards.registry import RewardScorer
 from r1fit.rollout.batch import Prompt, collate, encode_prompts
 from r1fit.rollout.generate import SamplingSettings, generate_completions
-from r1fit.train.common import (BadRowCounter, build_datasets, decode, evaluate, finish_summary,
+from r1fit.train.common import (BadRowCounter, decode, evaluate, finish_summary,
                                 save_model, start_run, timed)
 from r1fit.train.forward import completion_logprobs, logprobs_in_micro_batches, micro_batches
 from r1fit.train.optim import build_optimizer, build_scheduler
@@ -45,7 +45,7 @@ def train_grpo(cfg: Config) -> dict[str, Any]:
     """Run GRPO as configured; returns the summary (also written to ``summary.json``)."""
     run = start_run(cfg, "grpo")
     model, processor, device, algo = run.model, run.processor, run.device, cfg.algo
-    train_set, eval_set = build_datasets(cfg)
+    train_set, eval_set = run.train_set, run.eval_set
     sampler = PromptSampler(len(train_set), seed=cfg.train.seed)
     bad_rows = BadRowCounter(train_set.bad_rows)
     scorer = RewardScorer(cfg.rewards)
@@ -71,6 +71,7 @@ def train_grpo(cfg: Config) -> dict[str, Any]:
     with progress_bar("GRPO", cfg.train.max_steps) as advance:
         for step in range(1, cfg.train.max_steps + 1):
             times: dict[str, float] = {}
+            reset_peak(device)  # peak_memory_bytes is this step's peak
             # 1. rollout: G completions per prompt, generated generation_batch rows at a time
             samples = bad_rows.fetch(train_set, sampler, cfg.train.prompts_per_step)
             with timed(times, "seconds_generate"):
@@ -152,8 +153,24 @@ def train_grpo(cfg: Config) -> dict[str, Any]:
 def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
                   rows: list[Prompt], completions: list[torch.Tensor], advantages: torch.Tensor,
                   old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None, cfg: Config,
-                  pad_id: int, device: torch.device) -> dict[str, float]:
-    """One optimizer update over all rows, accumulating gradients micro-batch by micro-batch.
+                  pad_id: int, device: torch.device) -> dict[str, float | None]:
+    """One optimizer update over all rows: accumulate, clip, step."""
+    optimizer.zero_grad(set_to_none=True)
+    sums = accumulate_policy_gradients(model, rows, completions, advantages, old_logp, ref_logp,
+                                       cfg, pad_id, device)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    max_norm = cfg.train.max_grad_norm or float("inf")
+    sums["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+    optimizer.step()
+    scheduler.step()
+    return sums
+
+
+def accumulate_policy_gradients(model: Any, rows: list[Prompt], completions: list[torch.Tensor],
+                                advantages: torch.Tensor, old_logp: torch.Tensor | None,
+                                ref_logp: torch.Tensor | None, cfg: Config, pad_id: int,
+                                device: torch.device) -> dict[str, float | None]:
+    """Backward of the GRPO loss over all rows, ``memory.micro_batch`` rows at a time.
 
     The loss of each micro-batch is its share of the whole-batch loss (global token and sequence
     counts), so the accumulated gradient equals the gradient of the unsplit batch.
@@ -161,7 +178,6 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
     algo = cfg.algo
     totals = dict(total_tokens=sum(int(c.shape[0]) for c in completions), total_seqs=len(rows),
                   max_new_tokens=algo.max_new_tokens)
-    optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float | None] = {"loss": 0.0, "clip_fraction": 0.0,
                                      "kl": 0.0 if ref_logp is not None else None}
     for piece, prompts, comps in micro_batches(rows, completions, cfg.memory.micro_batch):
@@ -180,9 +196,4 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
         sums["clip_fraction"] += float(stats["clip_fraction"])
         if "kl" in stats:  # only with a reference model (beta > 0); else logged as null
             sums["kl"] += float(stats["kl"])
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    max_norm = cfg.train.max_grad_norm or float("inf")
-    sums["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
-    optimizer.step()
-    scheduler.step()
     return sums

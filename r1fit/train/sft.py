@@ -18,11 +18,11 @@ import torch
 from r1fit.config import Config
 from r1fit.data.dataset import PromptDataset, PromptSampler
 from r1fit.data.sample import Sample
-from r1fit.memory.telemetry import peak_memory_bytes
+from r1fit.memory.telemetry import peak_memory_bytes, reset_peak
 from r1fit.report.progress import progress_bar
 from r1fit.rewards.answer import extract_answer
 from r1fit.rollout.batch import collate, encode_prompts
-from r1fit.train.common import (BadRowCounter, Run, build_datasets, evaluate, finish_summary,
+from r1fit.train.common import (BadRowCounter, Run, evaluate, finish_summary,
                                 save_model, start_run)
 from r1fit.train.forward import completion_logprobs, micro_batches
 from r1fit.train.optim import build_optimizer, build_scheduler
@@ -65,6 +65,7 @@ def supervised_steps(run: Run, dataset: PromptDataset, steps: int, *, format_onl
     with progress_bar("SFT warm-up" if metrics_prefix else "SFT", steps) as advance:
         for step in range(1, steps + 1):
             start = time.perf_counter()
+            reset_peak(run.device)
             samples = bad_rows.fetch(dataset, sampler, cfg.sft.batch_size)
             prompts = encode_prompts(processor, samples, cfg.data.system_prompt)
             targets = [torch.tensor(processor.tokenizer(t, add_special_tokens=False)["input_ids"]
@@ -100,7 +101,7 @@ def supervised_steps(run: Run, dataset: PromptDataset, steps: int, *, format_onl
 def train_sft(cfg: Config) -> dict[str, Any]:
     """``r1fit sft``: supervised fine-tuning for ``sft.steps`` steps, evaluated before and after."""
     run = start_run(cfg, "sft")
-    train_set, eval_set = build_datasets(cfg)
+    train_set, eval_set = run.train_set, run.eval_set
     history: list[dict[str, Any]] = []
     if eval_set is not None and cfg.eval.before_train:
         history.append({"step": 0, **evaluate(run.model, run.processor, eval_set, cfg, run.ids,

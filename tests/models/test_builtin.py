@@ -24,8 +24,15 @@ from .conftest import image_prompt
 
 
 def test_tiny_folder_has_everything_from_pretrained_needs(tiny_dir: Path) -> None:
-    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json", "chat_template.jinja", "processor_config.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "processor_config.json",
+    ):
         assert (tiny_dir / name).is_file(), name
     marker = json.loads((tiny_dir / MARKER_FILE).read_text())
     assert marker["builder_version"] == BUILDER_VERSION and marker["name"] == "tiny"
@@ -77,7 +84,9 @@ def test_tokenizer_special_and_reasoning_tokens_are_atomic(tiny_dir: Path) -> No
 def test_tokenizer_build_is_deterministic() -> None:
     a, b = build_tokenizer(), build_tokenizer()
     assert a.get_vocab() == b.get_vocab()
-    assert a("What colour is the square on the left?").input_ids == b("What colour is the square on the left?").input_ids
+    assert (
+        a("What colour is the square on the left?").input_ids == b("What colour is the square on the left?").input_ids
+    )
 
 
 def test_chat_template_renders_qwen2vl_image_turn(tiny_dir: Path) -> None:

@@ -1,0 +1,141 @@
+"""Whole runs on builtin:tiny through the CLI: GRPO (full and LoRA), SFT, bad rows, failing rewards."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText
+
+from r1fit.cli import main
+from r1fit.report.metrics import read_metrics
+
+STEP_KEYS = {"step", "loss", "reward_mean", "reward_std", "reward/accuracy", "reward/format",
+             "accuracy", "kl", "clip_fraction", "completion_len_mean", "seconds_generate",
+             "seconds_score", "seconds_update", "tokens_per_second", "grad_norm",
+             "peak_memory_bytes", "bad_rows", "reward_errors"}
+SMALL = ["train.max_steps=3", "train.prompts_per_step=2", "algo.num_generations=4",
+         "algo.max_new_tokens=8", "sft.format_warmup_steps=2", "sft.batch_size=4",
+         "data.eval_size=4", "eval.every=2", "memory.micro_batch=3", "memory.generation_batch=5",
+         "data.shapes.train_size=50"]
+
+
+def run_cli(*args: str) -> int:
+    return main(list(args))
+
+
+def step_rows(out: Path) -> list[dict]:
+    return [r for r in read_metrics(out / "metrics.jsonl") if "reward_mean" in r]
+
+
+def test_grpo_three_steps_full_finetuning(use_tiny_cache, tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("train", f"train.output_dir={out}", *SMALL) == 0
+    rows = step_rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert STEP_KEYS <= set(row), STEP_KEYS - set(row)
+        assert row["kl"] is None  # beta = 0: no reference model, no KL
+        assert math.isfinite(row["loss"]) and row["peak_memory_bytes"] > 0
+        assert row["completion_len_mean"] <= 8
+    assert any(r["grad_norm"] > 0 for r in rows) or all(r["reward_std"] == 0 for r in rows)
+    evals = [r for r in read_metrics(out / "metrics.jsonl") if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 2, 3]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3
+    model = AutoModelForImageTextToText.from_pretrained(out / "final")
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_grpo_lora_with_kl_and_reused_rollouts(use_tiny_cache, tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("train", f"train.output_dir={out}", *SMALL, "model.lora.r=4",
+                   "algo.beta=0.05", "algo.num_iterations=2", "train.learning_rate=5e-2") == 0
+    rows = step_rows(out)
+    assert len(rows) == 3
+    # the reference is the policy with adapters off: KL is defined and starts at 0
+    assert all(r["kl"] is not None and r["kl"] >= 0 for r in rows)
+    assert (out / "final" / "adapter_model.safetensors").is_file()
+
+
+def test_sft_three_steps_changes_weights(use_tiny_cache, tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("sft", f"train.output_dir={out}", "sft.steps=3", "sft.batch_size=4",
+                   "data.eval_size=4", "data.shapes.train_size=50") == 0
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in rows)
+    before = AutoModelForImageTextToText.from_pretrained(use_tiny_cache / "models" / "tiny-v1")
+    after = AutoModelForImageTextToText.from_pretrained(out / "final")
+    changed = [not torch.equal(a, b) for a, b in zip(before.state_dict().values(),
+                                                     after.state_dict().values())]
+    assert any(changed)
+
+
+def _jsonl(tmp_path: Path, n_good: int, bad_lines: list[str]) -> Path:
+    for colour in ("red", "blue"):
+        Image.new("RGB", (56, 56), colour).save(tmp_path / f"{colour}.png")
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really a png")
+    lines = [json.dumps({"image": f"{c}.png", "problem": "What colour is the image?",
+                         "solution": c}) for c in ["red", "blue"] * (n_good // 2)]
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(lines + bad_lines) + "\n")
+    return path
+
+
+def test_bad_rows_are_counted_and_reward_errors_do_not_stop_training(use_tiny_cache, tmp_path,
+                                                                     monkeypatch):
+    bad = ['{"image": "missing.png", "problem": "q", "solution": "a"}',
+           '{"image": "broken.png", "problem": "q", "solution": "a"}',
+           '{"problem": "q"}', "not json"]
+    data = _jsonl(tmp_path, 36, bad)
+    plugin = tmp_path / "boom_reward.py"
+    plugin.write_text("def boom(completion, solution, **info):\n"
+                      "    raise RuntimeError('reward exploded')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "run"
+    assert run_cli("train", f"train.output_dir={out}", *SMALL, f"data.train={data}",
+                   "data.eval=null", "data.max_bad_fraction=0.2", "rewards.boom_reward:boom=1.0") == 0
+    rows = step_rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["bad_rows"] == 4 for r in rows)
+    # 2 prompts x 4 completions per step, every call raises: counted, the sample scores 0
+    assert [r["reward_errors"] for r in rows] == [8, 16, 24]
+    assert all(r["reward/boom_reward:boom"] == 0 for r in rows)
+    log = (out / "log.txt").read_text()
+    assert log.count("RuntimeError: reward exploded") == 1  # first traceback only
+    assert "missing.png" in log and "train.jsonl:" in log
+
+
+def test_too_many_bad_rows_stop_with_one_line(use_tiny_cache, tmp_path, capsys):
+    data = _jsonl(tmp_path, 4, ["not json"] * 3)
+    code = run_cli("train", f"train.output_dir={tmp_path / 'run'}", *SMALL, f"data.train={data}",
+                   "data.eval=null")
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    # the data is checked before the model loads: skip warnings, then one error line, no traceback
+    lines = err.splitlines()
+    assert lines[-1].startswith("r1fit: error:") and "train.jsonl" in lines[-1]
+    assert all(line.startswith("WARNING r1fit.data: skipping") for line in lines[:-1])
+    assert "Traceback" not in err
+
+
+def test_config_errors_exit_2_with_one_line(capsys):
+    assert run_cli("train", "algo.num_generation=8") == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("r1fit: error: unknown key 'algo.num_generation'; allowed here: num_generations, "
+                   "num_iterations, beta, epsilon, epsilon_high, max_new_tokens, temperature, top_p, "
+                   "loss_aggregation, scale_rewards")
+
+
+def test_refuses_to_mix_runs(use_tiny_cache, tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert run_cli("train", f"train.output_dir={out}", *SMALL) == 2
+    assert "train.overwrite=true" in capsys.readouterr().err

@@ -1,0 +1,259 @@
+"""Policy/reference loading, LoRA placement, and the backbone/head split, on builtin:tiny."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import Qwen2_5_VLForConditionalGeneration
+
+from r1fit.models.errors import ModelConfigError
+from r1fit.models.load import (
+    Reference,
+    language_model_lora_regex,
+    lm_backbone_and_head,
+    load_policy,
+    make_reference,
+    resolve_model_path,
+    special_token_ids,
+    unwrap,
+)
+
+from .conftest import image_prompt
+
+NUM_LAYERS = 2  # builtin:tiny text layers
+PROJECTIONS = 7  # q, k, v, o, gate, up, down
+
+
+def _load(path: str | Path, **overrides: Any):
+    kwargs: dict[str, Any] = dict(
+        lora_r=0,
+        lora_alpha=16,
+        lora_dropout=0.0,
+        lora_target="all-linear",
+        freeze_vision=True,
+        dtype="float32",
+        device=torch.device("cpu"),
+        gradient_checkpointing=False,
+    )
+    kwargs.update(overrides)
+    return load_policy(str(path), **kwargs)
+
+
+def _batch(processor, image) -> dict[str, torch.Tensor]:
+    return dict(processor(text=[image_prompt(processor)], images=[image], return_tensors="pt"))
+
+
+def _perturb_lora_b(model: PeftModel) -> None:
+    """LoRA B starts at zero (adapter = identity); make it non-zero so the adapter matters."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+
+
+# ---- resolve_model_path -------------------------------------------------------------------------
+
+
+def test_resolve_builtin_to_cache_folder(use_tiny_cache: Path, tiny_dir: Path) -> None:
+    assert resolve_model_path("builtin:tiny") == str(tiny_dir)
+
+
+def test_resolve_unknown_builtin_lists_names(use_tiny_cache: Path) -> None:
+    with pytest.raises(ModelConfigError, match="available: builtin:small-realvocab, builtin:tiny"):
+        resolve_model_path("builtin:huge")
+
+
+def test_resolve_folder_without_config(tmp_path: Path) -> None:
+    with pytest.raises(ModelConfigError, match=r"has no config\.json") as info:
+        resolve_model_path(str(tmp_path))
+    assert "\n" not in str(info.value)
+
+
+def test_resolve_missing_local_folder_and_hub_id(tmp_path: Path) -> None:
+    with pytest.raises(ModelConfigError, match="does not exist"):
+        resolve_model_path(str(tmp_path / "nope"))
+    assert resolve_model_path("Qwen/Qwen2.5-VL-3B-Instruct") == "Qwen/Qwen2.5-VL-3B-Instruct"
+    with pytest.raises(ModelConfigError, match="non-empty"):
+        resolve_model_path("")
+
+
+def test_unloadable_hub_id_is_one_line_naming_the_path() -> None:
+    with pytest.raises(ModelConfigError, match=r"^cannot load model 'bad id/with spaces': ") as info:
+        _load("bad id/with spaces")
+    assert "\n" not in str(info.value)
+
+
+def test_bad_options_are_named(tiny_dir: Path) -> None:
+    with pytest.raises(ModelConfigError, match="dtype must be one of"):
+        _load(tiny_dir, dtype="float8")
+    with pytest.raises(ModelConfigError, match="lora_r"):
+        _load(tiny_dir, lora_r=-1)
+    with pytest.raises(ModelConfigError, match=r"unknown module name\(s\) \['qkv'\]"):
+        _load(tiny_dir, lora_r=4, lora_target=["q_proj", "qkv"])
+
+
+# ---- full fine-tuning -----------------------------------------------------------------------------
+
+
+def test_full_finetune_trains_all_but_frozen_vision(tiny_dir: Path) -> None:
+    model, _ = _load(tiny_dir, freeze_vision=True)
+    assert not isinstance(model, PeftModel) and model.training
+    for name, param in model.named_parameters():
+        assert param.requires_grad == (not name.startswith("model.visual.")), name
+    assert model.config.use_cache is False and model.config.text_config.use_cache is False
+    model, _ = _load(tiny_dir, freeze_vision=False)
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_dtype_option(tiny_dir: Path) -> None:
+    model, _ = _load(tiny_dir, dtype="bfloat16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    model, _ = _load(tiny_dir, dtype="auto")  # the built-ins are saved in float32
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_builtin_path_loads(use_tiny_cache: Path) -> None:
+    model, processor = _load("builtin:tiny")
+    assert type(unwrap(model)).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert type(processor).__name__ == "Qwen2_5_VLProcessor"
+
+
+# ---- LoRA -------------------------------------------------------------------------------------------
+
+
+def test_lora_targets_only_language_model(tiny_dir: Path) -> None:
+    model, _ = _load(tiny_dir, lora_r=4, gradient_checkpointing=True)
+    assert isinstance(model, PeftModel)
+    lora_a = [n for n, _ in model.named_parameters() if "lora_A" in n]
+    assert len(lora_a) == NUM_LAYERS * PROJECTIONS
+    assert all(".language_model.layers." in n for n in lora_a)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    # The vision MLP also has gate/up/down_proj: the regex must have kept LoRA off it.
+    assert not any("visual" in n for n, _ in model.named_parameters() if "lora_" in n)
+
+
+def test_lora_target_subset(tiny_dir: Path) -> None:
+    model, _ = _load(tiny_dir, lora_r=2, lora_target="q_proj, v_proj")
+    adapted = {n.split(".")[-4] for n, _ in model.named_parameters() if "lora_A" in n}
+    assert adapted == {"q_proj", "v_proj"}
+    regex = language_model_lora_regex(["down_proj"])
+    assert regex == r"(?:.*\.)?language_model\.layers\.\d+\.(?:mlp\.(?:down_proj))"
+
+
+def test_lora_gradients_reach_adapters_with_checkpointing(tiny_dir: Path, image56) -> None:
+    model, processor = _load(tiny_dir, lora_r=4, gradient_checkpointing=True)
+    _perturb_lora_b(model)
+    model(**_batch(processor, image56)).logits.float().pow(2).mean().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert all(g is not None and g.abs().sum() > 0 for g in grads.values())
+
+
+# ---- backbone + head ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_backbone_times_head_equals_logits(tiny_dir: Path, image56, lora_r: int) -> None:
+    model, processor = _load(tiny_dir, lora_r=lora_r, gradient_checkpointing=True)
+    if lora_r:
+        _perturb_lora_b(model)
+    model.eval()
+    batch = _batch(processor, image56)
+    backbone, head = lm_backbone_and_head(model)
+    assert head is unwrap(model).get_output_embeddings()
+    with torch.no_grad():
+        hidden = backbone(**batch)
+        logits = model(**batch).logits
+    assert hidden.shape == (1, batch["input_ids"].shape[1], unwrap(model).config.text_config.hidden_size)
+    torch.testing.assert_close(hidden @ head.weight.T, logits, atol=1e-5, rtol=0)
+    if lora_r:
+        with model.disable_adapter(), torch.no_grad():
+            hidden_off = backbone(**batch)
+            logits_off = model(**batch).logits
+        torch.testing.assert_close(hidden_off @ head.weight.T, logits_off, atol=1e-5, rtol=0)
+        assert (logits_off - logits).abs().max() > 1e-3  # the adapter really was switched off
+
+
+def test_backbone_rejects_head_kwargs(tiny_dir: Path) -> None:
+    model, _ = _load(tiny_dir)
+    backbone, _ = lm_backbone_and_head(model)
+    with pytest.raises(ModelConfigError, match="logits_to_keep"):
+        backbone(input_ids=torch.tensor([[1, 2]]), logits_to_keep=1)
+
+
+def test_special_token_ids(tiny_dir: Path) -> None:
+    model, processor = _load(tiny_dir, lora_r=2)
+    ids = special_token_ids(model, processor)
+    tok = processor.tokenizer
+    assert ids == {
+        "image_pad": tok.convert_tokens_to_ids("<|image_pad|>"),
+        "video_pad": tok.convert_tokens_to_ids("<|video_pad|>"),
+        "vision_start": tok.convert_tokens_to_ids("<|vision_start|>"),
+        "vision_end": tok.convert_tokens_to_ids("<|vision_end|>"),
+        "eos": tok.convert_tokens_to_ids("<|im_end|>"),
+        "pad": tok.convert_tokens_to_ids("<|endoftext|>"),
+    }
+    assert ids["image_pad"] == unwrap(model).config.image_token_id
+
+
+# ---- reference --------------------------------------------------------------------------------
+
+
+def test_reference_none_when_beta_zero(tiny_dir: Path) -> None:
+    model, _ = _load(tiny_dir)
+    assert make_reference(model, str(tiny_dir), lora_r=0, beta=0.0, dtype="float32", device="cpu") is None
+    with pytest.raises(ModelConfigError, match="beta"):
+        make_reference(model, str(tiny_dir), lora_r=0, beta=-1.0, dtype="float32", device="cpu")
+    with pytest.raises(ModelConfigError, match="no LoRA adapters"):
+        make_reference(model, str(tiny_dir), lora_r=4, beta=0.1, dtype="float32", device="cpu")
+
+
+def test_lora_reference_is_policy_with_adapters_off(tiny_dir: Path, image56) -> None:
+    model, processor = _load(tiny_dir, lora_r=4)
+    ref = make_reference(model, str(tiny_dir), lora_r=4, beta=0.04, dtype="float32", device="cpu")
+    assert isinstance(ref, Reference) and ref.adapter_view
+    batch = _batch(processor, image56)
+    with torch.no_grad():
+        policy_before = model(**batch).logits
+    with ref.model() as m:
+        assert m is model and not m.training  # no second copy; eval inside the block
+        ref_before = m(**batch).logits
+    assert model.training  # mode given back
+    torch.testing.assert_close(ref_before, policy_before, atol=0, rtol=0)  # lora_B == 0: identical
+
+    _perturb_lora_b(model)
+    with torch.no_grad():
+        policy_after = model(**batch).logits
+    with ref.model() as m:
+        ref_after = m(**batch).logits
+        assert not ref_after.requires_grad
+    torch.testing.assert_close(ref_after, ref_before, atol=0, rtol=0)
+    assert (policy_after - ref_after).abs().max() > 1e-3
+    # Leaving the block re-enables the adapters and their gradients.
+    assert all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, policy_after, atol=0, rtol=0)
+
+
+def test_full_reference_is_separate_frozen_copy(tiny_dir: Path, image56) -> None:
+    model, processor = _load(tiny_dir)
+    ref = make_reference(model, str(tiny_dir), lora_r=0, beta=0.04, dtype="float32", device="cpu")
+    assert ref is not None and not ref.adapter_view
+    batch = _batch(processor, image56)
+    with ref.model() as m:
+        assert isinstance(m, Qwen2_5_VLForConditionalGeneration)
+        assert m is not model and not m.training
+        assert all(not p.requires_grad for p in m.parameters())
+        policy_ptrs = {p.data_ptr() for p in model.parameters()}
+        assert not policy_ptrs & {p.data_ptr() for p in m.parameters()}
+        ref_before = m(**batch).logits
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05)
+    with ref.model() as m:
+        torch.testing.assert_close(m(**batch).logits, ref_before, atol=0, rtol=0)
