@@ -20,6 +20,7 @@ from r1fit.config import Config
 from r1fit.data.dataset import PromptDataset, PromptSampler, load_dataset
 from r1fit.data.sample import Sample
 from r1fit.data.shapes import ShapesSpec
+from r1fit.memory.telemetry import current_rss_bytes
 from r1fit.models.load import load_policy, special_token_ids
 from r1fit.report.metrics import MetricsWriter
 from r1fit.rewards.accuracy import accuracy
@@ -98,6 +99,7 @@ class Run:
     metrics: MetricsWriter
     train_set: PromptDataset
     eval_set: PromptDataset | None
+    rss_after_load_bytes: int
 
 
 def start_run(cfg: Config, kind: str) -> Run:
@@ -129,7 +131,7 @@ def start_run(cfg: Config, kind: str) -> Run:
     log.info("%s run: model %s (%.2fM params, %.2fM trainable) on %s -> %s", kind, m.path,
              total / 1e6, trainable / 1e6, device, out)
     return Run(cfg, out, device, model, processor, ids, MetricsWriter(out / "metrics.jsonl"),
-               train_set, eval_set)
+               train_set, eval_set, current_rss_bytes())
 
 
 def build_datasets(cfg: Config) -> tuple[PromptDataset, PromptDataset | None]:
@@ -213,7 +215,8 @@ def timed(into: dict[str, float], key: str) -> Iterator[None]:
 
 def finish_summary(run: Run, history: list[dict[str, Any]], *, steps: int) -> dict[str, Any]:
     """Write ``summary.json`` (first/last evaluation, steps) and print it."""
-    summary: dict[str, Any] = {"output_dir": str(run.out), "steps": steps}
+    summary: dict[str, Any] = {"output_dir": str(run.out), "steps": steps,
+                               "rss_after_load_bytes": run.rss_after_load_bytes}
     evals = [h for h in history if "eval/accuracy" in h]
     if evals:
         summary["eval_accuracy_start"] = evals[0]["eval/accuracy"]

@@ -1,0 +1,367 @@
+"""Peak memory and speed of GRPO steps against the group size G, at fixed chunk sizes.
+
+Command (a few minutes on 2 CPU cores):
+
+    python benchmarks/memory_vs_group.py
+    # = --generations 2 4 8 16 --micro-batch 2 --generation-batch 2 --steps 3 --max-new-tokens 32
+    #   --model builtin:small-realvocab --repeats 1
+
+Target: peak memory over the loaded model at the largest G (16) is at most 1.10 x that at the
+smallest G (2). r1fit generates ``memory.generation_batch`` rows at a time and back-propagates
+``memory.micro_batch`` rows at a time, so the group size should only change how many chunks a step
+runs, not how much memory a chunk needs. Exit status: 0 when the target is met, 1 when it is
+missed (the failing comparison is printed), 2 on bad arguments or a failed run.
+
+How it measures (see /work/shared/PITFALLS.md, "Measuring honestly"):
+- every (G, repeat) runs ``train_grpo`` in a fresh child process (``--one G``), because RSS is a
+  high-water mark and glibc keeps freed memory: a process that ran G=16 cannot measure G=2 after;
+- peak memory of a run = max over its steps of the per-step ``peak_memory_bytes`` in
+  metrics.jsonl (RSS high-water mark, reset at the start of each step) minus
+  ``rss_after_load_bytes`` from summary.json (RSS right after the model was loaded). Gradients and
+  AdamW states are therefore counted as the training's own; they do not depend on G;
+- one prompt per step, no SFT warm-up, no evaluation, CPU only (on CUDA the loop would log
+  allocator peaks, which do not compare with an RSS baseline);
+- tokens/s and seconds/step are medians over steps 2.. (step 1 pays one-off costs such as
+  allocating the optimizer states). Speeds move with whatever else runs on the machine; memory does
+  not. With ``--repeats`` > 1, the reported peak is the median of the repeats' peaks;
+- the parent imports neither torch nor the model: on Linux a child's ``ru_maxrss`` starts from its
+  parent's peak RSS (the kernel carries it across exec), so the parent must stay small.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+MIB = 2**20
+ERROR_PREFIX = "memory_vs_group: error: "
+STEP_KEY = "reward_mean"  # present in GRPO step rows of metrics.jsonl, absent in eval-only rows
+
+
+class BenchmarkError(ValueError):
+    """Bad benchmark arguments or a run that failed; the message names the culprit."""
+
+
+@dataclass
+class RunResult:
+    """What one child run measured (bytes and seconds)."""
+
+    num_generations: int
+    rss_after_load_bytes: int
+    step_peaks_over_load: list[int]  # per step: peak RSS of that step minus RSS after load
+    tokens_per_second: list[float]  # per step, steps 2..
+    seconds_per_step: list[float]  # per step, steps 2..
+
+    @property
+    def peak_over_load(self) -> int:
+        return max(self.step_peaks_over_load)
+
+
+@dataclass
+class Setting:
+    """All repeats of one group size, reduced to the numbers in the table."""
+
+    num_generations: int
+    micro_batch: int
+    generation_batch: int
+    runs: list[RunResult] = field(default_factory=list)
+
+    @property
+    def peak_over_load(self) -> float:
+        return statistics.median(r.peak_over_load for r in self.runs)
+
+    @property
+    def rss_after_load(self) -> float:
+        return statistics.median(r.rss_after_load_bytes for r in self.runs)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return statistics.median(statistics.median(r.tokens_per_second) for r in self.runs)
+
+    @property
+    def seconds_per_step(self) -> float:
+        return statistics.median(statistics.median(r.seconds_per_step) for r in self.runs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"num_generations": self.num_generations, "micro_batch": self.micro_batch,
+                "generation_batch": self.generation_batch,
+                "peak_over_load_bytes": self.peak_over_load,
+                "rss_after_load_bytes": self.rss_after_load,
+                "tokens_per_second": self.tokens_per_second,
+                "seconds_per_step": self.seconds_per_step,
+                "runs": [asdict(r) for r in self.runs]}
+
+
+# ----------------------------------------------------------------------------------------------
+# child: one GRPO run
+
+
+def run_overrides(args: argparse.Namespace, num_generations: int, output_dir: Path) -> list[str]:
+    """The config overrides of one measured run (everything but G is the same for all runs)."""
+    return [f"model.path={args.model}",
+            f"algo.num_generations={num_generations}",
+            f"memory.micro_batch={args.micro_batch}",
+            f"memory.generation_batch={args.generation_batch}",
+            "train.prompts_per_step=1",
+            f"algo.max_new_tokens={args.max_new_tokens}",
+            "sft.format_warmup_steps=0",
+            "data.eval=null",
+            "data.shapes.train_size=64",  # a few steps need a few rows; keeps set-up short
+            f"train.max_steps={args.steps}",
+            "train.device=cpu",  # the baseline is RSS, so the peaks must be RSS too
+            "checkpoint.every=0",
+            f"train.output_dir={output_dir}",
+            "train.overwrite=true"]
+
+
+def known_errors() -> tuple[type[BaseException], ...]:
+    """r1fit's own one-line errors (config, data, model, reward, run), as its CLI catches them."""
+    from r1fit.config import ConfigError  # imported here: the parent must not load torch
+    from r1fit.data.dataset import DataError
+    from r1fit.models.load import ModelConfigError
+    from r1fit.rewards.registry import RewardConfigError
+    from r1fit.train.common import RunError
+
+    return ConfigError, DataError, ModelConfigError, RewardConfigError, RunError
+
+
+def run_child(args: argparse.Namespace) -> int:
+    """``--one G``: train in this process, then print the run's measurements as one JSON line."""
+    from r1fit.config import load_config
+    from r1fit.train.grpo import train_grpo
+
+    out = Path(args.output_dir) if args.output_dir else Path(tempfile.mkdtemp(prefix="r1fit-mem-"))
+    try:
+        train_grpo(load_config(None, run_overrides(args, args.one, out)))
+    except known_errors() as exc:
+        raise BenchmarkError(f"run at G={args.one}: {exc}") from None
+    print(json.dumps(asdict(summarise_run(out, args.one))))
+    return 0
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    """``--prepare``: build a built-in model into the cache, in a process of its own, so that no
+    measured run pays for the build (or keeps the memory the build freed)."""
+    from r1fit.models.builtin import ensure_builtin
+
+    try:
+        ensure_builtin(args.model.split(":", 1)[1])
+    except known_errors() as exc:
+        raise BenchmarkError(f"--model {args.model}: {exc}") from None
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# parent: runs, table, target
+
+
+def summarise_run(out: Path, num_generations: int) -> RunResult:
+    """Read one run's metrics.jsonl and summary.json into a :class:`RunResult`."""
+    from r1fit.report.metrics import read_metrics  # plain json; no torch
+
+    summary = json.loads((out / "summary.json").read_text())
+    if "rss_after_load_bytes" not in summary:
+        raise BenchmarkError(f"{out / 'summary.json'} has no rss_after_load_bytes; this r1fit is "
+                             "too old for this benchmark")
+    base = int(summary["rss_after_load_bytes"])
+    steps = sorted((r for r in read_metrics(out / "metrics.jsonl") if STEP_KEY in r),
+                   key=lambda r: r["step"])
+    if len(steps) < 2:
+        raise BenchmarkError(f"{out}: {len(steps)} step rows in metrics.jsonl, need >= 2")
+    later = steps[1:]  # step 1 pays one-off costs (optimizer states, first-call caches)
+    return RunResult(
+        num_generations=num_generations, rss_after_load_bytes=base,
+        step_peaks_over_load=[int(r["peak_memory_bytes"]) - base for r in steps],
+        tokens_per_second=[float(r["tokens_per_second"]) for r in later],
+        seconds_per_step=[sum(float(r[k]) for k in ("seconds_generate", "seconds_score",
+                                                     "seconds_update")) for r in later])
+
+
+def child_env(pairs: Sequence[str]) -> dict[str, str]:
+    """This process's environment plus ``--child-env KEY=VALUE`` pairs (allocator experiments)."""
+    env = dict(os.environ)
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise BenchmarkError(f"--child-env {pair!r}: expected KEY=VALUE")
+        env[key] = value
+    return env
+
+
+def child_failure(stderr: str, lines: int = 25) -> str:
+    """A failed child's own one-line error when it printed one, else the end of its stderr."""
+    ours = [line for line in stderr.splitlines() if line.startswith(ERROR_PREFIX)]
+    if ours:
+        return ours[-1][len(ERROR_PREFIX):]
+    return "\n".join(stderr.strip().splitlines()[-lines:])
+
+
+def child_command(args: argparse.Namespace, *mode: str) -> list[str]:
+    """This script in a child mode, with the settings every run shares."""
+    return [sys.executable, os.path.abspath(__file__), *mode, "--model", args.model,
+            "--micro-batch", str(args.micro_batch), "--generation-batch", str(args.generation_batch),
+            "--steps", str(args.steps), "--max-new-tokens", str(args.max_new_tokens)]
+
+
+def prepare_model(args: argparse.Namespace) -> None:
+    """Build a built-in model before any measured run (see :func:`run_prepare`)."""
+    if not args.model.startswith("builtin:"):
+        return
+    done = subprocess.run(child_command(args, "--prepare"), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise BenchmarkError(child_failure(done.stderr))
+
+
+def measure(args: argparse.Namespace, num_generations: int, env: dict[str, str]) -> RunResult:
+    """One fresh child process training at group size ``num_generations``."""
+    with tempfile.TemporaryDirectory(prefix=f"r1fit-mem-g{num_generations}-") as tmp:
+        out = Path(tmp) / "run"
+        command = child_command(args, "--one", str(num_generations), "--output-dir", str(out))
+        done = subprocess.run(command, capture_output=True, text=True, env=env)
+        if done.returncode != 0:
+            message = child_failure(done.stderr)
+            if not message.startswith(f"run at G={num_generations}"):
+                message = f"run at G={num_generations} failed (exit {done.returncode}):\n{message}"
+            raise BenchmarkError(message)
+        return summarise_run(out, num_generations)
+
+
+def mib(value: float) -> str:
+    return f"{value / MIB:,.0f}"
+
+
+def print_table(settings: list[Setting]) -> None:
+    """The results table (rich renders it; plain text when stdout is not a terminal)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    base = settings[0].peak_over_load
+    table = Table(title="GRPO memory vs group size (peak RSS over the loaded model)")
+    for name in ("G", "micro_batch", "generation_batch", "RSS after load (MiB)",
+                 "peak over load (MiB)", f"x G={settings[0].num_generations}",
+                 "per-step peaks over load (MiB)", "tokens/s", "s/step"):
+        table.add_column(name, justify="left" if name.startswith("per-step") else "right")
+    for s in settings:
+        per_step = "; ".join(" / ".join(mib(p) for p in r.step_peaks_over_load) for r in s.runs)
+        table.add_row(str(s.num_generations), str(s.micro_batch), str(s.generation_batch),
+                      mib(s.rss_after_load), mib(s.peak_over_load),
+                      f"{s.peak_over_load / base:.3f}" if base > 0 else "-", per_step,
+                      f"{s.tokens_per_second:.1f}", f"{s.seconds_per_step:.2f}")
+    Console(width=max(160, Console().width)).print(table)
+
+
+def check_target(settings: list[Setting], max_ratio: float) -> tuple[bool, str]:
+    """peak(largest G) <= max_ratio x peak(smallest G); returns (met, one-line verdict)."""
+    small, large = settings[0], settings[-1]
+    limit = max_ratio * small.peak_over_load
+    met = large.peak_over_load <= limit
+    verdict = (f"target peak(G={large.num_generations}) <= {max_ratio:.2f} x "
+               f"peak(G={small.num_generations}): {mib(large.peak_over_load)} MiB vs limit "
+               f"{mib(limit)} MiB ({mib(small.peak_over_load)} MiB x {max_ratio:.2f}) -> "
+               f"{'met' if met else 'MISSED'}")
+    return met, verdict
+
+
+def run_parent(args: argparse.Namespace) -> int:
+    """Measure every G (fresh process each, repeats interleaved), print the table, check."""
+    env = child_env(args.child_env)
+    generations = sorted(set(args.generations))
+    if generations[0] < max(args.micro_batch, args.generation_batch):
+        print(f"warning: G={generations[0]} (one prompt per step) does not fill a chunk of "
+              f"micro_batch={args.micro_batch} / generation_batch={args.generation_batch}; "
+              "the comparison then favours the small G", file=sys.stderr)
+    prepare_model(args)
+    settings = {g: Setting(g, args.micro_batch, args.generation_batch) for g in generations}
+    started = time.perf_counter()
+    for repeat in range(args.repeats):
+        # repeats interleave the settings, so slow phases of a busy machine hit all G alike
+        for g in generations:
+            t0 = time.perf_counter()
+            result = measure(args, g, env)
+            settings[g].runs.append(result)
+            print(f"G={g} repeat {repeat + 1}/{args.repeats}: peak over load "
+                  f"{mib(result.peak_over_load)} MiB, {time.perf_counter() - t0:.0f} s",
+                  file=sys.stderr, flush=True)
+    ordered = [settings[g] for g in generations]
+    print_table(ordered)
+    met, verdict = check_target(ordered, args.max_ratio)
+    print(verdict)
+    print(f"model {args.model}, {args.steps} steps of 1 prompt x G, {args.max_new_tokens} new "
+          f"tokens, {args.repeats} repeat(s), {time.perf_counter() - started:.0f} s in all"
+          + (f", child env {' '.join(args.child_env)}" if args.child_env else "")
+          + ". Speeds depend on other load on this machine; memory does not.")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"command": sys.argv, "target_met": met, "verdict": verdict,
+             "max_ratio": args.max_ratio, "child_env": args.child_env,
+             "settings": [s.to_dict() for s in ordered]}, indent=2))
+    return 0 if met else 1
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return value
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--generations", type=positive, nargs="+", default=[2, 4, 8, 16],
+                   help="group sizes G to measure (each >= 2; the target compares the largest "
+                   "with the smallest)")
+    p.add_argument("--micro-batch", type=positive, default=2, help="memory.micro_batch, all runs")
+    p.add_argument("--generation-batch", type=positive, default=2,
+                   help="memory.generation_batch, all runs")
+    p.add_argument("--steps", type=positive, default=3, help="GRPO steps per run (>= 2)")
+    p.add_argument("--max-new-tokens", type=positive, default=32, help="algo.max_new_tokens")
+    p.add_argument("--model", default="builtin:small-realvocab", help="model.path")
+    p.add_argument("--repeats", type=positive, default=1,
+                   help="runs per G; the reported peak is their median")
+    p.add_argument("--max-ratio", type=float, default=1.10,
+                   help="target: peak(largest G) <= this x peak(smallest G)")
+    p.add_argument("--child-env", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="extra environment of the measured runs, e.g. MALLOC_ARENA_MAX=2")
+    p.add_argument("--json", metavar="PATH", help="also write the table and raw numbers here")
+    p.add_argument("--one", type=int, metavar="G", help=argparse.SUPPRESS)  # child mode
+    p.add_argument("--output-dir", help=argparse.SUPPRESS)  # child mode
+    p.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)  # build the model
+    args = p.parse_args(argv)
+    if args.one is not None and args.one < 2:
+        p.error(f"--one: G must be >= 2 (GRPO needs a group), got {args.one}")
+    if any(g < 2 for g in args.generations):
+        p.error(f"--generations: every G must be >= 2 (GRPO needs a group), got {args.generations}")
+    if args.one is None and not args.prepare and len(set(args.generations)) < 2:
+        p.error("--generations: give at least two different group sizes to compare")
+    if args.steps < 2:
+        p.error("--steps: need >= 2 (step 1 is left out of the speed medians)")
+    if args.max_ratio <= 0:
+        p.error(f"--max-ratio: must be > 0, got {args.max_ratio}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.prepare:
+            return run_prepare(args)
+        return run_child(args) if args.one is not None else run_parent(args)
+    except BenchmarkError as exc:
+        print(f"{ERROR_PREFIX}{exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

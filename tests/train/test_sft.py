@@ -1,0 +1,23 @@
+import random
+
+from r1fit.data.sample import Sample
+from r1fit.train.sft import build_targets, target_text
+
+
+def test_target_text_wraps_bare_and_tagged_solutions():
+    assert target_text("red", "look") == "<think>look</think><answer>red</answer>"
+    assert target_text("<answer> 3 </answer>", "look") == "<think>look</think><answer>3</answer>"
+    full = "<think>two circles</think><answer>2</answer>"
+    assert target_text(full, "look") == full
+
+
+def test_format_only_targets_use_answers_of_the_batch_not_the_row():
+    samples = [Sample([], f"q{i}", answer, "t") for i, answer in
+               enumerate(["red", "blue", "green", "yellow"] * 25)]
+    own = build_targets(samples, "x", None)
+    assert own == [f"<think>x</think><answer>{s.solution}</answer>" for s in samples]
+    shuffled = build_targets(samples, "x", random.Random(0))
+    answers = {t.split("<answer>")[1].split("</answer>")[0] for t in shuffled}
+    assert answers == {"red", "blue", "green", "yellow"}
+    matches = sum(a == b for a, b in zip(own, shuffled))
+    assert matches < 50  # about a quarter match by chance, not all
