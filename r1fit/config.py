@@ -36,9 +36,12 @@ def opt(default: Any, help: str, *, ge: float | None = None, gt: float | None = 
     return field(default=default, metadata=meta)
 
 
-DEFAULT_SYSTEM_PROMPT = (
-    "Think about the question inside <think> </think>, then give the final answer inside "
-    "<answer> </answer>."
+R1_SYSTEM_PROMPT = (
+    "A conversation between User and Assistant. The user asks a question about the image, and the "
+    "Assistant solves it. The Assistant first thinks about the reasoning process in the mind and "
+    "then provides the user with the answer. The reasoning process and answer are enclosed within "
+    "<think> </think> and <answer> </answer> tags, respectively, i.e., <think> reasoning process "
+    "here </think><answer> answer here </answer>"
 )
 
 
@@ -68,8 +71,10 @@ class ModelConfig:
 class ShapesConfig:
     kinds: list[str] = opt(["color"], "Question kinds of builtin:shapes: any of color, count, "
                            "position.")
-    image_size: int = opt(56, "Side of the square builtin:shapes images in pixels.", ge=28)
-    max_distractors: int = opt(1, "Most extra shapes drawn besides the asked-about one.", ge=0)
+    image_size: int = opt(112, "Side of the square builtin:shapes images in pixels (112 px = 16 "
+                          "image tokens; the tiny demo model learns far faster than at 56 px).",
+                          ge=28)
+    max_distractors: int = opt(0, "Most extra shapes drawn besides the asked-about one.", ge=0)
     train_size: int = opt(5000, "Number of builtin:shapes training questions.", ge=1)
 
 
@@ -80,14 +85,17 @@ class DataConfig:
     eval: str | None = opt("builtin:shapes", "Held-out prompts in the same format, or null for no "
                            "evaluation.")
     eval_size: int = opt(200, "Evaluate on at most this many held-out questions.", ge=1)
-    max_pixels: int = opt(56 * 56, "Images are resized (aspect kept) to at most this many pixels.",
-                          ge=28 * 28)
+    max_pixels: int = opt(112 * 112, "Images are resized (aspect kept) to at most this many "
+                          "pixels.", ge=28 * 28)
     min_pixels: int = opt(28 * 28, "Images are resized (aspect kept) to at least this many pixels.",
                           ge=28 * 28)
     max_images: int = opt(1, "Most images per row; rows with more are bad rows.", ge=0)
     max_bad_fraction: float = opt(0.05, "Stop with an error when more than this fraction of rows are "
                                   "bad (missing/corrupt image, missing field, bad JSON).", ge=0, le=1)
-    system_prompt: str = opt(DEFAULT_SYSTEM_PROMPT, "System message put before every prompt.")
+    system_prompt: str = opt("", "System message put before every prompt ('' = none). The demo "
+                             "uses none: on the tiny model a long system prompt dilutes attention "
+                             "to the image. For instruct models use an R1 prompt, e.g. "
+                             "r1fit.config.R1_SYSTEM_PROMPT (see configs/).")
     shapes: ShapesConfig = opt(ShapesConfig(), "Settings of the builtin:shapes task.")
 
 
@@ -114,11 +122,13 @@ class AlgoConfig:
 @dataclass
 class TrainConfig:
     output_dir: str = opt("runs/demo", "Where metrics.jsonl, checkpoints and the final model go.")
-    max_steps: int = opt(200, "GRPO steps (one rollout batch each, num_iterations updates each).",
+    max_steps: int = opt(120, "GRPO steps (one rollout batch each, num_iterations updates each).",
                          ge=0)
     seed: int = opt(0, "Seed of data order, sampling and initialisation.")
-    prompts_per_step: int = opt(8, "Prompts per step; each gets num_generations completions.", ge=1)
-    learning_rate: float = opt(2e-4, "Peak learning rate of AdamW.", gt=0)
+    prompts_per_step: int = opt(32, "Prompts per step; each gets num_generations completions.", ge=1)
+    learning_rate: float = opt(3e-3, "Peak learning rate of AdamW (the demo's value, for a "
+                               "random-init tiny model; use ~1e-6..1e-5 for a pre-trained VLM).",
+                               gt=0)
     lr_schedule: Literal["constant", "cosine", "linear"] = opt(
         "cosine", "Learning-rate shape after warm-up (decays to 10% of the peak).")
     warmup_steps: int = opt(5, "Linear learning-rate warm-up, in optimizer updates.", ge=0)
@@ -139,16 +149,17 @@ class SFTConfig:
         "<think>/<answer> format with the answer of a random row, teaching the format but not the "
         "task, so that GRPO's first rewards are not all zero. Set 0 for an instruct model.", ge=0)
     batch_size: int = opt(16, "Rows per supervised step.", ge=1)
-    learning_rate: float = opt(1e-3, "Peak learning rate of the supervised steps.", gt=0)
+    learning_rate: float = opt(1e-2, "Peak learning rate of the supervised steps (demo value; "
+                               "~1e-5 for a pre-trained VLM).", gt=0)
     think: str = opt("I look at the image.", "Text put inside <think> </think> in warm-up targets and "
                      "in solutions that lack the tags.")
 
 
 @dataclass
 class MemoryConfig:
-    micro_batch: int = opt(4, "Sequences per forward/backward; peak memory is set by this, not by "
+    micro_batch: int = opt(16, "Sequences per forward/backward; peak memory is set by this, not by "
                            "num_generations or prompts_per_step.", ge=1)
-    generation_batch: int = opt(32, "Sequences generated together (KV cache on).", ge=1)
+    generation_batch: int = opt(64, "Sequences generated together (KV cache on).", ge=1)
     gradient_checkpointing: bool = opt(True, "Recompute layer activations in the backward pass.")
     logits_chunk: int = opt(1024, "Tokens per chunk of the LM head; the full [tokens x vocab] logits "
                             "are never materialised.", ge=1)
@@ -156,7 +167,7 @@ class MemoryConfig:
 
 @dataclass
 class EvalConfig:
-    every: int = opt(25, "Evaluate every N GRPO steps (0 = only before and after training).", ge=0)
+    every: int = opt(20, "Evaluate every N GRPO steps (0 = only before and after training).", ge=0)
     before_train: bool = opt(True, "Evaluate once before GRPO starts (after the SFT warm-up).")
     batch: int = opt(64, "Questions generated together during evaluation (greedy).", ge=1)
 

@@ -10,7 +10,19 @@ import torch
 
 def peak_rss_bytes() -> int:
     """High-water mark of this process's resident memory since start or the last
-    :func:`reset_peak` (Linux reports KiB, macOS bytes)."""
+    :func:`reset_peak`.
+
+    Linux: ``VmHWM`` of /proc/self/status, which ``clear_refs`` resets. ``ru_maxrss`` is not used
+    there because a child inherits its parent's peak in it (a run started from a notebook that
+    holds a model would never log less than the notebook's peak). Elsewhere ``ru_maxrss``.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 

@@ -16,6 +16,7 @@ Departures from the GRPO paper, on purpose:
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any
 
@@ -26,7 +27,7 @@ from r1fit.algorithms.losses import grpo_loss
 from r1fit.config import Config
 from r1fit.data.dataset import PromptSampler
 from r1fit.memory.telemetry import peak_memory_bytes, reset_peak
-from r1fit.models.load import make_reference
+from r1fit.models.load import Reference, make_reference
 from r1fit.report.progress import progress_bar
 from r1fit.rewards.accuracy import accuracy
 from r1fit.rewards.registry import RewardScorer
@@ -49,12 +50,17 @@ def train_grpo(cfg: Config) -> dict[str, Any]:
     sampler = PromptSampler(len(train_set), seed=cfg.train.seed)
     bad_rows = BadRowCounter(train_set.bad_rows)
     scorer = RewardScorer(cfg.rewards)
-    reference = make_reference(model, cfg.model.path, lora_r=cfg.model.lora.r, beta=algo.beta,
-                               dtype=cfg.model.dtype, device=device)
-
     if cfg.sft.format_warmup_steps:  # teach the answer format so GRPO's first rewards are not all 0
         supervised_steps(run, train_set, cfg.sft.format_warmup_steps, format_only=True,
                          metrics_prefix="warmup/")
+    # the KL reference is the model GRPO starts from: after a warm-up (full fine-tuning) a frozen
+    # copy of the warmed-up policy; with LoRA the policy with adapters off, i.e. the base model
+    if algo.beta > 0 and cfg.sft.format_warmup_steps and cfg.model.lora.r == 0:
+        reference = Reference(copy.deepcopy(model).eval().requires_grad_(False),
+                              adapter_view=False)
+    else:
+        reference = make_reference(model, cfg.model.path, lora_r=cfg.model.lora.r,
+                                   beta=algo.beta, dtype=cfg.model.dtype, device=device)
 
     optimizer = build_optimizer(model, cfg.train.learning_rate, cfg.train.weight_decay)
     total_updates = cfg.train.max_steps * algo.num_iterations

@@ -22,7 +22,7 @@ STEP_KEYS = {"step", "loss", "reward_mean", "reward_std", "reward/accuracy", "re
 SMALL = ["train.max_steps=3", "train.prompts_per_step=2", "algo.num_generations=4",
          "algo.max_new_tokens=8", "sft.format_warmup_steps=2", "sft.batch_size=4",
          "data.eval_size=4", "eval.every=2", "memory.micro_batch=3", "memory.generation_batch=5",
-         "data.shapes.train_size=50"]
+         "data.shapes.train_size=50", "data.shapes.image_size=56", "data.max_pixels=3136"]
 
 
 def run_cli(*args: str) -> int:
@@ -63,10 +63,21 @@ def test_grpo_lora_with_kl_and_reused_rollouts(use_tiny_cache, tmp_path):
     assert (out / "final" / "adapter_model.safetensors").is_file()
 
 
+def test_full_finetuning_kl_reference_is_the_warmed_up_policy(use_tiny_cache, tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("train", f"train.output_dir={out}", *SMALL, "algo.beta=0.1") == 0
+    rows = step_rows(out)
+    # step 1 scores the policy before its first update against the reference: a copy of the
+    # warmed-up policy, so KL is 0 (the pre-warm-up model would give a large KL)
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert all(r["kl"] >= 0 for r in rows)
+
+
 def test_sft_three_steps_changes_weights(use_tiny_cache, tmp_path):
     out = tmp_path / "run"
     assert run_cli("sft", f"train.output_dir={out}", "sft.steps=3", "sft.batch_size=4",
-                   "data.eval_size=4", "data.shapes.train_size=50") == 0
+                   "data.eval_size=4", "data.shapes.train_size=50", "data.max_pixels=3136",
+                   "data.shapes.image_size=56") == 0
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in rows)
