@@ -3,7 +3,7 @@
 Command (a few minutes on 2 CPU cores):
 
     python benchmarks/memory_vs_group.py
-    # = --generations 2 4 8 16 --micro-batch 2 --generation-batch 2 --steps 3 --max-new-tokens 32
+    # = --generations 2 4 8 16 --micro-batch 1 --generation-batch 2 --steps 3 --max-new-tokens 32
     #   --model builtin:small-realvocab --repeats 1
 
 Target: peak memory over the loaded model at the largest G (16) is at most 1.10 x that at the
@@ -11,6 +11,13 @@ smallest G (2). r1fit generates ``memory.generation_batch`` rows at a time and b
 ``memory.micro_batch`` rows at a time, so the group size should only change how many chunks a step
 runs, not how much memory a chunk needs. Exit status: 0 when the target is met, 1 when it is
 missed (the failing comparison is printed), 2 on bad arguments or a failed run.
+
+Why micro-batch 1 by default: every G then runs at least two micro-batches, so every run pays the
+same gradient-accumulation transient (autograd adds each micro-batch's dense gradient of the
+151,936 x 256 embedding and LM head into ``.grad``: about +180 MiB while both exist). With
+``--micro-batch 2``, G=2 is a single micro-batch that skips it: measured here 1,291 MiB at G=2,
+then a flat 1,465 / 1,468 / 1,467 MiB at G=4 / 8 / 16 (ratio 1.136, target missed), i.e. a one-off
+step from one to two micro-batches, not growth with G.
 
 How it measures (see /work/shared/PITFALLS.md, "Measuring honestly"):
 - every (G, repeat) runs ``train_grpo`` in a fresh child process (``--one G``), because RSS is a
@@ -322,7 +329,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--generations", type=positive, nargs="+", default=[2, 4, 8, 16],
                    help="group sizes G to measure (each >= 2; the target compares the largest "
                    "with the smallest)")
-    p.add_argument("--micro-batch", type=positive, default=2, help="memory.micro_batch, all runs")
+    p.add_argument("--micro-batch", type=positive, default=1, help="memory.micro_batch, all runs")
     p.add_argument("--generation-batch", type=positive, default=2,
                    help="memory.generation_batch, all runs")
     p.add_argument("--steps", type=positive, default=3, help="GRPO steps per run (>= 2)")

@@ -100,11 +100,13 @@ class Run:
     train_set: PromptDataset
     eval_set: PromptDataset | None
     rss_after_load_bytes: int
+    started: float  # perf_counter() when the run started
 
 
 def start_run(cfg: Config, kind: str) -> Run:
     """Output folder and logging, then the data (cheap to check, so bad data fails before a big
     model loads), then the model."""
+    started = time.perf_counter()
     out = prepare_output_dir(cfg, kind)
     setup_logging(out)
     device = pick_device(cfg.train.device)
@@ -131,7 +133,7 @@ def start_run(cfg: Config, kind: str) -> Run:
     log.info("%s run: model %s (%.2fM params, %.2fM trainable) on %s -> %s", kind, m.path,
              total / 1e6, trainable / 1e6, device, out)
     return Run(cfg, out, device, model, processor, ids, MetricsWriter(out / "metrics.jsonl"),
-               train_set, eval_set, current_rss_bytes())
+               train_set, eval_set, current_rss_bytes(), started)
 
 
 def build_datasets(cfg: Config) -> tuple[PromptDataset, PromptDataset | None]:
@@ -223,7 +225,22 @@ def finish_summary(run: Run, history: list[dict[str, Any]], *, steps: int) -> di
         summary["eval_accuracy_end"] = evals[-1]["eval/accuracy"]
         summary["eval_format_end"] = evals[-1]["eval/format"]
         summary["eval_accuracy_gain"] = evals[-1]["eval/accuracy"] - evals[0]["eval/accuracy"]
+    summary["seconds"] = round(time.perf_counter() - run.started, 1)
     (run.out / "summary.json").write_text(json.dumps(summary, indent=2))
     run.metrics.close()
     log.info("summary: %s", json.dumps(summary))
+    if sys.stderr.isatty():
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"r1fit: {steps} steps in {summary['seconds']:.0f} s -> {run.out}")
+        table.add_column("evaluation")
+        table.add_column("step", justify="right")
+        table.add_column("accuracy", justify="right")
+        table.add_column("format", justify="right")
+        for i, row in enumerate(evals):
+            name = "start" if i == 0 else "end" if i == len(evals) - 1 else ""
+            table.add_row(name, str(row.get("step", "")), f"{row['eval/accuracy']:.3f}",
+                          f"{row['eval/format']:.3f}")
+        Console(stderr=True).print(table)
     return summary
