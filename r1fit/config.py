@@ -226,6 +226,24 @@ def _describe(tp: Any) -> str:
     return name.get(getattr(tp, "__name__", ""), str(tp))
 
 
+def _number(value: Any, tp: type, bad: ConfigError) -> int | float:
+    """An int or float from a number or a numeric string; bools and fractional ints are bad."""
+    if isinstance(value, bool):
+        raise bad
+    if isinstance(value, str):
+        try:
+            value = float(value) if tp is float else int(value)
+        except ValueError:
+            raise bad from None
+    if tp is int and isinstance(value, float):
+        if not value.is_integer():
+            raise bad
+        value = int(value)
+    if isinstance(value, (int, float)):
+        return tp(value)
+    raise bad
+
+
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Check ``value`` against the annotation ``tp`` (with YAML-ish string coercion)."""
     origin = typing.get_origin(tp)
@@ -254,30 +272,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
             return value.lower() in ("true", "yes", "1")
         raise bad
-    if tp is int:
-        if isinstance(value, bool):
-            raise bad
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                raise bad from None
-        raise bad
-    if tp is float:
-        if isinstance(value, bool):
-            raise bad
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                raise bad from None
-        raise bad
+    if tp in (int, float):
+        return _number(value, tp, bad)
     if tp is str:
         if isinstance(value, str):
             return value
