@@ -4,6 +4,7 @@ Command (a few minutes on 2 CPU cores):
 
     python benchmarks/memory_vs_group.py
     # = --generations 2 4 8 16 --micro-batch 1 --generation-batch 2 --steps 3 --max-new-tokens 32
+    #   --beta 0.04
     #   --model builtin:small-realvocab --repeats 1
 
 Target: peak memory over the loaded model at the largest G (16) is at most 1.10 x that at the
@@ -121,6 +122,7 @@ def run_overrides(args: argparse.Namespace, num_generations: int, output_dir: Pa
             "train.prompts_per_step=1",
             f"algo.max_new_tokens={args.max_new_tokens}",
             "sft.format_warmup_steps=0",
+            f"algo.beta={args.beta}",
             "data.eval=null",
             "data.shapes.train_size=64",  # a few steps need a few rows; keeps set-up short
             f"train.max_steps={args.steps}",
@@ -216,7 +218,8 @@ def child_command(args: argparse.Namespace, *mode: str) -> list[str]:
     """This script in a child mode, with the settings every run shares."""
     return [sys.executable, os.path.abspath(__file__), *mode, "--model", args.model,
             "--micro-batch", str(args.micro_batch), "--generation-batch", str(args.generation_batch),
-            "--steps", str(args.steps), "--max-new-tokens", str(args.max_new_tokens)]
+            "--steps", str(args.steps), "--max-new-tokens", str(args.max_new_tokens),
+            "--beta", str(args.beta)]
 
 
 def prepare_model(args: argparse.Namespace) -> None:
@@ -330,6 +333,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="group sizes G to measure (each >= 2; the target compares the largest "
                    "with the smallest)")
     p.add_argument("--micro-batch", type=positive, default=1, help="memory.micro_batch, all runs")
+    p.add_argument("--beta", type=float, default=0.04,
+                   help="algo.beta, all runs (> 0: a frozen reference copy is loaded and its "
+                        "log-probs computed in micro-batches every step)")
     p.add_argument("--generation-batch", type=positive, default=2,
                    help="memory.generation_batch, all runs")
     p.add_argument("--steps", type=positive, default=3, help="GRPO steps per run (>= 2)")
