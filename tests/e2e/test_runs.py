@@ -150,3 +150,17 @@ def test_refuses_to_mix_runs(use_tiny_cache, tmp_path, capsys):
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
     assert run_cli("train", f"train.output_dir={out}", *SMALL) == 2
     assert "train.overwrite=true" in capsys.readouterr().err
+
+
+def test_multi_image_rows_and_lora(use_tiny_cache, tmp_path):
+    """Rows with two images of different sizes go through generation and the update."""
+    Image.new("RGB", (56, 56), "red").save(tmp_path / "a.png")
+    Image.new("RGB", (84, 56), "blue").save(tmp_path / "b.png")
+    rows = [json.dumps({"image": ["a.png", "b.png"], "problem": "Which image is red, first or "
+                        "second?", "solution": "first"}) for _ in range(8)]
+    (tmp_path / "pairs.jsonl").write_text("\n".join(rows) + "\n")
+    out = tmp_path / "run"
+    assert run_cli("train", f"train.output_dir={out}", *SMALL, f"data.train={tmp_path / 'pairs.jsonl'}",
+                   f"data.eval={tmp_path / 'pairs.jsonl'}", "data.max_images=2",
+                   "model.lora.r=4") == 0
+    assert [r["step"] for r in step_rows(out)] == [1, 2, 3]
