@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
-import torch
 from torch import Tensor
 
 AdvantageEstimator = Callable[[Tensor, int], Tensor]

@@ -131,8 +131,10 @@ def train_grpo(cfg: Config) -> dict[str, Any]:
                    "learning_rate": scheduler.get_last_lr()[0],
                    "peak_memory_bytes": peak_memory_bytes(device),
                    "bad_rows": bad_rows.count, "reward_errors": scorer.total_errors}
-            if eval_set is not None and cfg.eval.every and step % cfg.eval.every == 0 \
-                    and step != cfg.train.max_steps:
+            # evaluations go into the step's own line (the last step always evaluates), so every
+            # step appears exactly once in metrics.jsonl
+            if eval_set is not None and (step == cfg.train.max_steps or
+                                         (cfg.eval.every and step % cfg.eval.every == 0)):
                 row.update(evaluate(model, processor, eval_set, cfg, run.ids, device))
                 history.append({"step": step, **{k: v for k, v in row.items() if "eval/" in k}})
                 if row["eval/accuracy"] > best:
@@ -148,11 +150,6 @@ def train_grpo(cfg: Config) -> dict[str, Any]:
                          "evaluations", step, best, since_best)
                 break
 
-    final: dict[str, Any] = {"step": step}
-    if eval_set is not None:
-        final.update(evaluate(model, processor, eval_set, cfg, run.ids, device))
-        run.metrics.write(final)
-        history.append(final)
     save_model(model, processor, run.out / "final")
     return finish_summary(run, history, steps=step)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -50,9 +50,12 @@ def build_targets(samples: list[Sample], think: str, rng: random.Random | None) 
 
 
 def supervised_steps(run: Run, dataset: PromptDataset, steps: int, *, format_only: bool,
-                     metrics_prefix: str = "") -> list[dict[str, float]]:
+                     metrics_prefix: str = "",
+                     final_eval: Callable[[], dict[str, Any]] | None = None
+                     ) -> list[dict[str, Any]]:
     """``steps`` SFT updates with their own AdamW and schedule; one metrics row per step.
-    ``format_only`` learns the answer format with random answers (the warm-up before GRPO)."""
+    ``format_only`` learns the answer format with random answers (the warm-up before GRPO);
+    ``final_eval``'s results go into the last step's row."""
     cfg, model, processor = run.cfg, run.model, run.processor
     sampler = PromptSampler(len(dataset), seed=cfg.train.seed + 1)
     rng = random.Random(cfg.train.seed + 1) if format_only else None
@@ -92,6 +95,8 @@ def supervised_steps(run: Run, dataset: PromptDataset, steps: int, *, format_onl
                    f"{metrics_prefix}tokens_per_second": total_tokens / seconds,
                    f"{metrics_prefix}peak_memory_bytes": peak_memory_bytes(run.device),
                    f"{metrics_prefix}bad_rows": bad_rows.count}
+            if final_eval is not None and step == steps:
+                row.update(final_eval())
             run.metrics.write(row)
             rows_out.append(row)
             advance(f"loss {loss_sum:.3f}")
@@ -107,10 +112,11 @@ def train_sft(cfg: Config) -> dict[str, Any]:
         history.append({"step": 0, **evaluate(run.model, run.processor, eval_set, cfg, run.ids,
                                               run.device)})
         run.metrics.write(history[-1])
-    supervised_steps(run, train_set, cfg.sft.steps, format_only=False)
+    final_eval = None
     if eval_set is not None:
-        history.append({"step": cfg.sft.steps, **evaluate(run.model, run.processor, eval_set, cfg,
-                                                          run.ids, run.device)})
-        run.metrics.write(history[-1])
+        def final_eval() -> dict[str, Any]:
+            return evaluate(run.model, run.processor, eval_set, cfg, run.ids, run.device)
+    rows = supervised_steps(run, train_set, cfg.sft.steps, format_only=False, final_eval=final_eval)
+    history.extend(r for r in rows if "eval/accuracy" in r)
     save_model(run.model, run.processor, run.out / "final")
     return finish_summary(run, history, steps=cfg.sft.steps)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -44,8 +43,11 @@ def test_grpo_three_steps_full_finetuning(use_tiny_cache, tmp_path):
         assert math.isfinite(row["loss"]) and row["peak_memory_bytes"] > 0
         assert row["completion_len_mean"] <= 8
     assert any(r["grad_norm"] > 0 for r in rows) or all(r["reward_std"] == 0 for r in rows)
-    evals = [r for r in read_metrics(out / "metrics.jsonl") if "eval/accuracy" in r]
+    all_rows = read_metrics(out / "metrics.jsonl")
+    evals = [r for r in all_rows if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 2, 3]
+    # every step once; evaluations ride on their step's line
+    assert [r["step"] for r in all_rows if "step" in r] == [0, 1, 2, 3]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 3
     model = AutoModelForImageTextToText.from_pretrained(out / "final")
@@ -80,6 +82,10 @@ def test_sft_three_steps_changes_weights(use_tiny_cache, tmp_path):
                    "data.shapes.image_size=56") == 0
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
+    assert "eval/accuracy" in rows[-1]  # the final evaluation rides on the last step's line
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2, 3]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_accuracy_end"] == rows[-1]["eval/accuracy"]
     assert all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in rows)
     before = AutoModelForImageTextToText.from_pretrained(use_tiny_cache / "models" / "tiny-v1")
     after = AutoModelForImageTextToText.from_pretrained(out / "final")
