@@ -182,11 +182,21 @@ def decode(processor: Any, completions: Sequence[torch.Tensor]) -> list[str]:
 @torch.no_grad()
 def evaluate(model: Any, processor: Any, dataset: PromptDataset, cfg: Config, ids: TokenIds,
              device: torch.device) -> dict[str, float]:
-    """Greedy decoding on the held-out set: accuracy and format rate (under inference mode)."""
+    """Greedy decoding on the held-out set: accuracy and format rate (under inference mode).
+
+    Rows whose image fails to decode are skipped with a warning, counted in ``eval/bad_rows`` and
+    left out of the averages (``eval/size`` is the number actually scored)."""
     settings = SamplingSettings(max_new_tokens=cfg.algo.max_new_tokens, greedy=True)
     correct = formatted = 0.0
+    scored = bad = 0
     for start in range(0, len(dataset), cfg.eval.batch):
-        samples, _ = dataset.fetch(list(range(start, min(start + cfg.eval.batch, len(dataset)))))
+        samples, errors = dataset.fetch(list(range(start, min(start + cfg.eval.batch,
+                                                               len(dataset)))))
+        for message in errors:
+            log.warning("eval: skipping %s", message)
+        bad += len(errors)
+        if not samples:
+            continue
         prompts = encode_prompts(processor, samples, cfg.data.system_prompt)
         with torch.inference_mode():
             completions = generate_completions(model, prompts, repeats=1,
@@ -195,8 +205,10 @@ def evaluate(model: Any, processor: Any, dataset: PromptDataset, cfg: Config, id
         for sample, text in zip(samples, decode(processor, completions)):
             correct += accuracy(text, sample.solution, problem=sample.problem)
             formatted += format_reward(text, sample.solution, problem=sample.problem)
-    n = max(1, len(dataset))
-    return {"eval/accuracy": correct / n, "eval/format": formatted / n, "eval/size": len(dataset)}
+        scored += len(samples)
+    n = max(1, scored)
+    return {"eval/accuracy": correct / n, "eval/format": formatted / n, "eval/size": scored,
+            "eval/bad_rows": bad}
 
 
 def save_model(model: Any, processor: Any, folder: Path) -> None:

@@ -170,3 +170,33 @@ def test_multi_image_rows_and_lora(use_tiny_cache, tmp_path):
                    f"data.eval={tmp_path / 'pairs.jsonl'}", "data.max_images=2",
                    "model.lora.r=4") == 0
     assert [r["step"] for r in step_rows(out)] == [1, 2, 3]
+
+
+def test_eval_rows_that_fail_to_decode_are_counted_not_scored(use_tiny_cache, tmp_path,
+                                                              monkeypatch):
+    """An image that passed the load-time check but fails when decoded (e.g. deleted or truncated
+    in between) is skipped with a warning, counted, and left out of the averages."""
+    import r1fit.data.jsonl as jsonl
+    from r1fit.data.errors import BadRowError
+
+    for name in ("red", "gone"):
+        Image.new("RGB", (56, 56), "red").save(tmp_path / f"{name}.png")
+    rows = [{"image": "red.png", "problem": "Colour?", "solution": "red"}] * 5 + \
+        [{"image": "gone.png", "problem": "Colour?", "solution": "red"}]
+    (tmp_path / "eval.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    real_load = jsonl.load_image
+
+    def load_image(path):
+        if Path(path).name == "gone.png":
+            raise BadRowError(f"image not found: {path}")
+        return real_load(path)
+
+    monkeypatch.setattr(jsonl, "load_image", load_image)
+    out = tmp_path / "run"
+    code = run_cli("train", f"train.output_dir={out}", *SMALL, f"data.eval={tmp_path / 'eval.jsonl'}",
+                   "train.max_steps=1", "data.eval_size=10")
+    assert code == 0
+    evals = [r for r in read_metrics(out / "metrics.jsonl") if "eval/accuracy" in r]
+    assert len(evals) == 2
+    assert all(r["eval/size"] == 5 and r["eval/bad_rows"] == 1 for r in evals)
+    assert "eval: skipping" in (out / "log.txt").read_text()
