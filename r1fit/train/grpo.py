@@ -37,7 +37,7 @@ from r1fit.rollout.generate import SamplingSettings, generate_completions
 from r1fit.train.common import (BadRowCounter, decode, evaluate, finish_summary,
                                 save_model, start_run, timed)
 from r1fit.train.forward import completion_logprobs, logprobs_in_micro_batches, micro_batches
-from r1fit.train.optim import build_optimizer, build_scheduler
+from r1fit.train.optim import build_optimizer, build_scheduler, clip_and_step
 from r1fit.train.sft import supervised_steps
 
 log = logging.getLogger("r1fit.grpo")
@@ -97,8 +97,11 @@ def train_grpo(cfg: Config) -> dict[str, Any]:
                                        [{"problem": s.problem} for s in row_samples])
                 advantages = group_advantages(rewards.total, algo.num_generations,
                                               scale_std=algo.scale_rewards)
-                correct = [accuracy(t, s.solution, problem=s.problem)
-                           for t, s in zip(texts, row_samples)]
+                # the logged accuracy: the reward component when configured, else scored here
+                correct = (rewards.components["accuracy"].tolist()
+                           if "accuracy" in rewards.components else
+                           [accuracy(t, s.solution, problem=s.problem)
+                            for t, s in zip(texts, row_samples)])
 
             # 3. update: old/reference log-probs once, then mu clipped updates on this rollout
             with timed(times, "seconds_update"):
@@ -162,11 +165,7 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
     optimizer.zero_grad(set_to_none=True)
     sums = accumulate_policy_gradients(model, rows, completions, advantages, old_logp, ref_logp,
                                        cfg, pad_id, device)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    max_norm = cfg.train.max_grad_norm or float("inf")
-    sums["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
-    optimizer.step()
-    scheduler.step()
+    sums["grad_norm"] = clip_and_step(optimizer, scheduler, cfg.train.max_grad_norm)
     return sums
 
 

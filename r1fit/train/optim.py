@@ -42,3 +42,14 @@ def lr_lambda(schedule: str, warmup: int, total: int, floor: float = 0.1):
 def build_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup: int,
                     total: int) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(schedule, warmup, total))
+
+
+def clip_and_step(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+                  max_grad_norm: float) -> float:
+    """Clip the accumulated gradients (0 = no clipping), step optimizer and schedule; returns the
+    gradient norm before clipping."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf")).item()
+    optimizer.step()
+    scheduler.step()
+    return grad_norm

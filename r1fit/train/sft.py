@@ -25,7 +25,7 @@ from r1fit.rollout.batch import collate, encode_prompts
 from r1fit.train.common import (BadRowCounter, Run, evaluate, finish_summary,
                                 save_model, start_run)
 from r1fit.train.forward import completion_logprobs, micro_batches
-from r1fit.train.optim import build_optimizer, build_scheduler
+from r1fit.train.optim import build_optimizer, build_scheduler, clip_and_step
 
 log = logging.getLogger("r1fit.sft")
 
@@ -84,11 +84,7 @@ def supervised_steps(run: Run, dataset: PromptDataset, steps: int, *, format_onl
                 loss = -(logp * batch.completion_mask).sum() / total_tokens
                 loss.backward()
                 loss_sum += loss.item()
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                params, cfg.train.max_grad_norm or float("inf")).item()
-            optimizer.step()
-            scheduler.step()
+            grad_norm = clip_and_step(optimizer, scheduler, cfg.train.max_grad_norm)
             seconds = time.perf_counter() - start
             row = {f"{metrics_prefix}step": step, f"{metrics_prefix}loss": loss_sum,
                    f"{metrics_prefix}grad_norm": grad_norm,
