@@ -176,7 +176,21 @@ class EvalConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = opt(0, "Save the model every N steps (0 = only at the end).", ge=0)
+    every: int = opt(20, "Save a checkpoint every N steps and at the last step (0 = none; the "
+                     "final model is saved either way).", ge=0)
+    keep: int = opt(2, "Keep the newest N complete checkpoints (0 = all).", ge=0)
+    keep_best_by: str = opt("", "Also keep the checkpoint with the best value of this metric "
+                            "(e.g. 'eval/accuracy'; it must be in the saved step's metrics row).")
+    keep_best_mode: Literal["max", "min"] = opt("max", "Whether keep_best_by is best when highest "
+                                                "or lowest.")
+    weights_only: bool = opt(False, "Save only the model (and the data position): smaller, but "
+                             "resuming needs resume_weights_only=true and restarts the optimizer.")
+    resume: str = opt("auto", "'auto': continue from the newest complete checkpoint in "
+                      "output_dir; 'never': start fresh; or a checkpoint folder to continue from.")
+    resume_weights_only: bool = opt(False, "Allow resuming from a weights-only checkpoint: "
+                                    "continue from its step with a fresh optimizer and RNG.")
+    allow_config_change: bool = opt(False, "Allow resuming with settings that change the "
+                                    "trajectory (learning rate, algorithm, data...).")
 
 
 @dataclass
@@ -191,7 +205,7 @@ class Config:
     sft: SFTConfig = opt(SFTConfig(), "Supervised fine-tuning (and the warm-up before GRPO).")
     memory: MemoryConfig = opt(MemoryConfig(), "What bounds peak memory.")
     eval: EvalConfig = opt(EvalConfig(), "Held-out evaluation.")
-    checkpoint: CheckpointConfig = opt(CheckpointConfig(), "Saving.")
+    checkpoint: CheckpointConfig = opt(CheckpointConfig(), "Checkpoints and resume.")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -12,6 +12,7 @@ import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -228,10 +229,33 @@ def make_reference(
         if not isinstance(policy, PeftModel):
             raise ModelConfigError(f"lora_r={lora_r} but the policy has no LoRA adapters (load it with load_policy)")
         return Reference(policy, adapter_view=True)
+    return Reference(load_frozen(path, dtype=dtype, device=device,
+                                 attn_implementation=attn_implementation), adapter_view=False)
+
+
+def load_frozen(path: str, *, dtype: str, device: torch.device | str,
+                attn_implementation: str = "sdpa") -> PreTrainedModel:
+    """A model from `path` in eval mode with no gradients (a KL reference)."""
     folder = resolve_model_path(path)
     ref = _from_pretrained(folder, path, dtype=dtype, device=device, attn_implementation=attn_implementation)
-    ref.eval().requires_grad_(False)
-    return Reference(ref, adapter_view=False)
+    return ref.eval().requires_grad_(False)
+
+
+def load_adapter_weights(model: nn.Module, folder: str | Path) -> None:
+    """Load the LoRA adapter saved in ``folder`` into ``model`` (a `PeftModel` with the same
+    adapter layout); every adapter weight must be there and nothing else."""
+    from peft import load_peft_weights, set_peft_model_state_dict
+
+    if not isinstance(model, PeftModel):
+        raise ModelConfigError(f"{folder} holds a LoRA adapter but the policy has none "
+                               "(model.lora.r is 0)")
+    weights = load_peft_weights(str(folder), device="cpu")
+    result = set_peft_model_state_dict(model, weights)
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing or result.unexpected_keys:
+        raise ModelConfigError(f"{folder}: the adapter does not match the model "
+                               f"(missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}); "
+                               "was it saved with other model.lora settings?")
 
 
 def unwrap(model: nn.Module) -> PreTrainedModel:

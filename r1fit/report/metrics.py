@@ -22,10 +22,17 @@ class MetricsWriter:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # rows already there (a resumed run continues the file); checkpoints record the count
+        self.lines = (sum(1 for _ in self.path.open(encoding="utf-8"))
+                      if self.path.is_file() else 0)
         self._file = self.path.open("a", encoding="utf-8")
 
     def write(self, row: dict[str, Any]) -> None:
         self._file.write(json.dumps({k: _plain(v) for k, v in row.items()}) + "\n")
+        self._file.flush()
+        self.lines += 1
+
+    def flush(self) -> None:
         self._file.flush()
 
     def close(self) -> None:

@@ -11,8 +11,9 @@ log = logging.getLogger("r1fit")
 
 
 @contextmanager
-def progress_bar(title: str, total: int) -> Iterator[Callable[[str], None]]:
-    """Yields ``advance(status)``, to be called once per step."""
+def progress_bar(title: str, total: int, completed: int = 0) -> Iterator[Callable[[str], None]]:
+    """Yields ``advance(status)``, to be called once per step; ``completed`` steps were done
+    before (a resumed run)."""
     if sys.stderr.isatty():
         from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                    TimeElapsedColumn, TimeRemainingColumn)
@@ -20,10 +21,10 @@ def progress_bar(title: str, total: int) -> Iterator[Callable[[str], None]]:
         columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[status]}"))
         with Progress(*columns, transient=False) as progress:
-            task = progress.add_task(title, total=total, status="")
+            task = progress.add_task(title, total=total, completed=completed, status="")
             yield lambda status: progress.update(task, advance=1, status=status)
         return
-    done = 0
+    done = completed
     every = max(1, total // 20)
 
     def advance(status: str) -> None:

@@ -191,6 +191,14 @@ class RewardScorer:
         """Cumulative failed calls per reward name."""
         self._logged: set[str] = set()
 
+    def state_dict(self) -> dict[str, Any]:
+        """The error counts (a checkpoint carries them, so ``reward_errors`` keeps counting)."""
+        return {"total_errors": self.total_errors, "errors_by_reward": dict(self.errors_by_reward)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.total_errors = int(state["total_errors"])
+        self.errors_by_reward.update(state["errors_by_reward"])
+
     def _call(
         self, name: str, index: int, completion: str, solution: str, info: dict[str, Any]
     ) -> tuple[float, str | None]:

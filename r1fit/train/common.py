@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.handlers
 import random
-import shutil
 import sys
 import time
 from contextlib import contextmanager
@@ -16,13 +16,15 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
+from r1fit.checkpoint.manager import MODEL_DIR, CheckpointManager, ResumePoint
+from r1fit.checkpoint.resume import open_output_dir
 from r1fit.config import Config
 from r1fit.data.dataset import PromptDataset, PromptSampler, load_dataset
 from r1fit.data.sample import Sample
 from r1fit.data.shapes import ShapesSpec
 from r1fit.memory.telemetry import current_rss_bytes
-from r1fit.models.load import load_policy, special_token_ids
-from r1fit.report.metrics import MetricsWriter
+from r1fit.models.load import load_adapter_weights, load_policy, special_token_ids
+from r1fit.report.metrics import MetricsWriter, read_metrics
 from r1fit.rewards.accuracy import accuracy
 from r1fit.rewards.format import format_reward
 from r1fit.rollout.batch import encode_prompts
@@ -50,21 +52,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def prepare_output_dir(cfg: Config, kind: str) -> Path:
-    """Create the output folder; refuse to mix a new run into an old run's metrics."""
-    out = Path(cfg.train.output_dir)
-    metrics = out / "metrics.jsonl"
-    if metrics.exists() and metrics.stat().st_size > 0:
-        if not cfg.train.overwrite:
-            raise RunError(f"{out} already holds a run (metrics.jsonl); choose another "
-                           "train.output_dir or pass train.overwrite=true to replace it")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+def write_run_config(out: Path, cfg: Config, kind: str) -> None:
     (out / "config.json").write_text(json.dumps({"kind": kind, **cfg.to_dict()}, indent=2))
-    return out
 
 
-def setup_logging(out: Path) -> None:
+def setup_logging(out: Path | None) -> None:
     """Log to the terminal (rich when it is one) and to ``<output_dir>/log.txt``."""
     root = logging.getLogger("r1fit")
     root.setLevel(logging.INFO)
@@ -72,8 +64,11 @@ def setup_logging(out: Path) -> None:
         if getattr(handler, "_r1fit", False):
             root.removeHandler(handler)
             handler.close()
-    file_handler = logging.FileHandler(out / "log.txt")
-    file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handlers: list[logging.Handler] = []
+    if out is not None:
+        handlers.append(logging.FileHandler(out / "log.txt"))
+        handlers[0].setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: "
+                                                   "%(message)s"))
     if sys.stderr.isatty():
         from rich.logging import RichHandler
 
@@ -81,7 +76,7 @@ def setup_logging(out: Path) -> None:
     else:
         term = logging.StreamHandler()
         term.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    for handler in (file_handler, term):
+    for handler in (*handlers, term):
         handler._r1fit = True  # type: ignore[attr-defined]
         root.addHandler(handler)
 
@@ -101,23 +96,30 @@ class Run:
     eval_set: PromptDataset | None
     rss_after_load_bytes: int
     started: float  # perf_counter() when the run started
+    checkpoints: CheckpointManager
 
 
 def start_run(cfg: Config, kind: str) -> Run:
     """Output folder and logging, then the data (cheap to check, so bad data fails before a big
     model loads), then the model."""
     started = time.perf_counter()
-    out = prepare_output_dir(cfg, kind)
+    setup_logging(None)  # the terminal first: choosing the resume point may warn
+    early = logging.handlers.BufferingHandler(capacity=10_000)
+    logging.getLogger("r1fit").addHandler(early)
+    try:
+        out, resume = open_output_dir(cfg, kind)
+    finally:
+        logging.getLogger("r1fit").removeHandler(early)
+    write_run_config(out, cfg, kind)
     setup_logging(out)
+    for record in early.buffer:  # what was said before log.txt existed goes into it too
+        for handler in logging.getLogger("r1fit").handlers:
+            if isinstance(handler, logging.FileHandler):
+                handler.handle(record)
     device = pick_device(cfg.train.device)
     seed_everything(cfg.train.seed)
     train_set, eval_set = build_datasets(cfg)
-    m = cfg.model
-    model, processor = load_policy(
-        m.path, lora_r=m.lora.r, lora_alpha=m.lora.alpha, lora_dropout=m.lora.dropout,
-        lora_target=m.lora.target, freeze_vision=m.freeze_vision, dtype=m.dtype, device=device,
-        gradient_checkpointing=cfg.memory.gradient_checkpointing,
-        attn_implementation=m.attn_implementation)
+    model, processor = load_run_model(cfg, device, resume)
     special = special_token_ids(model, processor)
     # a completion ends at <|im_end|> or, if the model emits it, at <|endoftext|> (Qwen's
     # generation_config stops at both)
@@ -130,10 +132,31 @@ def start_run(cfg: Config, kind: str) -> Run:
                    blocked=[special["image_pad"], special["video_pad"]])
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    log.info("%s run: model %s (%.2fM params, %.2fM trainable) on %s -> %s", kind, m.path,
-             total / 1e6, trainable / 1e6, device, out)
-    return Run(cfg, out, device, model, processor, ids, MetricsWriter(out / "metrics.jsonl"),
-               train_set, eval_set, current_rss_bytes(), started)
+    log.info("%s run: model %s (%.2fM params, %.2fM trainable) on %s -> %s", kind,
+             cfg.model.path + (f" resumed from {resume.path}" if resume else ""), total / 1e6, trainable / 1e6, device, out)
+    metrics = MetricsWriter(out / "metrics.jsonl")
+    checkpoints = CheckpointManager(out, cfg, kind, resume)
+    checkpoints.models["model"] = (model, processor)
+    checkpoints.metrics_lines = lambda: metrics.lines
+    return Run(cfg, out, device, model, processor, ids, metrics, train_set, eval_set,
+               current_rss_bytes(), started, checkpoints)
+
+
+def load_run_model(cfg: Config, device: torch.device, resume: ResumePoint | None) -> tuple[Any, Any]:
+    """The policy and processor: from ``model.path``, or from the checkpoint being resumed (a
+    full model folder, or ``model.path`` plus the saved LoRA adapter)."""
+    m = cfg.model
+    saved = resume.path / MODEL_DIR if resume is not None else None
+    adapter = saved is not None and (saved / "adapter_config.json").is_file()
+    model, processor = load_policy(
+        str(saved) if saved is not None and not adapter else m.path, lora_r=m.lora.r,
+        lora_alpha=m.lora.alpha, lora_dropout=m.lora.dropout, lora_target=m.lora.target,
+        freeze_vision=m.freeze_vision, dtype=m.dtype, device=device,
+        gradient_checkpointing=cfg.memory.gradient_checkpointing,
+        attn_implementation=m.attn_implementation)
+    if adapter:
+        load_adapter_weights(model, saved)
+    return model, processor
 
 
 def build_datasets(cfg: Config) -> tuple[PromptDataset, PromptDataset | None]:
@@ -156,6 +179,12 @@ class BadRowCounter:
 
     def __init__(self, start: int = 0) -> None:
         self.count = start
+
+    def state_dict(self) -> dict[str, int]:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.count = int(state["count"])
 
     def fetch(self, dataset: PromptDataset, sampler: PromptSampler, k: int) -> list[Sample]:
         """``k`` good samples from the sampler's stream, skipping (and counting) bad rows."""
@@ -227,11 +256,18 @@ def timed(into: dict[str, float], key: str) -> Iterator[None]:
         into[key] = into.get(key, 0.0) + time.perf_counter() - start
 
 
-def finish_summary(run: Run, history: list[dict[str, Any]], *, steps: int) -> dict[str, Any]:
+def eval_history(run: Run) -> list[dict[str, Any]]:
+    """The evaluations of this run so far (from metrics.jsonl, so a resumed run has them all)."""
+    run.metrics.flush()
+    return [{"step": row.get("step"), **{k: v for k, v in row.items() if k.startswith("eval/")}}
+            for row in read_metrics(run.metrics.path) if "eval/accuracy" in row]
+
+
+def finish_summary(run: Run, *, steps: int) -> dict[str, Any]:
     """Write ``summary.json`` (first/last evaluation, steps) and print it."""
     summary: dict[str, Any] = {"output_dir": str(run.out), "steps": steps,
                                "rss_after_load_bytes": run.rss_after_load_bytes}
-    evals = [h for h in history if "eval/accuracy" in h]
+    evals = eval_history(run)
     if evals:
         summary["eval_accuracy_start"] = evals[0]["eval/accuracy"]
         summary["eval_accuracy_end"] = evals[-1]["eval/accuracy"]

@@ -25,10 +25,11 @@ import torch
 
 from r1fit.algorithms.advantages import group_advantages
 from r1fit.algorithms.losses import grpo_loss
+from r1fit.checkpoint.state import Counters, OptimizerState, RngState
 from r1fit.config import Config
 from r1fit.data.dataset import PromptSampler
 from r1fit.memory.telemetry import peak_memory_bytes, reset_peak
-from r1fit.models.load import Reference, make_reference
+from r1fit.models.load import Reference, load_frozen, make_reference
 from r1fit.report.progress import progress_bar
 from r1fit.rewards.accuracy import accuracy
 from r1fit.rewards.registry import RewardScorer
@@ -47,18 +48,20 @@ def train_grpo(cfg: Config) -> dict[str, Any]:
     """Run GRPO as configured; returns the summary (also written to ``summary.json``)."""
     run = start_run(cfg, "grpo")
     model, processor, device, algo = run.model, run.processor, run.device, cfg.algo
-    train_set, eval_set = run.train_set, run.eval_set
-    sampler = PromptSampler(len(train_set), seed=cfg.train.seed)
-    bad_rows = BadRowCounter(train_set.bad_rows)
-    scorer = RewardScorer(cfg.rewards)
-    if cfg.sft.format_warmup_steps:  # teach the answer format so GRPO's first rewards are not all 0
+    train_set, eval_set, checkpoints = run.train_set, run.eval_set, run.checkpoints
+    if cfg.sft.format_warmup_steps and not checkpoints.phase_done("warmup"):
+        # teach the answer format so GRPO's first rewards are not all 0
         supervised_steps(run, train_set, cfg.sft.format_warmup_steps, format_only=True,
                          metrics_prefix="warmup/")
     # the KL reference is the model GRPO starts from: after a warm-up (full fine-tuning) a frozen
-    # copy of the warmed-up policy; with LoRA the policy with adapters off, i.e. the base model
+    # copy of the warmed-up policy (saved in checkpoints, since it is no longer on disk); with
+    # LoRA the policy with adapters off, i.e. the base model
     if algo.beta > 0 and cfg.sft.format_warmup_steps and cfg.model.lora.r == 0:
-        reference = Reference(copy.deepcopy(model).eval().requires_grad_(False),
-                              adapter_view=False)
+        saved = checkpoints.saved_model("reference")
+        frozen = (load_frozen(str(saved), dtype=cfg.model.dtype, device=device) if saved else
+                  copy.deepcopy(model).eval().requires_grad_(False))
+        reference = Reference(frozen, adapter_view=False)
+        checkpoints.models["reference"] = (frozen, None)
     else:
         reference = make_reference(model, cfg.model.path, lora_r=cfg.model.lora.r,
                                    beta=algo.beta, dtype=cfg.model.dtype, device=device)
@@ -67,16 +70,24 @@ def train_grpo(cfg: Config) -> dict[str, Any]:
     total_updates = cfg.train.max_steps * algo.num_iterations
     scheduler = build_scheduler(optimizer, cfg.train.lr_schedule, cfg.train.warmup_steps,
                                 total_updates)
+    sampler = PromptSampler(len(train_set), seed=cfg.train.seed)
+    bad_rows = BadRowCounter(train_set.bad_rows)
+    scorer = RewardScorer(cfg.rewards)
+    loop = Counters(best=-1.0, since_best=0)
+    # everything a resumed run needs to continue exactly; the models are saved alongside
+    state = {"optimizer": OptimizerState(model, optimizer), "scheduler": scheduler,
+             "sampler": sampler, "loop": loop, "bad_rows": bad_rows, "rewards": scorer,
+             "rng-rank0": RngState()}
+    start = checkpoints.restore("grpo", state)
     settings = SamplingSettings(algo.max_new_tokens, algo.temperature, algo.top_p)
-    history: list[dict[str, float]] = []
-    if eval_set is not None and cfg.eval.before_train:
-        history.append({"step": 0, **evaluate(model, processor, eval_set, cfg, run.ids, device)})
-        run.metrics.write(history[-1])
-        log.info("eval before GRPO: %s", history[-1])
+    if eval_set is not None and cfg.eval.before_train and start == 0:
+        row = {"step": 0, **evaluate(model, processor, eval_set, cfg, run.ids, device)}
+        run.metrics.write(row)
+        log.info("eval before GRPO: %s", row)
 
-    best, since_best, step = -1.0, 0, 0
-    with progress_bar("GRPO", cfg.train.max_steps) as advance:
-        for step in range(1, cfg.train.max_steps + 1):
+    step = start
+    with progress_bar("GRPO", cfg.train.max_steps, completed=start) as advance:
+        for step in range(start + 1, cfg.train.max_steps + 1):
             times: dict[str, float] = {}
             reset_peak(device)  # peak_memory_bytes is this step's peak
             # 1. rollout: G completions per prompt, generated generation_batch rows at a time
@@ -139,22 +150,23 @@ def train_grpo(cfg: Config) -> dict[str, Any]:
             if eval_set is not None and (step == cfg.train.max_steps or
                                          (cfg.eval.every and step % cfg.eval.every == 0)):
                 row.update(evaluate(model, processor, eval_set, cfg, run.ids, device))
-                history.append({"step": step, **{k: v for k, v in row.items() if "eval/" in k}})
-                if row["eval/accuracy"] > best:
-                    best, since_best = row["eval/accuracy"], 0
+                if row["eval/accuracy"] > loop.best:
+                    loop.best, loop.since_best = row["eval/accuracy"], 0
                 else:
-                    since_best += 1
+                    loop.since_best += 1
             run.metrics.write(row)
             advance(f"reward {row['reward_mean']:.2f} acc {row['accuracy']:.2f}")
-            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-                save_model(model, processor, run.out / f"checkpoint-{step}")
-            if cfg.train.early_stop_patience and since_best >= cfg.train.early_stop_patience:
+            stop = bool(cfg.train.early_stop_patience and
+                        loop.since_best >= cfg.train.early_stop_patience)
+            if checkpoints.due(step, last=stop or step == cfg.train.max_steps):
+                checkpoints.save("grpo", step, state, metrics=row)
+            if stop:
                 log.info("early stop at step %d: eval accuracy has not improved on %.3f for %d "
-                         "evaluations", step, best, since_best)
+                         "evaluations", step, loop.best, loop.since_best)
                 break
 
     save_model(model, processor, run.out / "final")
-    return finish_summary(run, history, steps=step)
+    return finish_summary(run, steps=step)
 
 
 def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 
+from r1fit.checkpoint.state import OptimizerState, PythonRandomState, RngState
 from r1fit.config import Config
 from r1fit.data.dataset import PromptDataset, PromptSampler
 from r1fit.data.sample import Sample
@@ -57,16 +58,23 @@ def supervised_steps(run: Run, dataset: PromptDataset, steps: int, *, format_onl
     ``format_only`` learns the answer format with random answers (the warm-up before GRPO);
     ``final_eval``'s results go into the last step's row."""
     cfg, model, processor = run.cfg, run.model, run.processor
+    phase = "warmup" if format_only else "sft"
     sampler = PromptSampler(len(dataset), seed=cfg.train.seed + 1)
     rng = random.Random(cfg.train.seed + 1) if format_only else None
     bad_rows = BadRowCounter(dataset.bad_rows)
     optimizer = build_optimizer(model, cfg.sft.learning_rate, cfg.train.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.train.lr_schedule, cfg.train.warmup_steps, steps)
+    state = {"optimizer": OptimizerState(model, optimizer), "scheduler": scheduler,
+             "sampler": sampler, "bad_rows": bad_rows, "rng-rank0": RngState()}
+    if rng is not None:
+        state["targets_rng"] = PythonRandomState(rng)
+    start = run.checkpoints.restore(phase, state)
     end_of_turn = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
     rows_out = []
     model.train()
-    with progress_bar("SFT warm-up" if metrics_prefix else "SFT", steps) as advance:
-        for step in range(1, steps + 1):
+    with progress_bar("SFT warm-up" if metrics_prefix else "SFT", steps,
+                      completed=start) as advance:
+        for step in range(start + 1, steps + 1):
             start = time.perf_counter()
             reset_peak(run.device)
             samples = bad_rows.fetch(dataset, sampler, cfg.sft.batch_size)
@@ -96,6 +104,8 @@ def supervised_steps(run: Run, dataset: PromptDataset, steps: int, *, format_onl
             run.metrics.write(row)
             rows_out.append(row)
             advance(f"loss {loss_sum:.3f}")
+            if run.checkpoints.due(step, last=step == steps):
+                run.checkpoints.save(phase, step, state, metrics=row)
     return rows_out
 
 
@@ -103,16 +113,13 @@ def train_sft(cfg: Config) -> dict[str, Any]:
     """``r1fit sft``: supervised fine-tuning for ``sft.steps`` steps, evaluated before and after."""
     run = start_run(cfg, "sft")
     train_set, eval_set = run.train_set, run.eval_set
-    history: list[dict[str, Any]] = []
-    if eval_set is not None and cfg.eval.before_train:
-        history.append({"step": 0, **evaluate(run.model, run.processor, eval_set, cfg, run.ids,
-                                              run.device)})
-        run.metrics.write(history[-1])
+    if eval_set is not None and cfg.eval.before_train and run.checkpoints.resume is None:
+        run.metrics.write({"step": 0, **evaluate(run.model, run.processor, eval_set, cfg,
+                                                 run.ids, run.device)})
     final_eval = None
     if eval_set is not None:
         def final_eval() -> dict[str, Any]:
             return evaluate(run.model, run.processor, eval_set, cfg, run.ids, run.device)
-    rows = supervised_steps(run, train_set, cfg.sft.steps, format_only=False, final_eval=final_eval)
-    history.extend(r for r in rows if "eval/accuracy" in r)
+    supervised_steps(run, train_set, cfg.sft.steps, format_only=False, final_eval=final_eval)
     save_model(run.model, run.processor, run.out / "final")
-    return finish_summary(run, history, steps=cfg.sft.steps)
+    return finish_summary(run, steps=cfg.sft.steps)

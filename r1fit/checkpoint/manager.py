@@ -1,0 +1,318 @@
+"""One manager for everything that must survive a crash.
+
+A checkpoint is a folder ``<output_dir>/checkpoint-<step>/`` (``checkpoint-warmup-<step>/`` during
+the SFT warm-up of ``r1fit train``)::
+
+    model/                 Hugging Face folder: weights as safetensors (the adapter only, for LoRA)
+                           and the processor, loadable with from_pretrained as is
+    reference/             the frozen KL reference, when it is a copy (full fine-tuning after warm-up)
+    optimizer.json/.safetensors, scheduler.json, sampler.json, loop.json
+    rng-rank<r>.json/.safetensors   RNG states of rank r
+    config.json            the resolved config of the run
+    trainer_state.json     step, updates, consumed prompts, epoch, sampler position, config hash...
+    manifest.json          every other file with its size and sha256; written last
+
+Every piece is keyed by name, never by process, so the layout does not depend on the number of
+processes. A save writes ``checkpoint-<step>.partial/``, fsyncs it, renames it into place and then
+updates the ``latest`` pointer, so a folder without ``.partial`` and with a matching manifest is
+complete; anything else is ignored with a warning saying why.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+import r1fit
+from r1fit.checkpoint.files import (fsync_dir, fsync_tree, load_state, save_state, sha256_file,
+                                    write_text_atomic)
+
+log = logging.getLogger("r1fit.checkpoint")
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.json"
+MODEL_DIR = "model"
+PARTIAL = ".partial"
+# saved only by full checkpoints; a weights-only checkpoint lacks them
+FULL_ONLY = ("optimizer", "scheduler", "rng-rank0")
+_NAME = re.compile(r"^checkpoint-(?:(warmup)-)?(\d+)$")
+PHASE_ORDER = {"warmup": 0, "grpo": 1, "sft": 1}
+
+# config keys that may change between a run and its resume; the rest would silently change the
+# trajectory, so changing them needs checkpoint.allow_config_change=true
+RESUME_SAFE = ("train.output_dir", "train.overwrite", "train.device", "train.max_steps",
+               "train.early_stop_patience", "sft.steps", "checkpoint.", "eval.", "memory.",
+               "data.eval")
+# safe to change, but the continued run is no longer bit-identical to an uninterrupted one
+RESUME_NOT_EXACT = ("train.max_steps", "sft.steps", "memory.micro_batch",
+                    "memory.generation_batch", "memory.logits_chunk")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or resumed from; the message says why and what to do."""
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def checkpoint_name(phase: str, step: int) -> str:
+    return f"checkpoint-warmup-{step}" if phase == "warmup" else f"checkpoint-{step}"
+
+
+def _order(path: Path) -> tuple[int, int] | None:
+    match = _NAME.match(path.name.removesuffix(PARTIAL))
+    if match is None:
+        return None
+    return (0 if match.group(1) else 1, int(match.group(2)))
+
+
+def list_checkpoints(out: Path) -> list[Path]:
+    """Checkpoint folders in ``out`` (complete or not), newest first."""
+    if not out.is_dir():
+        return []
+    found = [p for p in out.iterdir() if p.is_dir() and _order(p) is not None]
+    return sorted(found, key=lambda p: (_order(p), not p.name.endswith(PARTIAL)), reverse=True)
+
+
+def verify(path: Path, *, checksums: bool = True) -> str | None:
+    """``None`` if ``path`` is a complete, intact checkpoint, else the reason it is not."""
+    if path.name.endswith(PARTIAL):
+        return "incomplete save (interrupted before it was renamed into place)"
+    manifest_file = path / MANIFEST
+    if not manifest_file.is_file():
+        if (path / "config.json").is_file() and not (path / TRAINER_STATE).is_file():
+            return "a plain model folder, not an r1fit checkpoint (no trainer_state.json)"
+        return "no manifest.json (not an r1fit checkpoint, or an interrupted save)"
+    try:
+        manifest = json.loads(manifest_file.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError) as exc:
+        return f"manifest.json is unreadable ({exc})"
+    for rel, meta in files.items():
+        file = path / rel
+        if not file.is_file():
+            return f"{rel} is missing"
+        size = file.stat().st_size
+        if size != meta["bytes"]:
+            return f"{rel} has {size} bytes, the manifest says {meta['bytes']}"
+        if checksums and sha256_file(file) != meta["sha256"]:
+            return f"{rel} does not match its sha256 in the manifest (corrupt)"
+    return None
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    return json.loads((path / TRAINER_STATE).read_text())
+
+
+def missing_for_resume(path: Path) -> list[str]:
+    """What a full resume needs that the checkpoint at ``path`` does not hold."""
+    if not (path / TRAINER_STATE).is_file():
+        return ["trainer_state.json (step and data position)", "optimizer state",
+                "LR scheduler state", "RNG states"]
+    state = read_trainer_state(path)
+    names = {"optimizer": "optimizer state", "scheduler": "LR scheduler state",
+             "rng-rank0": "RNG states"}
+    return [text for key, text in names.items() if key not in state.get("objects", [])]
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and prefix + key != "rewards":
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Dotted keys whose values differ between two resolved configs: ``{key: (saved, now)}``."""
+    a, b = flatten(saved), flatten(now)
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k) and k != "kind"}
+
+
+@dataclass
+class ResumePoint:
+    """The checkpoint a run continues from."""
+
+    path: Path
+    state: dict[str, Any]  # trainer_state.json
+    weights_only: bool     # resuming with a fresh optimizer (checkpoint.resume_weights_only)
+
+    @property
+    def phase(self) -> str:
+        return self.state["phase"]
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+
+class CheckpointManager:
+    """Saves and restores a run's objects; keeps the newest ``checkpoint.keep`` checkpoints."""
+
+    def __init__(self, out: Path, cfg: Any, kind: str, resume: ResumePoint | None) -> None:
+        self.out, self.cfg, self.kind, self.resume = out, cfg, kind, resume
+        self.models: dict[str, Any] = {}  # name -> (module, processor or None), saved as HF folders
+        self.metrics_lines = lambda: 0     # set by the run: lines in metrics.jsonl so far
+        best_file = out / "best"
+        self.best = json.loads(best_file.read_text()) if best_file.is_file() else None
+
+    # -- resume ------------------------------------------------------------------------------
+
+    def phase_done(self, phase: str) -> bool:
+        """True if the resume point lies in a later phase (the warm-up was finished)."""
+        return self.resume is not None and PHASE_ORDER[self.resume.phase] > PHASE_ORDER[phase]
+
+    def restore(self, phase: str, objects: dict[str, Stateful]) -> int:
+        """Load ``objects`` from the resume point when it is in ``phase``; returns its step (0 when
+        the phase starts from scratch). A weights-only resume loads what the checkpoint has and
+        leaves the rest (optimizer, scheduler, RNG) fresh."""
+        point = self.resume
+        if point is None or point.phase != phase:
+            return 0
+        saved = set(point.state.get("objects", []))
+        for name, obj in objects.items():
+            if name not in saved:
+                if point.weights_only and name in FULL_ONLY:
+                    continue
+                raise CheckpointError(f"{point.path}: has no saved {name!r}")
+            try:
+                obj.load_state_dict(load_state(point.path, name))
+            except (ValueError, KeyError, RuntimeError) as exc:
+                raise CheckpointError(f"{point.path}: cannot restore {name}: {exc}") from exc
+        if point.weights_only:  # fresh optimizer; the schedule and RNG continue from the step
+            if "scheduler" in objects and point.state.get("updates") is not None:
+                fast_forward(objects["scheduler"], int(point.state["updates"]))
+            seed = self.cfg.train.seed + point.step
+            random.seed(seed)
+            np.random.seed(seed % 2**32)
+            torch.manual_seed(seed)
+        log.info("resumed %s at step %d from %s%s", phase, point.step, point.path,
+                 " (weights only: fresh optimizer)" if point.weights_only else "")
+        return point.step
+
+    def saved_model(self, name: str) -> Path | None:
+        """The folder of model ``name`` in the resume point, if it is there."""
+        if self.resume is None:
+            return None
+        folder = self.resume.path / name
+        return folder if folder.is_dir() else None
+
+    # -- save --------------------------------------------------------------------------------
+
+    def due(self, step: int, last: bool) -> bool:
+        every = self.cfg.checkpoint.every
+        return bool(every) and (step % every == 0 or last)
+
+    def save(self, phase: str, step: int, objects: dict[str, Stateful], *,
+             metrics: dict[str, Any] | None = None) -> Path:
+        """Write ``checkpoint-<step>`` atomically, update ``latest``, apply retention."""
+        name = checkpoint_name(phase, step)
+        final, partial = self.out / name, self.out / (name + PARTIAL)
+        weights_only = self.cfg.checkpoint.weights_only
+        started = time.perf_counter()
+        try:
+            if partial.exists():
+                shutil.rmtree(partial)
+            partial.mkdir(parents=True)
+            for model_name, (module, processor) in self.models.items():
+                module.save_pretrained(partial / model_name)
+                if processor is not None:
+                    processor.save_pretrained(partial / model_name)
+            saved = []
+            for obj_name, obj in objects.items():
+                if weights_only and obj_name in FULL_ONLY:
+                    continue
+                save_state(partial, obj_name, obj.state_dict())
+                saved.append(obj_name)
+            sampler = objects["sampler"].state_dict() if "sampler" in objects else {}
+            trainer_state = {
+                "format": FORMAT, "r1fit_version": r1fit.__version__, "kind": self.kind,
+                "phase": phase, "step": step,
+                "updates": getattr(objects.get("scheduler"), "last_epoch", None),
+                "consumed_prompts": sampler.get("epoch", 0) * sampler.get("num_items", 0)
+                + sampler.get("position", 0),
+                "epoch": sampler.get("epoch"), "sampler": sampler,
+                "config_fingerprint": self.cfg.fingerprint(), "weights_only": weights_only,
+                "objects": saved, "models": sorted(self.models), "world_size": 1,
+                "metrics_lines": self.metrics_lines(), "metrics": metrics or {},
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            (partial / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
+            (partial / "config.json").write_text(json.dumps({"kind": self.kind,
+                                                             **self.cfg.to_dict()}, indent=1))
+            files = {str(p.relative_to(partial)): {"bytes": p.stat().st_size,
+                                                   "sha256": sha256_file(p)}
+                     for p in sorted(partial.rglob("*")) if p.is_file()}
+            (partial / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": files},
+                                                       indent=1))
+            fsync_tree(partial)
+            if final.exists():  # a checkpoint of an abandoned trajectory (resumed from earlier)
+                shutil.rmtree(final)
+            os.rename(partial, final)
+            fsync_dir(self.out)
+            write_text_atomic(self.out / "latest", name + "\n")
+        except OSError as exc:
+            shutil.rmtree(partial, ignore_errors=True)
+            complete = [p.name for p in list_checkpoints(self.out) if not p.name.endswith(PARTIAL)
+                        and p != final]
+            kept = f"{complete[0]} is intact" if complete else "no earlier checkpoint exists"
+            raise CheckpointError(f"could not save {name}: {exc.strerror or exc} "
+                                  f"({getattr(exc, 'filename', '') or self.out}); {kept}. Fix it "
+                                  "(disk space, permissions) and rerun the same command to "
+                                  "resume") from exc
+        size = sum(m["bytes"] for m in files.values())
+        log.info("saved %s (%.1f MB%s) in %.1f s", name, size / 1e6,
+                 ", weights only" if weights_only else "", time.perf_counter() - started)
+        self._update_best(name, metrics or {})
+        self._retain()
+        return final
+
+    def _update_best(self, name: str, metrics: dict[str, Any]) -> None:
+        key = self.cfg.checkpoint.keep_best_by
+        if not key or metrics.get(key) is None:
+            return
+        value = float(metrics[key])
+        better = (self.best is None or
+                  (value > self.best["value"] if self.cfg.checkpoint.keep_best_mode == "max"
+                   else value < self.best["value"]))
+        if better:
+            self.best = {"checkpoint": name, "metric": key, "value": value}
+            write_text_atomic(self.out / "best", json.dumps(self.best) + "\n")
+
+    def _retain(self) -> None:
+        keep = self.cfg.checkpoint.keep
+        for stale in self.out.glob(f"checkpoint-*{PARTIAL}"):
+            shutil.rmtree(stale, ignore_errors=True)
+        if not keep:
+            return
+        complete = [p for p in list_checkpoints(self.out) if not p.name.endswith(PARTIAL)]
+        protected = {self.best["checkpoint"]} if self.best else set()
+        for old in complete[keep:]:
+            if old.name not in protected:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def fast_forward(scheduler: Any, updates: int) -> None:
+    """Put a fresh LR scheduler at update ``updates`` (weights-only resume)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()"
+        scheduler.last_epoch = updates - 1
+        scheduler.step()

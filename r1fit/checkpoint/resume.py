@@ -1,0 +1,133 @@
+"""Where a run starts: a fresh output folder, or the checkpoint it continues from.
+
+``checkpoint.resume``:
+- ``auto`` (default): continue from the newest complete checkpoint in ``train.output_dir``;
+  partial or corrupt ones are skipped with a warning saying why. A folder that holds a run but no
+  usable checkpoint is refused rather than silently restarted.
+- ``never``: always start fresh; a folder that holds another run is refused.
+- a path: continue from that checkpoint (which may belong to another output folder).
+``train.overwrite=true`` deletes the folder's previous run and starts fresh in every mode.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from r1fit.checkpoint.manager import (PARTIAL, RESUME_NOT_EXACT, RESUME_SAFE, CheckpointError,
+                                      ResumePoint, config_changes, list_checkpoints,
+                                      missing_for_resume, read_trainer_state, verify, _order)
+
+log = logging.getLogger("r1fit.checkpoint")
+
+
+def holds_run(out: Path) -> bool:
+    metrics = out / "metrics.jsonl"
+    return (metrics.is_file() and metrics.stat().st_size > 0) or bool(list_checkpoints(out))
+
+
+def find_resume_point(out: Path) -> tuple[Path | None, list[str]]:
+    """The newest intact checkpoint in ``out`` and the reasons the newer ones were skipped."""
+    skipped = []
+    for path in list_checkpoints(out):
+        why = verify(path)
+        if why is None:
+            return path, skipped
+        skipped.append(f"{path.name}: {why}")
+    return None, skipped
+
+
+def open_output_dir(cfg: Any, kind: str) -> tuple[Path, ResumePoint | None]:
+    """Create or reuse ``train.output_dir`` and decide the resume point (see the module doc)."""
+    out = Path(cfg.train.output_dir)
+    mode = cfg.checkpoint.resume
+    if cfg.train.overwrite and out.exists() and holds_run(out):
+        log.warning("train.overwrite=true: deleting the previous run in %s", out)
+        shutil.rmtree(out)
+    point: Path | None = None
+    if mode == "auto":
+        point, skipped = find_resume_point(out)
+        for reason in skipped:
+            log.warning("not resuming from %s", reason)
+        if point is None and holds_run(out):
+            why = "; ".join(skipped) or "it was stopped before its first checkpoint"
+            raise CheckpointError(f"{out} holds a run with no complete checkpoint ({why}); pass "
+                                  "train.overwrite=true to start over, or choose another "
+                                  "train.output_dir")
+    elif mode != "never":
+        point = Path(mode)
+        if not point.is_dir():
+            raise CheckpointError(f"checkpoint.resume={mode}: no such folder")
+        why = verify(point)
+        if why is not None:
+            raise CheckpointError(f"checkpoint.resume={mode}: cannot resume: {why}")
+    if point is None:
+        if holds_run(out):
+            raise CheckpointError(f"{out} already holds a run (metrics.jsonl or checkpoints) and "
+                                  "checkpoint.resume=never; choose another train.output_dir or "
+                                  "pass train.overwrite=true to replace it")
+        out.mkdir(parents=True, exist_ok=True)
+        return out, None
+
+    resume = _check_resumable(point, cfg, kind)
+    same_run = point.resolve().parent == out.resolve()
+    if not same_run and holds_run(out):
+        raise CheckpointError(f"{out} already holds a run; resume from {point} into an empty "
+                              "train.output_dir, or pass train.overwrite=true")
+    out.mkdir(parents=True, exist_ok=True)
+    _continue_metrics(point, out, resume.state.get("metrics_lines", 0))
+    if same_run:  # checkpoints after the resume point belong to the abandoned trajectory
+        for later in list_checkpoints(out):
+            if _order(later) > _order(point) or later.name.endswith(PARTIAL):
+                log.warning("removing %s: it lies after the resume point %s", later.name,
+                            point.name)
+                shutil.rmtree(later)
+    return out, resume
+
+
+def _check_resumable(point: Path, cfg: Any, kind: str) -> ResumePoint:
+    missing = missing_for_resume(point)
+    if missing and not (cfg.checkpoint.resume_weights_only and (point / "trainer_state.json").is_file()):
+        hint = ("pass checkpoint.resume_weights_only=true to continue from its step with a fresh "
+                "optimizer" if (point / "trainer_state.json").is_file() else
+                f"start a new run from these weights with model.path={point}")
+        raise CheckpointError(f"{point} cannot be resumed exactly: it has no "
+                              f"{', no '.join(missing)}; {hint}")
+    state = read_trainer_state(point)
+    if state.get("kind") != kind:
+        raise CheckpointError(f"{point} was saved by `r1fit {_command(state.get('kind'))}`, "
+                              f"not `r1fit {_command(kind)}`")
+    saved_cfg = json.loads((point / "config.json").read_text())
+    changes = config_changes(saved_cfg, {"kind": kind, **cfg.to_dict()})
+    fixed = {k: v for k, v in changes.items() if not k.startswith(RESUME_SAFE)}
+    if fixed and not cfg.checkpoint.allow_config_change:
+        listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(fixed.items())[:5])
+        raise CheckpointError(f"{point} was saved with another config ({listed}); resume with the "
+                              "same settings, or pass checkpoint.allow_config_change=true")
+    for key, (a, b) in changes.items():
+        inexact = key.startswith(RESUME_NOT_EXACT) or key in fixed
+        log.warning("resuming with %s changed: %r -> %r%s", key, a, b,
+                    " (the run will not be identical to an uninterrupted one)" if inexact else "")
+    return ResumePoint(point, state, weights_only=bool(missing))
+
+
+def _command(kind: str | None) -> str:
+    return "train" if kind == "grpo" else str(kind)
+
+
+def _continue_metrics(point: Path, out: Path, lines: int) -> None:
+    """Make ``out/metrics.jsonl`` the first ``lines`` rows of the checkpoint's run, so the resumed
+    run appends without duplicated or missing steps."""
+    source = point.parent / "metrics.jsonl"
+    rows = source.read_text(encoding="utf-8").splitlines(keepends=True) if source.is_file() else []
+    if len(rows) < lines:
+        log.warning("%s has %d rows, the checkpoint recorded %d; the earlier rows are missing",
+                    source, len(rows), lines)
+    dropped = max(0, len(rows) - lines)
+    if dropped:
+        log.info("metrics.jsonl: dropping %d rows written after %s (they will be redone)",
+                 dropped, point.name)
+    (out / "metrics.jsonl").write_text("".join(rows[:lines]), encoding="utf-8")

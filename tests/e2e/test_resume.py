@@ -1,0 +1,224 @@
+"""Resume is exact: N steps straight == N/2 steps + crash + resume (bytes, not tolerances).
+
+A crash is simulated in-process by raising right after a checkpoint is written; the resumed run
+starts from the files alone (a new model, optimizer and sampler built by the CLI), as it would after
+``kill -9``. tests/e2e/test_kill.py does the same with real processes and SIGKILL.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from r1fit.checkpoint import files as ckpt_files
+from r1fit.checkpoint.manager import CheckpointManager, verify
+from r1fit.cli import main
+from r1fit.report.metrics import read_metrics
+
+# timings and memory differ between runs; everything else must match exactly
+VOLATILE = ("seconds", "tokens_per_second", "peak_memory_bytes")
+TINY = ["train.prompts_per_step=2", "algo.num_generations=4", "algo.max_new_tokens=8",
+        "sft.batch_size=4", "data.eval_size=4", "memory.micro_batch=3",
+        "memory.generation_batch=5", "data.shapes.train_size=50", "data.shapes.image_size=56",
+        "data.max_pixels=3136", "checkpoint.keep=0", "rewards.lenreward:length=1.0",
+        "rewards.format=0.5"]
+
+
+@pytest.fixture
+def reward_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reward that differs between completions, so advantages and gradients are not zero."""
+    plugin = tmp_path / "plugins" / "lenreward.py"
+    plugin.parent.mkdir()
+    plugin.write_text("def length(completion, solution, **info):\n"
+                      "    return len(completion) / 10\n")
+    monkeypatch.syspath_prepend(str(plugin.parent))
+
+
+class Crash(Exception):
+    """Stands in for the process dying."""
+
+
+def crash_after(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Make the run die right after it has written checkpoint ``name``."""
+    original = CheckpointManager.save
+
+    def save(self, phase, step, objects, **kw):
+        path = original(self, phase, step, objects, **kw)
+        if path.name == name:
+            raise Crash(name)
+        return path
+
+    monkeypatch.setattr(CheckpointManager, "save", save)
+
+
+def stable(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not any(w in k for w in VOLATILE)} for r in rows]
+
+
+def assert_same_run(straight: Path, resumed: Path) -> None:
+    a, b = read_metrics(straight / "metrics.jsonl"), read_metrics(resumed / "metrics.jsonl")
+    assert stable(a) == stable(b)
+    wa = load_file(straight / "final" / _weights(straight / "final"))
+    wb = load_file(resumed / "final" / _weights(resumed / "final"))
+    assert wa.keys() == wb.keys()
+    for key in wa:  # bit-identical parameters
+        assert torch.equal(wa[key].view(torch.uint8), wb[key].view(torch.uint8)), key
+
+
+def _weights(folder: Path) -> str:
+    return "adapter_model.safetensors" if (folder / "adapter_config.json").exists() \
+        else "model.safetensors"
+
+
+def run(*args: str) -> int:
+    return main(list(args))
+
+
+def straight_and_resumed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str,
+                         crash_at: str, args: list[str]) -> tuple[Path, Path]:
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert run(command, f"train.output_dir={straight}", *args) == 0
+    with monkeypatch.context() as m:
+        crash_after(m, crash_at)
+        with pytest.raises(Crash):
+            run(command, f"train.output_dir={resumed}", *args)
+    assert not (resumed / "final").exists()
+    assert run(command, f"train.output_dir={resumed}", *args) == 0  # checkpoint.resume=auto
+    return straight, resumed
+
+
+@pytest.mark.parametrize("extra", [
+    pytest.param(["algo.num_iterations=2", "algo.beta=0.05"], id="full-ft-mu2-kl"),
+    pytest.param(["model.lora.r=4", "algo.beta=0.05", "train.learning_rate=5e-2"], id="lora-kl"),
+])
+def test_grpo_resume_is_bit_exact(use_tiny_cache, reward_plugin, tmp_path, monkeypatch, extra):
+    args = [*TINY, "train.max_steps=4", "sft.format_warmup_steps=2", "checkpoint.every=2",
+            "eval.every=2", *extra]
+    straight, resumed = straight_and_resumed(tmp_path, monkeypatch, "train", "checkpoint-2", args)
+    rows = [r for r in read_metrics(straight / "metrics.jsonl") if "reward_mean" in r]
+    assert any(r["grad_norm"] > 0 for r in rows)  # the comparison covers real updates
+    assert_same_run(straight, resumed)
+    log = (resumed / "log.txt").read_text()
+    assert "resumed grpo at step 2" in log
+
+
+def test_resume_inside_the_warmup(use_tiny_cache, reward_plugin, tmp_path, monkeypatch):
+    args = [*TINY, "train.max_steps=2", "sft.format_warmup_steps=4", "checkpoint.every=2",
+            "eval.every=0", "algo.beta=0.05"]
+    straight, resumed = straight_and_resumed(tmp_path, monkeypatch, "train",
+                                             "checkpoint-warmup-2", args)
+    assert_same_run(straight, resumed)
+    assert "resumed warmup at step 2" in (resumed / "log.txt").read_text()
+
+
+def test_sft_resume_mid_epoch_is_bit_exact(use_tiny_cache, tmp_path, monkeypatch):
+    # 10 training rows, 4 per step: step 3 stops in the middle of the second epoch
+    args = [*TINY, "sft.steps=6", "data.shapes.train_size=10", "checkpoint.every=3",
+            "eval.every=0"]
+    straight, resumed = straight_and_resumed(tmp_path, monkeypatch, "sft", "checkpoint-3", args)
+    state = json.loads((straight / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["sampler"]["epoch"] == 1 and state["sampler"]["position"] == 2
+    assert_same_run(straight, resumed)
+
+
+def test_weights_only_checkpoint_is_never_a_silent_restart(use_tiny_cache, reward_plugin,
+                                                           tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    args = [*TINY, "train.max_steps=4", "sft.format_warmup_steps=0", "checkpoint.every=2",
+            "eval.every=0", "algo.beta=0", "checkpoint.weights_only=true"]
+    with monkeypatch.context() as m:
+        crash_after(m, "checkpoint-2")
+        with pytest.raises(Crash):
+            run("train", f"train.output_dir={out}", *args)
+    capsys.readouterr()
+    assert run("train", f"train.output_dir={out}", *args) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("r1fit: error:") and "checkpoint-2 cannot be resumed exactly" in err
+    assert "optimizer state" in err and "RNG states" in err and "resume_weights_only" in err
+    assert run("train", f"train.output_dir={out}", *args,
+               "checkpoint.resume_weights_only=true") == 0
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl") if "reward_mean" in r]
+    assert steps == [1, 2, 3, 4]  # continued from step 2, not from 0
+    assert "weights only: fresh optimizer" in (out / "log.txt").read_text()
+
+
+def test_plain_model_folder_is_not_resumable(use_tiny_cache, tmp_path, capsys):
+    first = tmp_path / "first"
+    assert run("sft", f"train.output_dir={first}", *TINY, "sft.steps=1", "eval.every=0",
+               "data.eval=null") == 0
+    code = run("sft", f"train.output_dir={tmp_path / 'second'}", *TINY, "sft.steps=2",
+               "data.eval=null", f"checkpoint.resume={first / 'final'}")
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and "not an r1fit checkpoint" in err
+
+
+def test_skips_corrupt_and_partial_checkpoints_with_a_reason(use_tiny_cache, tmp_path, caplog):
+    out = tmp_path / "run"
+    args = [*TINY, "sft.steps=4", "checkpoint.every=1", "eval.every=0", "data.eval=null"]
+    assert run("sft", f"train.output_dir={out}", *args) == 0
+    # newest is corrupt, one more is an interrupted save: resume from checkpoint-3
+    weights = out / "checkpoint-4" / "model" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    shutil.copytree(out / "checkpoint-3", out / "checkpoint-5.partial")
+    assert run("sft", f"train.output_dir={out}", *args, "sft.steps=5") == 0
+    log = (out / "log.txt").read_text()
+    assert "checkpoint-5.partial: incomplete save" in log
+    assert "checkpoint-4: model/model.safetensors does not match its sha256" in log
+    assert "resumed sft at step 3" in log
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl")]
+    assert steps == [1, 2, 3, 4, 5]
+
+
+def test_refusals(use_tiny_cache, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = [*TINY, "sft.steps=2", "checkpoint.every=1", "eval.every=0", "data.eval=null"]
+    assert run("sft", f"train.output_dir={out}", *args) == 0
+    capsys.readouterr()
+
+    def error(*extra: str) -> str:
+        assert run("sft", f"train.output_dir={out}", *args, *extra) == 2
+        return capsys.readouterr().err.strip().splitlines()[-1]
+
+    assert "already holds a run" in error("checkpoint.resume=never")
+    changed = error("sft.learning_rate=0.5")
+    assert "saved with another config (sft.learning_rate: 0.01 -> 0.5)" in changed
+    assert "was saved by `r1fit sft`, not `r1fit train`" in (
+        run("train", f"train.output_dir={out}", *args) == 2
+        and capsys.readouterr().err.strip().splitlines()[-1])
+    for ckpt in out.glob("checkpoint-*"):
+        (ckpt / "manifest.json").unlink()
+    assert "holds a run with no complete checkpoint" in error()
+    # told otherwise: start over
+    assert run("sft", f"train.output_dir={out}", *args, "train.overwrite=true") == 0
+
+
+def test_disk_full_while_saving_keeps_the_previous_checkpoint(use_tiny_cache, tmp_path,
+                                                              monkeypatch, capsys):
+    out = tmp_path / "run"
+    real_save_state = ckpt_files.save_state
+    calls = {"n": 0}
+
+    def failing_save_state(folder, name, state):
+        if "checkpoint-2" in str(folder):
+            raise OSError(errno.ENOSPC, "No space left on device", str(folder / f"{name}.json"))
+        calls["n"] += 1
+        return real_save_state(folder, name, state)
+
+    monkeypatch.setattr("r1fit.checkpoint.manager.save_state", failing_save_state)
+    code = run("sft", f"train.output_dir={out}", *TINY, "sft.steps=3", "checkpoint.every=1",
+               "eval.every=0", "data.eval=null")
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2
+    assert err.startswith("r1fit: error: could not save checkpoint-2: No space left on device")
+    assert "checkpoint-1 is intact" in err
+    assert verify(out / "checkpoint-1") is None
+    assert not list(out.glob("*.partial")) and not (out / "checkpoint-2").exists()
+    assert (out / "latest").read_text().strip() == "checkpoint-1"
