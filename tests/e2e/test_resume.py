@@ -13,31 +13,17 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from r1fit.checkpoint import files as ckpt_files
 from r1fit.checkpoint.manager import CheckpointManager, verify
 from r1fit.cli import main
 from r1fit.report.metrics import read_metrics
 
-# timings and memory differ between runs; everything else must match exactly
-VOLATILE = ("seconds", "tokens_per_second", "peak_memory_bytes")
 TINY = ["train.prompts_per_step=2", "algo.num_generations=4", "algo.max_new_tokens=8",
         "sft.batch_size=4", "data.eval_size=4", "memory.micro_batch=3",
         "memory.generation_batch=5", "data.shapes.train_size=50", "data.shapes.image_size=56",
         "data.max_pixels=3136", "checkpoint.keep=0", "rewards.lenreward:length=1.0",
         "rewards.format=0.5"]
-
-
-@pytest.fixture
-def reward_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A reward that differs between completions, so advantages and gradients are not zero."""
-    plugin = tmp_path / "plugins" / "lenreward.py"
-    plugin.parent.mkdir()
-    plugin.write_text("def length(completion, solution, **info):\n"
-                      "    return len(completion) / 10\n")
-    monkeypatch.syspath_prepend(str(plugin.parent))
 
 
 class Crash(Exception):
@@ -55,25 +41,6 @@ def crash_after(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
         return path
 
     monkeypatch.setattr(CheckpointManager, "save", save)
-
-
-def stable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not any(w in k for w in VOLATILE)} for r in rows]
-
-
-def assert_same_run(straight: Path, resumed: Path) -> None:
-    a, b = read_metrics(straight / "metrics.jsonl"), read_metrics(resumed / "metrics.jsonl")
-    assert stable(a) == stable(b)
-    wa = load_file(straight / "final" / _weights(straight / "final"))
-    wb = load_file(resumed / "final" / _weights(resumed / "final"))
-    assert wa.keys() == wb.keys()
-    for key in wa:  # bit-identical parameters
-        assert torch.equal(wa[key].view(torch.uint8), wb[key].view(torch.uint8)), key
-
-
-def _weights(folder: Path) -> str:
-    return "adapter_model.safetensors" if (folder / "adapter_config.json").exists() \
-        else "model.safetensors"
 
 
 def run(*args: str) -> int:
@@ -97,34 +64,35 @@ def straight_and_resumed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, comman
     pytest.param(["algo.num_iterations=2", "algo.beta=0.05"], id="full-ft-mu2-kl"),
     pytest.param(["model.lora.r=4", "algo.beta=0.05", "train.learning_rate=5e-2"], id="lora-kl"),
 ])
-def test_grpo_resume_is_bit_exact(use_tiny_cache, reward_plugin, tmp_path, monkeypatch, extra):
+def test_grpo_resume_is_bit_exact(use_tiny_cache, reward_plugin, same_run, tmp_path, monkeypatch,
+                                  extra):
     args = [*TINY, "train.max_steps=4", "sft.format_warmup_steps=2", "checkpoint.every=2",
             "eval.every=2", *extra]
     straight, resumed = straight_and_resumed(tmp_path, monkeypatch, "train", "checkpoint-2", args)
     rows = [r for r in read_metrics(straight / "metrics.jsonl") if "reward_mean" in r]
     assert any(r["grad_norm"] > 0 for r in rows)  # the comparison covers real updates
-    assert_same_run(straight, resumed)
+    same_run(straight, resumed)
     log = (resumed / "log.txt").read_text()
     assert "resumed grpo at step 2" in log
 
 
-def test_resume_inside_the_warmup(use_tiny_cache, reward_plugin, tmp_path, monkeypatch):
+def test_resume_inside_the_warmup(use_tiny_cache, reward_plugin, same_run, tmp_path, monkeypatch):
     args = [*TINY, "train.max_steps=2", "sft.format_warmup_steps=4", "checkpoint.every=2",
             "eval.every=0", "algo.beta=0.05"]
     straight, resumed = straight_and_resumed(tmp_path, monkeypatch, "train",
                                              "checkpoint-warmup-2", args)
-    assert_same_run(straight, resumed)
+    same_run(straight, resumed)
     assert "resumed warmup at step 2" in (resumed / "log.txt").read_text()
 
 
-def test_sft_resume_mid_epoch_is_bit_exact(use_tiny_cache, tmp_path, monkeypatch):
+def test_sft_resume_mid_epoch_is_bit_exact(use_tiny_cache, same_run, tmp_path, monkeypatch):
     # 10 training rows, 4 per step: step 3 stops in the middle of the second epoch
     args = [*TINY, "sft.steps=6", "data.shapes.train_size=10", "checkpoint.every=3",
             "eval.every=0"]
     straight, resumed = straight_and_resumed(tmp_path, monkeypatch, "sft", "checkpoint-3", args)
     state = json.loads((straight / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["sampler"]["epoch"] == 1 and state["sampler"]["position"] == 2
-    assert_same_run(straight, resumed)
+    same_run(straight, resumed)
 
 
 def test_weights_only_checkpoint_is_never_a_silent_restart(use_tiny_cache, reward_plugin,

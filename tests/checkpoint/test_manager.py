@@ -1,0 +1,116 @@
+"""The manager on its own: layout, manifest, latest pointer, retention, best, verification."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from r1fit.checkpoint.manager import (CheckpointManager, list_checkpoints, missing_for_resume,
+                                      verify)
+from r1fit.config import load_config
+
+
+class FakeModel:
+    def save_pretrained(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "model.safetensors").write_bytes(b"weights")
+
+
+class Box:
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+def manager(tmp_path: Path, *overrides: str) -> CheckpointManager:
+    cfg = load_config(None, [f"train.output_dir={tmp_path}", *overrides])
+    m = CheckpointManager(tmp_path, cfg, "sft", resume=None)
+    m.models["model"] = (FakeModel(), None)
+    return m
+
+
+def names(out: Path) -> list[str]:
+    return [p.name for p in list_checkpoints(out)]
+
+
+def test_layout_manifest_and_latest(tmp_path):
+    m = manager(tmp_path, "checkpoint.every=1")
+    path = m.save("sft", 3, {"optimizer": Box(1), "sampler": Box(2), "rng-rank0": Box(3),
+                             "scheduler": Box(4)}, metrics={"loss": 0.5})
+    assert path == tmp_path / "checkpoint-3"
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert set(manifest["files"]) == {"model/model.safetensors", "optimizer.json", "sampler.json",
+                                      "rng-rank0.json", "scheduler.json", "trainer_state.json",
+                                      "config.json"}
+    assert manifest["files"]["model/model.safetensors"]["bytes"] == 7
+    state = json.loads((path / "trainer_state.json").read_text())
+    assert (state["step"], state["phase"], state["kind"]) == (3, "sft", "sft")
+    assert state["metrics"] == {"loss": 0.5} and state["r1fit_version"]
+    assert (tmp_path / "latest").read_text() == "checkpoint-3\n"
+    assert verify(path) is None and missing_for_resume(path) == []
+
+
+def test_retention_keeps_the_newest_and_the_best(tmp_path):
+    m = manager(tmp_path, "checkpoint.every=1", "checkpoint.keep=2",
+                "checkpoint.keep_best_by=eval/accuracy")
+    accuracy = {1: 0.2, 2: 0.9, 3: None, 4: 0.5, 5: 0.6}
+    for step, acc in accuracy.items():
+        metrics = {} if acc is None else {"eval/accuracy": acc}
+        m.save("sft", step, {"sampler": Box(step)}, metrics=metrics)
+    assert names(tmp_path) == ["checkpoint-5", "checkpoint-4", "checkpoint-2"]
+    assert json.loads((tmp_path / "best").read_text()) == {
+        "checkpoint": "checkpoint-2", "metric": "eval/accuracy", "value": 0.9}
+
+
+def test_min_mode_and_keep_all(tmp_path):
+    m = manager(tmp_path, "checkpoint.every=1", "checkpoint.keep=0",
+                "checkpoint.keep_best_by=loss", "checkpoint.keep_best_mode=min")
+    for step, loss in {1: 3.0, 2: 1.0, 3: 2.0}.items():
+        m.save("sft", step, {"sampler": Box(step)}, metrics={"loss": loss})
+    assert names(tmp_path) == ["checkpoint-3", "checkpoint-2", "checkpoint-1"]
+    assert json.loads((tmp_path / "best").read_text())["checkpoint"] == "checkpoint-2"
+
+
+def test_warmup_checkpoints_sort_before_the_main_phase(tmp_path):
+    m = manager(tmp_path, "checkpoint.every=1", "checkpoint.keep=0")
+    m.save("warmup", 10, {"sampler": Box(0)})
+    m.save("grpo", 1, {"sampler": Box(0)})
+    (tmp_path / "checkpoint-2.partial").mkdir()
+    assert names(tmp_path) == ["checkpoint-2.partial", "checkpoint-1", "checkpoint-warmup-10"]
+    assert "incomplete save" in verify(tmp_path / "checkpoint-2.partial")
+
+
+def test_weights_only_lists_what_a_resume_misses(tmp_path):
+    m = manager(tmp_path, "checkpoint.every=1", "checkpoint.weights_only=true")
+    path = m.save("sft", 1, {"optimizer": Box(1), "scheduler": Box(1), "rng-rank0": Box(1),
+                             "sampler": Box(1)})
+    assert not (path / "optimizer.json").exists() and (path / "sampler.json").exists()
+    assert missing_for_resume(path) == ["optimizer state", "LR scheduler state", "RNG states"]
+
+
+def test_due():
+    m = CheckpointManager(Path("/nonexistent"), load_config(None, ["checkpoint.every=3"]), "sft",
+                          None)
+    assert [s for s in range(1, 8) if m.due(s, last=s == 7)] == [3, 6, 7]
+    off = CheckpointManager(Path("/nonexistent"), load_config(None, ["checkpoint.every=0"]),
+                            "sft", None)
+    assert not off.due(7, last=True)
+
+
+def test_verify_reasons(tmp_path):
+    m = manager(tmp_path, "checkpoint.every=1")
+    path = m.save("sft", 1, {"sampler": Box(1)})
+    original = (path / "sampler.json").read_text()
+    (path / "sampler.json").write_text(original.replace("1", "2"))  # same size, other content
+    assert "sampler.json does not match its sha256" in verify(path)
+    (path / "sampler.json").write_text("{}")
+    assert f"sampler.json has 2 bytes, the manifest says {len(original)}" in verify(path)
+    (path / "sampler.json").unlink()
+    assert verify(path) == "sampler.json is missing"
+    (path / "manifest.json").unlink()
+    assert "no manifest.json" in verify(path)

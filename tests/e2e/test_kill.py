@@ -1,0 +1,85 @@
+"""Kill anywhere: SIGKILL a real ``r1fit train`` process at random moments and in the middle of a
+checkpoint save, resume it by rerunning the same command, and check that the finished run is
+bit-identical to an uninterrupted one (every metrics row and the final weights)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ARGS = ["train.prompts_per_step=2", "algo.num_generations=4", "algo.max_new_tokens=8",
+        "sft.batch_size=4", "data.eval_size=4", "memory.micro_batch=3",
+        "memory.generation_batch=5", "data.shapes.train_size=50", "data.shapes.image_size=56",
+        "data.max_pixels=3136", "rewards.lenreward:length=1.0", "rewards.format=0.5",
+        "train.max_steps=6", "sft.format_warmup_steps=2", "checkpoint.every=1",
+        "checkpoint.keep=2", "eval.every=3", "algo.beta=0.05", "algo.num_iterations=2"]
+NO_CHECKPOINT = "holds a run with no complete checkpoint"
+
+
+def start(out: Path, plugins: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugins),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, "-m", "r1fit", "train", f"train.output_dir={out}",
+                             *ARGS, *extra], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish(out: Path, plugins: Path) -> None:
+    """Rerun the command until the run completes; a run killed before its first checkpoint is
+    refused (never silently restarted) and then started over explicitly."""
+    proc = start(out, plugins)
+    _, err = proc.communicate(timeout=600)
+    if proc.returncode == 2 and NO_CHECKPOINT in err:
+        proc = start(out, plugins, "train.overwrite=true")
+        _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-2000:]
+
+
+def kill_when(proc: subprocess.Popen, ready) -> bool:
+    """SIGKILL ``proc`` as soon as ``ready()`` is true; False if it finished first."""
+    while proc.poll() is None:
+        if ready():
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            return True
+        time.sleep(0.001)
+    return False
+
+
+def test_sigkill_at_random_moments_and_during_saves(use_tiny_cache, reward_plugin, same_run,
+                                                    tmp_path):
+    straight = tmp_path / "straight"
+    began = time.perf_counter()
+    finish(straight, reward_plugin)
+    duration = time.perf_counter() - began
+
+    # 1. during a save: the moment a checkpoint-*.partial folder appears (twice in a row)
+    during_save = tmp_path / "during_save"
+    for _ in range(2):
+        proc = start(during_save, reward_plugin)
+        assert kill_when(proc, lambda: any(during_save.glob("checkpoint-*.partial")))
+    finish(during_save, reward_plugin)
+    same_run(straight, during_save)
+
+    # 2. at random moments over the whole run (start-up included), three kills, then finish
+    seed = int(os.environ.get("R1FIT_KILL_SEED", "0"))
+    rng = random.Random(seed)
+    anywhere = tmp_path / "anywhere"
+    moments = [rng.uniform(0, duration) for _ in range(3)]
+    for moment in moments:
+        proc = start(anywhere, reward_plugin)
+        deadline = time.perf_counter() + moment
+        killed = kill_when(proc, lambda: time.perf_counter() >= deadline)
+        if not killed and proc.returncode == 2:  # the previous kill came before any checkpoint
+            proc = start(anywhere, reward_plugin, "train.overwrite=true")
+            deadline = time.perf_counter() + moment
+            killed = kill_when(proc, lambda: time.perf_counter() >= deadline)
+        saved = sorted(p.name for p in anywhere.glob("checkpoint-*"))
+        print(f"kill at {moment:.1f} s of {duration:.1f} s: killed={killed}, on disk: {saved}")
+    finish(anywhere, reward_plugin)
+    same_run(straight, anywhere)
