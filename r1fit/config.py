@@ -376,6 +376,9 @@ def _check_consistency(cfg: Config) -> None:
     for name, weight in cfg.rewards.items():
         if not math.isfinite(weight):
             raise ConfigError(f"rewards.{name}: got {weight!r}, expected a finite number")
+    if not cfg.checkpoint.resume.strip():
+        raise ConfigError("checkpoint.resume: got an empty value, expected 'auto', 'never' or a "
+                          "checkpoint folder")
     bad = [k for k in cfg.data.shapes.kinds if k not in ("color", "count", "position")]
     if bad or not cfg.data.shapes.kinds:
         raise ConfigError(f"data.shapes.kinds: got {cfg.data.shapes.kinds!r}, expected a non-empty "
@@ -426,6 +429,6 @@ def config_reference_markdown() -> str:
     """The config reference table (the README embeds this output)."""
     rows = ["| key | default | meaning |", "|---|---|---|"]
     for key, default, help_text in iter_fields():
-        shown = json.dumps(default) if not isinstance(default, str) else default
+        shown = json.dumps(default) if not isinstance(default, str) or not default else default
         rows.append(f"| `{key}` | `{shown}` | {help_text} |")
     return "\n".join(rows)

@@ -335,13 +335,17 @@ def _from_pretrained(
 ) -> PreTrainedModel:
     if dtype not in _DTYPES:
         raise ModelConfigError(f"dtype must be one of {', '.join(_DTYPES)}; got {dtype!r}")
+    # from_pretrained builds the model on the meta device (no random initialisation) and copies
+    # each memory-mapped safetensors tensor straight to `device` at `dtype`: no full copy in host
+    # RAM on the way to a GPU
     try:
         model = AutoModelForImageTextToText.from_pretrained(
-            folder, dtype=_DTYPES[dtype], attn_implementation=attn_implementation
+            folder, dtype=_DTYPES[dtype], attn_implementation=attn_implementation,
+            device_map=str(torch.device(device)),
         )
     except (OSError, ValueError, KeyError, ImportError) as err:
         raise ModelConfigError(f"cannot load model {path!r}: {_one_line(err)}") from err
-    return model.to(device)
+    return model
 
 
 def _load_processor(folder: str, path: str) -> ProcessorMixin:
