@@ -1,15 +1,18 @@
-"""``r1fit train | sft | config``: parse, build, run.
+"""``r1fit train | sft | config | inspect | export``: parse, build, run.
 
     r1fit train                      # the built-in demo (tiny model, builtin:shapes)
     r1fit train my.yaml algo.num_generations=8 model.lora.r=16
     r1fit sft my.yaml sft.steps=500
     r1fit config [my.yaml ...]       # print the resolved config; --reference for every key
+    r1fit inspect runs/demo          # its checkpoints, newest first; or one checkpoint's files
+    r1fit export runs/demo/checkpoint-40 my-model [--merge-lora]   # a plain Hugging Face folder
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -30,6 +33,17 @@ def _config(args: list[str]) -> Config:
     return load_config(path, overrides)
 
 
+def _run(command: str, cfg: Config) -> None:
+    if command == "train":
+        from r1fit.train.grpo import train_grpo
+
+        train_grpo(cfg)
+    else:
+        from r1fit.train.sft import train_sft
+
+        train_sft(cfg)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="r1fit", description="GRPO and SFT for vision-language models.",
@@ -42,10 +56,20 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("config", help="print the resolved config (or the key reference)")
     p.add_argument("args", nargs="*", metavar="CONFIG.yaml | key.sub=value")
     p.add_argument("--reference", action="store_true", help="print every key with its help text")
+    text = "what a checkpoint, a run's output folder or a model folder holds; can a run resume"
+    p = sub.add_parser("inspect", help=text, description=text)
+    p.add_argument("path", metavar="PATH", type=Path)
+    p.add_argument("--json", action="store_true", help="print the findings as JSON")
+    text = "write a checkpoint's model as a plain Hugging Face folder (from_pretrained loads it)"
+    p = sub.add_parser("export", help=text, description=text)
+    p.add_argument("checkpoint", metavar="CHECKPOINT", type=Path)
+    p.add_argument("out", metavar="OUT", type=Path, help="a new (or empty) folder")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="merge a LoRA adapter into the run's base model: a standalone model")
     ns = parser.parse_args(argv)
 
     # imported late: `r1fit config` and `--help` should not pay for importing torch/transformers
-    from r1fit.checkpoint.manager import CheckpointError
+    from r1fit.checkpoint.manager import CheckpointError, RunStopped
     from r1fit.data.dataset import DataError
     from r1fit.models.load import ModelConfigError
     from r1fit.rewards.registry import RewardConfigError
@@ -59,15 +83,29 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(json.dumps(_config(ns.args).to_dict(), indent=2))
             return 0
+        if ns.command == "inspect":
+            from r1fit.checkpoint.inspect import inspect_path, render
+
+            report = inspect_path(ns.path)
+            if ns.json:
+                print(json.dumps(report, indent=2))
+            else:
+                render(report, rich=sys.stdout.isatty())
+            return 0
+        if ns.command == "export":
+            from r1fit.checkpoint.export import export
+
+            print(export(ns.checkpoint, ns.out, merge_lora=ns.merge_lora).summary(ns.checkpoint))
+            return 0
         cfg = _config(ns.args)
-        if ns.command == "train":
-            from r1fit.train.grpo import train_grpo
-
-            train_grpo(cfg)
-        else:
-            from r1fit.train.sft import train_sft
-
-            train_sft(cfg)
+        # the run catches SIGTERM/SIGUSR1 to save before stopping; give them back afterwards
+        stop_signals = [sig for sig in (signal.SIGTERM, getattr(signal, "SIGUSR1", None)) if sig]
+        handlers = {sig: signal.getsignal(sig) for sig in stop_signals}
+        try:
+            _run(ns.command, cfg)
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
         return 0
     except known as exc:
         print(f"r1fit: error: {exc}", file=sys.stderr)
@@ -75,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("r1fit: interrupted", file=sys.stderr)
         return 130
+    except RunStopped as exc:  # SIGTERM/SIGUSR1 (pre-emption) after saving a checkpoint
+        print(f"r1fit: {exc}", file=sys.stderr)
+        return 143
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ import os
 import random
 import re
 import shutil
+import signal
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -63,6 +65,10 @@ RESUME_NOT_EXACT = ("train.max_steps", "sft.steps", "memory.micro_batch",
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved or resumed from; the message says why and what to do."""
+
+
+class RunStopped(Exception):
+    """The run was asked to stop (SIGTERM) and saved a checkpoint first."""
 
 
 class Stateful(Protocol):
@@ -174,6 +180,16 @@ class CheckpointManager:
         self.metrics_lines = lambda: 0     # set by the run: lines in metrics.jsonl so far
         best_file = out / "best"
         self.best = json.loads(best_file.read_text()) if best_file.is_file() else None
+        self.last_saved: Path | None = None
+        self.stop_requested = False  # SIGTERM/SIGUSR1 (pre-emption): save after this step, stop
+        if cfg.checkpoint.every and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, getattr(signal, "SIGUSR1", signal.SIGTERM)):
+                signal.signal(sig, self._request_stop)
+
+    def _request_stop(self, signum: int, frame: Any) -> None:
+        self.stop_requested = True
+        log.warning("received %s: saving a checkpoint after this step, then stopping",
+                    signal.Signals(signum).name)
 
     # -- resume ------------------------------------------------------------------------------
 
@@ -220,7 +236,13 @@ class CheckpointManager:
 
     def due(self, step: int, last: bool) -> bool:
         every = self.cfg.checkpoint.every
-        return bool(every) and (step % every == 0 or last)
+        return bool(every) and (step % every == 0 or last or self.stop_requested)
+
+    def stop_if_requested(self, step: int) -> None:
+        """After a signal asked to stop: the checkpoint of ``step`` is written, so stop here."""
+        if self.stop_requested:
+            raise RunStopped(f"stopped by a signal after step {step}, {self.last_saved} saved; "
+                             "rerun the same command to resume")
 
     def save(self, phase: str, step: int, objects: dict[str, Stateful], *,
              metrics: dict[str, Any] | None = None) -> Path:
@@ -283,6 +305,7 @@ class CheckpointManager:
                  ", weights only" if weights_only else "", time.perf_counter() - started)
         self._update_best(name, metrics or {})
         self._retain()
+        self.last_saved = final
         return final
 
     def _update_best(self, name: str, metrics: dict[str, Any]) -> None:

@@ -160,6 +160,7 @@ def train_grpo(cfg: Config) -> dict[str, Any]:
                         loop.since_best >= cfg.train.early_stop_patience)
             if checkpoints.due(step, last=stop or step == cfg.train.max_steps):
                 checkpoints.save("grpo", step, state, metrics=row)
+                checkpoints.stop_if_requested(step)
             if stop:
                 log.info("early stop at step %d: eval accuracy has not improved on %.3f for %d "
                          "evaluations", step, loop.best, loop.since_best)

@@ -106,6 +106,7 @@ def supervised_steps(run: Run, dataset: PromptDataset, steps: int, *, format_onl
             advance(f"loss {loss_sum:.3f}")
             if run.checkpoints.due(step, last=step == steps):
                 run.checkpoints.save(phase, step, state, metrics=row)
+                run.checkpoints.stop_if_requested(step)
     return rows_out
 
 

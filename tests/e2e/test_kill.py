@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -22,29 +23,39 @@ NO_CHECKPOINT = "holds a run with no complete checkpoint"
 
 
 def start(out: Path, plugins: Path, *extra: str) -> subprocess.Popen:
+    """Start the run; its stderr goes to a file (a pipe nobody reads could fill and block it)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugins),
                                                         os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen([sys.executable, "-m", "r1fit", "train", f"train.output_dir={out}",
-                             *ARGS, *extra], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    err_path = out.parent / f"{out.name}.stderr.{time.monotonic_ns()}"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "r1fit", "train",
+                                 f"train.output_dir={out}", *ARGS, *extra], env=env,
+                                stdout=subprocess.DEVNULL, stderr=err)
+    proc.err_path = err_path  # type: ignore[attr-defined]
+    return proc
+
+
+def stderr(proc: subprocess.Popen) -> str:
+    return proc.err_path.read_text()  # type: ignore[attr-defined]
 
 
 def finish(out: Path, plugins: Path) -> None:
     """Rerun the command until the run completes; a run killed before its first checkpoint is
     refused (never silently restarted) and then started over explicitly."""
     proc = start(out, plugins)
-    _, err = proc.communicate(timeout=600)
-    if proc.returncode == 2 and NO_CHECKPOINT in err:
+    proc.wait(timeout=600)
+    if proc.returncode == 2 and NO_CHECKPOINT in stderr(proc):
         proc = start(out, plugins, "train.overwrite=true")
-        _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-2000:]
+        proc.wait(timeout=600)
+    assert proc.returncode == 0, stderr(proc)[-2000:]
 
 
-def kill_when(proc: subprocess.Popen, ready) -> bool:
-    """SIGKILL ``proc`` as soon as ``ready()`` is true; False if it finished first."""
+def kill_when(proc: subprocess.Popen, ready, sig: int = signal.SIGKILL) -> bool:
+    """Send ``sig`` to ``proc`` as soon as ``ready()`` is true and wait for it to end; False if it
+    finished first."""
     while proc.poll() is None:
         if ready():
-            proc.send_signal(signal.SIGKILL)
+            proc.send_signal(sig)
             proc.wait()
             return True
         time.sleep(0.001)
@@ -66,7 +77,17 @@ def test_sigkill_at_random_moments_and_during_saves(use_tiny_cache, reward_plugi
     finish(during_save, reward_plugin)
     same_run(straight, during_save)
 
-    # 2. at random moments over the whole run (start-up included), three kills, then finish
+    # 2. a polite stop (SIGTERM, as a cluster pre-emption sends): save after the step, exit 143
+    stopped = tmp_path / "sigterm"
+    proc = start(stopped, reward_plugin)
+    assert kill_when(proc, lambda: (stopped / "checkpoint-2").is_dir(), signal.SIGTERM)
+    assert proc.returncode == 143, stderr(proc)[-2000:]
+    assert re.search(r"stopped by a signal after step \d+, \S+checkpoint-\d+ saved; rerun the "
+                     "same command to resume", stderr(proc))
+    finish(stopped, reward_plugin)
+    same_run(straight, stopped)
+
+    # 3. at random moments over the whole run (start-up included), three kills, then finish
     seed = int(os.environ.get("R1FIT_KILL_SEED", "0"))
     rng = random.Random(seed)
     anywhere = tmp_path / "anywhere"

@@ -1,0 +1,120 @@
+"""`r1fit export`: checkpoints of short SFT runs on builtin:tiny (full and LoRA) as plain Hugging
+Face folders."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from r1fit.cli import main
+
+# SFT, not GRPO: its gradients are non-zero on random weights, so the weights (and the LoRA B
+# matrices, which start at 0) really move and the comparisons below are not trivially true
+RUN = ["sft.steps=2", "sft.batch_size=4", "checkpoint.every=2", "data.eval=null",
+       "data.shapes.train_size=50", "data.shapes.image_size=56", "data.max_pixels=3136"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("export")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("R1FIT_CACHE", str(tiny_cache))
+        assert main(["sft", f"train.output_dir={root / 'full'}", *RUN]) == 0
+        assert main(["sft", f"train.output_dir={root / 'lora'}", *RUN, "model.lora.r=4",
+                     "sft.learning_rate=5e-2"]) == 0
+    return {"full": root / "full" / "checkpoint-2", "lora": root / "lora" / "checkpoint-2"}
+
+
+def export(capsys, *args: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = main(["export", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def fixed_inputs(processor) -> dict[str, torch.Tensor]:
+    messages = [{"role": "user", "content": [{"type": "image"},
+                                             {"type": "text", "text": "What colour is it?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    image = Image.new("RGB", (56, 56), (200, 30, 30))
+    return processor(text=[text + "<answer>red</answer>"], images=[image], return_tensors="pt")
+
+
+def test_full_finetuning_export_is_byte_identical(checkpoints, capsys, tmp_path):
+    out = tmp_path / "exported"
+    out.mkdir()  # an empty folder is fine
+    code, stdout, _ = export(capsys, str(checkpoints["full"]), str(out))
+    assert code == 0 and "full fine-tuned weights" in stdout
+    assert not (tmp_path / "exported.partial").exists()
+    exported = AutoModelForImageTextToText.from_pretrained(out)
+    AutoProcessor.from_pretrained(out)
+    trained = AutoModelForImageTextToText.from_pretrained(checkpoints["full"] / "model")
+    got, want = exported.state_dict(), trained.state_dict()
+    assert list(got) == list(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+def test_lora_adapter_export_names_its_base(checkpoints, capsys, tmp_path, use_tiny_cache):
+    out = tmp_path / "adapter"
+    code, stdout, _ = export(capsys, str(checkpoints["lora"]), str(out))
+    assert code == 0
+    assert "it needs its base model" in stdout and str(use_tiny_cache / "models") in stdout
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    AutoProcessor.from_pretrained(out)
+    model = AutoModelForImageTextToText.from_pretrained(out)  # transformers' peft integration
+    assert getattr(model, "_hf_peft_config_loaded", False)
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
+def test_merged_lora_export_matches_the_peft_model(checkpoints, capsys, tmp_path, use_tiny_cache):
+    out = tmp_path / "merged"
+    code, stdout, _ = export(capsys, str(checkpoints["lora"]), str(out), "--merge-lora")
+    assert code == 0 and "LoRA merged into builtin:tiny" in stdout
+    assert not (out / "adapter_config.json").exists()
+    merged = AutoModelForImageTextToText.from_pretrained(out).eval()
+    processor = AutoProcessor.from_pretrained(out)
+    base = AutoModelForImageTextToText.from_pretrained(next((use_tiny_cache / "models")
+                                                            .glob("tiny-v*"))).eval()
+    inputs = fixed_inputs(processor)
+    with torch.no_grad():
+        base_logits = base(**inputs).logits
+        peft = PeftModel.from_pretrained(base, str(checkpoints["lora"] / "model")).eval()
+        peft_logits = peft(**inputs).logits
+        merged_logits = merged(**inputs).logits
+    assert (peft_logits - base_logits).abs().max() > 1e-3  # the adapter changes the model
+    torch.testing.assert_close(merged_logits, peft_logits, atol=1e-5, rtol=0)
+
+
+def test_refuses_a_non_empty_out(checkpoints, capsys, tmp_path):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    code, _, err = export(capsys, str(checkpoints["full"]), str(out))
+    assert code == 2
+    assert err == f"r1fit: error: {out} already exists and is not empty; export into a new folder\n"
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    assert not (tmp_path / "taken.partial").exists()
+
+
+def test_corrupt_or_missing_checkpoint_is_a_one_line_error(checkpoints, capsys, tmp_path):
+    ckpt = tmp_path / "checkpoint-2"
+    shutil.copytree(checkpoints["full"], ckpt)
+    weights = ckpt / "model" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    code, _, err = export(capsys, str(ckpt), str(tmp_path / "out"))
+    assert code == 2
+    assert err == (f"r1fit: error: {ckpt}: cannot export: model/model.safetensors does not match "
+                   "its sha256 in the manifest (corrupt)\n")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+    code, _, err = export(capsys, str(tmp_path / "nope"), str(tmp_path / "out"))
+    assert code == 2 and err == f"r1fit: error: {tmp_path / 'nope'}: no such checkpoint folder\n"
