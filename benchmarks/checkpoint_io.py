@@ -14,6 +14,10 @@ Models:
   vision blocks, 1.01B parameters, bfloat16 (2.0 GB). Built on the ``meta`` device, materialised
   with ``to_empty`` and filled with ``normal_`` (random weights; no initialiser runs).
 
+"full ckpt" columns: a training run's checkpoint of the same model (``CheckpointManager.save``:
+model folder + AdamW states in the parameters' dtype + RNG states, sha256 manifest, fsync); not
+under a target, reported so the cost of a save is known.
+
 Targets, for every model: load >= ``--min-gbps`` GB/s (checkpoint bytes / load seconds) and peak
 RSS over the pre-load baseline <= ``--max-rss-ratio`` x the checkpoint's bytes. Exit status: 0
 when every target is met, 1 when one is missed (the verdict lines say which), 2 on bad arguments
@@ -75,6 +79,8 @@ class Model:
     dtype: str = ""
     checkpoint_bytes: int = 0
     save_seconds: list[float] = field(default_factory=list)
+    full_checkpoint_bytes: int = 0  # model + AdamW states + RNG + manifest (a run's checkpoint)
+    full_save_seconds: list[float] = field(default_factory=list)
     cache_read_seconds: list[float] = field(default_factory=list)
     loads: list[dict[str, Any]] = field(default_factory=list)  # one per repeat, from the child
 
@@ -150,10 +156,40 @@ def run_save(args: argparse.Namespace) -> int:
             processor.save_pretrained(folder)
         fsync_tree(folder)
         seconds.append(time.perf_counter() - started)
+    full_bytes, full_seconds = full_checkpoint_save(model, processor, folder.parent / "full",
+                                                    args.repeats)
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
     print(json.dumps({"save_seconds": seconds, "params": sum(p.numel() for p in model.parameters()),
-                      "dtype": "/".join(dtypes), "checkpoint_bytes": folder_bytes(folder)}))
+                      "dtype": "/".join(dtypes), "checkpoint_bytes": folder_bytes(folder),
+                      "full_checkpoint_bytes": full_bytes, "full_save_seconds": full_seconds}))
     return 0
+
+
+def full_checkpoint_save(model: Any, processor: Any, out: Path, repeats: int
+                         ) -> tuple[int, list[float]]:
+    """What a training run's save costs: ``CheckpointManager.save`` of the model folder plus the
+    AdamW states (two per parameter, in the parameter's dtype), RNG states, the sha256 manifest and
+    fsync, ``repeats`` times. Returns the checkpoint's bytes and the seconds of each save."""
+    import torch
+
+    from r1fit.checkpoint.manager import CheckpointManager
+    from r1fit.checkpoint.state import OptimizerState, RngState
+    from r1fit.config import load_config
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    state = {"optimizer": OptimizerState(model, optimizer), "rng-rank0": RngState()}
+    state["optimizer"].state_dict()  # creates the AdamW states (exp_avg, exp_avg_sq) untimed
+    cfg = load_config(None, [f"train.output_dir={out}", "checkpoint.every=1", "checkpoint.keep=1"])
+    manager = CheckpointManager(out, cfg, "sft", resume=None)
+    manager.models["model"] = (model, processor)
+    seconds = []
+    for step in range(1, repeats + 1):
+        started = time.perf_counter()
+        path = manager.save("sft", step, state)
+        seconds.append(time.perf_counter() - started)
+    size = folder_bytes(path)
+    shutil.rmtree(out)
+    return size, seconds
 
 
 def load_builtin(model: str) -> Any:
@@ -254,6 +290,8 @@ def measure(args: argparse.Namespace, name: str, folder: Path) -> Model:
                   str(args.repeats), "--config-dir", args.config_dir)
     result.params, result.dtype = saved["params"], saved["dtype"]
     result.checkpoint_bytes, result.save_seconds = saved["checkpoint_bytes"], saved["save_seconds"]
+    result.full_checkpoint_bytes = saved["full_checkpoint_bytes"]
+    result.full_save_seconds = saved["full_save_seconds"]
     print(f"{name}: saved {result.checkpoint_bytes / GB:.2f} GB in {result.save:.2f} s",
           file=sys.stderr, flush=True)
     if "/" in result.dtype:
@@ -274,14 +312,16 @@ def print_table(models: list[Model]) -> None:
     from rich.table import Table
 
     table = Table(title="Checkpoint save and load (model folder; load from the page cache)")
-    for name in ("model", "params", "dtype", "checkpoint GB", "save s", "load s",
+    for name in ("model", "params", "dtype", "checkpoint GB", "save s", "full ckpt GB",
+                 "full save s", "load s",
                  "from_pretrained s", "touch s", "load GB/s", "cache read GB/s",
                  "peak RSS over baseline GB", "x checkpoint"):
         table.add_column(name, justify="left" if name in ("model", "dtype") else "right",
                          no_wrap=name == "model")
     for m in models:
         table.add_row(m.name, f"{m.params / 1e9:.3f}B", m.dtype, f"{m.checkpoint_bytes / GB:.3f}",
-                      f"{m.save:.2f}", f"{m.load:.3f}",
+                      f"{m.save:.2f}", f"{m.full_checkpoint_bytes / GB:.3f}",
+                      f"{statistics.median(m.full_save_seconds):.2f}", f"{m.load:.3f}",
                       f"{statistics.median(r['from_pretrained_seconds'] for r in m.loads):.3f}",
                       f"{statistics.median(r['touch_seconds'] for r in m.loads):.3f}",
                       f"{m.gbps:.2f}", f"{m.cache_gbps:.2f}", f"{m.peak_over_baseline / GB:.3f}",
