@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
             print(export(ns.checkpoint, ns.out, merge_lora=ns.merge_lora).summary(ns.checkpoint))
             return 0
         cfg = _config(ns.args)
+        from r1fit.memory.telemetry import configure_cuda_allocator
+
+        configure_cuda_allocator()  # before anything touches CUDA
         # the run catches SIGTERM/SIGUSR1 to save before stopping; give them back afterwards
         stop_signals = [sig for sig in (signal.SIGTERM, getattr(signal, "SIGUSR1", None)) if sig]
         handlers = {sig: signal.getsignal(sig) for sig in stop_signals}

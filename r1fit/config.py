@@ -165,6 +165,8 @@ class MemoryConfig:
     gradient_checkpointing: bool = opt(True, "Recompute layer activations in the backward pass.")
     logits_chunk: int = opt(1024, "Tokens per chunk of the LM head; the full [tokens x vocab] logits "
                             "are never materialised.", ge=1)
+    fragmentation_warning_gib: float = opt(2.0, "Warn when the CUDA allocator holds more than this "
+                                           "many GiB reserved but unallocated (0 = never).", ge=0)
 
 
 @dataclass

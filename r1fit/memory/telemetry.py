@@ -1,11 +1,31 @@
-"""Peak-memory readings: CUDA max allocated where CUDA runs, else the process's peak RSS."""
+"""Peak-memory readings (CUDA max allocated/reserved where CUDA runs, else the process's peak RSS)
+and CUDA allocator hygiene."""
 
 from __future__ import annotations
 
+import logging
+import os
 import resource
 import sys
 
 import torch
+
+log = logging.getLogger("r1fit.memory")
+
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+GiB = 1 << 30
+
+
+def configure_cuda_allocator() -> None:
+    """Use expandable segments (fewer "reserved but unallocated" gaps from fragmentation) unless
+    the user configured the allocator. Must run before CUDA initialises; the CLI calls it first."""
+    if any(var in os.environ for var in ALLOC_CONF_VARS):
+        return
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        log.warning("CUDA was initialised before r1fit could set "
+                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; set it yourself")
+        return
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 
 def peak_rss_bytes() -> int:
@@ -58,3 +78,25 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return peak_rss_bytes()
+
+
+def step_memory(device: torch.device, prefix: str = "") -> dict[str, int | None]:
+    """``peak_memory_bytes`` and ``peak_reserved_bytes`` since the last :func:`reset_peak`. On CPU
+    the reserved figure does not exist (null): the peak is the process's peak RSS."""
+    reserved = (int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else None)
+    return {f"{prefix}peak_memory_bytes": peak_memory_bytes(device),
+            f"{prefix}peak_reserved_bytes": reserved}
+
+
+def warn_if_fragmented(device: torch.device, threshold_gib: float, step: int) -> bool:
+    """Log a warning when the CUDA allocator holds more than ``threshold_gib`` reserved but
+    unallocated (fragmentation); returns whether it warned. CPU: nothing to check."""
+    if device.type != "cuda" or not threshold_gib:
+        return False
+    idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if idle <= threshold_gib * GiB:
+        return False
+    log.warning("step %d: %.1f GiB reserved but unallocated on %s (fragmentation); "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces it, a smaller "
+                "memory.micro_batch too", step, idle / GiB, device)
+    return True

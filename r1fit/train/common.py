@@ -22,7 +22,7 @@ from r1fit.config import Config
 from r1fit.data.dataset import PromptDataset, PromptSampler, load_dataset
 from r1fit.data.sample import Sample
 from r1fit.data.shapes import ShapesSpec
-from r1fit.memory.telemetry import current_rss_bytes
+from r1fit.memory.telemetry import current_rss_bytes, reset_peak, step_memory
 from r1fit.models.load import load_adapter_weights, load_policy, special_token_ids
 from r1fit.report.metrics import MetricsWriter, read_metrics
 from r1fit.rewards.accuracy import accuracy
@@ -215,6 +215,7 @@ def evaluate(model: Any, processor: Any, dataset: PromptDataset, cfg: Config, id
 
     Rows whose image fails to decode are skipped with a warning, counted in ``eval/bad_rows`` and
     left out of the averages (``eval/size`` is the number actually scored)."""
+    reset_peak(device)  # eval/peak_memory_bytes is the evaluation's own peak
     settings = SamplingSettings(max_new_tokens=cfg.algo.max_new_tokens, greedy=True)
     correct = formatted = 0.0
     scored = bad = 0
@@ -237,7 +238,7 @@ def evaluate(model: Any, processor: Any, dataset: PromptDataset, cfg: Config, id
         scored += len(samples)
     n = max(1, scored)
     return {"eval/accuracy": correct / n, "eval/format": formatted / n, "eval/size": scored,
-            "eval/bad_rows": bad}
+            "eval/bad_rows": bad, **step_memory(device, "eval/")}
 
 
 def save_model(model: Any, processor: Any, folder: Path) -> None:

@@ -28,7 +28,7 @@ from r1fit.algorithms.losses import grpo_loss
 from r1fit.checkpoint.state import Counters, OptimizerState, RngState
 from r1fit.config import Config
 from r1fit.data.dataset import PromptSampler
-from r1fit.memory.telemetry import peak_memory_bytes, reset_peak
+from r1fit.memory.telemetry import reset_peak, step_memory, warn_if_fragmented
 from r1fit.models.load import Reference, load_frozen, make_reference
 from r1fit.report.progress import progress_bar
 from r1fit.rewards.accuracy import accuracy
@@ -143,7 +143,7 @@ def train_grpo(cfg: Config) -> dict[str, Any]:
                    "completion_len_mean": n_tokens / len(completions),
                    **times, "tokens_per_second": n_tokens / max(seconds, 1e-9),
                    "learning_rate": scheduler.get_last_lr()[0],
-                   "peak_memory_bytes": peak_memory_bytes(device),
+                   **step_memory(device),
                    "bad_rows": bad_rows.count, "reward_errors": scorer.total_errors}
             # evaluations go into the step's own line (the last step always evaluates), so every
             # step appears exactly once in metrics.jsonl
@@ -155,6 +155,7 @@ def train_grpo(cfg: Config) -> dict[str, Any]:
                 else:
                     loop.since_best += 1
             run.metrics.write(row)
+            warn_if_fragmented(device, cfg.memory.fragmentation_warning_gib, step)
             advance(f"reward {row['reward_mean']:.2f} acc {row['accuracy']:.2f}")
             stop = bool(cfg.train.early_stop_patience and
                         loop.since_best >= cfg.train.early_stop_patience)

@@ -52,4 +52,6 @@ def clip_and_step(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_sc
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf")).item()
     optimizer.step()
     scheduler.step()
+    # free the gradients now, not at the next update: evaluation and generation run without them
+    optimizer.zero_grad(set_to_none=True)
     return grad_norm

@@ -19,7 +19,7 @@ from r1fit.checkpoint.state import OptimizerState, PythonRandomState, RngState
 from r1fit.config import Config
 from r1fit.data.dataset import PromptDataset, PromptSampler
 from r1fit.data.sample import Sample
-from r1fit.memory.telemetry import peak_memory_bytes, reset_peak
+from r1fit.memory.telemetry import reset_peak, step_memory
 from r1fit.report.progress import progress_bar
 from r1fit.rewards.answer import extract_answer
 from r1fit.rollout.batch import collate, encode_prompts
@@ -97,7 +97,7 @@ def supervised_steps(run: Run, dataset: PromptDataset, steps: int, *, format_onl
             row = {f"{metrics_prefix}step": step, f"{metrics_prefix}loss": loss_sum,
                    f"{metrics_prefix}grad_norm": grad_norm,
                    f"{metrics_prefix}tokens_per_second": total_tokens / seconds,
-                   f"{metrics_prefix}peak_memory_bytes": peak_memory_bytes(run.device),
+                   **step_memory(run.device, metrics_prefix),
                    f"{metrics_prefix}bad_rows": bad_rows.count}
             if final_eval is not None and step == steps:
                 row.update(final_eval())

@@ -200,3 +200,14 @@ def test_eval_rows_that_fail_to_decode_are_counted_not_scored(use_tiny_cache, tm
     assert len(evals) == 2
     assert all(r["eval/size"] == 5 and r["eval/bad_rows"] == 1 for r in evals)
     assert "eval: skipping" in (out / "log.txt").read_text()
+
+
+def test_evaluation_peak_stays_below_the_training_peak(use_tiny_cache, tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("train", f"train.output_dir={out}", *SMALL, "eval.every=1",
+                   "eval.batch=4", "algo.beta=0") == 0
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward_mean" in r]
+    assert all("eval/peak_memory_bytes" in r for r in rows)
+    for row in rows:  # eval runs after the update, gradients freed, under inference mode
+        assert 0 < row["eval/peak_memory_bytes"] <= row["peak_memory_bytes"], row["step"]
+        assert row["peak_reserved_bytes"] is None  # CPU: no allocator cache to report

@@ -1,3 +1,4 @@
+import os
 import sys
 
 import pytest
@@ -33,3 +34,24 @@ def test_child_peak_is_not_inherited_from_a_big_parent(tmp_path):
     out = subprocess.run([sys.executable, "-c", parent, child], capture_output=True, text=True,
                          check=True).stdout
     assert int(out.strip()) < 700 * 2**20
+
+
+def test_cuda_allocator_gets_expandable_segments_unless_configured(monkeypatch):
+    from r1fit.memory.telemetry import configure_cuda_allocator
+
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)
+    configure_cuda_allocator()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    configure_cuda_allocator()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"  # the user's wins
+
+
+def test_step_memory_on_cpu_has_no_reserved_figure():
+    from r1fit.memory.telemetry import step_memory, warn_if_fragmented
+
+    cpu = torch.device("cpu")
+    row = step_memory(cpu, "eval/")
+    assert row["eval/peak_memory_bytes"] > 0 and row["eval/peak_reserved_bytes"] is None
+    assert warn_if_fragmented(cpu, 0.001, step=1) is False
