@@ -71,11 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     # imported late: `r1fit config` and `--help` should not pay for importing torch/transformers
     from r1fit.checkpoint.manager import CheckpointError, RunStopped
     from r1fit.data.dataset import DataError
+    from r1fit.memory.guard import OutOfMemory
     from r1fit.models.load import ModelConfigError
     from r1fit.rewards.registry import RewardConfigError
     from r1fit.train.common import RunError
 
-    known = (CheckpointError, ConfigError, DataError, ModelConfigError, RewardConfigError, RunError)
+    known = (CheckpointError, ConfigError, DataError, ModelConfigError, OutOfMemory,
+             RewardConfigError, RunError)
     try:
         if ns.command == "config":
             if ns.reference:

@@ -165,6 +165,10 @@ class MemoryConfig:
     gradient_checkpointing: bool = opt(True, "Recompute layer activations in the backward pass.")
     logits_chunk: int = opt(1024, "Tokens per chunk of the LM head; the full [tokens x vocab] logits "
                             "are never materialised.", ge=1)
+    budget: str = opt("", "Memory the run may use, e.g. '20GiB'. CPU: a cap on the process's "
+                      "peak RSS over its RSS before the model loaded, enforced by the OOM guard "
+                      "(which halves micro_batch/generation_batch and redoes the step). Empty: no "
+                      "cap on CPU; on CUDA the allocator raises when the device is full.")
     fragmentation_warning_gib: float = opt(2.0, "Warn when the CUDA allocator holds more than this "
                                            "many GiB reserved but unallocated (0 = never).", ge=0)
 
@@ -378,6 +382,13 @@ def _check_consistency(cfg: Config) -> None:
     for name, weight in cfg.rewards.items():
         if not math.isfinite(weight):
             raise ConfigError(f"rewards.{name}: got {weight!r}, expected a finite number")
+    if cfg.memory.budget:
+        from r1fit.memory.units import parse_bytes
+
+        try:
+            parse_bytes(cfg.memory.budget)
+        except ValueError as exc:
+            raise ConfigError(f"memory.budget: {exc}") from None
     if not cfg.checkpoint.resume.strip():
         raise ConfigError("checkpoint.resume: got an empty value, expected 'auto', 'never' or a "
                           "checkpoint folder")

@@ -32,3 +32,12 @@ def use_tiny_cache(tiny_cache: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Point R1FIT_CACHE at the session cache for one test, so `builtin:tiny` needs no rebuild."""
     monkeypatch.setenv("R1FIT_CACHE", str(tiny_cache))
     return tiny_cache
+
+
+@pytest.fixture(scope="session")
+def realvocab_cache(tiny_cache: Path) -> Path:
+    """The session cache with builtin:small-realvocab (Qwen's 151,936-token vocabulary) built."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("R1FIT_CACHE", str(tiny_cache))
+        ensure_builtin("small-realvocab")
+    return tiny_cache

@@ -97,6 +97,7 @@ class Run:
     rss_after_load_bytes: int
     started: float  # perf_counter() when the run started
     checkpoints: CheckpointManager
+    rss_before_load_bytes: int  # what memory.budget is measured from on CPU
 
 
 def start_run(cfg: Config, kind: str) -> Run:
@@ -119,6 +120,7 @@ def start_run(cfg: Config, kind: str) -> Run:
     device = pick_device(cfg.train.device)
     seed_everything(cfg.train.seed)
     train_set, eval_set = build_datasets(cfg)
+    rss_before_load = current_rss_bytes()
     model, processor = load_run_model(cfg, device, resume)
     special = special_token_ids(model, processor)
     # a completion ends at <|im_end|> or, if the model emits it, at <|endoftext|> (Qwen's
@@ -139,7 +141,7 @@ def start_run(cfg: Config, kind: str) -> Run:
     checkpoints.models["model"] = (model, processor)
     checkpoints.metrics_lines = lambda: metrics.lines
     return Run(cfg, out, device, model, processor, ids, metrics, train_set, eval_set,
-               current_rss_bytes(), started, checkpoints)
+               current_rss_bytes(), started, checkpoints, rss_before_load)
 
 
 def load_run_model(cfg: Config, device: torch.device, resume: ResumePoint | None) -> tuple[Any, Any]:

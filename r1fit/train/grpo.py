@@ -28,6 +28,7 @@ from r1fit.algorithms.losses import grpo_loss
 from r1fit.checkpoint.state import Counters, OptimizerState, RngState
 from r1fit.config import Config
 from r1fit.data.dataset import PromptSampler
+from r1fit.memory.guard import OOMGuard
 from r1fit.memory.telemetry import reset_peak, step_memory, warn_if_fragmented
 from r1fit.models.load import Reference, load_frozen, make_reference
 from r1fit.report.progress import progress_bar
@@ -79,6 +80,7 @@ def train_grpo(cfg: Config) -> dict[str, Any]:
              "sampler": sampler, "loop": loop, "bad_rows": bad_rows, "rewards": scorer,
              "rng-rank0": RngState()}
     start = checkpoints.restore("grpo", state)
+    guard = OOMGuard(cfg.memory, device, optimizer, baseline_rss_bytes=run.rss_before_load_bytes)
     settings = SamplingSettings(algo.max_new_tokens, algo.temperature, algo.top_p)
     if eval_set is not None and cfg.eval.before_train and start == 0:
         row = {"step": 0, **evaluate(model, processor, eval_set, cfg, run.ids, device)}
@@ -90,45 +92,56 @@ def train_grpo(cfg: Config) -> dict[str, Any]:
         for step in range(start + 1, cfg.train.max_steps + 1):
             times: dict[str, float] = {}
             reset_peak(device)  # peak_memory_bytes is this step's peak
-            # 1. rollout: G completions per prompt, generated generation_batch rows at a time
             samples = bad_rows.fetch(train_set, sampler, cfg.train.prompts_per_step)
-            with timed(times, "seconds_generate"):
-                prompts = encode_prompts(processor, samples, cfg.data.system_prompt)
-                completions = generate_completions(
-                    model, prompts, repeats=algo.num_generations,
-                    batch_size=cfg.memory.generation_batch, settings=settings, ids=run.ids,
-                    device=device)
+            prompts = encode_prompts(processor, samples, cfg.data.system_prompt)
             rows: list[Prompt] = [p for p in prompts for _ in range(algo.num_generations)]
             row_samples = [p.sample for p in rows]
 
-            # 2. score: weighted rewards, then advantages normalised within each group
-            with timed(times, "seconds_score"):
-                texts = decode(processor, completions)
-                rewards = scorer.score(texts, [s.solution for s in row_samples],
-                                       [{"problem": s.problem} for s in row_samples])
-                advantages = group_advantages(rewards.total, algo.num_generations,
-                                              scale_std=algo.scale_rewards)
-                # the logged accuracy: the reward component when configured, else scored here
-                correct = (rewards.components["accuracy"].tolist()
-                           if "accuracy" in rewards.components else
-                           [accuracy(t, s.solution, problem=s.problem)
-                            for t, s in zip(texts, row_samples)])
+            def attempt() -> tuple:
+                """Steps 1-3; the OOM guard redoes them with smaller chunks if memory runs out."""
+                # 1. rollout: G completions per prompt, generated generation_batch rows at a time
+                with timed(times, "seconds_generate"), guard.phase("generation"):
+                    completions = generate_completions(
+                        model, prompts, repeats=algo.num_generations,
+                        batch_size=cfg.memory.generation_batch, settings=settings, ids=run.ids,
+                        device=device)
 
-            # 3. update: old/reference log-probs once, then mu clipped updates on this rollout
-            with timed(times, "seconds_update"):
-                logp_args = dict(micro_batch=cfg.memory.micro_batch,
-                                 chunk_size=cfg.memory.logits_chunk,
-                                 temperature=algo.temperature, pad_id=run.ids.pad, device=device)
-                old_logp = (logprobs_in_micro_batches(model, rows, completions, **logp_args)
-                            if algo.num_iterations > 1 else None)
-                ref_logp = None
-                if reference is not None:
-                    with reference.model() as ref_model:
-                        ref_logp = logprobs_in_micro_batches(ref_model, rows, completions,
-                                                             **logp_args)
-                updates = [policy_update(model, optimizer, scheduler, rows, completions,
-                                         advantages, old_logp, ref_logp, cfg, run.ids.pad, device)
-                           for _ in range(algo.num_iterations)]
+                # 2. score: weighted rewards, then advantages normalised within each group
+                with timed(times, "seconds_score"):
+                    texts = decode(processor, completions)
+                    rewards = scorer.score(texts, [s.solution for s in row_samples],
+                                           [{"problem": s.problem} for s in row_samples])
+                    advantages = group_advantages(rewards.total, algo.num_generations,
+                                                  scale_std=algo.scale_rewards)
+                    # the logged accuracy: the reward component when configured, else scored here
+                    correct = (rewards.components["accuracy"].tolist()
+                               if "accuracy" in rewards.components else
+                               [accuracy(t, s.solution, problem=s.problem)
+                                for t, s in zip(texts, row_samples)])
+
+                # 3. update: old/reference log-probs once, then mu clipped updates on this rollout
+                with timed(times, "seconds_update"):
+                    logp_args = dict(chunk_size=cfg.memory.logits_chunk,
+                                     temperature=algo.temperature, pad_id=run.ids.pad,
+                                     device=device)
+                    with guard.phase("micro_batch"):
+                        old_logp = (logprobs_in_micro_batches(
+                            model, rows, completions, micro_batch=cfg.memory.micro_batch,
+                            **logp_args) if algo.num_iterations > 1 else None)
+                        ref_logp = None
+                        if reference is not None:
+                            with reference.model() as ref_model:
+                                ref_logp = logprobs_in_micro_batches(
+                                    ref_model, rows, completions,
+                                    micro_batch=cfg.memory.micro_batch, **logp_args)
+                    updates = [policy_update(model, optimizer, scheduler, rows, completions,
+                                             advantages, old_logp, ref_logp, cfg, run.ids.pad,
+                                             device, guard)
+                               for _ in range(algo.num_iterations)]
+                return completions, rewards, correct, updates
+
+            completions, rewards, correct, updates = guard.run_step(
+                attempt, restore=[state["rng-rank0"], scorer])
 
             # 4. log one line per step
             n_tokens = sum(int(c.shape[0]) for c in completions)
@@ -144,7 +157,9 @@ def train_grpo(cfg: Config) -> dict[str, Any]:
                    **times, "tokens_per_second": n_tokens / max(seconds, 1e-9),
                    "learning_rate": scheduler.get_last_lr()[0],
                    **step_memory(device),
-                   "bad_rows": bad_rows.count, "reward_errors": scorer.total_errors}
+                   "bad_rows": bad_rows.count, "reward_errors": scorer.total_errors,
+                   "oom_retries": guard.retries, "micro_batch": cfg.memory.micro_batch,
+                   "generation_batch": cfg.memory.generation_batch}
             # evaluations go into the step's own line (the last step always evaluates), so every
             # step appears exactly once in metrics.jsonl
             if eval_set is not None and (step == cfg.train.max_steps or
@@ -174,12 +189,16 @@ def train_grpo(cfg: Config) -> dict[str, Any]:
 def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
                   rows: list[Prompt], completions: list[torch.Tensor], advantages: torch.Tensor,
                   old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None, cfg: Config,
-                  pad_id: int, device: torch.device) -> dict[str, float | None]:
-    """One optimizer update over all rows: accumulate, clip, step."""
-    optimizer.zero_grad(set_to_none=True)
-    sums = accumulate_policy_gradients(model, rows, completions, advantages, old_logp, ref_logp,
-                                       cfg, pad_id, device)
+                  pad_id: int, device: torch.device, guard: OOMGuard) -> dict[str, float | None]:
+    """One optimizer update over all rows: accumulate (under the OOM guard), clip, step."""
+    def accumulate() -> dict[str, float | None]:
+        optimizer.zero_grad(set_to_none=True)
+        return accumulate_policy_gradients(model, rows, completions, advantages, old_logp,
+                                           ref_logp, cfg, pad_id, device)
+
+    sums = guard.run_update(accumulate)
     sums["grad_norm"] = clip_and_step(optimizer, scheduler, cfg.train.max_grad_norm)
+    guard.updates_done += 1
     return sums
 
 

@@ -19,6 +19,7 @@ from r1fit.checkpoint.state import OptimizerState, PythonRandomState, RngState
 from r1fit.config import Config
 from r1fit.data.dataset import PromptDataset, PromptSampler
 from r1fit.data.sample import Sample
+from r1fit.memory.guard import OOMGuard
 from r1fit.memory.telemetry import reset_peak, step_memory
 from r1fit.report.progress import progress_bar
 from r1fit.rewards.answer import extract_answer
@@ -69,6 +70,8 @@ def supervised_steps(run: Run, dataset: PromptDataset, steps: int, *, format_onl
     if rng is not None:
         state["targets_rng"] = PythonRandomState(rng)
     start = run.checkpoints.restore(phase, state)
+    guard = OOMGuard(cfg.memory, run.device, optimizer,
+                     baseline_rss_bytes=run.rss_before_load_bytes)
     end_of_turn = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
     rows_out = []
     model.train()
@@ -83,22 +86,32 @@ def supervised_steps(run: Run, dataset: PromptDataset, steps: int, *, format_onl
                                     + [end_of_turn], dtype=torch.long)
                        for t in build_targets(samples, cfg.sft.think, rng)]
             total_tokens = sum(int(t.shape[0]) for t in targets)
-            optimizer.zero_grad(set_to_none=True)
-            loss_sum = 0.0
-            for _, mb_prompts, mb_targets in micro_batches(prompts, targets, cfg.memory.micro_batch):
-                batch = collate(mb_prompts, mb_targets, run.ids.pad).to(run.device)
-                logp = completion_logprobs(model, batch, chunk_size=cfg.memory.logits_chunk)
-                # this micro-batch's share of the batch's token-mean cross-entropy
-                loss = -(logp * batch.completion_mask).sum() / total_tokens
-                loss.backward()
-                loss_sum += loss.item()
+
+            def accumulate() -> float:
+                """Gradients of the batch, micro_batch rows at a time (redone smaller on OOM)."""
+                optimizer.zero_grad(set_to_none=True)
+                loss_sum = 0.0
+                with guard.phase("micro_batch"):
+                    for _, mb_prompts, mb_targets in micro_batches(prompts, targets,
+                                                                   cfg.memory.micro_batch):
+                        batch = collate(mb_prompts, mb_targets, run.ids.pad).to(run.device)
+                        logp = completion_logprobs(model, batch,
+                                                   chunk_size=cfg.memory.logits_chunk)
+                        # this micro-batch's share of the batch's token-mean cross-entropy
+                        loss = -(logp * batch.completion_mask).sum() / total_tokens
+                        loss.backward()
+                        loss_sum += loss.item()
+                return loss_sum
+
+            loss_sum = guard.run_step(accumulate, restore=[state["rng-rank0"]])
             grad_norm = clip_and_step(optimizer, scheduler, cfg.train.max_grad_norm)
             seconds = time.perf_counter() - start
             row = {f"{metrics_prefix}step": step, f"{metrics_prefix}loss": loss_sum,
                    f"{metrics_prefix}grad_norm": grad_norm,
                    f"{metrics_prefix}tokens_per_second": total_tokens / seconds,
                    **step_memory(run.device, metrics_prefix),
-                   f"{metrics_prefix}bad_rows": bad_rows.count}
+                   f"{metrics_prefix}bad_rows": bad_rows.count,
+                   f"{metrics_prefix}oom_retries": guard.retries}
             if final_eval is not None and step == steps:
                 row.update(final_eval())
             run.metrics.write(row)

@@ -1,0 +1,129 @@
+"""The OOM guard: when a step runs out of memory, halve the chunk that failed and redo the step.
+
+Where the OOM is raised decides what is halved: inside generation, ``memory.generation_batch``;
+inside log-prob or gradient micro-batches, ``memory.micro_batch``. The redo starts the step from
+its beginning (same prompts, gradients zeroed, the RNG states and counters put back), so it is
+deterministic. Once an optimizer update of the step has been applied, a whole-step redo would apply
+it twice; an OOM in a later update (``num_iterations`` > 1) redoes only that update's gradient
+accumulation. At size 1 the guard gives up with a message saying what to change.
+
+On CUDA the error is the allocator's ``torch.OutOfMemoryError``. On CPU, ``memory.budget`` caps
+the process's peak RSS over its RSS before the model was loaded; the guard checks it when each
+phase ends and raises the same ``torch.OutOfMemoryError``, so the recovery is the same code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import torch
+
+from r1fit.memory.telemetry import peak_rss_bytes, reset_peak
+from r1fit.memory.units import format_bytes, parse_bytes
+
+log = logging.getLogger("r1fit.memory")
+T = TypeVar("T")
+_SIZE_OF_PHASE = {"generation": "generation_batch", "micro_batch": "micro_batch"}
+
+
+class OutOfMemory(RuntimeError):
+    """Out of memory even at chunk size 1; the message says what to change."""
+
+
+class OOMGuard:
+    """Owns the chunk sizes of ``memory`` (it lowers them in place) for one run."""
+
+    def __init__(self, memory: Any, device: torch.device, optimizer: torch.optim.Optimizer, *,
+                 baseline_rss_bytes: int) -> None:
+        self.memory, self.device, self.optimizer = memory, device, optimizer
+        self.budget = parse_bytes(memory.budget) if memory.budget else None
+        self.baseline = baseline_rss_bytes
+        self.failed_phase: str | None = None
+        self.updates_done = 0   # optimizer updates applied in the current attempt
+        self.retries = 0        # redos in the current step (logged as oom_retries)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Marks generation or micro-batch work, so an OOM inside it shrinks the right size; on
+        CPU with ``memory.budget``, checks the budget when the phase ends."""
+        try:
+            yield
+        except torch.OutOfMemoryError:
+            self.failed_phase = name
+            raise
+        if self.budget is not None and self.device.type == "cpu":
+            used = peak_rss_bytes() - self.baseline
+            if used > self.budget:
+                self.failed_phase = name
+                raise torch.OutOfMemoryError(
+                    f"CPU out of memory: peak RSS {format_bytes(used)} over the pre-load baseline "
+                    f"exceeds memory.budget={self.memory.budget}")
+
+    def run_step(self, attempt: Callable[[], T], restore: list[Any]) -> T:
+        """Run ``attempt()`` (one step from its start); on OOM shrink and redo it with the
+        ``state_dict()`` of every object in ``restore`` put back first."""
+        saved = [obj.state_dict() for obj in restore]
+        self.retries = 0
+        while True:
+            self.updates_done, self.failed_phase = 0, None
+            try:
+                return attempt()
+            except torch.OutOfMemoryError as exc:
+                message = _one_line(exc)
+            # the exception and its frames (which hold the step's tensors) are gone here
+            self._shrink(self.failed_phase or "micro_batch", message, "redoing the step")
+            for obj, state in zip(restore, saved):
+                obj.load_state_dict(state)
+
+    def run_update(self, accumulate: Callable[[], T]) -> T:
+        """One update's gradient accumulation. Before any update of the step was applied an OOM
+        goes up to ``run_step``; after, only this accumulation is redone."""
+        while True:
+            try:
+                with self.phase("micro_batch"):
+                    return accumulate()
+            except torch.OutOfMemoryError as exc:
+                if not self.updates_done:
+                    raise
+                message = _one_line(exc)
+            self._shrink("micro_batch", message,
+                         f"redoing update {self.updates_done + 1} of this step")
+
+    def _shrink(self, phase: str, message: str, action: str) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        free_memory(self.device)
+        key = _SIZE_OF_PHASE[phase]
+        size = getattr(self.memory, key)
+        if size <= 1:
+            raise OutOfMemory(
+                f"out of memory in {phase.replace('_', '-')} work even with memory.{key}=1 "
+                f"({message}). Lower data.max_pixels or algo.max_new_tokens, keep "
+                "memory.gradient_checkpointing=true, use LoRA (model.lora.r=16) or a smaller "
+                "memory.logits_chunk, or give the run more memory")
+        setattr(self.memory, key, size // 2)
+        self.retries += 1
+        log.warning("out of memory in %s (%s): memory.%s %d -> %d, %s", phase, message, key, size,
+                    size // 2, action)
+        reset_peak(self.device)
+
+
+def free_memory(device: torch.device) -> None:
+    """Give freed memory back: Python garbage, the CUDA cache, glibc's free heap pages."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    try:  # glibc keeps freed heap pages; RSS (what memory.budget measures) only drops after this
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__

@@ -1,0 +1,33 @@
+"""Byte sizes as people write them: ``80GiB``, ``512MiB``, ``1.5GB``, ``1000000``."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """``"80GiB"`` -> 85899345920. Raises ValueError naming the accepted units."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        match = _SIZE.match(str(text))
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"{text!r} is not a size; write e.g. 80GiB, 512MiB, 1.5GB or a "
+                             "number of bytes")
+        value, unit = float(match.group(1)), match.group(2).lower()
+    size = int(value * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"{text!r}: a size must be > 0")
+    return size
+
+
+def format_bytes(size: float) -> str:
+    """1.50 GiB, 12.0 MiB, 512 B."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(size) >= scale:
+            return f"{size / scale:.2f} {unit}"
+    return f"{int(size)} B"

@@ -1,0 +1,100 @@
+"""The OOM guard on its own: which size it halves, deterministic redo, giving up, the CPU budget."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from r1fit.checkpoint.state import RngState
+from r1fit.memory.guard import OOMGuard, OutOfMemory
+from r1fit.memory.telemetry import current_rss_bytes
+
+
+def make_guard(micro_batch: int = 8, generation_batch: int = 8, budget: str = "",
+               baseline: int = 0) -> tuple[OOMGuard, torch.nn.Parameter]:
+    weight = torch.nn.Parameter(torch.ones(2))
+    weight.grad = torch.ones(2)
+    memory = SimpleNamespace(micro_batch=micro_batch, generation_batch=generation_batch,
+                             budget=budget)
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    return OOMGuard(memory, torch.device("cpu"), optimizer, baseline_rss_bytes=baseline), weight
+
+
+def test_oom_in_generation_halves_generation_batch_and_redoes_deterministically():
+    guard, weight = make_guard()
+    draws, grads_at_start = [], []
+
+    def attempt() -> str:
+        grads_at_start.append(weight.grad)
+        draws.append(torch.rand(3).tolist())  # the step's randomness (sampling)
+        weight.grad = torch.ones(2)           # the attempt leaves gradients behind
+        with guard.phase("generation"):
+            if guard.memory.generation_batch > 2:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return "done"
+
+    assert guard.run_step(attempt, restore=[RngState()]) == "done"
+    assert guard.memory.generation_batch == 2 and guard.memory.micro_batch == 8
+    assert guard.retries == 2
+    assert draws[0] == draws[1] == draws[2]          # RNG put back before each redo
+    assert grads_at_start[1] is None and grads_at_start[2] is None  # gradients zeroed
+
+
+def test_oom_in_micro_batches_halves_micro_batch():
+    guard, _ = make_guard(micro_batch=4)
+
+    def attempt() -> int:
+        with guard.phase("micro_batch"):
+            if guard.memory.micro_batch > 1:
+                raise torch.OutOfMemoryError("out of memory")
+        return guard.memory.micro_batch
+
+    assert guard.run_step(attempt, restore=[]) == 1 and guard.retries == 2
+
+
+def test_gives_up_at_size_one_with_advice():
+    guard, _ = make_guard(micro_batch=2)
+
+    def attempt() -> None:
+        with guard.phase("micro_batch"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB\nmore")
+
+    with pytest.raises(OutOfMemory, match=r"even with memory.micro_batch=1 \(CUDA out of memory. "
+                                          r"Tried to allocate 9.00 GiB\)\. Lower data.max_pixels"):
+        guard.run_step(attempt, restore=[])
+
+
+def test_after_an_applied_update_only_that_update_is_redone():
+    guard, _ = make_guard(micro_batch=4)
+    calls = {"step": 0, "accumulate": 0}
+
+    def accumulate() -> int:
+        calls["accumulate"] += 1
+        if guard.updates_done == 1 and guard.memory.micro_batch > 2:
+            raise torch.OutOfMemoryError("out of memory")
+        return guard.memory.micro_batch
+
+    def attempt() -> list[int]:
+        calls["step"] += 1
+        sizes = []
+        for _ in range(2):  # num_iterations = 2
+            sizes.append(guard.run_update(accumulate))
+            guard.updates_done += 1
+        return sizes
+
+    assert guard.run_step(attempt, restore=[]) == [4, 2]
+    assert calls == {"step": 1, "accumulate": 3}  # the first update is not applied twice
+
+
+def test_cpu_budget_raises_the_cuda_error_type():
+    guard, _ = make_guard(budget="1MiB", baseline=current_rss_bytes() - (64 << 20))
+    with pytest.raises(torch.OutOfMemoryError, match="CPU out of memory: peak RSS .* exceeds "
+                                                     "memory.budget=1MiB"):
+        with guard.phase("micro_batch"):
+            pass
+    assert guard.failed_phase == "micro_batch"
+    roomy, _ = make_guard(budget="1TiB", baseline=current_rss_bytes())
+    with roomy.phase("generation"):
+        pass  # within budget: no error
