@@ -169,6 +169,10 @@ class MemoryConfig:
                       "peak RSS over its RSS before the model loaded, enforced by the OOM guard "
                       "(which halves micro_batch/generation_batch and redoes the step). Empty: no "
                       "cap on CPU; on CUDA the allocator raises when the device is full.")
+    cpu_peak: Literal["rss", "tensors"] = opt(
+        "rss", "What peak_memory_bytes measures on CPU: 'rss' (the process's peak resident "
+        "memory; cheap) or 'tensors' (the peak bytes of live tensors through the torch profiler, "
+        "the CPU counterpart of CUDA's max allocated and what `r1fit plan` predicts; slower).")
     fragmentation_warning_gib: float = opt(2.0, "Warn when the CUDA allocator holds more than this "
                                            "many GiB reserved but unallocated (0 = never).", ge=0)
 

@@ -7,6 +7,7 @@ import logging
 import os
 import resource
 import sys
+from typing import Any
 
 import torch
 
@@ -50,7 +51,10 @@ def peak_rss_bytes() -> int:
 def reset_peak(device: torch.device) -> bool:
     """Start a new peak-memory window (each step logs its own peak). On CPU this resets the
     kernel's RSS high-water mark (Linux ``clear_refs``); returns False where that is impossible,
-    and the peak then stays the process-lifetime peak."""
+    and the peak then stays the process-lifetime peak. With the tensor probe on (CPU), a new
+    profiled window starts."""
+    if _probe is not None and device.type == "cpu":
+        _probe.start()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return True
@@ -73,11 +77,32 @@ def current_rss_bytes() -> int:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """The number logged as ``peak_memory_bytes``: CUDA max allocated, else process peak RSS
-    (both since the last :func:`reset_peak`)."""
+    """The number logged as ``peak_memory_bytes`` since the last :func:`reset_peak`: CUDA max
+    allocated; on CPU the process's peak RSS, or with the tensor probe on (``memory.cpu_peak:
+    tensors``) the peak bytes of live tensors, the CPU counterpart of CUDA's figure."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    if _probe is not None and _probe.active:
+        return _probe.peak()
     return peak_rss_bytes()
+
+
+_probe: Any = None  # r1fit.memory.probe.TensorProbe when memory.cpu_peak is "tensors"
+
+
+def use_tensor_probe(on: bool) -> None:
+    """Switch CPU peak measurement to live tensor bytes (``memory.cpu_peak: tensors``) or back to
+    peak RSS."""
+    global _probe
+    if _probe is not None:
+        _probe.stop()
+    if on:
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's C++ logs are noise here
+        from r1fit.memory.probe import TensorProbe
+
+        _probe = TensorProbe()
+    else:
+        _probe = None
 
 
 def step_memory(device: torch.device, prefix: str = "") -> dict[str, int | None]:

@@ -22,7 +22,8 @@ from r1fit.config import Config
 from r1fit.data.dataset import PromptDataset, PromptSampler, load_dataset
 from r1fit.data.sample import Sample
 from r1fit.data.shapes import ShapesSpec
-from r1fit.memory.telemetry import current_rss_bytes, reset_peak, step_memory
+from r1fit.memory.telemetry import (current_rss_bytes, reset_peak, step_memory,
+                                    use_tensor_probe)
 from r1fit.models.load import load_adapter_weights, load_policy, special_token_ids
 from r1fit.report.metrics import MetricsWriter, read_metrics
 from r1fit.rewards.accuracy import accuracy
@@ -119,6 +120,7 @@ def start_run(cfg: Config, kind: str) -> Run:
                 handler.handle(record)
     device = pick_device(cfg.train.device)
     seed_everything(cfg.train.seed)
+    use_tensor_probe(cfg.memory.cpu_peak == "tensors" and device.type == "cpu")
     train_set, eval_set = build_datasets(cfg)
     rss_before_load = current_rss_bytes()
     model, processor = load_run_model(cfg, device, resume)

@@ -1,0 +1,78 @@
+"""The probe: the true peak of live tensor memory of a real step on CPU.
+
+CUDA reports it natively (``torch.cuda.max_memory_allocated``). On CPU, process RSS mixes in the
+Python heap, libraries and memory glibc keeps after frees, so it cannot be compared with a
+prediction of tensor bytes; this probe can. ``memory.cpu_peak: tensors`` makes every step's
+``peak_memory_bytes`` this figure (r1fit.memory.telemetry), and benchmarks/plan_accuracy.py compares
+it with ``r1fit plan``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import tempfile
+import warnings
+from typing import Any
+
+import torch
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every tensor storage alive in this process (CPU; each storage counted once):
+    parameters, gradients, optimizer states, buffers, anything a Python object holds."""
+    seen: dict[int, int] = {}
+    with warnings.catch_warnings():  # isinstance() on deprecated torch proxies warns
+        warnings.simplefilter("ignore")
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for obj in tensors:
+        if obj.device.type == "cpu":
+            try:
+                storage = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # tensors without storage
+                continue
+            if storage.nbytes():
+                seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+class TensorProbe:
+    """Measures the true peak of live tensor bytes on CPU between ``start()`` and ``peak()``:
+    what was alive at the start (:func:`live_tensor_bytes`) plus the highest running total of
+    bytes allocated after it, from the torch profiler's memory events (``profile_memory``).
+    Frees of tensors that existed before the start are not seen, so the figure can only err
+    high, by at most what the window freed of them. Costs profiler time on every op."""
+
+    def __init__(self) -> None:
+        self._profiler: Any = None
+        self._before = 0
+
+    @property
+    def active(self) -> bool:
+        return self._profiler is not None
+
+    def start(self) -> None:
+        self.stop()
+        gc.collect()
+        self._before = live_tensor_bytes()
+        self._profiler = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+        self._profiler.__enter__()
+
+    def peak(self) -> int:
+        trace = self.stop()
+        totals = [e["args"].get("Total Allocated", 0) for e in trace.get("traceEvents", [])
+                  if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == 0]
+        return self._before + max([0, *totals])
+
+    def stop(self) -> dict[str, Any]:
+        if self._profiler is None:
+            return {}
+        profiler, self._profiler = self._profiler, None
+        profiler.__exit__(None, None, None)
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "trace.json")
+            profiler.export_chrome_trace(path)
+            with open(path) as f:
+                return json.load(f)
