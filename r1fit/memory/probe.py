@@ -39,10 +39,12 @@ def live_tensor_bytes() -> int:
 
 class TensorProbe:
     """Measures the true peak of live tensor bytes on CPU between ``start()`` and ``peak()``:
-    what was alive at the start (:func:`live_tensor_bytes`) plus the highest running total of
-    bytes allocated after it, from the torch profiler's memory events (``profile_memory``).
-    Frees of tensors that existed before the start are not seen, so the figure can only err
-    high, by at most what the window freed of them. Costs profiler time on every op."""
+    what was alive at the start (:func:`live_tensor_bytes`) plus the highest running sum of the
+    bytes allocated (+) and freed (-) after it, from the torch profiler's memory events
+    (``profile_memory``).
+    Frees of tensors allocated while no profiler ran (the model load, say) carry no size, so the
+    figure can only err high, by at most what the window freed of those. Costs profiler time on
+    every op."""
 
     def __init__(self) -> None:
         self._profiler: Any = None
@@ -62,9 +64,16 @@ class TensorProbe:
 
     def peak(self) -> int:
         trace = self.stop()
-        totals = [e["args"].get("Total Allocated", 0) for e in trace.get("traceEvents", [])
-                  if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == 0]
-        return self._before + max([0, *totals])
+        events = sorted((e for e in trace.get("traceEvents", [])
+                         if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0),
+                        key=lambda e: e["ts"])
+        # the profiler's own "Total Allocated" runs on from earlier profiling sessions, so sum
+        # this window's allocations (+) and frees (-) instead
+        running = highest = 0
+        for event in events:
+            running += event["args"].get("Bytes", 0)
+            highest = max(highest, running)
+        return self._before + highest
 
     def stop(self) -> dict[str, Any]:
         if self._profiler is None:

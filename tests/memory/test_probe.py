@@ -42,3 +42,16 @@ def test_telemetry_switches_cpu_peak_to_tensors():
         use_tensor_probe(False)
     # live tensors of this test process, far below its resident memory
     assert 12_000_000 <= tensors_peak < peak_memory_bytes(cpu)
+
+
+def test_windows_are_independent():
+    first = TensorProbe()
+    first.start()
+    kept = torch.zeros(2_000_000)  # allocated in the first window and kept
+    first.peak()
+    second = TensorProbe()
+    second.start()
+    before = second._before
+    extra = torch.zeros(250_000)
+    assert second.peak() - before == 1_000_000  # not 9 MB: earlier windows do not leak in
+    del kept, extra
