@@ -1,8 +1,9 @@
-"""``r1fit train | sft | config | inspect | export``: parse, build, run.
+"""``r1fit train | sft | plan | config | inspect | export``: parse, build, run.
 
     r1fit train                      # the built-in demo (tiny model, builtin:shapes)
     r1fit train my.yaml algo.num_generations=8 model.lora.r=16
     r1fit sft my.yaml sft.steps=500
+    r1fit plan my.yaml --device-memory 80GiB  # peak memory per device, before launch (no weights)
     r1fit config [my.yaml ...]       # print the resolved config; --reference for every key
     r1fit inspect runs/demo          # its checkpoints, newest first; or one checkpoint's files
     r1fit export runs/demo/checkpoint-40 my-model [--merge-lora]   # a plain Hugging Face folder
@@ -53,6 +54,15 @@ def main(argv: list[str] | None = None) -> int:
                        ("sft", "supervised fine-tuning on the solutions")):
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("args", nargs="*", metavar="CONFIG.yaml | key.sub=value")
+    text = "predict a run's peak memory per device before launching it (reads no weights)"
+    p = sub.add_parser("plan", help=text, description=text)
+    p.add_argument("args", nargs="*", metavar="CONFIG.yaml | key.sub=value")
+    p.add_argument("--device-memory", metavar="SIZE",
+                   help="memory of one device, e.g. 80GiB (default: memory.budget, else 80GiB)")
+    p.add_argument("--gpus", type=int, default=1, metavar="N",
+                   help="devices; FSDP sharding is not implemented yet, so the plan is per device "
+                        "as for one")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p = sub.add_parser("config", help="print the resolved config (or the key reference)")
     p.add_argument("args", nargs="*", metavar="CONFIG.yaml | key.sub=value")
     p.add_argument("--reference", action="store_true", help="print every key with its help text")
@@ -71,19 +81,36 @@ def main(argv: list[str] | None = None) -> int:
     # imported late: `r1fit config` and `--help` should not pay for importing torch/transformers
     from r1fit.checkpoint.manager import CheckpointError, RunStopped
     from r1fit.data.dataset import DataError
+    from r1fit.memory.autofit import AutoFitError
     from r1fit.memory.guard import OutOfMemory
     from r1fit.models.load import ModelConfigError
     from r1fit.rewards.registry import RewardConfigError
     from r1fit.train.common import RunError
 
-    known = (CheckpointError, ConfigError, DataError, ModelConfigError, OutOfMemory,
-             RewardConfigError, RunError)
+    known = (AutoFitError, CheckpointError, ConfigError, DataError, ModelConfigError,
+             OutOfMemory, RewardConfigError, RunError)
     try:
         if ns.command == "config":
             if ns.reference:
                 print(config_reference_markdown())
             else:
                 print(json.dumps(_config(ns.args).to_dict(), indent=2))
+            return 0
+        if ns.command == "plan":
+            from r1fit.memory.planner import plan_memory, render
+            from r1fit.memory.units import parse_bytes
+
+            try:
+                budget = parse_bytes(ns.device_memory) if ns.device_memory else None
+            except ValueError as exc:
+                raise ConfigError(f"--device-memory: {exc}") from None
+            cfg = _config(ns.args)
+            plan = plan_memory(cfg, device_memory_bytes=budget, gpus=ns.gpus,
+                               device_type="cpu" if cfg.train.device == "cpu" else "cuda")
+            if ns.json:
+                print(json.dumps(plan.to_dict(), indent=2))
+            else:
+                render(plan, cfg, rich=sys.stdout.isatty())
             return 0
         if ns.command == "inspect":
             from r1fit.checkpoint.inspect import inspect_path, render

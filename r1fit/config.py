@@ -159,9 +159,12 @@ class SFTConfig:
 
 @dataclass
 class MemoryConfig:
-    micro_batch: int = opt(16, "Sequences per forward/backward; peak memory is set by this, not by "
-                           "num_generations or prompts_per_step.", ge=1)
-    generation_batch: int = opt(64, "Sequences generated together (KV cache on).", ge=1)
+    micro_batch: int | Literal["auto"] = opt(
+        16, "Sequences per forward/backward; peak memory is set by this, not by num_generations "
+        "or prompts_per_step. 'auto': the largest that `r1fit plan` fits in the device (CUDA: "
+        "its free memory at start-up; CPU: memory.budget).", ge=1)
+    generation_batch: int | Literal["auto"] = opt(
+        64, "Sequences generated together (KV cache on). 'auto': as for micro_batch.", ge=1)
     gradient_checkpointing: bool = opt(True, "Recompute layer activations in the backward pass.")
     logits_chunk: int = opt(1024, "Tokens per chunk of the LM head; the full [tokens x vocab] logits "
                             "are never materialised.", ge=1)

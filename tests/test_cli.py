@@ -19,3 +19,45 @@ def test_missing_config_file_is_one_line(capsys, tmp_path):
     assert main(["train", str(tmp_path / "nope.yaml")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("r1fit: error: config file not found") and "\n" not in err
+
+
+def _config_only_model(folder):
+    """A folder holding only a small Qwen2.5-VL config.json (what `r1fit plan` needs)."""
+    from transformers import Qwen2_5_VLConfig
+
+    text = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+            "rope_parameters": {"mrope_section": [1, 1, 2], "rope_type": "default",
+                                "rope_theta": 1e6}}
+    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+              "out_hidden_size": 32}
+    Qwen2_5_VLConfig(text_config=text, vision_config=vision).save_pretrained(folder)
+    return folder
+
+
+def test_plan_json_has_the_breakdown(capsys, tmp_path):
+    folder = _config_only_model(tmp_path / "model")
+    assert main(["plan", f"model.path={folder}", "algo.num_generations=4", "--json",
+                 "--device-memory", "1GiB"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    for key in ("parts", "peak_bytes", "budget_bytes", "fits", "max_micro_batch",
+                "max_generation_batch", "advice", "phases", "activations_by_checkpointing"):
+        assert key in plan
+    assert set(plan["parts"]) >= {"weights", "gradients", "optimizer", "reference", "activations",
+                                  "logits_chunk", "generation", "vision", "overhead"}
+    assert plan["budget_bytes"] == 1 << 30 and plan["fits"] is True
+    assert plan["peak_bytes"] == max(plan["phases"].values())
+
+
+def test_plan_prints_a_table(capsys, tmp_path):
+    folder = _config_only_model(tmp_path / "model")
+    assert main(["plan", f"model.path={folder}", "--gpus", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer (AdamW)" in out and "of 80.00 GiB" in out
+    assert "largest memory.micro_batch that fits" in out and "not implemented yet" in out
+
+
+def test_plan_bad_device_memory_is_one_line(capsys):
+    assert main(["plan", "--device-memory", "80 parsecs"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("r1fit: error: --device-memory:") and "\n" not in err

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from r1fit.report.blocks import print_blocks
 from r1fit.checkpoint.manager import (
     _NAME,
     MANIFEST,
@@ -144,44 +145,7 @@ def render(report: dict[str, Any], *, rich: bool = False) -> None:
     """Print ``report``: aligned plain text, or rich tables when ``rich`` (a terminal)."""
     blocks = {"checkpoint": _checkpoint_blocks, "output_dir": _output_dir_blocks,
               "model": _model_blocks}[report["type"]](report)
-    if rich:
-        _print_rich(blocks)
-    else:
-        print(render_text(blocks))
-
-
-def render_text(blocks: list[Any]) -> str:
-    """Blocks are lines (str) or tables ``(headers, rows, right_aligned_columns)``."""
-    lines: list[str] = []
-    for block in blocks:
-        if isinstance(block, str):
-            lines.append(block)
-            continue
-        headers, rows, right = block
-        widths = [max(len(str(x)) for x in column) for column in zip(headers, *rows)]
-        for row in [headers, *rows]:
-            cells = [str(x).rjust(w) if i in right else str(x).ljust(w)
-                     for i, (x, w) in enumerate(zip(row, widths))]
-            lines.append("  " + "  ".join(cells).rstrip())
-    return "\n".join(lines)
-
-
-def _print_rich(blocks: list[Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    for block in blocks:
-        if isinstance(block, str):
-            console.print(block, highlight=False, markup=False, soft_wrap=True)
-            continue
-        headers, rows, right = block
-        table = Table()
-        for i, name in enumerate(headers):
-            table.add_column(name, justify="right" if i in right else "left")
-        for row in rows:
-            table.add_row(*(str(x) for x in row))
-        console.print(table)
+    print_blocks(blocks, rich=rich)
 
 
 def human(n: int) -> str:

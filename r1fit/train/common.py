@@ -22,6 +22,7 @@ from r1fit.config import Config
 from r1fit.data.dataset import PromptDataset, PromptSampler, load_dataset
 from r1fit.data.sample import Sample
 from r1fit.data.shapes import ShapesSpec
+from r1fit.memory.autofit import resolve_auto_sizes
 from r1fit.memory.telemetry import (current_rss_bytes, reset_peak, step_memory,
                                     use_tensor_probe)
 from r1fit.models.load import load_adapter_weights, load_policy, special_token_ids
@@ -122,6 +123,7 @@ def start_run(cfg: Config, kind: str) -> Run:
     seed_everything(cfg.train.seed)
     use_tensor_probe(cfg.memory.cpu_peak == "tensors" and device.type == "cpu")
     train_set, eval_set = build_datasets(cfg)
+    resolve_auto_sizes(cfg, device)  # memory.*_batch=auto: the planner's answer for this device
     rss_before_load = current_rss_bytes()
     model, processor = load_run_model(cfg, device, resume)
     special = special_token_ids(model, processor)

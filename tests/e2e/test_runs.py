@@ -211,3 +211,14 @@ def test_evaluation_peak_stays_below_the_training_peak(use_tiny_cache, tmp_path)
     for row in rows:  # eval runs after the update, gradients freed, under inference mode
         assert 0 < row["eval/peak_memory_bytes"] <= row["peak_memory_bytes"], row["step"]
         assert row["peak_reserved_bytes"] is None  # CPU: no allocator cache to report
+
+
+def test_auto_chunk_sizes_from_the_budget(use_tiny_cache, tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("train", f"train.output_dir={out}", *SMALL, "memory.micro_batch=auto",
+                   "memory.generation_batch=auto", "memory.budget=1GiB") == 0
+    log = (out / "log.txt").read_text()
+    assert "auto-fit for 1.00 GiB on cpu: memory.micro_batch=" in log
+    rows = step_rows(out)
+    # a generous budget: every row of a step (2 prompts x 4) in one chunk
+    assert {(r["micro_batch"], r["generation_batch"]) for r in rows} == {(8, 8)}

@@ -1,0 +1,341 @@
+"""The memory planner: parts worked out by hand on a small config, the per-token formulas against
+what autograd really saves, the budget search, and a real 7B config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from r1fit.config import load_config
+from r1fit.memory import planner
+from r1fit.memory.planner import (
+    CHAT_TEMPLATE_TOKENS,
+    CUDA_ALLOCATOR_SLACK,
+    CUDA_CONTEXT_BYTES,
+    PARTS,
+    QUESTION_TOKENS,
+    SAFETY_MARGIN,
+    TextDims,
+    layer_saved_per_token,
+    model_facts,
+    plan_memory,
+    vision_block_saved_per_patch,
+    vision_dims,
+)
+
+MODEL_CONFIGS = Path("/work/shared/model-configs")
+
+# the hand-built model: text hidden 32, MLP 64, 2 layers, 4 heads of 8 (2 KV heads), vocab 100,
+# untied head; a 1-block vision tower of width 16
+TEXT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+        "rope_parameters": {"mrope_section": [1, 1, 2], "rope_type": "default",
+                            "rope_theta": 1e6}}
+VISION = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+          "out_hidden_size": 32, "fullatt_block_indexes": [0]}
+# by hand: per layer q 32*32+32, k and v 32*16+16 each, o 32*32, gate and up 32*64 each,
+# down 64*32, two norms of 32 -> 9,344; embedding and head 100*32 each; final norm 32
+TEXT_PARAMS = 2 * (1056 + 528 + 528 + 1024 + 2 * 2048 + 2048 + 64) + 2 * 3200 + 32
+# patch embedding 3*2*14*14*16 (no bias); the block: norms 2*16, qkv 16*48+48, proj 16*16+16,
+# gate and up 16*32+32 each, down 32*16+16; merger: norm 16, 64*64+64, 64*32+32
+VISION_PARAMS = 18816 + (32 + 816 + 272 + 2 * 544 + 528) + (16 + 4160 + 2080)
+# LoRA r=8 on every language-model Linear: r * (in + out) summed over q, k, v, o, gate, up, down
+LORA_8 = 2 * 8 * ((32 + 32) + 2 * (32 + 16) + (32 + 32) + 2 * (32 + 64) + (64 + 32))
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding only the config.json of the hand-built model (no processor, no weights)."""
+    from transformers import Qwen2_5_VLConfig
+
+    folder = tmp_path_factory.mktemp("hand_built")
+    Qwen2_5_VLConfig(text_config=TEXT, vision_config=VISION, tie_word_embeddings=False,
+                     dtype="float32").save_pretrained(folder)
+    return folder
+
+
+def cfg_for(folder: Path, *overrides: str):
+    return load_config(None, [f"model.path={folder}", "train.prompts_per_step=2",
+                              "algo.num_generations=8", *overrides])
+
+
+def test_parameter_counts_match_the_hand_count(small_model):
+    facts = model_facts(str(small_model))
+    assert facts.params == TEXT_PARAMS + VISION_PARAMS == 52_928
+    assert facts.vision_params == VISION_PARAMS
+    assert facts.lora_in_plus_out * 8 == LORA_8 == 8_192
+    assert facts.lora_layers == 14 and not facts.tied_head
+
+
+def test_full_fine_tuning_parts_in_float32(small_model):
+    plan = plan_memory(cfg_for(small_model, "algo.beta=0.04"), device_type="cpu")
+    tensors = model_facts(str(small_model)).param_tensors
+    p = plan.parts
+    assert p["weights"] == 4 * 52_928
+    assert p["gradients"] == 4 * 52_928
+    assert p["optimizer"] == 2 * 4 * 52_928 + 4 * tensors  # exp_avg, exp_avg_sq, a step count each
+    assert p["reference"] == 4 * 52_928
+    assert set(p) == set(PARTS) and p["overhead"] == 0
+
+
+def test_freeze_vision_and_bfloat16(small_model):
+    frozen = plan_memory(cfg_for(small_model, "model.freeze_vision=true"), device_type="cpu")
+    assert frozen.parts["gradients"] == 4 * TEXT_PARAMS
+    bf16 = plan_memory(cfg_for(small_model, "model.dtype=bfloat16"), device_type="cpu")
+    assert bf16.parts["weights"] == 2 * 52_928 and bf16.parts["gradients"] == 2 * 52_928
+
+
+def test_lora_trains_only_adapters_and_has_no_reference(small_model):
+    plan = plan_memory(cfg_for(small_model, "model.lora.r=8", "algo.beta=0.04",
+                               "model.dtype=bfloat16"), device_type="cpu")
+    p = plan.parts
+    assert p["weights"] == 2 * 52_928 + 4 * LORA_8  # adapters stay float32 under peft
+    assert p["gradients"] == 4 * LORA_8
+    assert p["optimizer"] == 2 * 4 * LORA_8 + 4 * 28  # 14 adapted Linears x (A, B)
+    assert p["reference"] == 0  # the policy with adapters off
+    full = plan_memory(cfg_for(small_model, "algo.beta=0.04"), device_type="cpu")
+    assert p["optimizer"] < full.parts["optimizer"] / 6  # 8,192 of 52,928 parameters train
+
+
+def test_beta_zero_drops_the_reference(small_model):
+    assert plan_memory(cfg_for(small_model, "algo.beta=0"), device_type="cpu").parts[
+        "reference"] == 0
+
+
+def test_checkpointing_lowers_activations_and_both_are_reported(small_model):
+    on = plan_memory(cfg_for(small_model, "memory.gradient_checkpointing=true"),
+                     device_type="cpu")
+    off = plan_memory(cfg_for(small_model, "memory.gradient_checkpointing=false"),
+                      device_type="cpu")
+    assert on.parts["activations"] < off.parts["activations"]
+    assert on.activations_by_checkpointing == off.activations_by_checkpointing
+    assert on.activations_by_checkpointing["on"] == on.parts["activations"]
+    assert off.activations_by_checkpointing["off"] == off.parts["activations"]
+
+
+def test_doubling_micro_batch_doubles_activations(small_model):
+    four = plan_memory(cfg_for(small_model, "memory.micro_batch=4"), device_type="cpu")
+    eight = plan_memory(cfg_for(small_model, "memory.micro_batch=8"), device_type="cpu")
+    assert eight.parts["activations"] / four.parts["activations"] == pytest.approx(2, rel=0.02)
+
+
+def test_prompt_estimate_and_kv_cache_without_a_processor(small_model):
+    plan = plan_memory(cfg_for(small_model, "memory.generation_batch=4",
+                               "algo.max_new_tokens=24"), device_type="cpu")
+    d = plan.details
+    # builtin:shapes images are 112 px: 4 x 4 tokens of 28 px; + vision start/end tokens
+    assert d["image_tokens"] == 16 and d["vision_patches"] == 64
+    assert d["prompt_tokens"] == CHAT_TEMPLATE_TOKENS + QUESTION_TOKENS + 2 + 16
+    length = d["prompt_tokens"] + 24
+    # rows x length x layers x (K and V) x kv heads x head dim x float32
+    assert d["kv_cache"] == 4 * length * 2 * 2 * 2 * 8 * 4
+
+
+def test_cuda_adds_context_and_slack_cpu_does_not(small_model):
+    cfg = cfg_for(small_model)
+    cpu, cuda = plan_memory(cfg, device_type="cpu"), plan_memory(cfg, device_type="cuda")
+    assert cpu.parts["overhead"] == 0
+    allocated = cpu.peak_bytes
+    assert cuda.peak_bytes == allocated + CUDA_CONTEXT_BYTES + int(CUDA_ALLOCATOR_SLACK * allocated)
+
+
+def test_max_micro_batch_respects_the_budget(small_model):
+    def plan(micro: int, budget: int | None = None):
+        cfg = cfg_for(small_model, f"memory.micro_batch={micro}", "memory.generation_batch=1",
+                      "memory.gradient_checkpointing=false")
+        return plan_memory(cfg, device_memory_bytes=budget, device_type="cpu")
+
+    low, high = plan(1).peak_bytes, plan(16).peak_bytes
+    budget = int((low + (high - low) / 3) / (1 - SAFETY_MARGIN))
+    best = plan(16, budget).max_micro_batch
+    assert 1 <= best < 16
+    assert plan(best, budget).fits
+    above = 1 << best.bit_length()  # the next power of two
+    assert not plan(above, budget).fits
+    assert plan(above, budget).max_micro_batch == best
+
+
+def test_auto_sizes_are_planned_at_what_auto_picks(small_model):
+    cfg = cfg_for(small_model, "memory.gradient_checkpointing=false")
+    budget = plan_memory(cfg_for(small_model, "memory.micro_batch=4",
+                                 "memory.gradient_checkpointing=false"),
+                         device_type="cpu").peak_bytes * 2
+    cfg.memory.micro_batch = cfg.memory.generation_batch = "auto"  # as memory.*=auto sets them
+    plan = plan_memory(cfg, device_memory_bytes=budget, device_type="cpu")
+    assert plan.details["auto"] == ["micro_batch", "generation_batch"]
+    assert plan.details["micro_batch"] == plan.max_micro_batch >= 4 and plan.fits
+
+
+def test_nothing_fits_gives_switches(small_model):
+    plan = plan_memory(cfg_for(small_model, "memory.gradient_checkpointing=false",
+                               "algo.beta=0.04"), device_memory_bytes=1 << 20, device_type="cpu")
+    assert not plan.fits and plan.max_micro_batch == 0
+    switches = " ".join(plan.advice)
+    for key in ("memory.gradient_checkpointing=true", "model.lora.r=16", "algo.beta=0"):
+        assert key in switches
+
+
+def test_gpus_note_plans_as_one_device(small_model):
+    cfg = cfg_for(small_model)
+    one, two = plan_memory(cfg, device_type="cpu"), plan_memory(cfg, device_type="cpu", gpus=2)
+    assert two.peak_bytes == one.peak_bytes
+    assert any("not implemented" in n for n in two.notes)
+    assert not any("not implemented" in n for n in one.notes)
+
+
+# --- the per-token formulas against what autograd saves (the slow, obvious reference)
+
+
+def saved_by_layer_one(dtype: torch.dtype, lora_r: int, padded: bool,
+                       target: str = "all-linear") -> tuple[float, int]:
+    """Bytes per token that decoder layer 1 saves for backward in r1fit's log-prob forward."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from r1fit.models.load import language_model_lora_regex
+    from r1fit.rollout.batch import Batch
+    from r1fit.train.forward import completion_logprobs
+
+    torch.manual_seed(0)
+    config = Qwen2_5_VLConfig(text_config=TEXT, vision_config=VISION, tie_word_embeddings=False)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(dtype).train()
+    if lora_r:
+        model = get_peft_model(model, LoraConfig(
+            r=lora_r, target_modules=language_model_lora_regex(target)))
+    layers = (model.get_base_model() if lora_r else model).get_decoder().layers
+    first_saver, pack = first_savers(model, layers)
+
+    rows, length = 2, 20
+    ids = torch.randint(0, 90, (rows, length))
+    mask = torch.ones(rows, length, dtype=torch.long)
+    if padded:
+        mask[0, -5:] = 0
+    batch = Batch({"input_ids": ids, "attention_mask": mask}, 10, ids[:, 10:],
+                  mask[:, 10:].float())
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        completion_logprobs(model, batch, chunk_size=8)
+    return sum(n for i, n in first_saver.values() if i == 1) / (rows * length), length
+
+
+DIMS = TextDims(hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, head_dim=8, vocab=100)
+ALL = ("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj")
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+@pytest.mark.parametrize("dtype,lora_r,padded,target", [
+    (torch.float32, 0, False, ""), (torch.float32, 0, True, ""), (torch.bfloat16, 0, True, ""),
+    (torch.float32, 8, True, "all-linear"), (torch.bfloat16, 8, False, "all-linear"),
+    (torch.bfloat16, 4, True, "q_proj,v_proj,down_proj")])
+def test_layer_formula_matches_saved_tensors(dtype, lora_r, padded, target):
+    measured, length = saved_by_layer_one(dtype, lora_r, padded, target or "all-linear")
+    b = 4 if dtype == torch.float32 else 2
+    targets = (ALL if target == "all-linear" else tuple(target.split(","))) if lora_r else None
+    planned = layer_saved_per_token(DIMS, b, lora_targets=targets, lora_r=lora_r,
+                                    mask_len=length if padded else 0)
+    assert planned == measured
+
+
+def test_layer_formula_by_hand():
+    # float32, full fine-tuning, no padding: 6 x hidden (norm inputs, normalised values, outputs),
+    # q, k, v, output (2 x 32 + 2 x 16), 4 log-sum-exps, 4 x MLP width, 2 x 1/rms; in floats
+    floats = 6 * 32 + (2 * 32 + 2 * 16) + 4 + 4 * 64 + 2
+    assert layer_saved_per_token(DIMS, 4) == 4 * floats
+
+
+def saved_by_vision_block_one(kind: str, dtype: torch.dtype) -> tuple[float, object]:
+    """Bytes per patch that vision block 1 saves for backward when the tower trains."""
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
+
+    torch.manual_seed(0)
+    if kind == "qwen2.5-vl":
+        config = Qwen2_5_VLConfig(text_config=TEXT, vision_config={**VISION, "depth": 2})
+        model = Qwen2_5_VLForConditionalGeneration(config)
+    else:
+        config = Qwen2VLConfig(text_config=TEXT, vision_config={
+            "depth": 2, "embed_dim": 16, "mlp_ratio": 2, "num_heads": 2, "hidden_size": 32})
+        model = Qwen2VLForConditionalGeneration(config)
+    visual = model.to(dtype).train().model.visual
+    first_saver, pack = first_savers(model, visual.blocks)
+
+    grid = torch.tensor([[1, 8, 8], [1, 4, 8]])  # two images: 64 + 32 patches
+    pixels = torch.randn(96, 3 * 2 * 14 * 14, dtype=dtype)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        visual(pixels, grid_thw=grid)
+    return sum(n for i, n in first_saver.values() if i == 1) / 96, vision_dims(config, visual)
+
+
+@pytest.mark.parametrize("kind,dtype", [("qwen2.5-vl", torch.float32),
+                                        ("qwen2.5-vl", torch.bfloat16),
+                                        ("qwen2-vl", torch.float32)])
+def test_vision_block_formula_matches_saved_tensors(kind, dtype):
+    measured, dims = saved_by_vision_block_one(kind, dtype)
+    b = 4 if dtype == torch.float32 else 2
+    assert vision_block_saved_per_patch(dims, b) == measured
+
+
+# --- a real model
+
+
+def test_qwen25_vl_7b_full_breakdown(tmp_path, capsys):
+    source = MODEL_CONFIGS / "Qwen2.5-VL-7B-Instruct"
+    if not (source / "config.json").is_file():
+        pytest.skip(f"{source} is not available")
+    folder = tmp_path / "Qwen2.5-VL-7B-Instruct"
+    shutil.copytree(source, folder)
+    from r1fit.cli import main
+
+    assert main(["plan", f"model.path={folder}", "model.dtype=auto", "algo.num_generations=8",
+                 "--device-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    for label in ("weights", "gradients", "optimizer (AdamW)", "reference model", "activations",
+                  "LM head chunk", "vision encoder", "generation (KV cache + logits)", "peak"):
+        assert label in out
+    assert "8.29B parameters, bfloat16" in out and "of 80.00 GiB" in out
+    plan = plan_memory(load_config(None, [f"model.path={folder}", "model.dtype=auto"]))
+    assert plan.parts["weights"] == 2 * plan.details["params"]
+    assert 8.2e9 < plan.details["params"] < 8.4e9
+
+
+def test_builtin_prompt_is_encoded_by_its_processor(use_tiny_cache):
+    plan = plan_memory(load_config(None, ["data.shapes.image_size=56", "data.max_pixels=3136"]),
+                       device_type="cpu")
+    assert plan.details["prompt_estimate"].startswith("encoded by the model's processor")
+    assert plan.details["image_tokens"] == 4 and plan.details["vision_patches"] == 16
+
+
+def test_unknown_hub_id_is_one_line():
+    from r1fit.models.load import ModelConfigError
+
+    planner._facts.cache_clear()
+    with pytest.raises(ModelConfigError, match="not in the Hugging Face cache"):
+        model_facts("nobody-r1fit/not-a-model")
+
+
+def first_savers(model: torch.nn.Module, blocks: Any) -> tuple[dict[int, tuple[int, int]], Any]:
+    """A saved-tensors ``pack`` hook recording, for each non-parameter storage autograd saves
+    inside ``blocks[i]``, the first block that saved it and its bytes (shared tensors such as the
+    rotary cos/sin count once, for the first block)."""
+    current: list[int | None] = [None]
+    first_saver: dict[int, tuple[int, int]] = {}
+    for i, block in enumerate(blocks):
+        block.register_forward_pre_hook(lambda *_, i=i: current.__setitem__(0, i))
+        block.register_forward_hook(lambda *_: current.__setitem__(0, None))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if current[0] is not None and storage.data_ptr() not in params:
+            first_saver.setdefault(storage.data_ptr(), (current[0], storage.nbytes()))
+        return t
+
+    return first_saver, pack
