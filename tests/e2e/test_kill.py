@@ -65,9 +65,14 @@ def kill_when(proc: subprocess.Popen, ready, sig: int = signal.SIGKILL) -> bool:
 def test_sigkill_at_random_moments_and_during_saves(use_tiny_cache, reward_plugin, same_run,
                                                     tmp_path):
     straight = tmp_path / "straight"
+    proc = start(straight, reward_plugin)
+    while not loaded(proc):
+        assert proc.poll() is None, stderr(proc)[-2000:]
+        time.sleep(0.01)
     began = time.perf_counter()
-    finish(straight, reward_plugin)
-    duration = time.perf_counter() - began
+    proc.wait(timeout=600)
+    assert proc.returncode == 0, stderr(proc)[-2000:]
+    training = time.perf_counter() - began  # from the model being loaded to the end
 
     # 1. during a save: the moment a checkpoint-*.partial folder appears (twice in a row)
     during_save = tmp_path / "during_save"
@@ -87,20 +92,42 @@ def test_sigkill_at_random_moments_and_during_saves(use_tiny_cache, reward_plugi
     finish(stopped, reward_plugin)
     same_run(straight, stopped)
 
-    # 3. at random moments over the whole run (start-up included), three kills, then finish
+    # 3. at random moments of the training (after start-up: model loaded): three attempts, each
+    # killed a random time into its own run (R1FIT_KILL_SEED picks them), then finish
     seed = int(os.environ.get("R1FIT_KILL_SEED", "0"))
     rng = random.Random(seed)
     anywhere = tmp_path / "anywhere"
-    moments = [rng.uniform(0, duration) for _ in range(3)]
-    for moment in moments:
+    # each attempt resumes with less left to do, so the windows shrink
+    windows = [(0.1, 0.6), (0.05, 0.4), (0.0, 0.25)]
+    for attempt, (low, high) in enumerate(windows):
+        moment = rng.uniform(low, high) * training
         proc = start(anywhere, reward_plugin)
-        deadline = time.perf_counter() + moment
-        killed = kill_when(proc, lambda: time.perf_counter() >= deadline)
-        if not killed and proc.returncode == 2:  # the previous kill came before any checkpoint
+        killed = kill_when(proc, after_loading(proc, moment))
+        if not killed and proc.returncode == 2 and NO_CHECKPOINT in stderr(proc):
+            # the previous kill came after the first metrics row but before any checkpoint
             proc = start(anywhere, reward_plugin, "train.overwrite=true")
-            deadline = time.perf_counter() + moment
-            killed = kill_when(proc, lambda: time.perf_counter() >= deadline)
+            killed = kill_when(proc, after_loading(proc, moment))
         saved = sorted(p.name for p in anywhere.glob("checkpoint-*"))
-        print(f"kill at {moment:.1f} s of {duration:.1f} s: killed={killed}, on disk: {saved}")
+        print(f"kill {moment:.1f} s into training ({training:.1f} s in all): killed={killed}, "
+              f"on disk: {saved}")
+        assert killed or proc.returncode == 0, stderr(proc)[-2000:]
+        assert killed or attempt > 0  # the first kill lands inside the training
     finish(anywhere, reward_plugin)
     same_run(straight, anywhere)
+
+
+def loaded(proc: subprocess.Popen) -> bool:
+    """The run has loaded its model (it logs "<kind> run: model ...") and starts training."""
+    return proc.err_path.exists() and " run: model " in stderr(proc)  # type: ignore[attr-defined]
+
+
+def after_loading(proc: subprocess.Popen, seconds: float):
+    """A ``ready`` test: true ``seconds`` after the model is loaded."""
+    deadline: list[float] = []
+
+    def ready() -> bool:
+        if not deadline and loaded(proc):
+            deadline.append(time.perf_counter() + seconds)
+        return bool(deadline) and time.perf_counter() >= deadline[0]
+
+    return ready
