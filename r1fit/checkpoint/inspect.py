@@ -11,19 +11,19 @@ import json
 from pathlib import Path
 from typing import Any
 
-from r1fit.report.blocks import print_blocks
 from r1fit.checkpoint.manager import (
-    _NAME,
+    CHECKPOINT_NAME,
     MANIFEST,
     MODEL_DIR,
     PARTIAL,
     TRAINER_STATE,
     CheckpointError,
-    _order,
+    checkpoint_order,
     list_checkpoints,
     missing_for_resume,
     verify,
 )
+from r1fit.report.blocks import print_blocks
 
 # file names that make a folder a Hugging Face model folder (weights, or a peft adapter)
 _ADAPTER = "adapter_config.json"
@@ -38,7 +38,8 @@ def inspect_path(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         raise CheckpointError(f"{path} is a file; give a checkpoint folder, a run's output folder "
                               "or a model folder")
-    if _order(path) is not None or (path / TRAINER_STATE).is_file() or (path / MANIFEST).is_file():
+    if (checkpoint_order(path) is not None or (path / TRAINER_STATE).is_file()
+            or (path / MANIFEST).is_file()):
         return inspect_checkpoint(path)
     if is_model_folder(path):
         return inspect_model(path)
@@ -59,7 +60,7 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
     """Step, phase, files and sizes of one checkpoint, whether it is intact (sizes and sha256
     against its manifest) and whether a run can resume from it exactly."""
     state = _trainer_state(path)
-    match = _NAME.match(path.name.removesuffix(PARTIAL))
+    match = CHECKPOINT_NAME.match(path.name.removesuffix(PARTIAL))
     problem = verify(path)
     missing = missing_for_resume(path) if state else []
     weights_only = state.get("weights_only", bool(missing) if state else None)
@@ -122,7 +123,7 @@ def inspect_model(path: Path) -> dict[str, Any]:
     base = config.get("base_model_name_or_path") if lora else None
     files = _files(path)
     parent = path.parent
-    in_checkpoint = (_order(parent) is not None or (parent / TRAINER_STATE).is_file())
+    in_checkpoint = checkpoint_order(parent) is not None or (parent / TRAINER_STATE).is_file()
     if lora:
         start = f"it is a LoRA adapter that needs its base model {base}"
     else:

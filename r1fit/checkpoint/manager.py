@@ -50,7 +50,7 @@ MODEL_DIR = "model"
 PARTIAL = ".partial"
 # saved only by full checkpoints; a weights-only checkpoint lacks them
 FULL_ONLY = ("optimizer", "scheduler", "rng-rank0")
-_NAME = re.compile(r"^checkpoint-(?:(warmup)-)?(\d+)$")
+CHECKPOINT_NAME = re.compile(r"^checkpoint-(?:(warmup)-)?(\d+)$")
 PHASE_ORDER = {"warmup": 0, "grpo": 1, "sft": 1}
 
 # config keys that may change between a run and its resume; the rest would silently change the
@@ -81,8 +81,9 @@ def checkpoint_name(phase: str, step: int) -> str:
     return f"checkpoint-warmup-{step}" if phase == "warmup" else f"checkpoint-{step}"
 
 
-def _order(path: Path) -> tuple[int, int] | None:
-    match = _NAME.match(path.name.removesuffix(PARTIAL))
+def checkpoint_order(path: Path) -> tuple[int, int] | None:
+    """Sort key of a checkpoint folder (phase, step), or None if the name is not a checkpoint's."""
+    match = CHECKPOINT_NAME.match(path.name.removesuffix(PARTIAL))
     if match is None:
         return None
     return (0 if match.group(1) else 1, int(match.group(2)))
@@ -92,8 +93,9 @@ def list_checkpoints(out: Path) -> list[Path]:
     """Checkpoint folders in ``out`` (complete or not), newest first."""
     if not out.is_dir():
         return []
-    found = [p for p in out.iterdir() if p.is_dir() and _order(p) is not None]
-    return sorted(found, key=lambda p: (_order(p), not p.name.endswith(PARTIAL)), reverse=True)
+    found = [p for p in out.iterdir() if p.is_dir() and checkpoint_order(p) is not None]
+    return sorted(found, key=lambda p: (checkpoint_order(p), not p.name.endswith(PARTIAL)),
+                  reverse=True)
 
 
 def verify(path: Path, *, checksums: bool = True) -> str | None:

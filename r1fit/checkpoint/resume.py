@@ -19,7 +19,7 @@ from typing import Any
 
 from r1fit.checkpoint.manager import (PARTIAL, RESUME_NOT_EXACT, RESUME_SAFE, CheckpointError,
                                       ResumePoint, config_changes, list_checkpoints,
-                                      missing_for_resume, read_trainer_state, verify, _order)
+                                      missing_for_resume, read_trainer_state, verify, checkpoint_order)
 
 log = logging.getLogger("r1fit.checkpoint")
 
@@ -81,7 +81,7 @@ def open_output_dir(cfg: Any, kind: str) -> tuple[Path, ResumePoint | None]:
     _continue_metrics(point, out, resume.state.get("metrics_lines", 0))
     if same_run:  # checkpoints after the resume point belong to the abandoned trajectory
         for later in list_checkpoints(out):
-            if _order(later) > _order(point) or later.name.endswith(PARTIAL):
+            if checkpoint_order(later) > checkpoint_order(point) or later.name.endswith(PARTIAL):
                 log.warning("removing %s: it lies after the resume point %s", later.name,
                             point.name)
                 shutil.rmtree(later)
