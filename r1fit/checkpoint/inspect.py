@@ -19,6 +19,7 @@ from r1fit.checkpoint.manager import (
     TRAINER_STATE,
     CheckpointError,
     checkpoint_order,
+    command_of,
     list_checkpoints,
     missing_for_resume,
     verify,
@@ -156,10 +157,6 @@ def human(n: int) -> str:
     return f"{n} B"
 
 
-def _command(kind: str | None) -> str:
-    return {"grpo": "`r1fit train`", "sft": "`r1fit sft`"}.get(kind, f"unknown ({kind})")
-
-
 def _resumable(report: dict[str, Any]) -> str:
     return "resumable: yes" if report["resumable"] else f"resumable: no — {report['why_not_resumable']}"
 
@@ -174,7 +171,7 @@ def _checkpoint_blocks(r: dict[str, Any]) -> list[Any]:
     model = f"LoRA adapter on {r['base_model']}" if r["lora"] else "full weights"
     return [
         f"checkpoint {r['path']}",
-        f"  step {r['step']}, phase {r['phase']}, saved by {_command(r['kind'])}",
+        f"  step {r['step']}, phase {r['phase']}, saved by {command_of(r['kind'])}",
         f"  saved at {r['saved_at']} by r1fit {r['r1fit_version']}",
         f"  contents: {contents}; model: {model}",
         f"  integrity: {'ok (sizes and sha256 match the manifest)' if r['intact'] else r['problem']}",

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import signal
@@ -34,12 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
-import torch
-
 import r1fit
 from r1fit.checkpoint.files import (fsync_dir, fsync_tree, load_state, save_state, sha256_file,
                                     write_text_atomic)
+from r1fit.checkpoint.state import seed_everything
 
 log = logging.getLogger("r1fit.checkpoint")
 
@@ -75,6 +72,16 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def run_config(cfg: Any, kind: str) -> dict[str, Any]:
+    """The resolved config as a run records it (``config.json``): which command, then every key."""
+    return {"kind": kind, **cfg.to_dict()}
+
+
+def command_of(kind: str | None) -> str:
+    """The command that makes runs of ``kind``."""
+    return {"grpo": "`r1fit train`", "sft": "`r1fit sft`"}.get(kind, f"unknown ({kind})")
 
 
 def checkpoint_name(phase: str, step: int) -> str:
@@ -219,10 +226,7 @@ class CheckpointManager:
         if point.weights_only:  # fresh optimizer; the schedule and RNG continue from the step
             if "scheduler" in objects and point.state.get("updates") is not None:
                 fast_forward(objects["scheduler"], int(point.state["updates"]))
-            seed = self.cfg.train.seed + point.step
-            random.seed(seed)
-            np.random.seed(seed % 2**32)
-            torch.manual_seed(seed)
+            seed_everything(self.cfg.train.seed + point.step)
         log.info("resumed %s at step %d from %s%s", phase, point.step, point.path,
                  " (weights only: fresh optimizer)" if point.weights_only else "")
         return point.step
@@ -280,8 +284,8 @@ class CheckpointManager:
                 "metrics_lines": self.metrics_lines(), "metrics": metrics or {},
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
             (partial / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
-            (partial / "config.json").write_text(json.dumps({"kind": self.kind,
-                                                             **self.cfg.to_dict()}, indent=1))
+            (partial / "config.json").write_text(json.dumps(run_config(self.cfg, self.kind),
+                                                            indent=1))
             files = {str(p.relative_to(partial)): {"bytes": p.stat().st_size,
                                                    "sha256": sha256_file(p)}
                      for p in sorted(partial.rglob("*")) if p.is_file()}

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from r1fit.checkpoint.manager import (PARTIAL, RESUME_NOT_EXACT, RESUME_SAFE, CheckpointError,
-                                      ResumePoint, config_changes, list_checkpoints,
-                                      missing_for_resume, read_trainer_state, verify, checkpoint_order)
+                                      ResumePoint, checkpoint_order, command_of, config_changes,
+                                      list_checkpoints, missing_for_resume, read_trainer_state,
+                                      run_config, verify)
 
 log = logging.getLogger("r1fit.checkpoint")
 
@@ -98,10 +99,10 @@ def _check_resumable(point: Path, cfg: Any, kind: str) -> ResumePoint:
                               f"{', no '.join(missing)}; {hint}")
     state = read_trainer_state(point)
     if state.get("kind") != kind:
-        raise CheckpointError(f"{point} was saved by `r1fit {_command(state.get('kind'))}`, "
-                              f"not `r1fit {_command(kind)}`")
+        raise CheckpointError(f"{point} was saved by {command_of(state.get('kind'))}, "
+                              f"not {command_of(kind)}")
     saved_cfg = json.loads((point / "config.json").read_text())
-    changes = config_changes(saved_cfg, {"kind": kind, **cfg.to_dict()})
+    changes = config_changes(saved_cfg, run_config(cfg, kind))
     fixed = {k: v for k, v in changes.items() if not k.startswith(RESUME_SAFE)}
     if fixed and not cfg.checkpoint.allow_config_change:
         listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(fixed.items())[:5])
@@ -112,10 +113,6 @@ def _check_resumable(point: Path, cfg: Any, kind: str) -> ResumePoint:
         log.warning("resuming with %s changed: %r -> %r%s", key, a, b,
                     " (the run will not be identical to an uninterrupted one)" if inexact else "")
     return ResumePoint(point, state, weights_only=bool(missing))
-
-
-def _command(kind: str | None) -> str:
-    return "train" if kind == "grpo" else str(kind)
 
 
 def _continue_metrics(point: Path, out: Path, lines: int) -> None:

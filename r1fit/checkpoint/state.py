@@ -15,6 +15,13 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
                                                      set_optimizer_state_dict)
 
 
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's global generators (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 class RngState:
     """Python, NumPy, torch CPU and (when present) CUDA generator states of this process."""
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import logging.handlers
-import random
 import sys
 import time
 from contextlib import contextmanager
@@ -13,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-import numpy as np
 import torch
 
-from r1fit.checkpoint.manager import MODEL_DIR, CheckpointManager, ResumePoint
+from r1fit.checkpoint.manager import MODEL_DIR, CheckpointManager, ResumePoint, run_config
 from r1fit.checkpoint.resume import open_output_dir
+from r1fit.checkpoint.state import seed_everything
 from r1fit.config import Config
 from r1fit.data.dataset import PromptDataset, PromptSampler, load_dataset
 from r1fit.data.sample import Sample
@@ -48,14 +47,8 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
 def write_run_config(out: Path, cfg: Config, kind: str) -> None:
-    (out / "config.json").write_text(json.dumps({"kind": kind, **cfg.to_dict()}, indent=2))
+    (out / "config.json").write_text(json.dumps(run_config(cfg, kind), indent=2))
 
 
 def setup_logging(out: Path | None) -> None:
