@@ -177,7 +177,7 @@ def full_checkpoint_save(model: Any, processor: Any, out: Path, repeats: int
     from r1fit.config import load_config
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    state = {"optimizer": OptimizerState(model, optimizer), "rng-rank0": RngState()}
+    state = {"optimizer": OptimizerState(model, optimizer), "rng": RngState()}
     state["optimizer"].state_dict()  # creates the AdamW states (exp_avg, exp_avg_sq) untimed
     cfg = load_config(None, [f"train.output_dir={out}", "checkpoint.every=1", "checkpoint.keep=1"])
     manager = CheckpointManager(out, cfg, "sft", resume=None)

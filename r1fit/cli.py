@@ -35,14 +35,19 @@ def _config(args: list[str]) -> Config:
 
 
 def _run(command: str, cfg: Config) -> None:
-    if command == "train":
-        from r1fit.train.grpo import train_grpo
+    from r1fit.distributed.context import close_distributed
 
-        train_grpo(cfg)
-    else:
-        from r1fit.train.sft import train_sft
+    try:
+        if command == "train":
+            from r1fit.train.grpo import train_grpo
 
-        train_sft(cfg)
+            train_grpo(cfg)
+        else:
+            from r1fit.train.sft import train_sft
+
+            train_sft(cfg)
+    finally:
+        close_distributed()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device-memory", metavar="SIZE",
                    help="memory of one device, e.g. 80GiB (default: memory.budget, else 80GiB)")
     p.add_argument("--gpus", type=int, default=1, metavar="N",
-                   help="devices; FSDP sharding is not implemented yet, so the plan is per device "
-                        "as for one")
+                   help="GPUs of the torchrun job; with N > 1 the plan is per GPU with FSDP2 "
+                        "over N (sharded weights, gradients, AdamW states and reference; 1/N of "
+                        "a step's rows per GPU)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p = sub.add_parser("config", help="print the resolved config (or the key reference)")
     p.add_argument("args", nargs="*", metavar="CONFIG.yaml | key.sub=value")

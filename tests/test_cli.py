@@ -54,7 +54,7 @@ def test_plan_prints_a_table(capsys, tmp_path):
     assert main(["plan", f"model.path={folder}", "--gpus", "2"]) == 0
     out = capsys.readouterr().out
     assert "optimizer (AdamW)" in out and "of 80.00 GiB" in out
-    assert "largest memory.micro_batch that fits" in out and "not implemented yet" in out
+    assert "largest memory.micro_batch that fits" in out and "FSDP over 2 GPUs" in out
 
 
 def test_plan_bad_device_memory_is_one_line(capsys):

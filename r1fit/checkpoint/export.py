@@ -1,8 +1,13 @@
 """``r1fit export CHECKPOINT OUT``: a checkpoint's model as a plain Hugging Face folder.
 
-- full fine-tuning: the checkpoint's ``model/`` files, copied as they are (weights, config,
-  generation config, processor);
-- LoRA: the adapter folder as it is (it needs its base model, ``base_model_name_or_path`` in
+The checkpoint's weights are sharded (``weights/``, torch.distributed.checkpoint, one shard file
+per process that saved it); export consolidates them in this one process, whatever the number of
+processes that wrote them:
+
+- full fine-tuning: the model is built from the checkpoint's ``model/config.json`` without
+  initialising it (meta device), given the saved weights, and saved with ``save_pretrained``
+  (weights, config, generation config, processor);
+- LoRA: the adapter (it needs its base model, ``base_model_name_or_path`` in
   ``adapter_config.json``); with ``merge_lora`` the adapter is merged into the base model named by
   the run's ``model.path`` and the result saved as a standalone model.
 
@@ -19,9 +24,11 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from r1fit.checkpoint.files import fsync_dir, fsync_tree
 from r1fit.checkpoint.inspect import human
+from r1fit.checkpoint.sharded import load_model_weights
 from r1fit.checkpoint.manager import (
     MODEL_DIR,
     PARTIAL,
@@ -67,12 +74,14 @@ def export(checkpoint: Path, out: Path, *, merge_lora: bool = False) -> Exported
             shutil.rmtree(partial)
         partial.parent.mkdir(parents=True, exist_ok=True)
         note = ""
-        if lora and merge_lora:
-            what, base = "merged", _merge(checkpoint, model_dir, partial)
+        if lora:
+            what = "merged" if merge_lora else "adapter"
+            base = _export_lora(checkpoint, model_dir, partial, merge=merge_lora)
+            if not merge_lora:  # what the adapter itself names (a folder, for builtin: models)
+                base = _json(partial / _ADAPTER).get("base_model_name_or_path", base)
         else:
-            shutil.copytree(model_dir, partial)
-            what = "adapter" if lora else "full"
-            base = _json(model_dir / _ADAPTER).get("base_model_name_or_path") if lora else None
+            what, base = "full", None
+            _export_full(checkpoint, model_dir, partial)
             if merge_lora:
                 note = " (--merge-lora: nothing to merge, the checkpoint holds full weights)"
         fsync_tree(partial)
@@ -109,37 +118,69 @@ def _checked_model_dir(checkpoint: Path) -> Path:
     return model_dir
 
 
-def _merge(checkpoint: Path, model_dir: Path, dest: Path) -> str:
-    """Merge the adapter in ``model_dir`` into the run's base model; save model and processor to
-    ``dest``. Returns the base model's name (the run's ``model.path``)."""
+def _run_dtype(checkpoint: Path) -> Any:
     import torch
-    from peft import PeftModel
+
+    dtype = _json(checkpoint / "config.json").get("model", {}).get("dtype", "auto")
+    return dtype if dtype == "auto" else getattr(torch, dtype)
+
+
+def _export_full(checkpoint: Path, model_dir: Path, dest: Path) -> None:
+    """Consolidate the full model's shards into ``dest`` (``save_pretrained``)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+        dtype = _run_dtype(checkpoint)
+        with torch.device("meta"):  # no random initialisation: every weight is loaded below
+            model = AutoModelForImageTextToText.from_config(
+                config, dtype=None if dtype == "auto" else dtype)
+        model.to_empty(device="cpu")
+        load_model_weights(checkpoint, "model", model)
+        processor = AutoProcessor.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise CheckpointError(f"{checkpoint}: cannot consolidate the model: "
+                              f"{' '.join(str(exc).split())}") from exc
+    if (model_dir / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(model_dir)
+    model.save_pretrained(dest)
+    processor.save_pretrained(dest)
+
+
+def _export_lora(checkpoint: Path, model_dir: Path, dest: Path, *, merge: bool) -> str:
+    """The adapter of ``checkpoint`` on the run's base model (``model.path``): saved as an adapter,
+    or merged into the base (``merge``). Returns the base model's name."""
+    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from r1fit.models.load import ModelConfigError, resolve_model_path
 
-    model_cfg = _json(checkpoint / "config.json").get("model", {})
-    base = model_cfg.get("path")
+    base = _json(checkpoint / "config.json").get("model", {}).get("path")
     if not base:
         raise CheckpointError(f"{checkpoint}/config.json names no model.path; cannot find the base "
-                              "model to merge the adapter into")
-    dtype = model_cfg.get("dtype", "auto")
+                              "model of the LoRA adapter")
     try:
         folder = resolve_model_path(base)
         # the training dtype, so the merged weights are what the adapter was trained against
-        model = AutoModelForImageTextToText.from_pretrained(
-            folder, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
+        model = AutoModelForImageTextToText.from_pretrained(folder, dtype=_run_dtype(checkpoint))
         with warnings.catch_warnings():
             # peft probes the deprecated `is_gradient_checkpointing` property; not our call site
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
                                     category=FutureWarning)
-            merged = PeftModel.from_pretrained(model, str(model_dir)).merge_and_unload()
+            peft_model = get_peft_model(model, LoraConfig.from_pretrained(str(model_dir)))
+        load_model_weights(checkpoint, "model", peft_model)
         processor = AutoProcessor.from_pretrained(str(model_dir))
-    except (ModelConfigError, OSError, ValueError, KeyError, AttributeError) as exc:
+    except (ModelConfigError, OSError, ValueError, KeyError, AttributeError, RuntimeError) as exc:
         message = " ".join(str(exc).split())
-        raise CheckpointError(f"{checkpoint}: cannot merge the LoRA adapter into its base model "
+        raise CheckpointError(f"{checkpoint}: cannot rebuild the LoRA model on its base model "
                               f"{base!r}: {message}") from exc
-    merged.save_pretrained(dest)
+    if merge:
+        peft_model.merge_and_unload().save_pretrained(dest)
+    else:
+        peft_model.save_pretrained(dest)
     processor.save_pretrained(dest)
     return base
 

@@ -42,7 +42,7 @@ def inspect_path(path: Path) -> dict[str, Any]:
     if (checkpoint_order(path) is not None or (path / TRAINER_STATE).is_file()
             or (path / MANIFEST).is_file()):
         return inspect_checkpoint(path)
-    if is_model_folder(path):
+    if is_model_folder(path) or (_in_checkpoint(path) and (path / "config.json").is_file()):
         return inspect_model(path)
     if list_checkpoints(path) or (path / "latest").is_file() or (path / "metrics.jsonl").is_file():
         return inspect_output_dir(path)
@@ -80,6 +80,7 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
         "step": state.get("step", int(match.group(2)) if match else None),
         "phase": state.get("phase", ("warmup" if match.group(1) else None) if match else None),
         "kind": state.get("kind"), "saved_at": state.get("saved_at"),
+        "world_size": state.get("world_size"),
         "r1fit_version": state.get("r1fit_version"), "weights_only": weights_only,
         "lora": (path / MODEL_DIR / _ADAPTER).is_file(),
         "base_model": _json(path / MODEL_DIR / _ADAPTER).get("base_model_name_or_path"),
@@ -124,13 +125,17 @@ def inspect_model(path: Path) -> dict[str, Any]:
     base = config.get("base_model_name_or_path") if lora else None
     files = _files(path)
     parent = path.parent
-    in_checkpoint = checkpoint_order(parent) is not None or (parent / TRAINER_STATE).is_file()
+    in_checkpoint = _in_checkpoint(path)
     if lora:
         start = f"it is a LoRA adapter that needs its base model {base}"
     else:
         start = f"a new run can start from these weights with model.path={path}"
     why = ("a plain model folder holds weights only (no trainer_state.json, optimizer, "
            f"scheduler or RNG states); {start}")
+    if in_checkpoint and not any(any(path.glob(g)) for g in _WEIGHTS):
+        why = (f"these are the model's config and processor; its weights are sharded in "
+               f"{parent / 'weights'}: resume from the checkpoint, or `r1fit export {parent} OUT` "
+               "for a plain Hugging Face folder")
     return {
         "type": "model", "path": str(path), "lora": lora, "base_model": base,
         "architectures": _json(path / "config.json").get("architectures") if not lora else None,
@@ -172,7 +177,8 @@ def _checkpoint_blocks(r: dict[str, Any]) -> list[Any]:
     return [
         f"checkpoint {r['path']}",
         f"  step {r['step']}, phase {r['phase']}, saved by {command_of(r['kind'])}",
-        f"  saved at {r['saved_at']} by r1fit {r['r1fit_version']}",
+        f"  saved at {r['saved_at']} by r1fit {r['r1fit_version']}, "
+        f"{r.get('world_size') or '?'} process(es); resumes on any number",
         f"  contents: {contents}; model: {model}",
         f"  integrity: {'ok (sizes and sha256 match the manifest)' if r['intact'] else r['problem']}",
         "files:",
@@ -245,6 +251,11 @@ def _json(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def _in_checkpoint(path: Path) -> bool:
+    parent = path.parent
+    return checkpoint_order(parent) is not None or (parent / TRAINER_STATE).is_file()
 
 
 def _trainer_state(path: Path) -> dict[str, Any]:

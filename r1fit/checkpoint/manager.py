@@ -3,17 +3,22 @@
 A checkpoint is a folder ``<output_dir>/checkpoint-<step>/`` (``checkpoint-warmup-<step>/`` during
 the SFT warm-up of ``r1fit train``)::
 
-    model/                 Hugging Face folder: weights as safetensors (the adapter only, for LoRA)
-                           and the processor, loadable with from_pretrained as is
-    reference/             the frozen KL reference, when it is a copy (full fine-tuning after warm-up)
-    optimizer.json/.safetensors, scheduler.json, sampler.json, loop.json
+    weights/               torch.distributed.checkpoint (DCP): model weights (the adapter only, for
+                           LoRA), the KL reference when it is a copy (full fine-tuning after the
+                           warm-up) and the optimizer moments; one shard file per rank
+    model/, reference/     the model's config, generation config and processor (adapter_config.json
+                           for LoRA), no weights; ``r1fit export`` consolidates a plain HF folder
+    optimizer.json         param groups (parameter names, hyper-parameters)
+    scheduler.json, sampler.json, loop.json, ...   the rest, written by rank 0
     rng-rank<r>.json/.safetensors   RNG states of rank r
     config.json            the resolved config of the run
     trainer_state.json     step, updates, consumed prompts, epoch, sampler position, config hash...
     manifest.json          every other file with its size and sha256; written last
 
-Every piece is keyed by name, never by process, so the layout does not depend on the number of
-processes. A save writes ``checkpoint-<step>.partial/``, fsyncs it, renames it into place and then
+Every piece is keyed by name, never by process, so a run saved by N processes resumes on M (only
+the RNG states are per rank: on another process count they are re-seeded, with a warning). All
+ranks write into the same folder, so ``train.output_dir`` must be on a filesystem every node sees.
+A save writes ``checkpoint-<step>.partial/``, fsyncs it, renames it into place and then
 updates the ``latest`` pointer, so a folder without ``.partial`` and with a matching manifest is
 complete; anything else is ignored with a warning saying why.
 """
@@ -33,20 +38,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch.distributed.checkpoint as dcp
+
 import r1fit
 from r1fit.checkpoint.files import (fsync_dir, fsync_tree, load_state, save_state, sha256_file,
                                     write_text_atomic)
-from r1fit.checkpoint.state import seed_everything
+from r1fit.checkpoint.sharded import load_model_weights, model_tensors, save_tensors
+from r1fit.checkpoint.state import load_optimizer_sharded, seed_everything
+from r1fit.distributed.context import all_max, barrier, world
 
 log = logging.getLogger("r1fit.checkpoint")
 
-FORMAT = 1
+FORMAT = 2
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 MODEL_DIR = "model"
 PARTIAL = ".partial"
 # saved only by full checkpoints; a weights-only checkpoint lacks them
-FULL_ONLY = ("optimizer", "scheduler", "rng-rank0")
+FULL_ONLY = ("optimizer", "scheduler", "rng")
 CHECKPOINT_NAME = re.compile(r"^checkpoint-(?:(warmup)-)?(\d+)$")
 PHASE_ORDER = {"warmup": 0, "grpo": 1, "sft": 1}
 
@@ -142,7 +151,7 @@ def missing_for_resume(path: Path) -> list[str]:
                 "LR scheduler state", "RNG states"]
     state = read_trainer_state(path)
     names = {"optimizer": "optimizer state", "scheduler": "LR scheduler state",
-             "rng-rank0": "RNG states"}
+             "rng": "RNG states"}
     return [text for key, text in names.items() if key not in state.get("objects", [])]
 
 
@@ -214,13 +223,29 @@ class CheckpointManager:
         if point is None or point.phase != phase:
             return 0
         saved = set(point.state.get("objects", []))
+        w = world()
         for name, obj in objects.items():
             if name not in saved:
                 if point.weights_only and name in FULL_ONLY:
                     continue
                 raise CheckpointError(f"{point.path}: has no saved {name!r}")
             try:
-                obj.load_state_dict(load_state(point.path, name))
+                if name == "rng":  # per rank; another process count starts new streams
+                    saved_world = int(point.state.get("world_size", 1))
+                    if saved_world == w.size:
+                        obj.load_state_dict(load_state(point.path, f"rng-rank{w.rank}"))
+                    else:
+                        seed_everything(self.cfg.train.seed + point.step + 7919 * w.rank)
+                        if w.main:
+                            log.warning("saved by %d processes, resumed on %d: the RNG states are "
+                                        "re-seeded, so the run continues from the same step and "
+                                        "optimizer state but is not bit-identical to an "
+                                        "uninterrupted one", saved_world, w.size)
+                elif getattr(obj, "sharded", False):
+                    load_optimizer_sharded(obj, point.path, name,
+                                           load_state(point.path, name)["param_groups"])
+                else:
+                    obj.load_state_dict(load_state(point.path, name))
             except (ValueError, KeyError, RuntimeError) as exc:
                 raise CheckpointError(f"{point.path}: cannot restore {name}: {exc}") from exc
         if point.weights_only:  # fresh optimizer; the schedule and RNG continue from the step
@@ -231,17 +256,28 @@ class CheckpointManager:
                  " (weights only: fresh optimizer)" if point.weights_only else "")
         return point.step
 
-    def saved_model(self, name: str) -> Path | None:
-        """The folder of model ``name`` in the resume point, if it is there."""
-        if self.resume is None:
-            return None
-        folder = self.resume.path / name
-        return folder if folder.is_dir() else None
+    def has_model(self, name: str) -> bool:
+        """True if the resume point holds the weights of model ``name``."""
+        return self.resume is not None and name in self.resume.state.get("models", [])
+
+    def load_model(self, name: str, module: Any) -> None:
+        """Load model ``name``'s weights from the resume point into ``module`` (plain or
+        sharded; every rank calls this)."""
+        assert self.resume is not None
+        try:
+            load_model_weights(self.resume.path, name, module)
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise CheckpointError(f"{self.resume.path}: cannot load the {name} weights: "
+                                  f"{exc}") from exc
 
     # -- save --------------------------------------------------------------------------------
 
     def due(self, step: int, last: bool) -> bool:
         every = self.cfg.checkpoint.every
+        if every and world().distributed:
+            # a signal reaches the ranks at slightly different moments: they must agree to save
+            # after the same step (the save is collective)
+            self.stop_requested = bool(all_max([float(self.stop_requested)])[0])
         return bool(every) and (step % every == 0 or last or self.stop_requested)
 
     def stop_if_requested(self, step: int) -> None:
@@ -257,62 +293,93 @@ class CheckpointManager:
         final, partial = self.out / name, self.out / (name + PARTIAL)
         weights_only = self.cfg.checkpoint.weights_only
         started = time.perf_counter()
+        w = world()
+        files: dict[str, Any] = {}
         try:
-            if partial.exists():
-                shutil.rmtree(partial)
-            partial.mkdir(parents=True)
-            for model_name, (module, processor) in self.models.items():
-                module.save_pretrained(partial / model_name)
-                if processor is not None:
-                    processor.save_pretrained(partial / model_name)
-            saved = []
+            if w.main:
+                if partial.exists():
+                    shutil.rmtree(partial)
+                partial.mkdir(parents=True)
+            barrier()
+            # every rank: its shards of the weights and optimizer moments, its RNG states
+            tensors = {model_name: model_tensors(module)
+                       for model_name, (module, _) in self.models.items()}
+            saved, json_states = [], {}
             for obj_name, obj in objects.items():
                 if weights_only and obj_name in FULL_ONLY:
                     continue
-                save_state(partial, obj_name, obj.state_dict())
                 saved.append(obj_name)
-            sampler = objects["sampler"].state_dict() if "sampler" in objects else {}
-            trainer_state = {
-                "format": FORMAT, "r1fit_version": r1fit.__version__, "kind": self.kind,
-                "phase": phase, "step": step,
-                "updates": getattr(objects.get("scheduler"), "last_epoch", None),
-                "consumed_prompts": sampler.get("epoch", 0) * sampler.get("num_items", 0)
-                + sampler.get("position", 0),
-                "epoch": sampler.get("epoch"), "sampler": sampler,
-                "config_fingerprint": self.cfg.fingerprint(), "weights_only": weights_only,
-                "objects": saved, "models": sorted(self.models), "world_size": 1,
-                "metrics_lines": self.metrics_lines(), "metrics": metrics or {},
-                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-            (partial / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
-            (partial / "config.json").write_text(json.dumps(run_config(self.cfg, self.kind),
-                                                            indent=1))
-            files = {str(p.relative_to(partial)): {"bytes": p.stat().st_size,
-                                                   "sha256": sha256_file(p)}
-                     for p in sorted(partial.rglob("*")) if p.is_file()}
-            (partial / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": files},
-                                                       indent=1))
-            fsync_tree(partial)
-            if final.exists():  # a checkpoint of an abandoned trajectory (resumed from earlier)
-                shutil.rmtree(final)
-            os.rename(partial, final)
-            fsync_dir(self.out)
-            write_text_atomic(self.out / "latest", name + "\n")
-        except OSError as exc:
-            shutil.rmtree(partial, ignore_errors=True)
+                if obj_name == "rng":
+                    save_state(partial, f"rng-rank{w.rank}", obj.state_dict())
+                elif getattr(obj, "sharded", False):
+                    state = obj.state_dict()
+                    tensors[obj_name] = state["state"]
+                    json_states[obj_name] = {"param_groups": state["param_groups"]}
+                else:
+                    json_states[obj_name] = obj.state_dict()
+            save_tensors(partial, tensors)
+            barrier()
+            if w.main:
+                self._write_metadata(partial, phase, step, objects, saved, json_states, metrics)
+                files = json.loads((partial / MANIFEST).read_text())["files"]
+                if final.exists():  # a checkpoint of an abandoned trajectory (resumed from earlier)
+                    shutil.rmtree(final)
+                os.rename(partial, final)
+                fsync_dir(self.out)
+                write_text_atomic(self.out / "latest", name + "\n")
+        except (OSError, dcp.api.CheckpointException) as exc:
+            if w.main:
+                shutil.rmtree(partial, ignore_errors=True)
             complete = [p.name for p in list_checkpoints(self.out) if not p.name.endswith(PARTIAL)
                         and p != final]
             kept = f"{complete[0]} is intact" if complete else "no earlier checkpoint exists"
-            raise CheckpointError(f"could not save {name}: {exc.strerror or exc} "
+            reason = getattr(exc, "strerror", None) or exc
+            raise CheckpointError(f"could not save {name}: {reason} "
                                   f"({getattr(exc, 'filename', '') or self.out}); {kept}. Fix it "
                                   "(disk space, permissions) and rerun the same command to "
                                   "resume") from exc
+        barrier()  # the checkpoint is in place for every rank
+        self.last_saved = final
+        if not w.main:
+            return final
         size = sum(m["bytes"] for m in files.values())
         log.info("saved %s (%.1f MB%s) in %.1f s", name, size / 1e6,
                  ", weights only" if weights_only else "", time.perf_counter() - started)
         self._update_best(name, metrics or {})
         self._retain()
-        self.last_saved = final
         return final
+
+    def _write_metadata(self, partial: Path, phase: str, step: int,
+                        objects: dict[str, Stateful], saved: list[str],
+                        json_states: dict[str, Any], metrics: dict[str, Any] | None) -> None:
+        """Rank 0: the non-tensor states, the models' configs and processors, trainer_state.json,
+        config.json, then manifest.json over every rank's files, then fsync."""
+        for obj_name, state in json_states.items():
+            save_state(partial, obj_name, state)
+        for model_name, (module, processor) in self.models.items():
+            save_model_files(module, processor, partial / model_name)
+        sampler = objects["sampler"].state_dict() if "sampler" in objects else {}
+        trainer_state = {
+            "format": FORMAT, "r1fit_version": r1fit.__version__, "kind": self.kind,
+            "phase": phase, "step": step,
+            "updates": getattr(objects.get("scheduler"), "last_epoch", None),
+            "consumed_prompts": sampler.get("epoch", 0) * sampler.get("num_items", 0)
+            + sampler.get("position", 0),
+            "epoch": sampler.get("epoch"), "sampler": sampler,
+            "config_fingerprint": self.cfg.fingerprint(),
+            "weights_only": self.cfg.checkpoint.weights_only,
+            "objects": saved, "models": sorted(self.models), "world_size": world().size,
+            "metrics_lines": self.metrics_lines(), "metrics": metrics or {},
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        (partial / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
+        (partial / "config.json").write_text(json.dumps(run_config(self.cfg, self.kind),
+                                                        indent=1))
+        files = {str(p.relative_to(partial)): {"bytes": p.stat().st_size,
+                                               "sha256": sha256_file(p)}
+                 for p in sorted(partial.rglob("*")) if p.is_file()}
+        (partial / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": files},
+                                                   indent=1))
+        fsync_tree(partial)
 
     def _update_best(self, name: str, metrics: dict[str, Any]) -> None:
         key = self.cfg.checkpoint.keep_best_by
@@ -337,6 +404,21 @@ class CheckpointManager:
         for old in complete[keep:]:
             if old.name not in protected:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def save_model_files(module: Any, processor: Any, folder: Path) -> None:
+    """What a checkpoint keeps of a model besides its weights: its config and generation config,
+    the processor, and for LoRA the adapter config, so that ``r1fit export`` can rebuild it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    base = module.get_base_model() if hasattr(module, "peft_config") else module
+    if hasattr(base, "config"):
+        base.config.save_pretrained(folder)
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(folder)
+    if processor is not None:
+        processor.save_pretrained(folder)
+    if hasattr(module, "peft_config"):
+        module.peft_config["default"].save_pretrained(folder)
 
 
 def fast_forward(scheduler: Any, updates: int) -> None:

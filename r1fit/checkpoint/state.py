@@ -7,12 +7,15 @@ counters) or whose own pair is keyed by position rather than by name (the optimi
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
+
+from r1fit.checkpoint.sharded import initialise_moments, load_tensors, saved_keys
 
 
 def seed_everything(seed: int) -> None:
@@ -51,8 +54,13 @@ class RngState:
 
 class OptimizerState:
     """An optimizer's state keyed by parameter name (not position), so it survives a different
-    parameter order or process count; built on ``torch.distributed.checkpoint.state_dict``, which
-    also gathers FSDP-sharded states."""
+    parameter order or process count; built on ``torch.distributed.checkpoint.state_dict``.
+
+    ``sharded``: the checkpoint manager writes the moments (``state``) through DCP, each rank its
+    own shards, and the param groups as JSON; :meth:`load_sharded` reads them back into any number
+    of processes."""
+
+    sharded = True
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
@@ -101,3 +109,19 @@ class PythonRandomState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rng.setstate(state["state"])
+
+
+def load_optimizer_sharded(holder: OptimizerState, folder: Path, name: str,
+                           groups: list[dict[str, Any]]) -> None:
+    """Restore ``holder``'s optimizer from checkpoint ``folder``: moments from its DCP shards
+    (resharded to this process count), param groups (names, hyper-parameters) from JSON."""
+    initialise_moments(holder.optimizer)
+    state = holder.state_dict()["state"]
+    keys = saved_keys(folder)
+    # a parameter that never had a gradient has no saved state; it gets none here either
+    present = {fqn: v for fqn, v in state.items() if any(f"{name}.{fqn}.{k}" in keys for k in v)}
+    load_tensors(folder, {name: present})
+    holder.load_state_dict({"state": present, "param_groups": groups})
+    for fqn, param in holder.model.named_parameters():
+        if fqn in state and fqn not in present:
+            holder.optimizer.state.pop(param, None)

@@ -34,10 +34,14 @@ def resolve_auto_sizes(cfg: Any, device: torch.device) -> None:
     memory = cfg.memory
     if "auto" not in (memory.micro_batch, memory.generation_batch):
         return
+    from r1fit.distributed.context import world
     from r1fit.memory.planner import plan_memory
 
     budget = device_budget(memory, device)
-    plan = plan_memory(cfg, device_memory_bytes=budget, device_type=device.type)
+
+    # over several processes: one device of the FSDP run (sharded states, 1/N of the rows)
+    plan = plan_memory(cfg, device_memory_bytes=budget, device_type=device.type,
+                       gpus=world().size)
     if not plan.max_micro_batch or not plan.max_generation_batch:
         raise AutoFitError(f"even memory.micro_batch=1 does not fit {format_bytes(budget)} on "
                            f"{device}: {'; '.join(plan.advice) or 'see r1fit plan'}")

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from r1fit.distributed.context import world
 from r1fit.memory.telemetry import peak_rss_bytes, reset_peak
 from r1fit.memory.units import format_bytes, parse_bytes
 
@@ -99,6 +100,12 @@ class OOMGuard:
         free_memory(self.device)
         key = _SIZE_OF_PHASE[phase]
         size = getattr(self.memory, key)
+        w = world()
+        if w.distributed:  # the other ranks are inside collectives of this step: no redo alone
+            raise OutOfMemory(
+                f"out of memory in {phase.replace('_', '-')} work on rank {w.rank} ({message}); "
+                f"over {w.size} processes a step cannot be redone on one rank. Rerun with "
+                f"memory.{key}={max(1, size // 2)} (the run resumes from its last checkpoint)")
         if size <= 1:
             raise OutOfMemory(
                 f"out of memory in {phase.replace('_', '-')} work even with memory.{key}=1 "

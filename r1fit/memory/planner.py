@@ -13,6 +13,29 @@ phase, the way r1fit's code allocates it:
   activations, the LM head's chunk of ``memory.logits_chunk`` tokens (r1fit/algorithms/logprobs.py)
   and, from the second micro-batch on, the gradients of every trainable parameter.
 
+With ``--gpus N`` (N > 1) the plan is per GPU of a torchrun job whose model is sharded by FSDP2
+(``fully_shard`` on each decoder layer and vision block, then on the root), as torch 2.x does it:
+
+- weights, gradients, AdamW states and the reference copy are per-parameter shards: each tensor is
+  cut into N pieces along dim 0, padded to the first (largest) piece, ``ceil(rows / N)`` rows;
+  the plan is for that first GPU;
+- forward and backward all-gather one unit at a time, and a unit's all-gather output stays alive
+  while the unit computes (forward keeps it for the next unit's copy-out; backward prefetches the
+  next unit): two units' unsharded bytes. The root's own parameters (embeddings, LM head, final
+  norm, the vision patch embedding and merger) are gathered at the start of the forward and, as
+  FSDP2 does for the root, not resharded until its post-backward: they stay gathered throughout,
+  and so does the LM head's unsharded gradient during backward;
+- backward's reduce-scatter copies a unit's unsharded gradients into one flat buffer before
+  freeing them: the largest trainable unit's gradients, twice, at that moment;
+- generation runs on the policy gathered whole (``r1fit.distributed.parallelize.gathered``): the
+  full unsharded weights beside the shards, which FSDP2 keeps;
+- on CUDA (r1fit's MixedPrecisionPolicy) float32 weights are gathered, and computed with, in
+  bfloat16, and gradients are reduce-scattered in float32;
+- each GPU takes 1/N of a step's rows (prompts_per_step x num_generations): the micro-batches per
+  update and the old/reference log-probs are per GPU, a generation chunk and a micro-batch are at
+  most that share; every GPU encodes all of the step's prompts (their pixel values).
+Unsharded sizes leave out dim-0 padding (under N - 1 rows per tensor).
+
 Peak = what lives for the whole step + the largest phase. A phase's figure is its largest moment
 (e.g. the start of a micro-batch's backward: all saved activations, the head's gradient buffer and
 one chunk of logits), not the sum of everything it ever allocates; :class:`Plan` keeps the named
@@ -81,8 +104,11 @@ SHAPES_SAMPLES = 16
 
 F32 = 4
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
-PARTS = ("weights", "gradients", "optimizer", "reference", "activations", "logits_chunk",
-         "vision", "generation", "inputs", "overhead")
+PARTS = ("weights", "gradients", "optimizer", "reference", "all_gather", "reduce_scatter",
+         "activations", "logits_chunk", "vision", "unsharded_weights", "generation", "inputs",
+         "overhead")
+#: Parts that exist only under FSDP (--gpus > 1); 0, and not printed, on one GPU.
+FSDP_PARTS = ("all_gather", "reduce_scatter", "unsharded_weights")
 
 
 @dataclass(frozen=True)
@@ -137,6 +163,18 @@ class ModelFacts:
     lora_targets: tuple[str, ...]  # their names within one decoder layer (q_proj, ...)
     text: TextDims
     vision: VisionDims | None
+    # for FSDP2, which shards every tensor along dim 0: (size(0), numel) of each parameter, the
+    # vision tower's apart; (in, out) of each Linear LoRA adapts
+    param_shapes: tuple[tuple[int, int], ...]
+    vision_param_shapes: tuple[tuple[int, int], ...]
+    lora_linears: tuple[tuple[int, int], ...]
+    # FSDP units (elements): the largest decoder layer, the largest vision block, and the root's
+    # own parameters (everything else: embeddings, head, final norm, vision patch embed/merger)
+    layer_params: int
+    layer_lora_in_plus_out: int  # sum of (in + out) over the adapted Linears of one layer
+    vision_block_params: int
+    root_params: int
+    root_vision_params: int  # of which the vision tower's (patch embedding, merger)
     processor: Any = field(default=None, compare=False, repr=False)
 
 
@@ -153,7 +191,10 @@ class Plan:
     """A prediction of one GRPO step's peak memory per device. Sizes are bytes.
 
     ``parts`` (names in ``PARTS``): weights; gradients (trainable parameters); optimizer (AdamW
-    states); reference (the frozen copy for a KL term under full fine-tuning); activations (what
+    states); reference (the frozen copy for a KL term under full fine-tuning) - the four are one
+    GPU's FSDP shards with ``gpus > 1``; all_gather (FSDP: the root's gathered parameters and two
+    units'); reduce_scatter (FSDP: one unit's gradients copied for the reduce-scatter);
+    unsharded_weights (FSDP: the whole policy, gathered for generation); activations (what
     one training micro-batch keeps for backward, as memory.gradient_checkpointing says, with the
     layer a checkpointed backward rebuilds); logits_chunk (the LM head's temporaries: one chunk
     of float32 logits, the head's gradient buffer); vision (the vision tower's activations for one
@@ -239,7 +280,10 @@ def _facts(source: str, path: str, lora_target: str) -> ModelFacts:
     params = list(model.parameters())  # unique: a tied head is counted once
     visual = _vision_tower(model)
     vision_params = list(visual.parameters()) if visual is not None else []
-    lora_sum = lora_layers = 0
+    layers, blocks = _fsdp_units(model, visual)
+    in_layer_0 = {id(m) for m in layers[0].modules()} if layers else set()
+    lora_linears: list[tuple[int, int]] = []
+    lora_layer_0 = 0
     targets: set[str] = set()
     largest = 0
     for name, module in model.named_modules():
@@ -248,20 +292,54 @@ def _facts(source: str, path: str, lora_target: str) -> ModelFacts:
         if ".layers.0." in name and "language_model" in name:
             largest = max(largest, module.in_features * module.out_features)
         if regex.fullmatch(name):
-            lora_sum += module.in_features + module.out_features
-            lora_layers += 1
+            lora_linears.append((module.in_features, module.out_features))
+            lora_layer_0 += (module.in_features + module.out_features) * (id(module) in in_layer_0)
             targets.add(name.rsplit(".", 1)[-1])
+    layer_sizes = [_numel(unit.parameters()) for unit in layers]
+    block_sizes = [_numel(unit.parameters()) for unit in blocks]
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
     return ModelFacts(
         name=path, config_dtype=str(dtype).replace("torch.", ""),
-        params=sum(p.numel() for p in params), param_tensors=len(params),
-        vision_params=sum(p.numel() for p in vision_params),
+        params=_numel(params), param_tensors=len(params),
+        vision_params=_numel(vision_params),
         vision_param_tensors=len(vision_params),
         tied_head=head is not None and embed is not None and head.weight is embed.weight,
-        largest_layer_weight=largest, lora_in_plus_out=lora_sum, lora_layers=lora_layers,
-        lora_targets=tuple(sorted(targets)), text=text,
-        vision=vision_dims(config, visual), processor=_processor(source))
+        largest_layer_weight=largest,
+        lora_in_plus_out=sum(i + o for i, o in lora_linears), lora_layers=len(lora_linears),
+        lora_targets=tuple(sorted(targets)), text=text, vision=vision_dims(config, visual),
+        param_shapes=_shapes(params), vision_param_shapes=_shapes(vision_params),
+        lora_linears=tuple(lora_linears), layer_params=max(layer_sizes, default=0),
+        layer_lora_in_plus_out=lora_layer_0, vision_block_params=max(block_sizes, default=0),
+        root_params=_numel(params) - sum(layer_sizes) - sum(block_sizes),
+        root_vision_params=_numel(vision_params) - sum(block_sizes),
+        processor=_processor(source))
+
+
+def _fsdp_units(model: Any, visual: Any) -> tuple[list[Any], list[Any]]:
+    """The modules r1fit's FSDP2 shards one by one (r1fit.distributed.parallelize.shard_units:
+    instances of the model's ``_no_split_modules``), as (decoder layers, vision blocks); the root
+    takes the rest."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    in_vision = {id(m) for m in visual.modules()} if visual is not None else set()
+    units = [m for m in model.modules() if type(m).__name__ in names]
+    return ([m for m in units if id(m) not in in_vision], [m for m in units if id(m) in in_vision])
+
+
+def _numel(params: Any) -> int:
+    return sum(p.numel() for p in params)
+
+
+def _shapes(params: list[Any]) -> tuple[tuple[int, int], ...]:
+    """(size(0), numel) of each tensor; a 0-d (or empty) tensor counts as one row."""
+    return tuple((max(p.shape[0] if p.dim() else 1, 1), p.numel()) for p in params)
+
+
+def shard_elements(shapes: Any, n: int) -> int:
+    """Elements of the largest FSDP2 shard of tensors of these (size(0), numel) over ``n`` GPUs:
+    FSDP2 chunks each tensor along dim 0 (torch.chunk) and pads every rank's piece to the first,
+    ``ceil(rows / n)`` rows."""
+    return sum(-(-rows // n) * (numel // rows) for rows, numel in shapes)
 
 
 def _vision_tower(model: Any) -> Any:
@@ -467,9 +545,10 @@ def vision_forward_temp_per_patch(v: VisionDims, b: int) -> int:
 
 @dataclass(frozen=True)
 class _Sizes:
-    """The run's settings the phases depend on."""
+    """The run's settings the phases depend on, for one GPU."""
 
-    rows: int
+    rows: int  # of a step, on this GPU
+    gpus: int
     micro: int
     generation: int
     checkpointing: bool
@@ -481,9 +560,8 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
 
     ``device_memory_bytes``: the budget (default ``memory.budget``, else 80 GiB). ``device_type``:
     ``"cpu"`` drops the CUDA context and allocator slack, giving live tensor bytes (what
-    r1fit.memory.probe measures). ``gpus``: FSDP sharding is not implemented yet, so the plan is
-    per device as for one GPU (a note says so); the code divides weights, gradients and optimizer
-    states by ``shards`` once it is.
+    r1fit.memory.probe measures). ``gpus``: the GPUs of a torchrun job; with more than one the
+    model is sharded by FSDP2 and the plan is for one of them (see the module docstring).
     """
     if device_type not in ("cuda", "cpu"):
         raise ConfigError(f"device type: got {device_type!r}, expected 'cuda' or 'cpu'")
@@ -494,29 +572,30 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
     facts = model_facts(cfg.model.path, cfg.model.lora.target)
     prompt = prompt_shape(cfg, facts)
     rows = cfg.train.prompts_per_step * cfg.algo.num_generations
+    local = -(-rows // gpus)  # the step's rows are split evenly over the GPUs
     micro, generation = cfg.memory.micro_batch, cfg.memory.generation_batch
-    sizes = _Sizes(rows=rows, micro=rows if micro == "auto" else min(micro, rows),
-                   generation=rows if generation == "auto" else min(generation, rows),
+    sizes = _Sizes(rows=local, gpus=gpus, micro=local if micro == "auto" else min(micro, local),
+                   generation=local if generation == "auto" else min(generation, local),
                    checkpointing=cfg.memory.gradient_checkpointing)
     notes = []
     if gpus > 1:
-        notes.append(f"--gpus {gpus}: FSDP sharding is not implemented yet (distributed issue); "
-                     "planned per device as for one GPU")
+        notes.append(f"per GPU, FSDP2 over {gpus} GPUs: weights, gradients, AdamW states and the "
+                     f"reference are 1/{gpus} shards; each GPU takes {local} of the {rows} rows "
+                     "of a step; generation gathers the whole policy")
     if device_type == "cpu":
         notes.append("cpu: the plan is live tensor bytes; the process's RSS adds the Python heap "
                      "and libraries (memory.budget caps RSS over the pre-load baseline)")
-    shards = 1  # becomes gpus with FSDP: weights, gradients and optimizer states are sharded
     usable = int(device_memory_bytes * (1 - SAFETY_MARGIN))
     # each search moves one size; the phase it looks at does not depend on the other size
     max_micro = _largest(lambda m: _estimate(facts, cfg, prompt, replace(sizes, micro=m),
-                                             device_type, shards).update_peak, rows, usable)
+                                             device_type).update_peak, local, usable)
     max_gen = _largest(lambda g: _estimate(facts, cfg, prompt, replace(sizes, generation=g),
-                                           device_type, shards).generation_peak, rows, usable)
+                                           device_type).generation_peak, local, usable)
     if micro == "auto":  # plan the run with what 'auto' will pick
         sizes = replace(sizes, micro=max(1, max_micro))
     if generation == "auto":
         sizes = replace(sizes, generation=max(1, max_gen))
-    est = _estimate(facts, cfg, prompt, sizes, device_type, shards)
+    est = _estimate(facts, cfg, prompt, sizes, device_type)
     plan = Plan(parts=est.parts, peak_bytes=est.peak, budget_bytes=device_memory_bytes,
                 fits=est.peak <= usable, max_micro_batch=max_micro,
                 max_generation_batch=max_gen, advice=[], phases=est.phases,
@@ -525,12 +604,13 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
                 details={**est.details, "device_type": device_type, "gpus": gpus,
                          "prompt_tokens": prompt.tokens, "image_tokens": prompt.image_tokens,
                          "vision_patches": prompt.patches, "prompt_estimate": prompt.how,
-                         "rows_per_step": rows, "micro_batch": sizes.micro,
+                         "rows_per_step": rows, "rows_per_gpu": local,
+                         "micro_batch": sizes.micro,
                          "generation_batch": sizes.generation,
                          "auto": [k for k, x in (("micro_batch", micro),
                                                  ("generation_batch", generation)) if x == "auto"]},
                 notes=notes)
-    plan.advice = _advice(plan, facts, cfg, prompt, sizes, device_type, shards, usable)
+    plan.advice = _advice(plan, facts, cfg, prompt, sizes, device_type, usable)
     return plan
 
 
@@ -564,8 +644,8 @@ class _Estimate:
     details: dict[str, Any]
 
 
-def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: _Sizes, device_type: str,
-              shards: int) -> _Estimate:
+def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: _Sizes,
+              device_type: str) -> _Estimate:
     t, v = f.text, f.vision
     dtype = f.config_dtype if cfg.model.dtype == "auto" else cfg.model.dtype
     b = _DTYPE_BYTES.get(dtype, 4)
@@ -574,22 +654,58 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: _Sizes, device
     algo = cfg.algo
     H, V = t.hidden, t.vocab
 
-    # --- for the whole run: weights, gradients (during updates), AdamW states, reference
-    weights = f.params * b + (r * f.lora_in_plus_out * ADAPTER_BYTES if lora else 0)
+    # --- for the whole run: weights, gradients (during updates), AdamW states, reference; on
+    # one GPU of several, each tensor's FSDP2 shard (on one GPU: the whole tensor)
+    gpus = s.gpus
+    frozen_vision = not lora and cfg.model.freeze_vision
+    model_shard = shard_elements(f.param_shapes, gpus) * b
+    adapter_shard = 0
+    if lora:  # lora_A [r x in], lora_B [out x r]
+        adapter_shard = ADAPTER_BYTES * sum(-(-r // gpus) * i + -(-o // gpus) * r
+                                            for i, o in f.lora_linears)
+    weights = model_shard + adapter_shard
     if lora:
-        trainable, trainable_tensors = r * f.lora_in_plus_out * ADAPTER_BYTES, 2 * f.lora_layers
+        trainable, trainable_tensors = adapter_shard, 2 * f.lora_layers
     else:
-        frozen = f.vision_params if cfg.model.freeze_vision else 0
-        trainable = (f.params - frozen) * b
-        trainable_tensors = f.param_tensors - (f.vision_param_tensors if frozen else 0)
+        trainable = model_shard - (shard_elements(f.vision_param_shapes, gpus) * b
+                                   if frozen_vision else 0)
+        trainable_tensors = f.param_tensors - (f.vision_param_tensors if frozen_vision else 0)
     gradients = trainable
     # AdamW: exp_avg and exp_avg_sq in the parameter dtype, plus a float32 step count per tensor
     optimizer = 2 * trainable + F32 * trainable_tensors
     # full fine-tuning with a KL term keeps a frozen copy; LoRA's reference is the policy with
     # its adapters off; beta = 0 loads none
-    reference = f.params * b if (algo.beta > 0 and not lora) else 0
-    weights, gradients, optimizer, reference = (
-        math.ceil(x / shards) for x in (weights, gradients, optimizer, reference))
+    reference = model_shard if (algo.beta > 0 and not lora) else 0
+
+    # --- FSDP (gpus > 1), set up as r1fit/distributed/parallelize.py does: on CUDA, weights
+    # stored in float32 are gathered, and computed with, in bfloat16, and gradients are
+    # reduce-scattered in float32; on CPU nothing is cast
+    fsdp, cuda = gpus > 1, device_type == "cuda"
+    if fsdp and cuda and b == F32:
+        b = 2  # from here on, b is the dtype of gathered weights and of the computation
+    gathered_adapter = b if fsdp and cuda and dtype == "float32" else ADAPTER_BYTES
+    layer_unit = f.layer_params * b + (r * f.layer_lora_in_plus_out * gathered_adapter
+                                       if lora else 0)
+    block_unit, root_unit = f.vision_block_params * b, f.root_params * b
+    # the root stays gathered from its pre-forward to its post-backward; a unit and its
+    # all-gather output (forward), or a unit and the next one prefetched (backward)
+    all_gather = root_unit + 2 * max(layer_unit, block_unit) if fsdp else 0
+    # elements and bytes of each unit's unsharded gradients
+    if lora:
+        grads = [(r * f.layer_lora_in_plus_out, gathered_adapter)]
+    else:
+        grads = [(f.layer_params, b),
+                 (0 if cfg.model.freeze_vision else f.vision_block_params, b),
+                 (f.root_params - (f.root_vision_params if frozen_vision else 0), b)]
+    layer_grad = grads[0][0] * grads[0][1]
+    root_grad = grads[2][0] * grads[2][1] if fsdp and not lora else 0
+    # reduce-scatter's input: a copy of one unit's unsharded gradients, made while they exist
+    reduce_scatter = max(x * (F32 if cuda else bytes_) for x, bytes_ in grads) if fsdp else 0
+    # generation: every unit gathered whole, beside the shards (which FSDP2 keeps)
+    unsharded_weights = 0
+    if fsdp:
+        unsharded_weights = f.params * b + (r * f.lora_in_plus_out * gathered_adapter
+                                            if lora else 0)
 
     # --- shapes of the step
     P, M = prompt.tokens, algo.max_new_tokens
@@ -599,7 +715,8 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: _Sizes, device
     head_trains = not lora
     pixels = (lambda n: n * patches * v.pixels_per_patch * F32) if v is not None else (lambda n: 0)
     eager = T if cfg.model.attn_implementation == "eager" else 0
-    # the step keeps every prompt's pixel values, and the old/reference log-probs [rows x M]
+    # the step keeps every prompt's pixel values (each GPU encodes all of the step's prompts), and
+    # the old/reference log-probs of its rows [rows x M]
     step_inputs = pixels(cfg.train.prompts_per_step) + 2 * s.rows * M * F32
 
     def kv_cache(rows: int, length: int) -> int:
@@ -638,6 +755,9 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: _Sizes, device
     decode = (kv_cache(g, T) + g * T * t.kv_dim * b  # torch.cat grows one layer's K (or V)
               + g * V * (b + sampling * F32 + 1))  # + the model's logits and a bool mask
     generation = pixels(g) + max(prefill_vision, prefill, decode)
+    # gathering the policy before generate: every unit's all-gather at once (the whole policy in
+    # flat buffers), then each unit copied out of its buffer, which is freed: one unit more at most
+    gathering = max(layer_unit, block_unit, root_unit) if fsdp else 0
 
     # --- micro-batches: log-probs (no grad) and the update
     m = s.micro
@@ -646,7 +766,7 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: _Sizes, device
     c = min(cfg.memory.logits_chunk, n_completion)
     head_input = n_completion * H * b  # hidden[mask]: the chunked head's saved input
     logprob_head = tokens * H * b + head_input + chunk_forward(c)  # + the backbone's output
-    logprobs = pixels(m) + max(vision_forward(m), lm_forward(m, T), logprob_head)
+    logprobs = pixels(m) + all_gather + max(vision_forward(m), lm_forward(m, T), logprob_head)
     has_logprobs = algo.beta > 0 or algo.num_iterations > 1
 
     targets = f.lora_targets if lora else None
@@ -675,30 +795,43 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: _Sizes, device
     head_grad = V * H * b if head_trains else 0  # grad_weight = zeros_like(head.weight)
     logits_chunk = max(tokens * H * b + chunk_forward(c),  # + the backbone's output, still held
                        head_grad + n_completion * H * b + chunk_backward(c))  # + grad of hidden
-    layer_backward = tokens * layer_backward_temp_per_token(t, b) + (
-        f.largest_layer_weight * b if (accumulating and not lora) else 0)  # weight grad, then +=
-    base = grads_before + pixels(m) + vision_saved
+    # FSDP: the root keeps the LM head's unsharded gradient from the head's backward to the end
+    head_held = V * H * b if fsdp and head_trains else 0
+    if fsdp:  # the unit's own unsharded gradients, fresh each micro-batch, + reduce-scatter
+        layer_backward = (tokens * layer_backward_temp_per_token(t, b) + layer_grad
+                          + reduce_scatter + head_held)
+        # the root's post-backward: its gathered weights and gradients (the embedding's dense
+        # [vocab x hidden] one included), and their reduce-scatter copy
+        end = root_unit + root_grad + reduce_scatter
+    else:
+        layer_backward = tokens * layer_backward_temp_per_token(t, b) + (
+            f.largest_layer_weight * b if (accumulating and not lora) else 0)  # weight grad, +=
+        # the embedding's dense [vocab x hidden] gradient, added into an existing .grad
+        end = V * H * b if head_trains and (accumulating or f.tied_head) else 0
+    base = grads_before + pixels(m) + vision_saved + all_gather
     update = max(
-        grads_before + pixels(m) + vision_peak,  # vision tower (its backward, or no-grad forward)
+        # vision tower (its backward, or no-grad forward)
+        grads_before + pixels(m) + all_gather + vision_peak
+        + (reduce_scatter + head_held if vision_trains else 0),
         base + saved_lm + logits_chunk,  # head: forward chunk or the start of backward
         base + saved_lm + (recompute if s.checkpointing else 0) + layer_backward,
-        # the embedding's dense [vocab x hidden] gradient at the end, added into an existing .grad
-        gradients + pixels(m) + (V * H * b if head_trains and (accumulating or f.tied_head) else 0))
+        gradients + pixels(m) + end)  # the end of backward
 
     persistent = weights + optimizer + reference + step_inputs
-    phases = {"generation": persistent + generation, "update": persistent + update}
+    phases = {"generation": persistent + unsharded_weights + max(generation, gathering),
+              "update": persistent + update}
     if has_logprobs:
         phases["log-probs"] = persistent + logprobs
     allocated = max(phases.values())
-    cuda = device_type == "cuda"
 
     def overhead(peak: int) -> int:
         return (CUDA_CONTEXT_BYTES + int(CUDA_ALLOCATOR_SLACK * peak)) if cuda else 0
 
     phases = {k: x + overhead(x) for k, x in phases.items()}
     parts = {"weights": weights, "gradients": gradients, "optimizer": optimizer,
-             "reference": reference, "activations": activations, "logits_chunk": logits_chunk,
-             "vision": vision, "generation": generation,
+             "reference": reference, "all_gather": all_gather, "reduce_scatter": reduce_scatter,
+             "activations": activations, "logits_chunk": logits_chunk, "vision": vision,
+             "unsharded_weights": unsharded_weights, "generation": generation,
              "inputs": step_inputs + pixels(max(m, g)), "overhead": overhead(allocated)}
     micro_phases = [phases["update"]] + ([phases["log-probs"]] if has_logprobs else [])
     return _Estimate(
@@ -708,11 +841,13 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: _Sizes, device
         details={"dtype": dtype, "params": f.params,
                  "trainable_params": trainable // (ADAPTER_BYTES if lora else b),
                  "kv_cache": kv_cache(g, T), "logits_chunk_tokens": c,
-                 "micro_batches_per_update": -(-s.rows // m)})
+                 "micro_batches_per_update": -(-s.rows // m), "persistent": persistent,
+                 "fsdp_units": {"decoder_layer": layer_unit, "vision_block": block_unit,
+                                "root": root_unit} if fsdp else {}})
 
 
 def _advice(plan: Plan, facts: ModelFacts, cfg: Config, prompt: PromptShape, sizes: _Sizes,
-            device_type: str, shards: int, usable: int) -> list[str]:
+            device_type: str, usable: int) -> list[str]:
     """What to change: smaller chunks when they are the problem, else the switches that would
     make micro_batch = generation_batch = 1 fit (each tried alone)."""
     out = []
@@ -743,7 +878,7 @@ def _advice(plan: Plan, facts: ModelFacts, cfg: Config, prompt: PromptShape, siz
         f = model_facts(changed.model.path, changed.model.lora.target)
         est = _estimate(f, changed, p, replace(sizes, micro=1, generation=1,
                                                checkpointing=changed.memory.gradient_checkpointing),
-                        device_type, shards)
+                        device_type)
         verdict = "fits" if est.peak <= usable else "still does not fit"
         out.append(f"{key}={_shown(value)}: peak {format_bytes(est.peak)} at micro_batch = "
                    f"generation_batch = 1 ({verdict})")
@@ -772,13 +907,19 @@ def _shown(value: Any) -> str:
 # printing
 
 _LABELS = {"weights": "weights", "gradients": "gradients", "optimizer": "optimizer (AdamW)",
-           "reference": "reference model", "activations": "activations (one micro-batch)",
-           "logits_chunk": "LM head chunk", "vision": "vision encoder (one micro-batch)",
+           "reference": "reference model",
+           "all_gather": "FSDP all-gather buffers (root + 2 units)",
+           "reduce_scatter": "FSDP reduce-scatter buffer (one unit's gradients)",
+           "activations": "activations (one micro-batch)", "logits_chunk": "LM head chunk",
+           "vision": "vision encoder (one micro-batch)",
+           "unsharded_weights": "FSDP unsharded weights (the whole policy)",
            "generation": "generation (KV cache + logits)", "inputs": "inputs (pixel values)",
            "overhead": "CUDA context + allocator slack"}
 _WHEN = {"weights": "always", "gradients": "update", "optimizer": "always", "reference": "always",
+         "all_gather": "log-probs, update", "reduce_scatter": "update",
          "activations": "update", "logits_chunk": "update", "vision": "update",
-         "generation": "generation", "inputs": "step", "overhead": "always"}
+         "unsharded_weights": "generation", "generation": "generation", "inputs": "step",
+         "overhead": "always"}
 
 
 def render_blocks(plan: Plan, cfg: Config) -> list[Any]:
@@ -790,11 +931,14 @@ def render_blocks(plan: Plan, cfg: Config) -> list[Any]:
     def auto(key: str) -> str:
         return " (auto)" if key in d["auto"] else ""
 
+    gpus = d["gpus"]
+    where = (f"per GPU, FSDP over {gpus} GPUs" if gpus > 1 else f"one {d['device_type']} device")
+    per_gpu = f", {d['rows_per_gpu']} per GPU" if gpus > 1 else ""
     blocks: list[Any] = [
         (f"r1fit plan: {cfg.model.path} ({d['params'] / 1e9:.2f}B parameters, {d['dtype']}), "
-         f"{mode}, one {d['device_type']} device"),
+         f"{mode}, {where}"),
         (f"  {d['rows_per_step']} rows per step ({cfg.train.prompts_per_step} prompts x "
-         f"{cfg.algo.num_generations}); prompt {d['prompt_tokens']} tokens "
+         f"{cfg.algo.num_generations}{per_gpu}); prompt {d['prompt_tokens']} tokens "
          f"({d['image_tokens']} image), completion up to {cfg.algo.max_new_tokens}"),
         f"  prompt {d['prompt_estimate']}",
         (f"  micro_batch {d['micro_batch']}{auto('micro_batch')} "
@@ -805,8 +949,12 @@ def render_blocks(plan: Plan, cfg: Config) -> list[Any]:
     other = "off" if cfg.memory.gradient_checkpointing else "on"
     rows = []
     for name in PARTS:
+        if name in FSDP_PARTS and gpus == 1:
+            continue
         size = plan.parts[name]
         label = _LABELS[name]
+        if gpus > 1 and name in ("weights", "gradients", "optimizer", "reference"):
+            label += f", 1/{gpus} shard"
         if name == "activations":
             alternative = format_bytes(plan.activations_by_checkpointing[other])
             label += f" [checkpointing {other}: {alternative}]"
@@ -819,20 +967,22 @@ def render_blocks(plan: Plan, cfg: Config) -> list[Any]:
     blocks.append(f"peak {format_bytes(plan.peak_bytes)} of {format_bytes(plan.budget_bytes)} "
                   f"(usable with a {SAFETY_MARGIN:.0%} margin: {format_bytes(plan.usable_bytes)}): "
                   f"{verdict}")
-    rows_all = d["rows_per_step"]
-    blocks.append(f"largest memory.micro_batch that fits: {_size(plan.max_micro_batch, rows_all)}")
+    rows = d["rows_per_gpu"]  # of a step, on one GPU
+    of = " on a GPU" if gpus > 1 else ""
+    blocks.append(f"largest memory.micro_batch that fits: "
+                  f"{_size(plan.max_micro_batch, rows, of)}")
     blocks.append(f"largest memory.generation_batch that fits: "
-                  f"{_size(plan.max_generation_batch, rows_all)}")
+                  f"{_size(plan.max_generation_batch, rows, of)}")
     if plan.advice:
         blocks.append("advice:")
         blocks += [f"  {a}" for a in plan.advice]
     return blocks
 
 
-def _size(n: int, rows: int) -> str:
+def _size(n: int, rows: int, of: str) -> str:
     if n == 0:
         return "none (even 1 does not fit)"
-    return f"{n} (all {rows} rows of a step)" if n >= rows else str(n)
+    return f"{n} (all {rows} rows of a step{of})" if n >= rows else str(n)
 
 
 def render(plan: Plan, cfg: Config, *, rich: bool = False) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
-from transformers import AutoModelForImageTextToText, AutoProcessor, PreTrainedModel, ProcessorMixin
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, PreTrainedModel, ProcessorMixin
 
 from r1fit.models.builtin import BUILTIN_PREFIX, ensure_builtin
 from r1fit.models.errors import ModelConfigError
@@ -182,7 +182,9 @@ class Reference:
     """
 
     def __init__(self, module: nn.Module, *, adapter_view: bool) -> None:
-        if adapter_view and not isinstance(module, PeftModel):
+        # the peft model itself, or a wrapper holding it as ``.model`` (the FSDP root)
+        self._peft = module if isinstance(module, PeftModel) else module._modules.get("model")
+        if adapter_view and not isinstance(self._peft, PeftModel):
             raise ModelConfigError("an adapter-view reference needs a peft model (lora_r > 0)")
         self._module = module
         #: True when the reference is the policy itself with adapters disabled.
@@ -200,7 +202,7 @@ class Reference:
         was_training = self._module.training
         self._module.eval()
         try:
-            with self._module.disable_adapter(), torch.no_grad():
+            with self._peft.disable_adapter(), torch.no_grad():
                 yield self._module
         finally:
             self._module.train(was_training)
@@ -338,6 +340,15 @@ def _from_pretrained(
     # from_pretrained builds the model on the meta device (no random initialisation) and copies
     # each memory-mapped safetensors tensor straight to `device` at `dtype`: no full copy in host
     # RAM on the way to a GPU
+    if str(device) == "meta":  # the skeleton other ranks build; rank 0 broadcasts the weights
+        try:
+            config = AutoConfig.from_pretrained(folder)
+        except (OSError, ValueError, KeyError) as err:
+            raise ModelConfigError(f"cannot load model config {path!r}: {_one_line(err)}") from err
+        with torch.device("meta"):
+            return AutoModelForImageTextToText.from_config(
+                config, dtype=_DTYPES[dtype] if dtype != "auto" else None,
+                attn_implementation=attn_implementation)
     try:
         model = AutoModelForImageTextToText.from_pretrained(
             folder, dtype=_DTYPES[dtype], attn_implementation=attn_implementation,

@@ -19,24 +19,30 @@ def _plain(value: Any) -> Any:
 class MetricsWriter:
     """Appends metric rows and flushes each one, so a crash loses at most the row being written."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, active: bool = True) -> None:
+        """``active=False`` (ranks other than 0) counts rows without writing them."""
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         # rows already there (a resumed run continues the file); checkpoints record the count
         self.lines = (sum(1 for _ in self.path.open(encoding="utf-8"))
                       if self.path.is_file() else 0)
-        self._file = self.path.open("a", encoding="utf-8")
+        self._file = None
+        if active:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", encoding="utf-8")
 
     def write(self, row: dict[str, Any]) -> None:
-        self._file.write(json.dumps({k: _plain(v) for k, v in row.items()}) + "\n")
-        self._file.flush()
+        if self._file is not None:
+            self._file.write(json.dumps({k: _plain(v) for k, v in row.items()}) + "\n")
+            self._file.flush()
         self.lines += 1
 
     def flush(self) -> None:
-        self._file.flush()
+        if self._file is not None:
+            self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
     def __enter__(self) -> "MetricsWriter":
         return self

@@ -14,6 +14,11 @@ log = logging.getLogger("r1fit")
 def progress_bar(title: str, total: int, completed: int = 0) -> Iterator[Callable[[str], None]]:
     """Yields ``advance(status)``, to be called once per step; ``completed`` steps were done
     before (a resumed run)."""
+    from r1fit.distributed.context import world
+
+    if not world().main:  # one bar, rank 0's
+        yield lambda status: None
+        return
     if sys.stderr.isatty():
         from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                    TimeElapsedColumn, TimeRemainingColumn)

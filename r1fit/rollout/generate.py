@@ -3,6 +3,10 @@
 Peak memory of generation is set by the chunk size (KV cache of ``generation_batch`` sequences), not
 by how many completions a step asks for. The model is put in eval mode while generating: that turns
 gradient checkpointing off (transformers only checkpoints in training mode) and keeps the KV cache on.
+
+Sampling does not depend on how rows are split into chunks or over processes: each row samples from
+its own random stream (``row_seeds``), drawn by ``SeededSampler`` instead of by HF's
+``torch.multinomial`` over the global RNG, which would make a row's completion depend on its chunk.
 """
 
 from __future__ import annotations
@@ -10,8 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from r1fit.rollout.batch import Prompt, collate, cut_after_eos
 
@@ -34,25 +39,98 @@ class TokenIds:
 
 
 def generation_config(settings: SamplingSettings, ids: TokenIds) -> GenerationConfig:
-    """A complete generation config, so a checkpoint's own defaults (top_k=50, ...) never leak in."""
-    common = dict(max_new_tokens=settings.max_new_tokens, pad_token_id=ids.pad,
-                  eos_token_id=list(ids.eos), use_cache=True,
-                  suppress_tokens=list(ids.blocked) or None)
-    if settings.greedy:
-        return GenerationConfig(do_sample=False, **common)
-    return GenerationConfig(do_sample=True, temperature=settings.temperature, top_p=settings.top_p,
-                            top_k=0, **common)
+    """A complete greedy config: transformers fills every field left ``None`` from the checkpoint's
+    ``generation_config.json`` (Qwen-VL's sets repetition_penalty=1.05), so the ones that change
+    logits are set to their neutral values here (``min_new_tokens=0`` also overrides ``min_length``).
+    Sampling is done by ``SeededSampler`` on top of it; temperature/top_p are left out, as HF warns
+    about them when ``do_sample=False``."""
+    return GenerationConfig(
+        max_new_tokens=settings.max_new_tokens, pad_token_id=ids.pad, eos_token_id=list(ids.eos),
+        use_cache=True, suppress_tokens=list(ids.blocked) or None, do_sample=False, num_beams=1,
+        num_return_sequences=1, min_new_tokens=0, repetition_penalty=1.0,
+        encoder_repetition_penalty=1.0, no_repeat_ngram_size=0, encoder_no_repeat_ngram_size=0,
+        renormalize_logits=False, remove_invalid_values=False)
+
+
+def row_seeds(seed: int, step: int, first_row: int, n: int) -> list[int]:
+    """63-bit seeds of global rows ``first_row .. first_row + n - 1`` of a step.
+
+    A pure function of (seed, step, global row index), so a row gets the same random stream
+    whichever process or chunk generates it."""
+    if min(seed, step, first_row) < 0:
+        raise ValueError(f"row_seeds needs non-negative seed/step/first_row, got {seed}/{step}/{first_row}")
+    return [int(np.random.SeedSequence([seed, step, row]).generate_state(1, dtype=np.uint64)[0] >> 1)
+            for row in range(first_row, first_row + n)]
+
+
+def filter_top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """HF's ``TopPLogitsWarper`` (min_tokens_to_keep=1) with a stable sort: keep the smallest set of
+    most probable tokens whose mass is >= top_p, always at least the most probable one."""
+    if top_p >= 1.0:
+        return scores
+    sorted_scores, order = torch.sort(scores, dim=-1, descending=False, stable=True)
+    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cumulative <= 1 - top_p
+    remove_sorted[..., -1] = False
+    remove = remove_sorted.scatter(-1, order, remove_sorted)
+    return scores.masked_fill(remove, float("-inf"))
+
+
+def sample_rows(scores: torch.Tensor, uniforms: torch.Tensor, temperature: float,
+                top_p: float) -> torch.Tensor:
+    """Inverse-CDF sampling of one token per row of ``scores`` [B, V], given one uniform in [0, 1)
+    per row: temperature, then top-p, then softmax in float32; the token is the first index whose
+    cumulative probability exceeds ``u * total``. Every operation works along the vocabulary only,
+    so a row's token does not depend on the other rows of the batch. Tokens of probability 0 (such
+    as those suppressed to -inf) are never picked: the cumulative sum does not grow over them."""
+    logits = filter_top_p(scores.float() / temperature, top_p)
+    cdf = logits.softmax(dim=-1).double().cumsum(dim=-1)
+    threshold = uniforms.to(cdf) * cdf[..., -1]
+    tokens = torch.searchsorted(cdf, threshold.unsqueeze(-1), right=True).squeeze(-1)
+    # if rounding makes u * total reach the total, no index exceeds it: take the first index where
+    # the CDF reaches its total (a token of positive probability), not the last of the vocabulary
+    return torch.minimum(tokens, cdf.argmax(dim=-1))
+
+
+class SeededSampler(LogitsProcessor):
+    """Samples each row from its own ``numpy`` stream and returns scores that are 0 on the sampled
+    token and -inf elsewhere, so HF's greedy step picks exactly that token.
+
+    HF appends custom processors after its own (``_merge_criteria_processor_list``), so the scores
+    seen here already have ``suppress_tokens`` at -inf. Every call draws one uniform for every row,
+    finished rows included: the k-th draw of a stream always belongs to generated position k."""
+
+    def __init__(self, seeds: Sequence[int], temperature: float, top_p: float) -> None:
+        if temperature <= 0:
+            raise ValueError(f"sampling needs temperature > 0, got {temperature}")
+        self.streams = [np.random.default_rng(seed) for seed in seeds]
+        self.temperature, self.top_p = temperature, top_p
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if scores.shape[0] != len(self.streams):
+            raise ValueError(f"SeededSampler has {len(self.streams)} streams for {scores.shape[0]} rows")
+        uniforms = torch.tensor([stream.random() for stream in self.streams], dtype=torch.float64)
+        tokens = sample_rows(scores, uniforms.to(scores.device), self.temperature, self.top_p)
+        chosen = torch.full_like(scores, float("-inf"))
+        return chosen.scatter_(-1, tokens.unsqueeze(-1), 0.0)
 
 
 @torch.no_grad()
-def generate_completions(model: Any, prompts: Sequence[Prompt], *, repeats: int, batch_size: int,
-                         settings: SamplingSettings, ids: TokenIds, device: torch.device,
+def generate_completions(model: Any, rows: Sequence[Prompt], *, seeds: Sequence[int] | None,
+                         batch_size: int, settings: SamplingSettings, ids: TokenIds,
+                         device: torch.device,
                          on_chunk: Callable[[int], None] | None = None) -> list[torch.Tensor]:
-    """Sample ``repeats`` completions per prompt; returns them group-contiguous, each cut after EOS.
+    """One completion per row, in row order, each cut after its EOS.
 
-    Row ``i * repeats + j`` is completion ``j`` of prompt ``i``.
-    """
-    rows = [p for p in prompts for _ in range(repeats)]
+    Greedy (``settings.greedy``) takes ``seeds=None``; sampling needs one seed per row (see
+    ``row_seeds``), and row i's completion then depends only on its prompt, seed and the model,
+    not on ``batch_size`` nor on the other rows (up to float differences of the logits between
+    batch shapes, which change a token only if a uniform lands within rounding of a CDF step)."""
+    if settings.greedy and seeds is not None:
+        raise ValueError("greedy generation takes seeds=None")
+    if not settings.greedy and (seeds is None or len(seeds) != len(rows)):
+        raise ValueError(f"sampling needs one seed per row ({len(rows)} rows, "
+                         f"{'no' if seeds is None else len(seeds)} seeds)")
     gen_config = generation_config(settings, ids)
     was_training = model.training
     model.eval()
@@ -61,7 +139,15 @@ def generate_completions(model: Any, prompts: Sequence[Prompt], *, repeats: int,
         for start in range(0, len(rows), batch_size):
             chunk = rows[start:start + batch_size]
             batch = collate(chunk, None, ids.pad).to(device)
-            out = model.generate(**batch.inputs, generation_config=gen_config)
+            processors = LogitsProcessorList()
+            if seeds is not None:  # fresh streams per chunk: row i's draws start at its position 0
+                processors.append(SeededSampler(seeds[start:start + batch_size],
+                                                settings.temperature, settings.top_p))
+            # synced_gpus=False: transformers would otherwise sync every token step across
+            # ranks for an FSDP model; r1fit gathers the weights first (gathered()) and each rank
+            # decodes its own rows to their own lengths, with no collectives
+            out = model.generate(**batch.inputs, generation_config=gen_config,
+                                 logits_processor=processors, synced_gpus=False)
             new_tokens = out[:, batch.prompt_len:].cpu()
             completions.extend(cut_after_eos(row, ids.eos) for row in new_tokens)
             if on_chunk is not None:

@@ -49,7 +49,10 @@ def clip_and_step(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_sc
     """Clip the accumulated gradients (0 = no clipping), step optimizer and schedule; returns the
     gradient norm before clipping."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf")).item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))
+    if hasattr(grad_norm, "full_tensor"):  # FSDP: the norm over every rank's shards
+        grad_norm = grad_norm.full_tensor()
+    grad_norm = grad_norm.item()
     optimizer.step()
     scheduler.step()
     # free the gradients now, not at the next update: evaluation and generation run without them

@@ -24,7 +24,8 @@ from r1fit.memory.telemetry import reset_peak, step_memory
 from r1fit.report.progress import progress_bar
 from r1fit.rewards.answer import extract_answer
 from r1fit.rollout.batch import collate, encode_prompts
-from r1fit.train.common import (BadRowCounter, Run, evaluate, finish_summary,
+from r1fit.distributed.context import all_sum
+from r1fit.train.common import (BadRowCounter, Run, evaluate, finish_summary, reduce_memory,
                                 save_model, start_run)
 from r1fit.train.forward import completion_logprobs, micro_batches
 from r1fit.train.optim import build_optimizer, build_scheduler, clip_and_step
@@ -66,7 +67,7 @@ def supervised_steps(run: Run, dataset: PromptDataset, steps: int, *, format_onl
     optimizer = build_optimizer(model, cfg.sft.learning_rate, cfg.train.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.train.lr_schedule, cfg.train.warmup_steps, steps)
     state = {"optimizer": OptimizerState(model, optimizer), "scheduler": scheduler,
-             "sampler": sampler, "bad_rows": bad_rows, "rng-rank0": RngState()}
+             "sampler": sampler, "bad_rows": bad_rows, "rng": RngState()}
     if rng is not None:
         state["targets_rng"] = PythonRandomState(rng)
     start = run.checkpoints.restore(phase, state)
@@ -86,6 +87,9 @@ def supervised_steps(run: Run, dataset: PromptDataset, steps: int, *, format_onl
                                     + [end_of_turn], dtype=torch.long)
                        for t in build_targets(samples, cfg.sft.think, rng)]
             total_tokens = sum(int(t.shape[0]) for t in targets)
+            # over several processes each rank takes its share of the batch's rows
+            share = run.world.share(len(prompts), "rows per step (sft.batch_size)")
+            prompts, targets = prompts[share], targets[share]
 
             def accumulate() -> float:
                 """Gradients of the batch, micro_batch rows at a time (redone smaller on OOM)."""
@@ -95,7 +99,7 @@ def supervised_steps(run: Run, dataset: PromptDataset, steps: int, *, format_onl
                     for _, mb_prompts, mb_targets in micro_batches(prompts, targets,
                                                                    cfg.memory.micro_batch):
                         batch = collate(mb_prompts, mb_targets, run.ids.pad).to(run.device)
-                        logp = completion_logprobs(model, batch,
+                        logp = completion_logprobs(run.policy, batch,
                                                    chunk_size=cfg.memory.logits_chunk)
                         # this micro-batch's share of the batch's token-mean cross-entropy
                         loss = -(logp * batch.completion_mask).sum() / total_tokens
@@ -103,13 +107,13 @@ def supervised_steps(run: Run, dataset: PromptDataset, steps: int, *, format_onl
                         loss_sum += loss.item()
                 return loss_sum
 
-            loss_sum = guard.run_step(accumulate, restore=[state["rng-rank0"]])
+            loss_sum = all_sum([guard.run_step(accumulate, restore=[state["rng"]])])[0]
             grad_norm = clip_and_step(optimizer, scheduler, cfg.train.max_grad_norm)
             seconds = time.perf_counter() - start
             row = {f"{metrics_prefix}step": step, f"{metrics_prefix}loss": loss_sum,
                    f"{metrics_prefix}grad_norm": grad_norm,
                    f"{metrics_prefix}tokens_per_second": total_tokens / seconds,
-                   **step_memory(run.device, metrics_prefix),
+                   **reduce_memory(step_memory(run.device, metrics_prefix)),
                    f"{metrics_prefix}bad_rows": bad_rows.count,
                    f"{metrics_prefix}oom_retries": guard.retries}
             if final_eval is not None and step == steps:
@@ -129,11 +133,12 @@ def train_sft(cfg: Config) -> dict[str, Any]:
     train_set, eval_set = run.train_set, run.eval_set
     if eval_set is not None and cfg.eval.before_train and run.checkpoints.resume is None:
         run.metrics.write({"step": 0, **evaluate(run.model, run.processor, eval_set, cfg,
-                                                 run.ids, run.device)})
+                                                 run.ids, run.device, run.policy)})
     final_eval = None
     if eval_set is not None:
         def final_eval() -> dict[str, Any]:
-            return evaluate(run.model, run.processor, eval_set, cfg, run.ids, run.device)
+            return evaluate(run.model, run.processor, eval_set, cfg, run.ids, run.device,
+                            run.policy)
     supervised_steps(run, train_set, cfg.sft.steps, format_only=False, final_eval=final_eval)
     save_model(run.model, run.processor, run.out / "final")
     return finish_summary(run, steps=cfg.sft.steps)

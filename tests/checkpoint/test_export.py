@@ -47,6 +47,8 @@ def fixed_inputs(processor) -> dict[str, torch.Tensor]:
 
 
 def test_full_finetuning_export_is_byte_identical(checkpoints, capsys, tmp_path):
+    """The consolidated shards equal the weights the run ended with (checkpoint-2 is its last
+    step, and ``final/`` is written from the live model)."""
     out = tmp_path / "exported"
     out.mkdir()  # an empty folder is fine
     code, stdout, _ = export(capsys, str(checkpoints["full"]), str(out))
@@ -54,7 +56,7 @@ def test_full_finetuning_export_is_byte_identical(checkpoints, capsys, tmp_path)
     assert not (tmp_path / "exported.partial").exists()
     exported = AutoModelForImageTextToText.from_pretrained(out)
     AutoProcessor.from_pretrained(out)
-    trained = AutoModelForImageTextToText.from_pretrained(checkpoints["full"] / "model")
+    trained = AutoModelForImageTextToText.from_pretrained(checkpoints["full"].parent / "final")
     got, want = exported.state_dict(), trained.state_dict()
     assert list(got) == list(want)
     for name, tensor in want.items():
@@ -85,7 +87,7 @@ def test_merged_lora_export_matches_the_peft_model(checkpoints, capsys, tmp_path
     inputs = fixed_inputs(processor)
     with torch.no_grad():
         base_logits = base(**inputs).logits
-        peft = PeftModel.from_pretrained(base, str(checkpoints["lora"] / "model")).eval()
+        peft = PeftModel.from_pretrained(base, str(checkpoints["lora"].parent / "final")).eval()
         peft_logits = peft(**inputs).logits
         merged_logits = merged(**inputs).logits
     assert (peft_logits - base_logits).abs().max() > 1e-3  # the adapter changes the model
@@ -106,13 +108,13 @@ def test_refuses_a_non_empty_out(checkpoints, capsys, tmp_path):
 def test_corrupt_or_missing_checkpoint_is_a_one_line_error(checkpoints, capsys, tmp_path):
     ckpt = tmp_path / "checkpoint-2"
     shutil.copytree(checkpoints["full"], ckpt)
-    weights = ckpt / "model" / "model.safetensors"
+    weights = next((ckpt / "weights").glob("*.distcp"))
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0xFF
     weights.write_bytes(bytes(data))
     code, _, err = export(capsys, str(ckpt), str(tmp_path / "out"))
     assert code == 2
-    assert err == (f"r1fit: error: {ckpt}: cannot export: model/model.safetensors does not match "
+    assert err == (f"r1fit: error: {ckpt}: cannot export: weights/{weights.name} does not match "
                    "its sha256 in the manifest (corrupt)\n")
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
 

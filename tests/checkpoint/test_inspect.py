@@ -47,6 +47,7 @@ def test_checkpoint_lists_every_file_and_is_resumable(runs, capsys):
     text = inspect(capsys, ckpt)
     assert "step 2, phase grpo, saved by `r1fit train`" in text
     assert "by r1fit 0.1.0" in text and "saved at 20" in text
+    assert "1 process(es); resumes on any number" in text
     assert "contents: full" in text
     files = sorted(p for p in ckpt.rglob("*") if p.is_file())
     for file in files:
@@ -81,9 +82,9 @@ def test_output_dir_lists_checkpoints_newest_first_with_markers(runs, capsys):
 def test_corrupt_file_is_named_and_auto_resume_falls_back(runs, capsys, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(runs["full"], out)
-    flip_byte(out / "checkpoint-2" / "model" / "model.safetensors")
+    flip_byte(out / "checkpoint-2" / "weights" / "__0_0.distcp")
     text = inspect(capsys, out / "checkpoint-2")
-    reason = "model/model.safetensors does not match its sha256 in the manifest (corrupt)"
+    reason = "weights/__0_0.distcp does not match its sha256 in the manifest (corrupt)"
     assert f"resumable: no — {reason}" in text
 
     listing = inspect(capsys, out)
@@ -127,6 +128,7 @@ def test_plain_model_folder(runs, capsys):
 
     inner = inspect(capsys, runs["full"] / "checkpoint-1" / "model")
     assert f"the model of checkpoint {runs['full'] / 'checkpoint-1'}" in inner
+    assert f"its weights are sharded in {runs['full'] / 'checkpoint-1' / 'weights'}" in inner
 
 
 def test_unknown_paths_are_one_line_errors(tmp_path, capsys):

@@ -5,15 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from r1fit.checkpoint.manager import (CheckpointManager, list_checkpoints, missing_for_resume,
                                       verify)
 from r1fit.config import load_config
-
-
-class FakeModel:
-    def save_pretrained(self, folder: Path) -> None:
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "model.safetensors").write_bytes(b"weights")
 
 
 class Box:
@@ -30,7 +26,7 @@ class Box:
 def manager(tmp_path: Path, *overrides: str) -> CheckpointManager:
     cfg = load_config(None, [f"train.output_dir={tmp_path}", *overrides])
     m = CheckpointManager(tmp_path, cfg, "sft", resume=None)
-    m.models["model"] = (FakeModel(), None)
+    m.models["model"] = (torch.nn.Linear(2, 2, bias=False), None)
     return m
 
 
@@ -40,14 +36,14 @@ def names(out: Path) -> list[str]:
 
 def test_layout_manifest_and_latest(tmp_path):
     m = manager(tmp_path, "checkpoint.every=1")
-    path = m.save("sft", 3, {"optimizer": Box(1), "sampler": Box(2), "rng-rank0": Box(3),
+    path = m.save("sft", 3, {"optimizer": Box(1), "sampler": Box(2), "rng": Box(3),
                              "scheduler": Box(4)}, metrics={"loss": 0.5})
     assert path == tmp_path / "checkpoint-3"
     manifest = json.loads((path / "manifest.json").read_text())
-    assert set(manifest["files"]) == {"model/model.safetensors", "optimizer.json", "sampler.json",
-                                      "rng-rank0.json", "scheduler.json", "trainer_state.json",
-                                      "config.json"}
-    assert manifest["files"]["model/model.safetensors"]["bytes"] == 7
+    # one process: one DCP shard file holding the weights; the RNG file is named by rank
+    assert set(manifest["files"]) == {"weights/.metadata", "weights/__0_0.distcp",
+                                      "optimizer.json", "sampler.json", "rng-rank0.json",
+                                      "scheduler.json", "trainer_state.json", "config.json"}
     state = json.loads((path / "trainer_state.json").read_text())
     assert (state["step"], state["phase"], state["kind"]) == (3, "sft", "sft")
     assert state["metrics"] == {"loss": 0.5} and state["r1fit_version"]
@@ -87,7 +83,7 @@ def test_warmup_checkpoints_sort_before_the_main_phase(tmp_path):
 
 def test_weights_only_lists_what_a_resume_misses(tmp_path):
     m = manager(tmp_path, "checkpoint.every=1", "checkpoint.weights_only=true")
-    path = m.save("sft", 1, {"optimizer": Box(1), "scheduler": Box(1), "rng-rank0": Box(1),
+    path = m.save("sft", 1, {"optimizer": Box(1), "scheduler": Box(1), "rng": Box(1),
                              "sampler": Box(1)})
     assert not (path / "optimizer.json").exists() and (path / "sampler.json").exists()
     assert missing_for_resume(path) == ["optimizer state", "LR scheduler state", "RNG states"]

@@ -131,7 +131,7 @@ def test_skips_corrupt_and_partial_checkpoints_with_a_reason(use_tiny_cache, tmp
     args = [*TINY, "sft.steps=4", "checkpoint.every=1", "eval.every=0", "data.eval=null"]
     assert run("sft", f"train.output_dir={out}", *args) == 0
     # newest is corrupt, one more is an interrupted save: resume from checkpoint-3
-    weights = out / "checkpoint-4" / "model" / "model.safetensors"
+    weights = out / "checkpoint-4" / "weights" / "__0_0.distcp"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF
     weights.write_bytes(bytes(data))
@@ -139,7 +139,7 @@ def test_skips_corrupt_and_partial_checkpoints_with_a_reason(use_tiny_cache, tmp
     assert run("sft", f"train.output_dir={out}", *args, "sft.steps=5") == 0
     log = (out / "log.txt").read_text()
     assert "checkpoint-5.partial: incomplete save" in log
-    assert "checkpoint-4: model/model.safetensors does not match its sha256" in log
+    assert "checkpoint-4: weights/__0_0.distcp does not match its sha256" in log
     assert "resumed sft at step 3" in log
     steps = [r["step"] for r in read_metrics(out / "metrics.jsonl")]
     assert steps == [1, 2, 3, 4, 5]

@@ -3,10 +3,10 @@ what autograd really saves, the budget search, and a real 7B config."""
 
 from __future__ import annotations
 
-from typing import Any
-
+import math
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -182,12 +182,149 @@ def test_nothing_fits_gives_switches(small_model):
         assert key in switches
 
 
-def test_gpus_note_plans_as_one_device(small_model):
+# --- FSDP2 over several GPUs (--gpus N)
+
+# FSDP units of the hand-built model, by hand: a decoder layer (9,344, as above), the vision block
+# (norms 32, qkv 816, proj 272, gate and up 544 each, down 528), and the root's own parameters:
+# embedding and head 3,200 each, final norm 32, patch embedding 18,816, merger 6,256
+LAYER, BLOCK = 9_344, 2_736
+ROOT_VISION = 18_816 + 6_256
+ROOT = 2 * 3_200 + 32 + ROOT_VISION
+LORA_8_LAYER = LORA_8 // 2  # one decoder layer's adapters
+
+
+def meta_model(folder: Path) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        return AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(folder))
+
+
+def fsdp2_shard(params: Any, n: int) -> int:
+    """Elements of rank 0's FSDP2 shard: each tensor split along dim 0, padded to ceil(rows/n)."""
+    return sum(math.ceil(p.shape[0] / n) * math.prod(p.shape[1:]) for p in params)
+
+
+def test_units_match_the_hand_count(small_model):
+    model = meta_model(small_model)
+    layers, blocks = model.model.language_model.layers, model.model.visual.blocks
+    assert [sum(p.numel() for p in unit.parameters()) for unit in layers] == [LAYER, LAYER]
+    assert sum(p.numel() for p in blocks[0].parameters()) == BLOCK
+    assert ROOT == TEXT_PARAMS + VISION_PARAMS - 2 * LAYER - BLOCK == 31_504
+    facts = model_facts(str(small_model))
+    assert (facts.layer_params, facts.vision_block_params, facts.root_params,
+            facts.root_vision_params) == (LAYER, BLOCK, ROOT, ROOT_VISION)
+
+
+def test_fsdp_shards_weights_gradients_optimizer_and_reference(small_model):
+    cfg = cfg_for(small_model, "algo.beta=0.04")
+    tensors = model_facts(str(small_model)).param_tensors
+    # every dim 0 of the hand-built model (16, 32, 48, 64, 100, ...) divides by 4: exact quarters
+    p = plan_memory(cfg, device_type="cpu", gpus=4).parts
+    assert p["weights"] == p["gradients"] == p["reference"] == 4 * 52_928 // 4
+    assert p["optimizer"] == 2 * 4 * 52_928 // 4 + 4 * tensors  # one step count per local tensor
+    # by 3 they do not: each rank's piece is padded to ceil(rows / 3) rows (100 -> 34, ...)
+    params = list(meta_model(small_model).parameters())
+    shard = fsdp2_shard(params, 3)
+    assert shard > math.ceil(52_928 / 3)
+    p = plan_memory(cfg, device_type="cpu", gpus=3).parts
+    assert p["weights"] == p["gradients"] == p["reference"] == 4 * shard
+    assert p["optimizer"] == 2 * 4 * shard + 4 * tensors
+    frozen = plan_memory(cfg_for(small_model, "model.freeze_vision=true"), device_type="cpu",
+                         gpus=3).parts
+    visual = list(meta_model(small_model).model.visual.parameters())
+    assert frozen["gradients"] == 4 * (shard - fsdp2_shard(visual, 3))
+
+
+def test_fsdp_shards_lora_adapters(small_model):
+    lora = plan_memory(cfg_for(small_model, "model.lora.r=8", "model.dtype=bfloat16"),
+                       device_type="cpu", gpus=4).parts
+    # lora_A is [8 x in], lora_B [out x 8]: every dim 0 divides by 4
+    assert lora["weights"] == 2 * 52_928 // 4 + 4 * LORA_8 // 4
+    assert lora["gradients"] == 4 * LORA_8 // 4
+
+
+def test_fsdp_all_gather_is_the_root_and_two_units(small_model):
+    model = meta_model(small_model)
+    layer = sum(p.numel() for p in model.model.language_model.layers[0].parameters())
+    block = sum(p.numel() for p in model.model.visual.blocks[0].parameters())
+    root = (sum(p.numel() for p in model.parameters())
+            - sum(p.numel() for p in model.model.language_model.layers.parameters())
+            - sum(p.numel() for p in model.model.visual.blocks.parameters()))
+    full = plan_memory(cfg_for(small_model), device_type="cpu", gpus=2)
+    # the root stays gathered through forward and backward; a unit and the next one with it
+    assert full.parts["all_gather"] == 4 * (root + 2 * max(layer, block)) == 4 * 50_192
+    assert full.details["fsdp_units"] == {"decoder_layer": 4 * LAYER, "vision_block": 4 * BLOCK,
+                                          "root": 4 * ROOT}
+    # reduce-scatter copies the largest trainable unit's gradients: the root (head, embedding)
+    assert full.parts["reduce_scatter"] == 4 * ROOT
+    frozen = plan_memory(cfg_for(small_model, "model.freeze_vision=true"), device_type="cpu",
+                         gpus=2)
+    assert frozen.parts["reduce_scatter"] == 4 * max(LAYER, ROOT - ROOT_VISION) == 4 * LAYER
+    lora = plan_memory(cfg_for(small_model, "model.lora.r=8", "model.dtype=bfloat16"),
+                       device_type="cpu", gpus=2)
+    assert lora.parts["all_gather"] == 2 * ROOT + 2 * (2 * LAYER + 4 * LORA_8_LAYER)
+    assert lora.parts["reduce_scatter"] == 4 * LORA_8_LAYER  # only adapters train
+
+
+def test_fsdp_generation_gathers_the_whole_policy(small_model):
+    cfg = cfg_for(small_model, "algo.beta=0.04", "memory.generation_batch=8")
+    one = plan_memory(cfg, device_type="cpu")
+    four = plan_memory(cfg, device_type="cpu", gpus=4)
+    p = four.parts
+    # every parameter whole, beside its shard (FSDP2 keeps the shards while unsharded)
+    assert p["unsharded_weights"] == one.parts["weights"] == 4 * 52_928
+    assert p["generation"] > 4 * ROOT  # so the gathering itself is not the phase's peak
+    assert four.phases["generation"] == (four.details["persistent"] + p["unsharded_weights"]
+                                         + p["generation"])
+    # the shards + the step's inputs on this GPU: both prompts' 64 patches of 1,176 float32 pixel
+    # values (every GPU encodes the whole step), old/reference log-probs of 4 rows x 24 tokens
+    assert four.details["persistent"] == (p["weights"] + p["optimizer"] + p["reference"]
+                                          + 2 * 64 * 1176 * 4 + 2 * 4 * 24 * 4)
+    o = one.parts
+    assert one.details["persistent"] == (o["weights"] + o["optimizer"] + o["reference"]
+                                         + 2 * 64 * 1176 * 4 + 2 * 16 * 24 * 4)
+    assert one.phases["generation"] == one.details["persistent"] + o["generation"]
+
+
+def test_fsdp_splits_a_steps_rows_over_the_gpus(small_model):
+    cfg = cfg_for(small_model, "memory.micro_batch=2", "memory.generation_batch=16")
+    one, four = plan_memory(cfg, device_type="cpu"), plan_memory(cfg, device_type="cpu", gpus=4)
+    assert one.details["rows_per_gpu"] == one.details["rows_per_step"] == 16
+    assert four.details["rows_per_gpu"] == 4 and four.details["rows_per_step"] == 16
+    assert four.details["micro_batches_per_update"] == 2  # 4 rows, 2 at a time
+    assert four.details["generation_batch"] == 4  # a chunk cannot exceed this GPU's rows
+    assert four.max_micro_batch <= 4 and four.max_generation_batch <= 4
+
+
+def test_fsdp_on_cuda_gathers_float32_in_bfloat16_and_reduces_in_float32(small_model):
+    # r1fit/distributed/parallelize.py: MixedPrecisionPolicy(param_dtype=bfloat16 for float32
+    # weights, reduce_dtype=float32) on CUDA
+    f32 = plan_memory(cfg_for(small_model), device_type="cuda", gpus=2).parts
+    assert f32["weights"] == 4 * 52_928 // 2  # the shards stay float32
+    assert f32["all_gather"] == 2 * (ROOT + 2 * LAYER)
+    assert f32["unsharded_weights"] == 2 * 52_928
+    assert f32["reduce_scatter"] == 4 * ROOT
+    bf16 = plan_memory(cfg_for(small_model, "model.dtype=bfloat16"), device_type="cuda",
+                       gpus=2).parts
+    assert bf16["all_gather"] == f32["all_gather"] and bf16["reduce_scatter"] == 4 * ROOT
+
+
+def test_one_gpu_has_no_fsdp_parts_and_more_gpus_say_so(small_model, capsys):
     cfg = cfg_for(small_model)
     one, two = plan_memory(cfg, device_type="cpu"), plan_memory(cfg, device_type="cpu", gpus=2)
-    assert two.peak_bytes == one.peak_bytes
-    assert any("not implemented" in n for n in two.notes)
-    assert not any("not implemented" in n for n in one.notes)
+    assert all(one.parts[name] == 0 for name in planner.FSDP_PARTS)
+    assert not any("FSDP" in n for n in one.notes)
+    assert any("per GPU, FSDP2 over 2 GPUs" in n for n in two.notes)
+    assert two.details["gpus"] == 2
+    planner.render(two, cfg)
+    out = capsys.readouterr().out
+    assert "per GPU, FSDP over 2 GPUs" in out and "weights, 1/2 shard" in out
+    for name in planner.FSDP_PARTS:
+        assert planner._LABELS[name] in out
+    planner.render(one, cfg)
+    out = capsys.readouterr().out
+    assert "FSDP" not in out and "one cpu device" in out
 
 
 # --- the per-token formulas against what autograd saves (the slow, obvious reference)
@@ -304,6 +441,30 @@ def test_qwen25_vl_7b_full_breakdown(tmp_path, capsys):
     plan = plan_memory(load_config(None, [f"model.path={folder}", "model.dtype=auto"]))
     assert plan.parts["weights"] == 2 * plan.details["params"]
     assert 8.2e9 < plan.details["params"] < 8.4e9
+
+
+@pytest.fixture(scope="module")
+def qwen_7b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("7b") / "Qwen2.5-VL-7B-Instruct"
+    shutil.copytree(MODEL_CONFIGS / "Qwen2.5-VL-7B-Instruct", folder)
+    return folder
+
+
+@pytest.mark.parametrize("lora_r", [0, 16])
+def test_qwen25_vl_7b_more_gpus_lower_the_peak(qwen_7b, lora_r):
+    cfg = load_config(None, [f"model.path={qwen_7b}", "model.dtype=auto", f"model.lora.r={lora_r}",
+                             "algo.num_generations=8", "algo.max_new_tokens=512"])
+    one = plan_memory(cfg, device_memory_bytes=80 << 30)
+    eight = plan_memory(cfg, device_memory_bytes=80 << 30, gpus=8)
+    assert eight.peak_bytes < one.peak_bytes
+    # a micro-batch cannot exceed a GPU's share of the step's rows (32 prompts x 8 / 8 GPUs)
+    assert eight.details["rows_per_gpu"] == 32
+    assert eight.max_micro_batch >= min(one.max_micro_batch, 32)
+    if lora_r == 0:  # full fine-tuning of 7B does not fit one 80 GiB GPU, and fits on eight
+        assert not one.fits and one.max_micro_batch == 0
+        assert eight.fits and eight.max_micro_batch >= 1
+        assert eight.peak_phase == "generation"  # the whole policy, gathered
+        assert eight.parts["unsharded_weights"] == 2 * eight.details["params"]
 
 
 def test_builtin_prompt_is_encoded_by_its_processor(use_tiny_cache):

@@ -77,8 +77,10 @@ def test_micro_batched_gradient_equals_unbatched(tiny_dir, aggregation, lora_r, 
         cfg = load_config(None, [f"memory.micro_batch={micro}", f"algo.loss_aggregation={aggregation}",
                                  "algo.max_new_tokens=10", "memory.logits_chunk=4", f"algo.beta={beta}"])
         model.zero_grad(set_to_none=True)
-        sums = accumulate_policy_gradients(model, rows, completions, advantages, old, ref, cfg,
-                                           pad, CPU)
+        totals = dict(total_tokens=sum(int(c.shape[0]) for c in completions),
+                      total_seqs=len(rows), max_new_tokens=10)
+        sums = accumulate_policy_gradients(model, rows, completions, advantages, old, ref, totals,
+                                           cfg, pad, CPU)
         assert (sums["kl"] is None) == (ref is None)
         results[micro] = (sums["loss"], [p.grad.clone() for p in params])
     loss6, grads6 = results[6]

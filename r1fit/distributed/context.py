@@ -1,0 +1,151 @@
+"""The processes of a run: torchrun's environment, the process group, and the few collectives the
+loops need (sums, gathers, a barrier).
+
+A run started without torchrun is one process and every helper here is a no-op, so the loops call
+them unconditionally. Under ``torchrun --nproc-per-node N`` (or several nodes through torchrun's
+rendezvous) each process joins one process group: NCCL on CUDA, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("r1fit.distributed")
+
+
+class DistributedError(RuntimeError):
+    """The processes cannot be set up or do not agree; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class World:
+    """Where this process stands: its rank among ``size`` processes and its rank on its node."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        """Rank 0 reads the weights, writes the logs, metrics and checkpoint metadata."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    def share(self, n: int, what: str = "rows") -> slice:
+        """This rank's contiguous share of ``n`` items; ``n`` must split evenly, because every
+        rank must run the same number of forward and backward passes (FSDP's collectives)."""
+        if n % self.size:
+            raise DistributedError(f"{n} {what} do not split evenly over {self.size} processes; "
+                                   f"make it a multiple of {self.size}")
+        per = n // self.size
+        return slice(self.rank * per, (self.rank + 1) * per)
+
+
+_WORLD = World()
+
+
+def world() -> World:
+    """This process's place in the run (rank 0 of 1 without torchrun)."""
+    return _WORLD
+
+
+def init_distributed(device_type: str) -> World:
+    """Join the process group torchrun describes (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
+    ``MASTER_ADDR``/``MASTER_PORT``); one process without torchrun."""
+    global _WORLD
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1:
+        _WORLD = World()
+        return _WORLD
+    try:
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    except KeyError as exc:
+        raise DistributedError(f"WORLD_SIZE={size} but {exc.args[0]} is not set; start several "
+                               "processes with torchrun") from exc
+    if not dist.is_initialized():
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        if device_type == "cuda":
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    _WORLD = World(rank=rank, size=size, local_rank=local_rank)
+    return _WORLD
+
+
+def close_distributed() -> None:
+    """Leave the process group (at the end of a run; a crash leaves it to torchrun)."""
+    global _WORLD
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _WORLD = World()
+
+
+def device_for(device_type: str, w: World) -> torch.device:
+    """One GPU per process (``cuda:<local rank>``); every process shares the CPU."""
+    return torch.device(f"cuda:{w.local_rank}") if device_type == "cuda" else torch.device("cpu")
+
+
+def _comm_device() -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_reduce(values: Sequence[float], op: Any) -> list[float]:
+    if not world().distributed:
+        return [float(v) for v in values]
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_comm_device())
+    dist.all_reduce(t, op=op)
+    return t.cpu().tolist()
+
+
+def all_sum(values: Sequence[float]) -> list[float]:
+    """Element-wise sums over all processes (float64, so counts and loss shares add exactly)."""
+    return _all_reduce(values, dist.ReduceOp.SUM)
+
+
+def all_max(values: Sequence[float]) -> list[float]:
+    """Element-wise maxima over all processes (peak memory of the busiest rank)."""
+    return _all_reduce(values, dist.ReduceOp.MAX)
+
+
+def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
+    """Concatenate every process's rows (same shape on every rank) in rank order."""
+    if not world().distributed:
+        return t
+    local = t.to(_comm_device()).contiguous()
+    parts = [torch.empty_like(local) for _ in range(world().size)]
+    dist.all_gather(parts, local)
+    return torch.cat(parts).to(t.device)
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every process's ``obj`` (picklable), in rank order."""
+    if not world().distributed:
+        return [obj]
+    out: list[Any] = [None] * world().size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every process."""
+    if not world().distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    if world().distributed:
+        dist.barrier()

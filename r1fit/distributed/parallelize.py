@@ -1,0 +1,147 @@
+"""``parallelize()``: activation checkpointing, then FSDP2, applied from outside to a model that
+knows nothing of parallelism (the torchtitan recipe); plus ``materialize()`` (rank-0 loading) and
+``gathered()`` (whole parameters for generation).
+
+Sharding units are the model's own "do not split" blocks (``_no_split_modules``: the decoder layers
+and vision blocks of Qwen2-VL / Qwen2.5-VL, and of any other transformers VLM), then the root,
+which owns what is left (embeddings, LM head, final norm, vision patch embedding and merger). The
+root must be the module whose ``forward`` the loops call, so that FSDP gathers the root's
+parameters around it: r1fit calls a small wrapper that computes completion log-probs with the LM
+head in chunks (:class:`r1fit.train.forward.CompletionLogProbs`).
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import (FSDPModule, MixedPrecisionPolicy, fully_shard,
+                                    register_fsdp_forward_method)
+from transformers import PreTrainedModel
+
+from r1fit.distributed.context import World
+
+log = logging.getLogger("r1fit.distributed")
+
+
+def hf_model(root: nn.Module) -> PreTrainedModel:
+    """The transformers model inside ``root`` (through peft and r1fit's wrappers)."""
+    for module in root.modules():
+        if isinstance(module, PreTrainedModel):
+            return module
+    raise TypeError(f"{type(root).__name__} holds no transformers model")
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each layer's activations in the backward pass (transformers' own switch).
+
+    Non-reentrant checkpointing back-propagates through segments whose inputs need no grad (frozen
+    embeddings under LoRA). Only active in train mode: generation runs under ``model.eval()`` and
+    keeps its KV cache."""
+    base = hf_model(model)
+    kwargs = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x name
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The blocks FSDP shards one by one: instances of the model's ``_no_split_modules``."""
+    names = set(getattr(hf_model(model), "_no_split_modules", None) or [])
+    units = [m for m in model.modules() if type(m).__name__ in names]
+    if not units:
+        raise TypeError(f"{type(hf_model(model)).__name__} names no _no_split_modules; r1fit "
+                        "cannot tell its layers apart for FSDP")
+    return units
+
+
+def parallelize(root: nn.Module, *, activation_checkpointing: bool, world: World,
+                device_type: str) -> nn.Module:
+    """Activation checkpointing (when asked), then, over several processes, FSDP2: every unit of
+    :func:`shard_units`, then ``root``. Gradients are summed over ranks, not averaged: each rank's
+    loss is already its share of the whole batch's loss. Returns ``root``.
+
+    On CUDA parameters are gathered in bfloat16 when they are stored in float32 (full-precision
+    master weights, bf16 compute) and gradients reduced in float32. On CPU nothing is cast."""
+    if activation_checkpointing:
+        enable_activation_checkpointing(root)
+    if not world.distributed:
+        return root
+    policy = MixedPrecisionPolicy()
+    if device_type == "cuda":
+        stored = next(root.parameters()).dtype
+        policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16 if stored == torch.float32 else None,
+            reduce_dtype=torch.float32)
+    for unit in shard_units(root):
+        fully_shard(unit, mp_policy=policy)
+    fully_shard(root, mp_policy=policy)
+    if callable(getattr(root, "generate", None)):  # generation enters through the root too
+        register_fsdp_forward_method(root, "generate")
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            # a plain SUM (gloo has no pre-multiplied sum), divided by 1
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return root
+
+
+def fsdp_modules(root: nn.Module) -> list[FSDPModule]:
+    return [m for m in root.modules() if isinstance(m, FSDPModule)]
+
+
+def materialize(root: nn.Module, model: nn.Module, source: nn.Module | None,
+                device: torch.device) -> None:
+    """Give a sharded model built on the meta device its weights, read by rank 0 only.
+
+    ``source`` is the same model with real weights on rank 0 (None elsewhere). Each rank allocates
+    only its shards, then rank 0 broadcasts the weights tensor by tensor
+    (``set_model_state_dict(broadcast_from_rank0=True)``) and the buffers that are not in the state
+    dict (rotary frequencies), so host memory holds one full copy (rank 0's) whatever the number of
+    processes. ``model`` is the (peft or transformers) model inside ``root``."""
+    root.to_empty(device=device)
+    full = source.state_dict() if source is not None else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
+                                                               broadcast_from_rank0=True))
+    source_buffers = dict(source.named_buffers()) if source is not None else {}
+    for name, buffer in model.named_buffers():
+        if source is not None:
+            buffer.copy_(source_buffers[name])
+        comm = buffer.to("cuda") if dist.get_backend() == "nccl" else buffer
+        dist.broadcast(comm, src=0)
+        if comm is not buffer:
+            buffer.copy_(comm)
+
+
+@contextmanager
+def gathered(root: nn.Module) -> Iterator[None]:
+    """Whole (unsharded) parameters on every rank for the duration of the block.
+
+    Generation calls the model once per token and ranks finish their completions at different
+    lengths, so it must not run collectives per forward: gather every unit once before, keep it
+    through the block's forwards, shard again after. A no-op without FSDP."""
+    modules = fsdp_modules(root)
+    if not modules:
+        yield
+        return
+    handles = [m.unshard(async_op=True) for m in modules]
+    for handle in handles:
+        if handle is not None:
+            handle.wait()
+    # the root never reshards after forward (FSDP keeps it for the backward); the units do
+    units = [m for m in modules if m is not root]
+    for m in units:
+        m.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        for m in units:
+            m.set_reshard_after_forward(True)
+        for m in modules:
+            m.reshard()

@@ -1,0 +1,42 @@
+"""One process needs no process group: the helpers are identities, and a step's rows split evenly
+or not at all (every rank must run the same number of forward passes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from r1fit.distributed.context import (DistributedError, World, all_gather_objects,
+                                       all_gather_rows, all_max, all_sum, broadcast_object,
+                                       init_distributed, world)
+
+
+def test_shares_are_contiguous_and_even():
+    rows = list(range(8))
+    shares = [rows[World(rank=r, size=4).share(8)] for r in range(4)]
+    assert shares == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert World().share(5) == slice(0, 5)
+
+
+def test_uneven_split_names_the_fix():
+    with pytest.raises(DistributedError, match="6 rows do not split evenly over 4 processes; "
+                                               "make it a multiple of 4"):
+        World(rank=1, size=4).share(6)
+
+
+def test_one_process_without_torchrun(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    w = init_distributed("cpu")
+    assert (w.rank, w.size, w.main, w.distributed) == (0, 1, True, False)
+    assert world() == w
+    assert all_sum([1, 2.5]) == [1.0, 2.5] and all_max([3]) == [3.0]
+    t = torch.arange(3)
+    assert all_gather_rows(t) is t
+    assert all_gather_objects({"a": 1}) == [{"a": 1}] and broadcast_object(7) == 7
+
+
+def test_torchrun_env_without_rank_is_one_line(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(DistributedError, match="WORLD_SIZE=2 but RANK is not set"):
+        init_distributed("cpu")

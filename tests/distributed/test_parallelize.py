@@ -1,0 +1,44 @@
+"""parallelize() on one process (activation checkpointing only) and the sharding units it would
+use; the sharded path runs under torchrun in tests/e2e/test_distributed.py."""
+
+from __future__ import annotations
+
+import torch
+
+from r1fit.distributed.context import World
+from r1fit.distributed.parallelize import fsdp_modules, gathered, parallelize, shard_units
+from r1fit.models.load import load_policy
+from r1fit.train.forward import CompletionLogProbs
+
+LOAD = dict(lora_r=0, lora_alpha=16, lora_dropout=0.0, lora_target="all-linear",
+            freeze_vision=False, dtype="float32", gradient_checkpointing=False)
+
+
+def test_units_are_the_decoder_layers_and_vision_blocks(use_tiny_cache):
+    model, _ = load_policy("builtin:tiny", device="cpu", **LOAD)
+    units = shard_units(CompletionLogProbs(model))
+    inner = model.model
+    expected = [*inner.visual.blocks, *inner.language_model.layers]
+    assert sorted(map(id, units)) == sorted(map(id, expected))
+
+
+def test_one_process_gets_checkpointing_and_no_fsdp(use_tiny_cache):
+    model, _ = load_policy("builtin:tiny", device="cpu", **LOAD)
+    assert not model.is_activation_checkpointing
+    root = parallelize(CompletionLogProbs(model), activation_checkpointing=True, world=World(),
+                       device_type="cpu")
+    assert model.is_activation_checkpointing and fsdp_modules(root) == []
+    before = [p.clone() for p in model.parameters()]
+    with gathered(root):  # a no-op without FSDP
+        pass
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_meta_skeleton_matches_the_loaded_model(use_tiny_cache):
+    """What ranks other than 0 build: same names, shapes and dtypes, no storage."""
+    real, _ = load_policy("builtin:tiny", device="cpu", **{**LOAD, "lora_r": 4})
+    meta, _ = load_policy("builtin:tiny", device="meta", **{**LOAD, "lora_r": 4})
+    a = {k: (v.shape, v.dtype) for k, v in real.state_dict().items()}
+    b = {k: (v.shape, v.dtype) for k, v in meta.state_dict().items()}
+    assert a == b
+    assert all(p.is_meta for p in meta.parameters())

@@ -1,0 +1,195 @@
+"""Seeded sampling: a row's completion depends on its prompt and seed only, never on its chunk;
+the sampler's maths (temperature, top-p, inverse CDF) checked on hand-made logits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import GenerationConfig
+from transformers.generation.logits_process import TopPLogitsWarper
+
+from r1fit.data.dataset import load_dataset
+from r1fit.models.load import load_policy, special_token_ids
+from r1fit.rollout.batch import encode_prompts
+from r1fit.rollout.generate import (
+    SamplingSettings,
+    SeededSampler,
+    TokenIds,
+    filter_top_p,
+    generate_completions,
+    row_seeds,
+    sample_rows,
+)
+
+CPU = torch.device("cpu")
+SAMPLING = SamplingSettings(max_new_tokens=16, temperature=1.0, top_p=0.95)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    """The tiny model, its token ids and 8 rows: 4 prompts (lengths 45 and 50, so chunks are
+    padded differently) x 2 completions, group-contiguous like GRPO's rows."""
+    model, processor = load_policy(str(tiny_dir), lora_r=0, lora_alpha=16, lora_dropout=0.0,
+                                   lora_target="all-linear", freeze_vision=False, dtype="float32",
+                                   device=CPU, gradient_checkpointing=False)
+    special = special_token_ids(model, processor)
+    ids = TokenIds(pad=special["pad"], eos=[special["eos"]],
+                   blocked=[special["image_pad"], special["video_pad"]])
+    data = load_dataset("builtin:shapes", split="train", min_pixels=784, max_pixels=3136,
+                        max_images=1, max_bad_fraction=0.0, seed=0, size=16)
+    prompts = encode_prompts(processor, [data[i] for i in (0, 2, 1, 5)], "Think, then answer.")
+    assert len({p.length for p in prompts}) > 1
+    rows = [p for p in prompts for _ in range(2)]
+    return model, ids, rows
+
+
+def generate(tiny, rows=None, seeds=None, batch_size=8, settings=SAMPLING, ids=None):
+    model, tiny_ids, all_rows = tiny
+    rows = all_rows if rows is None else rows
+    return generate_completions(model, rows, seeds=seeds, batch_size=batch_size, settings=settings,
+                                ids=ids or tiny_ids, device=CPU)
+
+
+def test_completions_do_not_depend_on_chunking(tiny):
+    rows = tiny[2]
+    seeds = row_seeds(7, 3, 0, len(rows))
+    full = generate(tiny, seeds=seeds, batch_size=len(rows))
+    assert any(len(c) > 1 for c in full)
+    for batch_size in (1, 3):
+        chunked = generate(tiny, seeds=seeds, batch_size=batch_size)
+        assert all(torch.equal(a, b) for a, b in zip(chunked, full, strict=True)), batch_size
+    # another process generating rows 2.. (seeded by their global index) gets the same rows
+    tail = generate(tiny, rows=rows[2:], seeds=row_seeds(7, 3, 2, len(rows) - 2), batch_size=4)
+    assert all(torch.equal(a, b) for a, b in zip(tail, full[2:], strict=True))
+
+
+def test_different_seeds_give_different_completions(tiny):
+    rows = tiny[2]
+    first = generate(tiny, seeds=row_seeds(0, 1, 0, len(rows)))
+    second = generate(tiny, seeds=row_seeds(0, 2, 0, len(rows)))
+    assert sum(not torch.equal(a, b) for a, b in zip(first, second)) >= len(rows) - 1
+    # the two completions of each prompt differ too (a group is not G copies)
+    assert sum(not torch.equal(first[i], first[i + 1]) for i in range(0, len(rows), 2)) >= 3
+
+
+def test_blocked_tokens_are_never_generated(tiny):
+    model, ids, rows = tiny
+    vocab = model.config.get_text_config().vocab_size
+    # block every other token (keeping EOS) at a high temperature, so blocking has work to do
+    blocked = [t for t in range(0, vocab, 2) if t not in ids.eos] + ids.blocked
+    hot = SamplingSettings(max_new_tokens=16, temperature=5.0, top_p=1.0)
+    out = generate(tiny, seeds=row_seeds(0, 0, 0, len(rows)), settings=hot,
+                   ids=TokenIds(ids.pad, ids.eos, blocked))
+    generated = torch.cat(out)
+    assert generated.numel() > len(rows)
+    assert not torch.isin(generated, torch.tensor(blocked)).any()
+
+
+def test_seeds_must_match_the_decoding_mode(tiny):
+    rows = tiny[2]
+    greedy = SamplingSettings(max_new_tokens=4, greedy=True)
+    with pytest.raises(ValueError, match="greedy generation takes seeds=None"):
+        generate(tiny, seeds=row_seeds(0, 0, 0, len(rows)), settings=greedy)
+    with pytest.raises(ValueError, match="sampling needs one seed per row"):
+        generate(tiny, seeds=None)
+    with pytest.raises(ValueError, match="sampling needs one seed per row"):
+        generate(tiny, seeds=[1, 2])
+
+
+def test_greedy_completions_do_not_depend_on_chunking(tiny):
+    greedy = SamplingSettings(max_new_tokens=8, greedy=True)
+    full = generate(tiny, settings=greedy)
+    one = generate(tiny, settings=greedy, batch_size=1)
+    assert all(torch.equal(a, b) for a, b in zip(one, full, strict=True))
+
+
+def test_checkpoint_generation_defaults_do_not_leak_in(tiny):
+    model, _, rows = tiny
+    seeds = row_seeds(1, 1, 0, len(rows))
+    plain = generate(tiny, seeds=seeds)
+    saved = model.generation_config
+    # what Qwen2.5-VL-Instruct's generation_config.json sets, plus an n-gram ban
+    model.generation_config = GenerationConfig(
+        **saved.to_diff_dict(), do_sample=True, temperature=0.1, top_k=1, top_p=0.001,
+        repetition_penalty=1.05, no_repeat_ngram_size=2)
+    try:
+        leaked = generate(tiny, seeds=seeds)
+    finally:
+        model.generation_config = saved
+    assert all(torch.equal(a, b) for a, b in zip(leaked, plain, strict=True))
+
+def test_row_seeds_are_a_function_of_the_global_row():
+    seeds = row_seeds(5, 9, 0, 6)
+    assert row_seeds(5, 9, 2, 4) == seeds[2:]
+    assert len(set(seeds + row_seeds(5, 10, 0, 6) + row_seeds(6, 9, 0, 6))) == 18
+    assert all(0 <= s < 2**63 for s in seeds)
+    with pytest.raises(ValueError):
+        row_seeds(-1, 0, 0, 1)
+
+
+# --- the sampler on hand-made logits ----------------------------------------------------------
+
+def frequencies(scores: torch.Tensor, n_seeds: int, temperature: float, top_p: float) -> torch.Tensor:
+    """How often each token is picked from a [1, V] score row, one seed (one stream) at a time."""
+    counts = torch.zeros(scores.shape[-1])
+    for seed in row_seeds(0, 0, 0, n_seeds):
+        out = SeededSampler([seed], temperature, top_p)(torch.zeros(1, 1, dtype=torch.long), scores)
+        assert out.isinf().sum() == scores.shape[-1] - 1 and out.max() == 0
+        counts[out.argmax()] += 1
+    return counts / n_seeds
+
+
+def five_sigma(p: torch.Tensor, n: int) -> torch.Tensor:
+    """5 binomial standard deviations of a frequency over n draws: a correct sampler fails this
+    with probability < 1e-6 per token, while a wrong distribution (e.g. 0.6 vs 0.625) shows."""
+    return 5 * torch.sqrt(p * (1 - p) / n)
+
+
+def test_top_p_keeps_the_nucleus_and_samples_it_by_its_probabilities():
+    probs = torch.tensor([0.3, 0.04, 0.5, 0.06, 0.1])
+    scores = probs.log().unsqueeze(0)
+    # sorted: 0.5, 0.3 (mass 0.8 >= 0.75): the nucleus is tokens {2, 0}, renormalised to 0.625/0.375
+    expected = torch.tensor([0.375, 0.0, 0.625, 0.0, 0.0])
+    n = 4000
+    freq = frequencies(scores, n, temperature=1.0, top_p=0.75)
+    assert freq[[1, 3, 4]].sum() == 0
+    assert ((freq - expected).abs() <= five_sigma(expected, n)).all(), freq  # 5 sigma = 0.038
+
+
+def test_temperature_divides_the_logits():
+    scores = torch.tensor([[0.0, math.log(2), math.log(4)]])
+    # logits / 2 = [0, ln sqrt2, ln 2]: probabilities 1 : sqrt2 : 2 over 3 + sqrt2
+    expected = torch.tensor([1, math.sqrt(2), 2]) / (3 + math.sqrt(2))  # 0.2265, 0.3204, 0.4531
+    n = 4000
+    freq = frequencies(scores, n, temperature=2.0, top_p=1.0)
+    assert ((freq - expected).abs() <= five_sigma(expected, n)).all(), freq
+    # the inverse CDF picks the first token whose cumulative probability exceeds u:
+    # CDF = 0.2265, 0.5469, 1
+    u = torch.tensor([0.0, 0.22, 0.23, 0.54, 0.55, 0.999999], dtype=torch.float64)
+    tokens = sample_rows(scores.expand(len(u), -1), u, temperature=2.0, top_p=1.0)
+    assert tokens.tolist() == [0, 0, 1, 1, 2, 2]
+
+
+def test_suppressed_tokens_are_never_picked_even_at_the_edges_of_u():
+    # HF sets suppressed tokens to -inf before custom processors run; first and last are suppressed
+    scores = torch.tensor([[float("-inf"), 1.0, float("-inf"), 0.5, float("-inf")]])
+    u = torch.tensor([0.0, 0.5, 1 - 2**-53, 1.0], dtype=torch.float64)  # 1.0: u * total rounded up
+    tokens = sample_rows(scores.expand(4, -1), u, temperature=1.0, top_p=1.0)
+    assert set(tokens.tolist()) <= {1, 3}
+    assert tokens.tolist()[0] == 1 and tokens.tolist()[-1] == 3
+
+
+def test_top_p_filter_matches_hf_and_rows_are_independent():
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(16, 50, generator=gen) * 3
+    for top_p in (0.3, 0.9, 0.999):
+        ours = filter_top_p(scores, top_p)
+        hf = TopPLogitsWarper(top_p)(torch.zeros(16, 1, dtype=torch.long), scores.clone())
+        assert torch.equal(ours.isinf(), hf.isinf()), top_p
+    # a row's token is the same alone or inside a batch
+    u = torch.rand(16, generator=gen, dtype=torch.float64)
+    batched = sample_rows(scores, u, temperature=0.7, top_p=0.9)
+    alone = torch.cat([sample_rows(scores[i:i + 1], u[i:i + 1], 0.7, 0.9) for i in range(16)])
+    assert torch.equal(batched, alone)
