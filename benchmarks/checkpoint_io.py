@@ -15,8 +15,9 @@ Models:
   with ``to_empty`` and filled with ``normal_`` (random weights; no initialiser runs).
 
 "full ckpt" columns: a training run's checkpoint of the same model (``CheckpointManager.save``:
-model folder + AdamW states in the parameters' dtype + RNG states, sha256 manifest, fsync); not
-under a target, reported so the cost of a save is known.
+weights + AdamW states in the parameters' dtype as torch.distributed.checkpoint shards, config and
+processor files, RNG states, sha256 manifest, fsync); not under a target, reported so the cost of
+a save is known.
 
 Targets, for every model: load >= ``--min-gbps`` GB/s (checkpoint bytes / load seconds) and peak
 RSS over the pre-load baseline <= ``--max-rss-ratio`` x the checkpoint's bytes. Exit status: 0
@@ -57,6 +58,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from benchkit import positive
 
 GB = 1e9
 ERROR_PREFIX = "checkpoint_io: error: "
@@ -370,13 +373,6 @@ def run_parent(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
-    return value
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -50,6 +50,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from benchkit import positive
+
 MIB = 2**20
 ERROR_PREFIX = "memory_vs_group: error: "
 STEP_KEY = "reward_mean"  # present in GRPO step rows of metrics.jsonl, absent in eval-only rows
@@ -318,13 +320,6 @@ def run_parent(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
-    return value
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

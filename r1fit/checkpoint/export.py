@@ -137,6 +137,7 @@ def _export_full(checkpoint: Path, model_dir: Path, dest: Path) -> None:
             model = AutoModelForImageTextToText.from_config(
                 config, dtype=None if dtype == "auto" else dtype)
         model.to_empty(device="cpu")
+        model.tie_weights()  # to_empty unties the LM head from the embeddings; the config ties
         load_model_weights(checkpoint, "model", model)
         processor = AutoProcessor.from_pretrained(model_dir)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:

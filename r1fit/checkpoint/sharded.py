@@ -30,10 +30,17 @@ def adapter_only(module: nn.Module) -> bool:
     return isinstance(module, PeftModel)
 
 
-def model_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The weights a checkpoint keeps for ``module`` (sharded DTensors under FSDP)."""
-    return get_model_state_dict(module, options=StateDictOptions(
-        ignore_frozen_params=adapter_only(module)))
+def model_tensors(module: nn.Module, **options: Any) -> dict[str, torch.Tensor]:
+    """The weights a checkpoint keeps for ``module`` (sharded DTensors under FSDP; ``options``:
+    more ``StateDictOptions``), a tied weight once: the LM head tied to the embeddings is one
+    parameter under two names, and would be written twice."""
+    state = get_model_state_dict(module, options=StateDictOptions(
+        ignore_frozen_params=adapter_only(module), **options))
+    unique = {name for name, _ in module.named_parameters()}
+    for name, _ in module.named_parameters(remove_duplicate=False):
+        if name not in unique:
+            state.pop(name, None)
+    return state
 
 
 def save_tensors(folder: Path, tensors: dict[str, Any]) -> None:
@@ -70,8 +77,9 @@ def load_model_weights(folder: Path, name: str, module: nn.Module) -> None:
                          f"{len(missing) - 1} more); was it saved with other model settings "
                          "(model.lora, model.path)?")
     load_tensors(folder, {name: target})
-    set_model_state_dict(module, target, options=StateDictOptions(
-        strict=not adapter_only(module)))
+    # not strict: LoRA sets the adapter only, and a tied weight comes under one of its names; the
+    # names that must be there were checked above
+    set_model_state_dict(module, target, options=StateDictOptions(strict=False))
 
 
 def initialise_moments(optimizer: torch.optim.Optimizer) -> None:

@@ -19,9 +19,9 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import (FSDPModule, MixedPrecisionPolicy, fully_shard,
                                     register_fsdp_forward_method)
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from r1fit.distributed.context import World
@@ -101,22 +101,40 @@ def materialize(root: nn.Module, model: nn.Module, source: nn.Module | None,
     """Give a sharded model built on the meta device its weights, read by rank 0 only.
 
     ``source`` is the same model with real weights on rank 0 (None elsewhere). Each rank allocates
-    only its shards, then rank 0 broadcasts the weights tensor by tensor
-    (``set_model_state_dict(broadcast_from_rank0=True)``) and the buffers that are not in the state
-    dict (rotary frequencies), so host memory holds one full copy (rank 0's) whatever the number of
-    processes. ``model`` is the (peft or transformers) model inside ``root``."""
+    only its shards; rank 0 sends each rank just its shard of every parameter (FSDP2 splits dim 0
+    as ``torch.chunk`` does), then broadcasts the buffers that are not in the state dict (rotary
+    frequencies). No rank but 0 ever holds a whole tensor: ``set_model_state_dict(
+    broadcast_from_rank0=True)`` received every tensor whole on every rank before keeping the
+    shard. ``model`` is the (peft or transformers) model inside ``root``."""
     root.to_empty(device=device)
-    full = source.state_dict() if source is not None else {}
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
-                                                               broadcast_from_rank0=True))
-    source_buffers = dict(source.named_buffers()) if source is not None else {}
-    for name, buffer in model.named_buffers():
-        if source is not None:
-            buffer.copy_(source_buffers[name])
-        comm = buffer.to("cuda") if dist.get_backend() == "nccl" else buffer
-        dist.broadcast(comm, src=0)
-        if comm is not buffer:
-            buffer.copy_(comm)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    nccl = dist.get_backend() == "nccl"
+    full = dict(source.named_parameters()) if source is not None else {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            if rank == 0:
+                whole = full[name].detach()
+                parts = (torch.chunk(whole, size, dim=0) if isinstance(param, DTensor)
+                         else [whole] * size)
+                for dst in range(1, min(size, len(parts))):
+                    if parts[dst].numel():
+                        dist.send(parts[dst].contiguous().to("cuda" if nccl else "cpu"), dst=dst)
+                if local.numel():
+                    local.copy_(parts[0])
+            elif local.numel():
+                comm = torch.empty_like(local, device="cuda") if nccl else local
+                dist.recv(comm, src=0)
+                if comm is not local:
+                    local.copy_(comm)
+        source_buffers = dict(source.named_buffers()) if source is not None else {}
+        for name, buffer in model.named_buffers():
+            if source is not None:
+                buffer.copy_(source_buffers[name])
+            comm = buffer.to("cuda") if nccl else buffer
+            dist.broadcast(comm, src=0)
+            if comm is not buffer:
+                buffer.copy_(comm)
 
 
 @contextmanager

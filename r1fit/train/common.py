@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                      set_model_state_dict)
 
 from r1fit.checkpoint.manager import CheckpointManager, run_config
-from r1fit.checkpoint.sharded import adapter_only
+from r1fit.checkpoint.sharded import model_tensors
 from r1fit.checkpoint.resume import open_output_dir
 from r1fit.checkpoint.state import seed_everything
 from r1fit.config import Config
@@ -176,8 +176,8 @@ def load_run_model(cfg: Config, device: torch.device,
 
     One process: ``from_pretrained`` onto the device. Several: rank 0 alone reads the weights (to
     host memory), every rank builds the model on the meta device, shards it, and receives its
-    shards by broadcast; a resume then loads the checkpoint's shards (adapter only, for LoRA) over
-    them."""
+    shards from rank 0 (:func:`materialize`); a resume then loads the checkpoint's shards (adapter
+    only, for LoRA) over them."""
     m, w = cfg.model, world()
     kwargs = dict(lora_r=m.lora.r, lora_alpha=m.lora.alpha, lora_dropout=m.lora.dropout,
                   lora_target=m.lora.target, freeze_vision=m.freeze_vision, dtype=m.dtype,
@@ -323,13 +323,7 @@ def save_model(model: Any, processor: Any, folder: Path) -> None:
     w = world()
     state = None
     if w.distributed:
-        state = get_model_state_dict(model, options=StateDictOptions(
-            full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapter_only(model)))
-        # a tied weight (lm_head = embed_tokens) once, as save_pretrained writes it on its own
-        named = {n for n, _ in model.named_parameters()}
-        for name, _ in model.named_parameters(remove_duplicate=False):
-            if name not in named:
-                state.pop(name, None)
+        state = model_tensors(model, full_state_dict=True, cpu_offload=True)
     if w.main:
         folder.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(folder, state_dict=state)

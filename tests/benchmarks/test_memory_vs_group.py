@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -13,15 +12,10 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "memory_vs_group.p
 MIB = 2**20
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("memory_vs_group", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, str(SCRIPT.parent))  # the scripts import benchkit from their folder
+from benchkit import load_script  # noqa: E402
 
-
-mvg = _load()
+mvg = load_script("memory_vs_group")
 
 
 def _fake_run(folder: Path, base: int, peaks: list[int], tokens: list[float],

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from r1fit.checkpoint.sharded import load_model_weights, model_tensors, save_tensors
+from r1fit.checkpoint.sharded import load_model_weights, model_tensors, save_tensors, saved_keys
 from r1fit.checkpoint.state import OptimizerState, load_optimizer_sharded
 
 
@@ -78,3 +78,22 @@ def test_optimizer_for_other_parameters_is_refused(tmp_path):
     with pytest.raises(ValueError, match="saved for other parameters"):
         load_optimizer_sharded(OptimizerState(other, torch.optim.AdamW(other.parameters())),
                                tmp_path, "optimizer", state["param_groups"])
+
+
+class Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(5, 3)
+        self.head = torch.nn.Linear(3, 5, bias=False)
+        self.head.weight = self.embed.weight  # tie_word_embeddings
+
+
+def test_a_tied_weight_is_written_once_and_loads_under_both_names(tmp_path):
+    torch.manual_seed(0)
+    model = Tied()
+    save_tensors(tmp_path, {"model": model_tensors(model)})
+    assert saved_keys(tmp_path) == {"model.embed.weight"}
+    other = Tied()
+    load_model_weights(tmp_path, "model", other)
+    assert other.head.weight is other.embed.weight
+    assert torch.equal(other.head.weight, model.embed.weight)
