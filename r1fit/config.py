@@ -123,11 +123,14 @@ class AlgoConfig:
 
 @dataclass
 class TrainConfig:
-    output_dir: str = opt("runs/demo", "Where metrics.jsonl, checkpoints and the final model go.")
+    output_dir: str = opt("runs/demo", "Where metrics.jsonl, checkpoints and the final model go "
+                          "(under torchrun: on a filesystem every node sees).")
     max_steps: int = opt(120, "GRPO steps (one rollout batch each, num_iterations updates each).",
                          ge=0)
     seed: int = opt(0, "Seed of data order, sampling and initialisation.")
-    prompts_per_step: int = opt(32, "Prompts per step; each gets num_generations completions.", ge=1)
+    prompts_per_step: int = opt(32, "Prompts per step; each gets num_generations completions. "
+                                "Under torchrun the step's rows (x num_generations) are split "
+                                "evenly over the processes.", ge=1)
     learning_rate: float = opt(3e-3, "Peak learning rate of AdamW (the demo's value, for a "
                                "random-init tiny model; use ~1e-6..1e-5 for a pre-trained VLM).",
                                gt=0)
@@ -137,7 +140,8 @@ class TrainConfig:
     weight_decay: float = opt(0.0, "AdamW weight decay.", ge=0)
     max_grad_norm: float = opt(1.0, "Clip the global gradient norm to this value (0 = no clipping).",
                                ge=0)
-    device: str = opt("auto", "'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
+    device: str = opt("auto", "'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'. "
+                      "Under torchrun each process uses cuda:<local rank> (or the CPU).")
     overwrite: bool = opt(False, "Replace an earlier run found in output_dir instead of stopping.")
     early_stop_patience: int = opt(0, "Stop after this many evaluations without a new best eval "
                                    "accuracy and restore the best weights (0 = never).", ge=0)
@@ -150,7 +154,8 @@ class SFTConfig:
         60, "Steps of the format warm-up that `r1fit train` runs before GRPO: SFT on the "
         "<think>/<answer> format with the answer of a random row, teaching the format but not the "
         "task, so that GRPO's first rewards are not all zero. Set 0 for an instruct model.", ge=0)
-    batch_size: int = opt(16, "Rows per supervised step.", ge=1)
+    batch_size: int = opt(16, "Rows per supervised step (under torchrun: split evenly over the "
+                          "processes).", ge=1)
     learning_rate: float = opt(1e-2, "Peak learning rate of the supervised steps (demo value; "
                                "~1e-5 for a pre-trained VLM).", gt=0)
     think: str = opt("I look at the image.", "Text put inside <think> </think> in warm-up targets and "
