@@ -199,3 +199,37 @@ def test_lora_on_two_processes_equals_one(tiny_cache, reward_plugin, monkeypatch
     moved = sum(float(a[k].pow(2).sum()) for k in a if "lora_B" in k) ** 0.5
     apart = sum(float((a[k] - b[k]).pow(2).sum()) for k in a) ** 0.5
     assert moved > 0 and apart / moved < 1e-3, (apart, moved)
+
+
+def test_sigterm_to_torchrun_saves_once_and_resumes(tiny_cache, reward_plugin, monkeypatch,
+                                                    tmp_path):
+    """Pre-emption: torchrun passes SIGTERM to both ranks, which may get it during different
+    steps; they agree on the step to stop after, save one checkpoint together and exit."""
+    import signal
+    import time
+
+    monkeypatch.setenv("R1FIT_CACHE", str(tiny_cache))
+    out = tmp_path / "run"
+    args = [*GRPO, "train.max_steps=500", "checkpoint.every=1000"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(reward_plugin),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc-per-node=2", "-m", "r1fit", "train",
+                             f"train.output_dir={out}", *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:  # wait for 2 GRPO steps
+        lines = (out / "metrics.jsonl").read_text().splitlines() \
+            if (out / "metrics.jsonl").is_file() else []
+        if sum('"reward_mean"' in line for line in lines) >= 2:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    saved = sorted(p.name for p in out.glob("checkpoint-[0-9]*"))
+    assert len(saved) == 1, (saved, err[-2000:])
+    assert err.count(f"stopped by a signal after step {saved[0].split('-')[1]}") == 2  # both ranks
+    step = int(saved[0].split("-")[1])
+    launch(2, "train", out, reward_plugin, *args, f"train.max_steps={step + 1}")
+    grpo = [r["step"] for r in rows(out) if "reward_mean" in r]
+    assert grpo == list(range(1, step + 2))
