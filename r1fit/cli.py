@@ -87,14 +87,15 @@ def main(argv: list[str] | None = None) -> int:
     # imported late: `r1fit config` and `--help` should not pay for importing torch/transformers
     from r1fit.checkpoint.manager import CheckpointError, RunStopped
     from r1fit.data.dataset import DataError
+    from r1fit.distributed.context import DistributedError
     from r1fit.memory.autofit import AutoFitError
     from r1fit.memory.guard import OutOfMemory
     from r1fit.models.load import ModelConfigError
     from r1fit.rewards.registry import RewardConfigError
     from r1fit.train.common import RunError
 
-    known = (AutoFitError, CheckpointError, ConfigError, DataError, ModelConfigError,
-             OutOfMemory, RewardConfigError, RunError)
+    known = (AutoFitError, CheckpointError, ConfigError, DataError, DistributedError,
+             ModelConfigError, OutOfMemory, RewardConfigError, RunError)
     try:
         if ns.command == "config":
             if ns.reference:

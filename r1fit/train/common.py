@@ -28,7 +28,7 @@ from r1fit.memory.autofit import resolve_auto_sizes
 from r1fit.memory.telemetry import (current_rss_bytes, reset_peak, step_memory,
                                     use_tensor_probe)
 from r1fit.distributed.context import (World, all_max, all_sum, barrier, broadcast_object,
-                                       device_for,
+                                       check_split, device_for,
                                        init_distributed, world)
 from r1fit.distributed.parallelize import gathered, materialize, parallelize
 from r1fit.models.load import load_frozen, load_policy, special_token_ids
@@ -114,6 +114,7 @@ def start_run(cfg: Config, kind: str) -> Run:
     resume point and touches the output folder; the others follow its decision."""
     started = time.perf_counter()
     w = init_distributed(pick_device(cfg.train.device).type)
+    check_split(cfg, kind, w)
     device = device_for(pick_device(cfg.train.device).type, w)
     setup_logging(None)  # the terminal first: choosing the resume point may warn
     decision: tuple[Any, ...] = (None, None, None)

@@ -40,3 +40,21 @@ def test_torchrun_env_without_rank_is_one_line(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(DistributedError, match="WORLD_SIZE=2 but RANK is not set"):
         init_distributed("cpu")
+
+
+def test_every_split_is_checked_before_loading():
+    from r1fit.config import load_config
+    from r1fit.distributed.context import check_split
+
+    two = World(rank=0, size=2)
+    cfg = load_config(None, ["train.prompts_per_step=3", "algo.num_generations=3",
+                             "sft.batch_size=4"])
+    with pytest.raises(DistributedError, match=r"9 rows \(train.prompts_per_step x "
+                                               r"algo.num_generations\) do not split evenly"):
+        check_split(cfg, "grpo", two)
+    check_split(cfg, "sft", two)  # 4 rows: fine
+    cfg = load_config(None, ["algo.num_generations=4", "sft.batch_size=3"])
+    with pytest.raises(DistributedError, match=r"sft.batch_size \(the format warm-up\)"):
+        check_split(cfg, "grpo", two)
+    check_split(load_config(None, ["algo.num_generations=4", "sft.batch_size=3",
+                                   "sft.format_warmup_steps=0"]), "grpo", two)
