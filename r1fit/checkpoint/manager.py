@@ -128,6 +128,9 @@ def verify(path: Path, *, checksums: bool = True) -> str | None:
         files = manifest["files"]
     except (ValueError, KeyError, TypeError) as exc:
         return f"manifest.json is unreadable ({exc})"
+    if manifest.get("format") != FORMAT:
+        return (f"checkpoint format {manifest.get('format')} (an older r1fit, whose layout had "
+                f"no sharded weights/); this r1fit reads format {FORMAT}")
     for rel, meta in files.items():
         file = path / rel
         if not file.is_file():
@@ -266,7 +269,7 @@ class CheckpointManager:
         assert self.resume is not None
         try:
             load_model_weights(self.resume.path, name, module)
-        except (ValueError, KeyError, RuntimeError) as exc:
+        except (ValueError, KeyError, RuntimeError, OSError) as exc:
             raise CheckpointError(f"{self.resume.path}: cannot load the {name} weights: "
                                   f"{exc}") from exc
 

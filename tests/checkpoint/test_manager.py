@@ -110,3 +110,12 @@ def test_verify_reasons(tmp_path):
     assert verify(path) == "sampler.json is missing"
     (path / "manifest.json").unlink()
     assert "no manifest.json" in verify(path)
+
+
+def test_an_older_format_is_named(tmp_path):
+    m = manager(tmp_path, "checkpoint.every=1")
+    path = m.save("sft", 1, {"sampler": Box(1)})
+    manifest = json.loads((path / "manifest.json").read_text())
+    (path / "manifest.json").write_text(json.dumps({**manifest, "format": 1}))
+    assert verify(path) == ("checkpoint format 1 (an older r1fit, whose layout had no sharded "
+                            "weights/); this r1fit reads format 2")
