@@ -71,7 +71,8 @@ def saved_keys(folder: Path) -> set[str]:
 def load_model_weights(folder: Path, name: str, module: nn.Module) -> None:
     """Load model ``name`` of the checkpoint in ``folder`` into ``module`` (plain or sharded)."""
     target = model_tensors(module)
-    missing = sorted(k for k in target if f"{name}.{k}" not in saved_keys(folder))
+    saved = saved_keys(folder)
+    missing = sorted(k for k in target if f"{name}.{k}" not in saved)
     if missing:
         raise ValueError(f"the checkpoint has no {name} weight {missing[0]!r} (and "
                          f"{len(missing) - 1} more); was it saved with other model settings "
@@ -80,23 +81,3 @@ def load_model_weights(folder: Path, name: str, module: nn.Module) -> None:
     # not strict: LoRA sets the adapter only, and a tied weight comes under one of its names; the
     # names that must be there were checked above
     set_model_state_dict(module, target, options=StateDictOptions(strict=False))
-
-
-def initialise_moments(optimizer: torch.optim.Optimizer) -> None:
-    """Give every trainable parameter its optimizer state (moments, step) so that DCP has tensors
-    of the right shapes and shards to load into: one step with zero gradients at learning rate 0,
-    which leaves the parameters exactly as they are. The loaded values replace it all."""
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    grads = {}
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-        for p in group["params"]:
-            grads[p] = p.grad
-            p.grad = torch.zeros_like(p)
-    try:
-        optimizer.step()
-    finally:
-        for group, lr in zip(optimizer.param_groups, lrs):
-            group["lr"] = lr
-        for p, grad in grads.items():
-            p.grad = grad

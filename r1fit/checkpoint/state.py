@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 
-from r1fit.checkpoint.sharded import initialise_moments, load_tensors, saved_keys
+from r1fit.checkpoint.sharded import load_tensors, saved_keys
 
 
 def seed_everything(seed: int) -> None:
@@ -114,8 +114,11 @@ class PythonRandomState:
 def load_optimizer_sharded(holder: OptimizerState, folder: Path, name: str,
                            groups: list[dict[str, Any]]) -> None:
     """Restore ``holder``'s optimizer from checkpoint ``folder``: moments from its DCP shards
-    (resharded to this process count), param groups (names, hyper-parameters) from JSON."""
-    initialise_moments(holder.optimizer)
+    (resharded to this process count), param groups (names, hyper-parameters) from JSON.
+
+    DCP loads into tensors of the right shapes and shards, so a fresh optimizer needs its state
+    first: ``get_optimizer_state_dict`` creates it (one step with zero gradients at learning rate
+    0, which leaves the parameters as they are); the loaded values then replace it all."""
     state = holder.state_dict()["state"]
     keys = saved_keys(folder)
     # a parameter that never had a gradient has no saved state; it gets none here either
