@@ -22,19 +22,10 @@ from torch import nn
 from torch.distributed.fsdp import (FSDPModule, MixedPrecisionPolicy, fully_shard,
                                     register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor
-from transformers import PreTrainedModel
-
 from r1fit.distributed.context import World
+from r1fit.models.load import unwrap
 
 log = logging.getLogger("r1fit.distributed")
-
-
-def hf_model(root: nn.Module) -> PreTrainedModel:
-    """The transformers model inside ``root`` (through peft and r1fit's wrappers)."""
-    for module in root.modules():
-        if isinstance(module, PreTrainedModel):
-            return module
-    raise TypeError(f"{type(root).__name__} holds no transformers model")
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
@@ -43,7 +34,7 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
     Non-reentrant checkpointing back-propagates through segments whose inputs need no grad (frozen
     embeddings under LoRA). Only active in train mode: generation runs under ``model.eval()`` and
     keeps its KV cache."""
-    base = hf_model(model)
+    base = unwrap(model)
     kwargs = {"use_reentrant": False}
     if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x name
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -53,10 +44,10 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
     """The blocks FSDP shards one by one: instances of the model's ``_no_split_modules``."""
-    names = set(getattr(hf_model(model), "_no_split_modules", None) or [])
+    names = set(getattr(unwrap(model), "_no_split_modules", None) or [])
     units = [m for m in model.modules() if type(m).__name__ in names]
     if not units:
-        raise TypeError(f"{type(hf_model(model)).__name__} names no _no_split_modules; r1fit "
+        raise TypeError(f"{type(unwrap(model)).__name__} names no _no_split_modules; r1fit "
                         "cannot tell its layers apart for FSDP")
     return units
 

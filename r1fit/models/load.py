@@ -12,7 +12,6 @@ import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -243,25 +242,9 @@ def load_frozen(path: str, *, dtype: str, device: torch.device | str,
     return ref.eval().requires_grad_(False)
 
 
-def load_adapter_weights(model: nn.Module, folder: str | Path) -> None:
-    """Load the LoRA adapter saved in ``folder`` into ``model`` (a `PeftModel` with the same
-    adapter layout); every adapter weight must be there and nothing else."""
-    from peft import load_peft_weights, set_peft_model_state_dict
-
-    if not isinstance(model, PeftModel):
-        raise ModelConfigError(f"{folder} holds a LoRA adapter but the policy has none "
-                               "(model.lora.r is 0)")
-    weights = load_peft_weights(str(folder), device="cpu")
-    result = set_peft_model_state_dict(model, weights)
-    missing = [k for k in result.missing_keys if "lora_" in k]
-    if missing or result.unexpected_keys:
-        raise ModelConfigError(f"{folder}: the adapter does not match the model "
-                               f"(missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}); "
-                               "was it saved with other model.lora settings?")
-
-
 def unwrap(model: nn.Module) -> PreTrainedModel:
-    """The underlying transformers model, through peft, `torch.compile` and DDP wrappers."""
+    """The underlying transformers model, through peft, `torch.compile` and DDP wrappers, and
+    r1fit's log-prob wrapper (the FSDP root), which holds the model as its ``model`` submodule."""
     while True:
         if isinstance(model, PeftModel):
             model = model.get_base_model()
@@ -269,6 +252,9 @@ def unwrap(model: nn.Module) -> PreTrainedModel:
             model = model._orig_mod
         elif isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
+        elif (not isinstance(model, PreTrainedModel)
+              and isinstance(model._modules.get("model"), nn.Module)):
+            model = model._modules["model"]
         else:
             break
     if not isinstance(model, PreTrainedModel):

@@ -10,7 +10,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
@@ -113,9 +113,10 @@ def start_run(cfg: Config, kind: str) -> Run:
     before a big model loads), then the model. Over several processes rank 0 alone chooses the
     resume point and touches the output folder; the others follow its decision."""
     started = time.perf_counter()
-    w = init_distributed(pick_device(cfg.train.device).type)
+    device_type = pick_device(cfg.train.device).type
+    w = init_distributed(device_type)
     check_split(cfg, kind, w)
-    device = device_for(pick_device(cfg.train.device).type, w)
+    device = device_for(device_type, w)
     setup_logging(None)  # the terminal first: choosing the resume point may warn
     decision: tuple[Any, ...] = (None, None, None)
     early = logging.handlers.BufferingHandler(capacity=10_000)
@@ -173,26 +174,15 @@ def start_run(cfg: Config, kind: str) -> Run:
 def load_run_model(cfg: Config, device: torch.device,
                    checkpoints: CheckpointManager | None = None) -> tuple[Any, Any, Any]:
     """The policy, its processor and the module the loops call for log-probs (the FSDP root over
-    several processes), with the resume point's weights when there is one.
-
-    One process: ``from_pretrained`` onto the device. Several: rank 0 alone reads the weights (to
-    host memory), every rank builds the model on the meta device, shards it, and receives its
-    shards from rank 0 (:func:`materialize`); a resume then loads the checkpoint's shards (adapter
-    only, for LoRA) over them."""
-    m, w = cfg.model, world()
+    several processes), with the resume point's weights when there is one (adapter only, for
+    LoRA, over the base from ``model.path``)."""
+    m = cfg.model
     kwargs = dict(lora_r=m.lora.r, lora_alpha=m.lora.alpha, lora_dropout=m.lora.dropout,
                   lora_target=m.lora.target, freeze_vision=m.freeze_vision, dtype=m.dtype,
                   gradient_checkpointing=False, attn_implementation=m.attn_implementation)
-    source = None
-    if w.distributed and w.main:
-        source, _ = load_policy(m.path, device="cpu", **kwargs)
-    model, processor = load_policy(m.path, device="meta" if w.distributed else device, **kwargs)
-    policy = parallelize(CompletionLogProbs(model),
-                         activation_checkpointing=cfg.memory.gradient_checkpointing, world=w,
-                         device_type=device.type)
-    if w.distributed:
-        materialize(policy, model, source, device)
-        del source
+    model, processor, policy = load_on_ranks(
+        lambda where: load_policy(m.path, device=where, **kwargs), device,
+        activation_checkpointing=cfg.memory.gradient_checkpointing)
     if checkpoints is not None and checkpoints.has_model("model"):
         checkpoints.load_model("model", model)
     return model, processor, policy
@@ -203,22 +193,33 @@ def load_frozen_copy(cfg: Config, device: torch.device,
     """A frozen model from ``model.path``, holding a copy of ``policy_model``'s current weights when
     given (the KL reference after the warm-up), sharded like the policy: (model, module to call
     for log-probs)."""
-    m, w = cfg.model, world()
-    source = None
-    if w.distributed and w.main:
-        source = load_frozen(m.path, dtype=m.dtype, device="cpu",
-                             attn_implementation=m.attn_implementation)
-    frozen = load_frozen(m.path, dtype=m.dtype, device="meta" if w.distributed else device,
-                         attn_implementation=m.attn_implementation)
-    root = parallelize(CompletionLogProbs(frozen), activation_checkpointing=False, world=w,
-                       device_type=device.type)
-    if w.distributed:
-        materialize(root, frozen, source, device)
-        del source
+    m = cfg.model
+    frozen, _, root = load_on_ranks(
+        lambda where: (load_frozen(m.path, dtype=m.dtype, device=where,
+                                   attn_implementation=m.attn_implementation), None),
+        device, activation_checkpointing=False)
     if policy_model is not None:
         # the same names and shards as the policy's: a local copy, no communication
         set_model_state_dict(frozen, get_model_state_dict(policy_model))
     return frozen, root
+
+
+def load_on_ranks(build: Callable[[Any], tuple[Any, Any]], device: torch.device, *,
+                  activation_checkpointing: bool) -> tuple[Any, Any, Any]:
+    """``build(device) -> (model, processor or None)`` on every process, then
+    :func:`parallelize`; returns (model, processor, root to call for log-probs).
+
+    One process: ``build`` onto the device. Several: rank 0 alone reads the weights (to host
+    memory), every rank builds the model on the meta device, shards it, and receives its shards
+    from rank 0 (:func:`materialize`)."""
+    w = world()
+    source = build("cpu")[0] if w.distributed and w.main else None
+    model, processor = build("meta" if w.distributed else device)
+    root = parallelize(CompletionLogProbs(model), activation_checkpointing=activation_checkpointing,
+                       world=w, device_type=device.type)
+    if w.distributed:
+        materialize(root, model, source, device)
+    return model, processor, root
 
 
 def build_datasets(cfg: Config) -> tuple[PromptDataset, PromptDataset | None]:
