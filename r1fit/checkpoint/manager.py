@@ -323,8 +323,8 @@ class CheckpointManager:
             save_tensors(partial, tensors)
             barrier()
             if w.main:
-                self._write_metadata(partial, phase, step, objects, saved, json_states, metrics)
-                files = json.loads((partial / MANIFEST).read_text())["files"]
+                files = self._write_metadata(partial, phase, step, objects, saved, json_states,
+                                             metrics)
                 if final.exists():  # a checkpoint of an abandoned trajectory (resumed from earlier)
                     shutil.rmtree(final)
                 os.rename(partial, final)
@@ -354,9 +354,11 @@ class CheckpointManager:
 
     def _write_metadata(self, partial: Path, phase: str, step: int,
                         objects: dict[str, Stateful], saved: list[str],
-                        json_states: dict[str, Any], metrics: dict[str, Any] | None) -> None:
+                        json_states: dict[str, Any], metrics: dict[str, Any] | None
+                        ) -> dict[str, Any]:
         """Rank 0: the non-tensor states, the models' configs and processors, trainer_state.json,
-        config.json, then manifest.json over every rank's files, then fsync."""
+        config.json, then manifest.json over every rank's files, then fsync. Returns the
+        manifest's files."""
         for obj_name, state in json_states.items():
             save_state(partial, obj_name, state)
         for model_name, (module, processor) in self.models.items():
@@ -383,6 +385,7 @@ class CheckpointManager:
         (partial / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": files},
                                                    indent=1))
         fsync_tree(partial)
+        return files
 
     def _update_best(self, name: str, metrics: dict[str, Any]) -> None:
         key = self.cfg.checkpoint.keep_best_by
