@@ -140,7 +140,7 @@ def known_errors() -> tuple[type[BaseException], ...]:
     from r1fit.data.dataset import DataError
     from r1fit.models.load import ModelConfigError
     from r1fit.rewards.registry import RewardConfigError
-    from r1fit.train.common import RunError
+    from r1fit.errors import R1fitError as RunError
 
     return ConfigError, DataError, ModelConfigError, RewardConfigError, RunError
 

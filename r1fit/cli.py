@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from r1fit.config import Config, ConfigError, config_reference_markdown, load_config
+from r1fit.errors import R1fitError
 
 
 def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -85,17 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
 
     # imported late: `r1fit config` and `--help` should not pay for importing torch/transformers
-    from r1fit.checkpoint.manager import CheckpointError, RunStopped
-    from r1fit.data.dataset import DataError
-    from r1fit.distributed.context import DistributedError
-    from r1fit.memory.autofit import AutoFitError
-    from r1fit.memory.guard import OutOfMemory
-    from r1fit.models.load import ModelConfigError
-    from r1fit.rewards.registry import RewardConfigError
-    from r1fit.train.common import RunError
+    from r1fit.checkpoint.manager import RunStopped
 
-    known = (AutoFitError, CheckpointError, ConfigError, DataError, DistributedError,
-             ModelConfigError, OutOfMemory, RewardConfigError, RunError)
     try:
         if ns.command == "config":
             if ns.reference:
@@ -105,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if ns.command == "plan":
             from r1fit.memory.planner import plan_memory, render
-            from r1fit.memory.units import parse_bytes
+            from r1fit.units import parse_bytes
 
             try:
                 budget = parse_bytes(ns.device_memory) if ns.device_memory else None
@@ -146,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
         return 0
-    except known as exc:
+    except R1fitError as exc:  # a cause the user can fix: one line, no traceback
         print(f"r1fit: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

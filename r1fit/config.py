@@ -8,6 +8,7 @@ Unknown keys and bad values raise :class:`ConfigError` with one line naming the 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -20,17 +21,35 @@ from typing import Any, Literal
 
 import yaml
 
+from r1fit.errors import R1fitError
+from r1fit.units import parse_bytes
 
-class ConfigError(ValueError):
+
+class ConfigError(R1fitError, ValueError):
     """A bad config key or value; the message names the key and what is allowed."""
+
+
+class ReadOnlyDict(dict):
+    """A mapping field of the frozen config tree (``rewards``): readable like a dict, never
+    changed in place (a changed config is a new one, see :meth:`Config.with_values`)."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("the config is read-only after validation; use Config.with_values()")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse  # type: ignore[assignment]
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "ReadOnlyDict":
+        return ReadOnlyDict(copy.deepcopy(dict(self), memo))
 
 
 def opt(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
         le: float | None = None) -> Any:
     """A config field with its help text and optional numeric bounds."""
     meta = {"help": help, "ge": ge, "gt": gt, "le": le}
-    if isinstance(default, (dict, list)):
-        return field(default_factory=lambda: json.loads(json.dumps(default)), metadata=meta)
+    if isinstance(default, dict):
+        return field(default_factory=lambda: ReadOnlyDict(default), metadata=meta)
+    if isinstance(default, list):  # lists are stored as tuples: the tree is read-only
+        return field(default_factory=lambda: tuple(default), metadata=meta)
     if dataclasses.is_dataclass(default):
         return field(default_factory=type(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -45,7 +64,7 @@ R1_SYSTEM_PROMPT = (
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoraConfig:
     r: int = opt(0, "LoRA rank; 0 means full fine-tuning of the language model.", ge=0)
     alpha: int = opt(32, "LoRA scaling numerator (scale = alpha / r).", gt=0)
@@ -54,7 +73,7 @@ class LoraConfig:
                       "comma-separated list of module names such as 'q_proj,v_proj'.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     path: str = opt("builtin:tiny", "Model to train: a local Hugging Face folder, a hub id such as "
                     "'Qwen/Qwen2.5-VL-3B-Instruct', or 'builtin:tiny' / 'builtin:small-realvocab'.")
@@ -67,9 +86,9 @@ class ModelConfig:
                                    "('sdpa', 'eager', 'flash_attention_2').")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ShapesConfig:
-    kinds: list[str] = opt(["color"], "Question kinds of builtin:shapes: any of color, count, "
+    kinds: tuple[str, ...] = opt(["color"], "Question kinds of builtin:shapes: any of color, count, "
                            "position.")
     image_size: int = opt(112, "Side of the square builtin:shapes images in pixels (112 px = 16 "
                           "image tokens; the tiny demo model learns far faster than at 56 px).",
@@ -78,7 +97,7 @@ class ShapesConfig:
     train_size: int = opt(5000, "Number of builtin:shapes training questions.", ge=1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     train: str = opt("builtin:shapes", "Training prompts: a JSONL file of {image, problem, solution} "
                      "rows (image paths relative to the file) or 'builtin:shapes'.")
@@ -99,7 +118,7 @@ class DataConfig:
     shapes: ShapesConfig = opt(ShapesConfig(), "Settings of the builtin:shapes task.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class AlgoConfig:
     num_generations: int = opt(8, "Completions sampled per prompt (the GRPO group size, G).", ge=2)
     num_iterations: int = opt(1, "Optimizer updates per rollout batch (mu); > 1 reuses the rollout "
@@ -121,7 +140,7 @@ class AlgoConfig:
     scale_rewards: bool = opt(True, "Divide advantages by the group's reward std (off = Dr. GRPO).")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     output_dir: str = opt("runs/demo", "Where metrics.jsonl, checkpoints and the final model go "
                           "(under torchrun: on a filesystem every node sees).")
@@ -147,7 +166,7 @@ class TrainConfig:
                                    "accuracy and restore the best weights (0 = never).", ge=0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SFTConfig:
     steps: int = opt(100, "Steps of `r1fit sft` (learning each row's solution).", ge=0)
     format_warmup_steps: int = opt(
@@ -162,7 +181,7 @@ class SFTConfig:
                      "in solutions that lack the tags.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class MemoryConfig:
     micro_batch: int | Literal["auto"] = opt(
         16, "Sequences per forward/backward; peak memory is set by this, not by num_generations "
@@ -185,14 +204,14 @@ class MemoryConfig:
                                            "many GiB reserved but unallocated (0 = never).", ge=0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalConfig:
     every: int = opt(20, "Evaluate every N GRPO steps (0 = only before and after training).", ge=0)
     before_train: bool = opt(True, "Evaluate once before GRPO starts (after the SFT warm-up).")
     batch: int = opt(64, "Questions generated together during evaluation (greedy).", ge=1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     every: int = opt(20, "Save a checkpoint every N steps and at the last step (0 = none; the "
                      "final model is saved either way).", ge=0)
@@ -211,7 +230,7 @@ class CheckpointConfig:
                                     "trajectory (learning rate, algorithm, data...).")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = opt(ModelConfig(), "The policy model.")
     data: DataConfig = opt(DataConfig(), "Prompts and images.")
@@ -226,7 +245,13 @@ class Config:
     checkpoint: CheckpointConfig = opt(CheckpointConfig(), "Checkpoints and resume.")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain JSON-able data (tuples as lists), as ``config.json`` records it."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    def with_values(self, changes: dict[str, Any]) -> "Config":
+        """A new, validated config with dotted keys set, e.g. ``{"memory.micro_batch": 1}``
+        (the same path as ``key=value`` overrides; this config is left as it is)."""
+        return _validated(self, [(key.split("."), value) for key, value in changes.items()])
 
     def fingerprint(self) -> str:
         """A short hash of the resolved config, for run identity."""
@@ -250,7 +275,7 @@ def _describe(tp: Any) -> str:
         return " or ".join(_describe(a) for a in typing.get_args(tp))
     if tp is type(None):
         return "null"
-    if origin is list:
+    if origin in (list, tuple):
         return "a list"
     if origin is dict:
         return "a mapping"
@@ -312,8 +337,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
         raise bad
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
+    if origin in (list, tuple):
+        item_tp = typing.get_args(tp)[0]
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list):
@@ -340,28 +365,34 @@ def _check_bounds(key: str, value: Any, meta: typing.Mapping[str, Any]) -> None:
         raise ConfigError(f"{key}: got {value!r}, expected a number <= {meta['le']}")
 
 
-def _apply(obj: Any, data: dict[str, Any], prefix: str) -> None:
-    """Write a nested mapping into the dataclass ``obj``, validating each leaf."""
+def _apply(obj: Any, data: dict[str, Any], prefix: str) -> Any:
+    """A copy of the dataclass ``obj`` with a nested mapping written into it, each leaf
+    validated."""
     if not isinstance(data, dict):
         where = prefix.rstrip(".") or "config"
         raise ConfigError(f"{where}: got {data!r}, expected a mapping of its keys "
                           f"({', '.join(f.name for f in dataclasses.fields(obj))})")
     fields = {f.name: f for f in dataclasses.fields(obj)}
     hints = _hints(type(obj))
+    changes: dict[str, Any] = {}
     for name, value in data.items():
         key = f"{prefix}{name}"
         if name not in fields:
             raise ConfigError(f"unknown key '{key}'; allowed here: {', '.join(fields)}")
-        current = getattr(obj, name)
+        current = changes.get(name, getattr(obj, name))
         if dataclasses.is_dataclass(current):
-            _apply(current, value, key + ".")
+            changes[name] = _apply(current, value, key + ".")
             continue
         value = _coerce(key, value, hints[name])
         _check_bounds(key, value, fields[name].metadata)
         if isinstance(value, dict):
             for k, v in value.items():
                 _check_bounds(f"{key}.{k}", v, fields[name].metadata)
-        setattr(obj, name, value)
+            value = ReadOnlyDict(value)
+        elif isinstance(value, list):
+            value = tuple(value)
+        changes[name] = value
+    return dataclasses.replace(obj, **changes)
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:
@@ -395,8 +426,6 @@ def _check_consistency(cfg: Config) -> None:
         if not math.isfinite(weight):
             raise ConfigError(f"rewards.{name}: got {weight!r}, expected a finite number")
     if cfg.memory.budget:
-        from r1fit.memory.units import parse_bytes
-
         try:
             parse_bytes(cfg.memory.budget)
         except ValueError as exc:
@@ -406,7 +435,7 @@ def _check_consistency(cfg: Config) -> None:
                           "checkpoint folder")
     bad = [k for k in cfg.data.shapes.kinds if k not in ("color", "count", "position")]
     if bad or not cfg.data.shapes.kinds:
-        raise ConfigError(f"data.shapes.kinds: got {cfg.data.shapes.kinds!r}, expected a non-empty "
+        raise ConfigError(f"data.shapes.kinds: got {list(cfg.data.shapes.kinds)!r}, expected a non-empty "
                           "list of color, count, position")
 
 
@@ -423,18 +452,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             mark = getattr(exc, "problem_mark", None)
             where = f":{mark.line + 1}" if mark is not None else ""
             raise ConfigError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
-        _apply(cfg, data, "")
-    for item in overrides:
-        keys, value = _parse_override(item)
-        if keys[0] == "rewards" and len(keys) == 2:
+        cfg = _apply(cfg, data, "")
+    return _validated(cfg, [_parse_override(item) for item in overrides])
+
+
+def _validated(cfg: Config, changes: list[tuple[list[str], Any]]) -> Config:
+    """``cfg`` with each (dotted path, value) applied in order, then checked as a whole."""
+    for keys, value in changes:
+        if keys[0] == "rewards" and len(keys) > 1:
             # a reward name may contain dots ('pkg.mod:fn'): everything after 'rewards.' is the name
-            _apply(cfg, {"rewards": {**cfg.rewards, keys[1]: value}}, "")
+            cfg = _apply(cfg, {"rewards": {**cfg.rewards, ".".join(keys[1:]): value}}, "")
             continue
-        if keys[0] == "rewards" and len(keys) > 2:
-            name = ".".join(keys[1:])
-            _apply(cfg, {"rewards": {**cfg.rewards, name: value}}, "")
-            continue
-        _apply(cfg, _nest(keys, value), "")
+        cfg = _apply(cfg, _nest(keys, value), "")
     _check_consistency(cfg)
     return cfg
 

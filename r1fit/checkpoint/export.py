@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from r1fit.checkpoint.files import fsync_dir, fsync_tree
-from r1fit.checkpoint.inspect import human
 from r1fit.checkpoint.sharded import load_model_weights
+from r1fit.units import format_bytes
 from r1fit.checkpoint.manager import (
     MODEL_DIR,
     PARTIAL,
@@ -51,7 +51,7 @@ class Exported:
     note: str = ""
 
     def summary(self, checkpoint: Path) -> str:
-        size = human(self.total_bytes)
+        size = format_bytes(self.total_bytes, decimal=True)
         if self.what == "adapter":
             return (f"exported the LoRA adapter of {checkpoint} to {self.out} ({size}); it needs "
                     f"its base model {self.base_model} (base_model_name_or_path in "

@@ -25,6 +25,7 @@ from r1fit.checkpoint.manager import (
     verify,
 )
 from r1fit.report.blocks import print_blocks
+from r1fit.units import format_bytes
 
 # file names that make a folder a Hugging Face model folder (weights, or a peft adapter)
 _ADAPTER = "adapter_config.json"
@@ -155,11 +156,8 @@ def render(report: dict[str, Any], *, rich: bool = False) -> None:
     print_blocks(blocks, rich=rich)
 
 
-def human(n: int) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
+def _size(n: int) -> str:
+    return format_bytes(n, decimal=True)
 
 
 def _resumable(report: dict[str, Any]) -> str:
@@ -182,8 +180,8 @@ def _checkpoint_blocks(r: dict[str, Any]) -> list[Any]:
         f"  contents: {contents}; model: {model}",
         f"  integrity: {'ok (sizes and sha256 match the manifest)' if r['intact'] else r['problem']}",
         "files:",
-        (("size", "file"), [(human(f["bytes"]), f["path"]) for f in r["files"]], {0}),
-        f"  {human(r['total_bytes'])} in {len(r['files'])} files",
+        (("size", "file"), [(_size(f["bytes"]), f["path"]) for f in r["files"]], {0}),
+        f"  {_size(r['total_bytes'])} in {len(r['files'])} files",
         _resumable(r),
     ]
 
@@ -198,7 +196,7 @@ def _output_dir_blocks(r: dict[str, Any]) -> list[Any]:
             status = "ok, weights only" if c["weights_only"] else f"ok, {c['why_not_resumable']}"
         else:
             status = c["problem"]
-        rows.append((c["name"], c["step"], human(c["total_bytes"]), marks, status))
+        rows.append((c["name"], c["step"], _size(c["total_bytes"]), marks, status))
     blocks: list[Any] = [f"output folder {r['path']}"]
     if rows:
         blocks.append((("checkpoint", "step", "size", "mark", "status"), rows, {1, 2}))
@@ -229,9 +227,9 @@ def _model_blocks(r: dict[str, Any]) -> list[Any]:
     if r["in_checkpoint"]:
         blocks.append(f"  the model of checkpoint {r['in_checkpoint']} (inspect that for its "
                       "training state)")
-    blocks += ["files:", (("size", "file"), [(human(f["bytes"]), f["path"]) for f in r["files"]],
+    blocks += ["files:", (("size", "file"), [(_size(f["bytes"]), f["path"]) for f in r["files"]],
                           {0}),
-               f"  {human(r['total_bytes'])} in {len(r['files'])} files", _resumable(r)]
+               f"  {_size(r['total_bytes'])} in {len(r['files'])} files", _resumable(r)]
     return blocks
 
 

@@ -46,6 +46,7 @@ from r1fit.checkpoint.files import (fsync_dir, fsync_tree, load_state, save_stat
 from r1fit.checkpoint.sharded import load_model_weights, model_tensors, save_tensors
 from r1fit.checkpoint.state import load_optimizer_sharded, seed_everything
 from r1fit.distributed.context import all_max, barrier, world
+from r1fit.errors import R1fitError
 
 log = logging.getLogger("r1fit.checkpoint")
 
@@ -69,7 +70,7 @@ RESUME_NOT_EXACT = ("train.max_steps", "sft.steps", "memory.micro_batch",
                     "memory.generation_batch", "memory.logits_chunk")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(R1fitError, RuntimeError):
     """A checkpoint cannot be saved or resumed from; the message says why and what to do."""
 
 

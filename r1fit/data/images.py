@@ -15,15 +15,10 @@ from pathlib import Path
 from PIL import Image
 
 from r1fit.data.errors import BadRowError, DataError
+from r1fit.errors import one_line
 
 # One merged Qwen vision token covers 28x28 px; a side shorter than that cannot form a token.
 MIN_SIDE = 28
-
-
-def _one_line(exc: BaseException) -> str:
-    """Exception text squeezed onto one line (PIL messages occasionally contain newlines)."""
-    text = " ".join(str(exc).split())
-    return text or type(exc).__name__
 
 
 def check_pixel_budget(min_pixels: int, max_pixels: int) -> None:
@@ -111,7 +106,7 @@ def verify_image(path: str | os.PathLike[str]) -> None:
     # PIL plugins raise many types on corrupt input (OSError, SyntaxError, struct.error, IndexError,
     # DecompressionBombError...); any of them means "this file is unusable".
     except Exception as exc:  # noqa: BLE001
-        raise BadRowError(f"corrupt image {path}: {_one_line(exc)}") from exc
+        raise BadRowError(f"corrupt image {path}: {one_line(exc)}") from exc
 
 
 def load_image(path: str | os.PathLike[str]) -> Image.Image:
@@ -129,4 +124,4 @@ def load_image(path: str | os.PathLike[str]) -> Image.Image:
             # The context manager closes the file; the decoded pixels stay in memory.
             return img
     except Exception as exc:  # noqa: BLE001 - see verify_image
-        raise BadRowError(f"cannot decode image {path}: {_one_line(exc)}") from exc
+        raise BadRowError(f"cannot decode image {path}: {one_line(exc)}") from exc

@@ -17,10 +17,12 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from r1fit.errors import R1fitError
+
 log = logging.getLogger("r1fit.distributed")
 
 
-class DistributedError(RuntimeError):
+class DistributedError(R1fitError, RuntimeError):
     """The processes cannot be set up or do not agree; the message says what to change."""
 
 
@@ -102,6 +104,16 @@ def close_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     _WORLD = World()
+
+
+def pick_device(name: str) -> torch.device:
+    """``train.device``: 'auto' is CUDA when available, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DistributedError(f"train.device={name} but CUDA is not available on this machine")
+    return device
 
 
 def device_for(device_type: str, w: World) -> torch.device:

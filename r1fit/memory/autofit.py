@@ -8,12 +8,13 @@ from typing import Any
 
 import torch
 
-from r1fit.memory.units import format_bytes, parse_bytes
+from r1fit.units import format_bytes, parse_bytes
+from r1fit.errors import R1fitError
 
 log = logging.getLogger("r1fit.memory")
 
 
-class AutoFitError(ValueError):
+class AutoFitError(R1fitError, ValueError):
     """The sizes cannot be chosen automatically; the message says why."""
 
 

@@ -25,14 +25,15 @@ import torch
 
 from r1fit.distributed.context import world
 from r1fit.memory.telemetry import peak_rss_bytes, reset_peak
-from r1fit.memory.units import format_bytes, parse_bytes
+from r1fit.units import format_bytes, parse_bytes
+from r1fit.errors import R1fitError, one_line
 
 log = logging.getLogger("r1fit.memory")
 T = TypeVar("T")
 _SIZE_OF_PHASE = {"generation": "generation_batch", "micro_batch": "micro_batch"}
 
 
-class OutOfMemory(RuntimeError):
+class OutOfMemory(R1fitError, RuntimeError):
     """Out of memory even at chunk size 1; the message says what to change."""
 
 
@@ -75,7 +76,7 @@ class OOMGuard:
             try:
                 return attempt()
             except torch.OutOfMemoryError as exc:
-                message = _one_line(exc)
+                message = one_line(exc, 300, first_line=True)
             # the exception and its frames (which hold the step's tensors) are gone here
             self._shrink(self.failed_phase or "micro_batch", message, "redoing the step")
             for obj, state in zip(restore, saved):
@@ -91,7 +92,7 @@ class OOMGuard:
             except torch.OutOfMemoryError as exc:
                 if not self.updates_done:
                     raise
-                message = _one_line(exc)
+                message = one_line(exc, 300, first_line=True)
             self._shrink("micro_batch", message,
                          f"redoing update {self.updates_done + 1} of this step")
 
@@ -129,8 +130,3 @@ def free_memory(device: torch.device) -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__

@@ -64,7 +64,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from r1fit.config import Config, ConfigError
-from r1fit.memory.units import format_bytes, parse_bytes
+from r1fit.units import format_bytes, parse_bytes
 
 log = logging.getLogger("r1fit.memory")
 
@@ -425,11 +425,11 @@ def _encoded_prompt(cfg: Config, processor: Any, images: int, shapes: bool) -> P
 
     from r1fit.data.images import fit_pixel_budget
     from r1fit.data.sample import Sample
-    from r1fit.rollout.batch import encode_prompts
+    from r1fit.data.batch import encode_prompts
 
     d = cfg.data
     if shapes:
-        from r1fit.train.common import build_datasets
+        from r1fit.data.build import build_datasets
 
         small = replace(cfg, data=replace(d, eval=None, shapes=replace(d.shapes,
                                                                         train_size=SHAPES_SAMPLES)))

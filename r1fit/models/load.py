@@ -8,7 +8,6 @@ same code paths as a real Qwen2-VL / Qwen2.5-VL checkpoint.
 from __future__ import annotations
 
 import os
-import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -21,6 +20,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor,
 
 from r1fit.models.builtin import BUILTIN_PREFIX, ensure_builtin
 from r1fit.models.errors import ModelConfigError
+from r1fit.errors import one_line
 
 __all__ = [
     "LORA_TARGETS",
@@ -33,6 +33,7 @@ __all__ = [
     "resolve_model_path",
     "special_token_ids",
     "unwrap",
+    "vision_tower",
 ]
 
 #: Linear layers of a Qwen2 decoder layer that LoRA may adapt.
@@ -109,7 +110,10 @@ def load_policy(
     model.train()
 
     if freeze_vision:
-        _vision_tower(model, path).requires_grad_(False)
+        visual = vision_tower(model)
+        if visual is None:
+            raise ModelConfigError(f"model {path!r} has no vision tower; cannot freeze_vision")
+        visual.requires_grad_(False)
     # The cache is useless (and costs memory) in training forwards, and incompatible with
     # gradient checkpointing; the inner text model reads its own config, so set both.
     model.config.use_cache = False
@@ -330,7 +334,7 @@ def _from_pretrained(
         try:
             config = AutoConfig.from_pretrained(folder)
         except (OSError, ValueError, KeyError) as err:
-            raise ModelConfigError(f"cannot load model config {path!r}: {_one_line(err)}") from err
+            raise ModelConfigError(f"cannot load model config {path!r}: {one_line(err)}") from err
         with torch.device("meta"):
             return AutoModelForImageTextToText.from_config(
                 config, dtype=_DTYPES[dtype] if dtype != "auto" else None,
@@ -341,7 +345,7 @@ def _from_pretrained(
             device_map=str(torch.device(device)),
         )
     except (OSError, ValueError, KeyError, ImportError) as err:
-        raise ModelConfigError(f"cannot load model {path!r}: {_one_line(err)}") from err
+        raise ModelConfigError(f"cannot load model {path!r}: {one_line(err)}") from err
     return model
 
 
@@ -349,16 +353,18 @@ def _load_processor(folder: str, path: str) -> ProcessorMixin:
     try:
         return AutoProcessor.from_pretrained(folder)
     except (OSError, ValueError, KeyError, ImportError) as err:
-        raise ModelConfigError(f"cannot load processor for {path!r}: {_one_line(err)}") from err
+        raise ModelConfigError(f"cannot load processor for {path!r}: {one_line(err)}") from err
 
 
-def _vision_tower(model: nn.Module, path: str) -> nn.Module:
-    inner = getattr(unwrap(model), "model", None)
-    visual = getattr(inner, "visual", None)
-    if visual is None:
-        raise ModelConfigError(f"model {path!r} has no vision tower (.model.visual); cannot freeze_vision")
-    return visual
+def vision_tower(model: nn.Module) -> nn.Module | None:
+    """The vision encoder of a VLM (through peft and r1fit's wrappers), or None for a text-only
+    model: the inner model's ``visual`` (Qwen2-VL, Qwen2.5-VL), ``vision_tower`` (LLaVA-style,
+    Gemma 3) or ``vision_model`` (Idefics3/SmolVLM)."""
+    base = unwrap(model) if isinstance(model, nn.Module) else model
+    inner = getattr(base, "model", base)
+    for name in ("visual", "vision_tower", "vision_model"):
+        if getattr(inner, name, None) is not None:
+            return getattr(inner, name)
+    return None
 
 
-def _one_line(err: BaseException) -> str:
-    return re.sub(r"\s+", " ", str(err)).strip() or type(err).__name__

@@ -25,6 +25,7 @@ import torch
 from r1fit.rewards.accuracy import accuracy
 from r1fit.rewards.format import format_reward
 from r1fit.rewards.iou import iou, iou_hit
+from r1fit.errors import R1fitError
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -52,7 +53,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 _RESERVED_INFO_KEYS = ("completion", "solution")
 
 
-class RewardConfigError(ValueError):
+class RewardConfigError(R1fitError, ValueError):
     """A reward name, plugin spec or weight in the configuration is unusable."""
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from r1fit.rollout.batch import Prompt, collate, cut_after_eos
+from r1fit.data.batch import Prompt, collate, cut_after_eos
 
 
 @dataclass

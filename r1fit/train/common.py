@@ -21,13 +21,12 @@ from r1fit.checkpoint.sharded import model_tensors
 from r1fit.checkpoint.resume import open_output_dir
 from r1fit.checkpoint.state import seed_everything
 from r1fit.config import Config
-from r1fit.data.dataset import PromptDataset, PromptSampler, load_dataset
-from r1fit.data.sample import Sample
-from r1fit.data.shapes import ShapesSpec
+from r1fit.data.build import BadRowCounter, build_datasets
+from r1fit.data.dataset import PromptDataset
 from r1fit.memory.autofit import resolve_auto_sizes
 from r1fit.memory.telemetry import (current_rss_bytes, reset_peak, step_memory,
                                     use_tensor_probe)
-from r1fit.distributed.context import (World, all_max, all_sum, barrier, broadcast_object,
+from r1fit.distributed.context import (World, all_max, all_sum, barrier, broadcast_object, pick_device,
                                        check_split, device_for,
                                        init_distributed, world)
 from r1fit.distributed.parallelize import gathered, materialize, parallelize
@@ -35,24 +34,11 @@ from r1fit.models.load import load_frozen, load_policy, special_token_ids
 from r1fit.report.metrics import MetricsWriter, read_metrics
 from r1fit.rewards.accuracy import accuracy
 from r1fit.rewards.format import format_reward
-from r1fit.rollout.batch import encode_prompts
+from r1fit.data.batch import encode_prompts
 from r1fit.rollout.generate import SamplingSettings, TokenIds, generate_completions
 from r1fit.train.forward import CompletionLogProbs
 
 log = logging.getLogger("r1fit")
-
-
-class RunError(RuntimeError):
-    """A run cannot start or go on; the message says why and what to do."""
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RunError(f"train.device={name} but CUDA is not available on this machine")
-    return device
 
 
 def write_run_config(out: Path, cfg: Config, kind: str) -> None:
@@ -220,50 +206,6 @@ def load_on_ranks(build: Callable[[Any], tuple[Any, Any]], device: torch.device,
     if w.distributed:
         materialize(root, model, source, device)
     return model, processor, root
-
-
-def build_datasets(cfg: Config) -> tuple[PromptDataset, PromptDataset | None]:
-    d = cfg.data
-    shapes = ShapesSpec(image_size=d.shapes.image_size, kinds=list(d.shapes.kinds),
-                        max_distractors=d.shapes.max_distractors)
-    common = dict(min_pixels=d.min_pixels, max_pixels=d.max_pixels, max_images=d.max_images,
-                  max_bad_fraction=d.max_bad_fraction, seed=cfg.train.seed, shapes=shapes)
-    train = load_dataset(d.train, split="train", size=d.shapes.train_size, **common)
-    evalset = None
-    if d.eval:
-        evalset = load_dataset(d.eval, split="eval", size=d.eval_size, **common)
-    log.info("data: %d training rows (%d bad, skipped), %s", len(train), train.bad_rows,
-             f"{len(evalset)} eval rows ({evalset.bad_rows} bad)" if evalset else "no eval set")
-    return train, evalset
-
-
-class BadRowCounter:
-    """Counts rows skipped while training (corrupt images found on decode)."""
-
-    def __init__(self, start: int = 0) -> None:
-        self.count = start
-
-    def state_dict(self) -> dict[str, int]:
-        return {"count": self.count}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.count = int(state["count"])
-
-    def fetch(self, dataset: PromptDataset, sampler: PromptSampler, k: int) -> list[Sample]:
-        """``k`` good samples from the sampler's stream, skipping (and counting) bad rows."""
-        good: list[Sample] = []
-        attempts = 0
-        while len(good) < k:
-            samples, errors = dataset.fetch(sampler.next_batch(k - len(good)))
-            good.extend(samples)
-            for message in errors:
-                self.count += 1
-                log.warning("skipping %s", message)
-            attempts += 1
-            if attempts > 100:
-                raise RunError(f"{dataset.name}: could not fetch {k} good rows in 100 tries; "
-                               "the data is mostly bad")
-        return good
 
 
 def decode(processor: Any, completions: Sequence[torch.Tensor]) -> list[str]:

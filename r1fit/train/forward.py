@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from r1fit.algorithms.logprobs import chunked_token_logprobs
 from r1fit.models.load import lm_backbone_and_head
-from r1fit.rollout.batch import Batch, Prompt, collate
+from r1fit.data.batch import Batch, Prompt, collate
 
 
 class CompletionLogProbs(nn.Module):

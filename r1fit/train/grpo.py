@@ -35,7 +35,7 @@ from r1fit.models.load import Reference
 from r1fit.report.progress import progress_bar
 from r1fit.rewards.accuracy import accuracy
 from r1fit.rewards.registry import RewardScorer
-from r1fit.rollout.batch import Prompt, collate, encode_prompts
+from r1fit.data.batch import Prompt, collate, encode_prompts
 from r1fit.rollout.generate import SamplingSettings, generate_completions, row_seeds
 from r1fit.train.common import (BadRowCounter, decode, evaluate, finish_summary,
                                 load_frozen_copy, reduce_memory, save_model, start_run, timed)

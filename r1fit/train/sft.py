@@ -23,7 +23,7 @@ from r1fit.memory.guard import OOMGuard
 from r1fit.memory.telemetry import reset_peak, step_memory
 from r1fit.report.progress import progress_bar
 from r1fit.rewards.answer import extract_answer
-from r1fit.rollout.batch import collate, encode_prompts
+from r1fit.data.batch import collate, encode_prompts
 from r1fit.distributed.context import all_sum
 from r1fit.train.common import (BadRowCounter, Run, evaluate, finish_summary, reduce_memory,
                                 save_model, start_run)

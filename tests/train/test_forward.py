@@ -9,7 +9,7 @@ import torch
 from r1fit.config import load_config
 from r1fit.data.dataset import load_dataset
 from r1fit.models.load import load_policy, special_token_ids
-from r1fit.rollout.batch import collate, encode_prompts
+from r1fit.data.batch import collate, encode_prompts
 from r1fit.train.forward import completion_logprobs, logprobs_in_micro_batches
 from r1fit.train.grpo import accumulate_policy_gradients
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from r1fit.memory.units import format_bytes, parse_bytes
+from r1fit.units import format_bytes, parse_bytes
 
 
 def test_parse_bytes():

@@ -25,9 +25,13 @@ def parse_bytes(text: str | int | float) -> int:
     return size
 
 
-def format_bytes(size: float) -> str:
-    """1.50 GiB, 12.0 MiB, 512 B."""
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+_BINARY = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+_DECIMAL = (("GB", 10**9), ("MB", 10**6), ("kB", 10**3))
+
+
+def format_bytes(size: float, *, decimal: bool = False) -> str:
+    """1.50 GiB, 12.00 MiB, 512 B; with ``decimal`` (file sizes) 1.5 GB, 12.0 MB."""
+    for unit, scale in _DECIMAL if decimal else _BINARY:
         if abs(size) >= scale:
-            return f"{size / scale:.2f} {unit}"
+            return f"{size / scale:.{1 if decimal else 2}f} {unit}"
     return f"{int(size)} B"

@@ -3,7 +3,7 @@
 import torch
 
 from r1fit.data.sample import Sample
-from r1fit.rollout.batch import Prompt, collate, cut_after_eos
+from r1fit.data.batch import Prompt, collate, cut_after_eos
 
 PAD = 0
 

@@ -1,0 +1,64 @@
+"""The run's datasets from the config, and the counted skipping of rows found bad while training."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from r1fit.config import Config
+from r1fit.data.dataset import PromptDataset, PromptSampler, load_dataset
+from r1fit.data.errors import DataError
+from r1fit.data.sample import Sample
+from r1fit.data.shapes import ShapesSpec
+
+log = logging.getLogger("r1fit")
+
+
+def build_datasets(cfg: Config) -> tuple[PromptDataset, PromptDataset | None]:
+    """``data.train`` and ``data.eval`` (None when unset) as configured."""
+    d = cfg.data
+    shapes = ShapesSpec(image_size=d.shapes.image_size, kinds=list(d.shapes.kinds),
+                        max_distractors=d.shapes.max_distractors)
+    common: dict[str, Any] = dict(min_pixels=d.min_pixels, max_pixels=d.max_pixels,
+                                  max_images=d.max_images, max_bad_fraction=d.max_bad_fraction,
+                                  seed=cfg.train.seed, shapes=shapes)
+    train = load_dataset(d.train, split="train", size=d.shapes.train_size, **common)
+    evalset = None
+    if d.eval:
+        evalset = load_dataset(d.eval, split="eval", size=d.eval_size, **common)
+    log.info("data: %d training rows (%d bad, skipped), %s", len(train), train.bad_rows,
+             f"{len(evalset)} eval rows ({evalset.bad_rows} bad)" if evalset else "no eval set")
+    return train, evalset
+
+
+class BadRowCounter:
+    """Counts rows skipped while training (corrupt images found on decode, prompts too long)."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.count = start
+
+    def state_dict(self) -> dict[str, int]:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.count = int(state["count"])
+
+    def skip(self, message: str) -> None:
+        """Count one bad row; ``message`` names it (``file:line: reason``)."""
+        self.count += 1
+        log.warning("skipping %s", message)
+
+    def fetch(self, dataset: PromptDataset, sampler: PromptSampler, k: int) -> list[Sample]:
+        """``k`` good samples from the sampler's stream, skipping (and counting) bad rows."""
+        good: list[Sample] = []
+        attempts = 0
+        while len(good) < k:
+            samples, errors = dataset.fetch(sampler.next_batch(k - len(good)))
+            good.extend(samples)
+            for message in errors:
+                self.skip(message)
+            attempts += 1
+            if attempts > 100:
+                raise DataError(f"{dataset.name}: could not fetch {k} good rows in 100 tries; "
+                                "the data is mostly bad")
+        return good

@@ -1,0 +1,22 @@
+"""The one error base class: what r1fit raises for a cause the user can fix (a bad config key, a
+corrupt file, a run that cannot resume). The CLI prints any :class:`R1fitError` as one line
+``r1fit: error: <message>`` and exits with 2; anything else is a bug and keeps its traceback."""
+
+from __future__ import annotations
+
+import re
+
+
+class R1fitError(Exception):
+    """A cause the user can fix; the message names the culprit and what to do."""
+
+
+def one_line(exc: BaseException, limit: int | None = None, *, first_line: bool = False) -> str:
+    """An exception's message folded onto one line (its type name when it has none); with
+    ``first_line`` only its first line (CUDA's out-of-memory text continues with allocator
+    statistics), cut to ``limit`` characters when given."""
+    text = str(exc).strip()
+    if first_line:
+        text = text.splitlines()[0] if text else ""
+    text = re.sub(r"\s+", " ", text).strip()
+    return text[:limit] if text else type(exc).__name__
