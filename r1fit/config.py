@@ -109,6 +109,10 @@ class DataConfig:
     min_pixels: int = opt(28 * 28, "Images are resized (aspect kept) to at least this many pixels.",
                           ge=28 * 28)
     max_images: int = opt(1, "Most images per row; rows with more are bad rows.", ge=0)
+    max_prompt_tokens: int | None = opt(
+        None, "Longest prompt in tokens (image tokens included); longer rows are bad rows, "
+        "skipped and counted, never truncated (truncation would cut image tokens out). null: the "
+        "model's context length minus algo.max_new_tokens.", ge=1)
     max_bad_fraction: float = opt(0.05, "Stop with an error when more than this fraction of rows are "
                                   "bad (missing/corrupt image, missing field, bad JSON).", ge=0, le=1)
     system_prompt: str = opt("", "System message put before every prompt ('' = none). The demo "

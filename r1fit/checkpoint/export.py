@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from r1fit.checkpoint.files import fsync_dir, fsync_tree
-from r1fit.checkpoint.sharded import load_model_weights
+from r1fit.checkpoint.sharded import load_model_weights, model_tensors
+from r1fit.distributed.context import barrier, world
 from r1fit.units import format_bytes
 from r1fit.checkpoint.manager import (
     MODEL_DIR,
@@ -191,3 +192,18 @@ def _json(path: Path) -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+
+
+def save_hf_folder(model: Any, processor: Any, folder: Path) -> None:
+    """A live model as a plain Hugging Face folder (the adapter only, for LoRA) that
+    from_pretrained loads: a run's ``final/``. Sharded weights are gathered to rank 0 (to host
+    memory) and written there."""
+    w = world()
+    state = None
+    if w.distributed:
+        state = model_tensors(model, full_state_dict=True, cpu_offload=True)
+    if w.main:
+        folder.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(folder, state_dict=state)
+        processor.save_pretrained(folder)
+    barrier()

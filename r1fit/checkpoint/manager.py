@@ -44,7 +44,6 @@ import r1fit
 from r1fit.checkpoint.files import (fsync_dir, fsync_tree, load_state, save_state, sha256_file,
                                     write_text_atomic)
 from r1fit.checkpoint.sharded import load_model_weights, model_tensors, save_tensors
-from r1fit.checkpoint.state import load_optimizer_sharded, seed_everything
 from r1fit.distributed.context import all_max, barrier, world
 from r1fit.errors import R1fitError
 
@@ -55,8 +54,6 @@ MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 MODEL_DIR = "model"
 PARTIAL = ".partial"
-# saved only by full checkpoints; a weights-only checkpoint lacks them
-FULL_ONLY = ("optimizer", "scheduler", "rng")
 CHECKPOINT_NAME = re.compile(r"^checkpoint-(?:(warmup)-)?(\d+)$")
 PHASE_ORDER = {"warmup": 0, "grpo": 1, "sft": 1}
 
@@ -79,9 +76,32 @@ class RunStopped(Exception):
 
 
 class Stateful(Protocol):
+    """What the manager saves. An object may also say:
+
+    - ``storage``: ``"json"`` (the default: rank 0 writes its ``state_dict()`` as JSON +
+      safetensors), ``"per_rank"`` (every rank writes its own; a resume on another process count
+      calls ``restart``), or ``"sharded"`` (``sharded_state() -> (tensors, json)``: every rank
+      writes its shards through DCP; ``load_sharded(folder, name, json)`` reads them back on any
+      process count);
+    - ``restartable = True``: weights-only checkpoints leave it out; resuming from one calls
+      ``restart(point) -> str`` (what that means, for the log) instead of loading it;
+    - ``progress() -> dict``: fields for ``trainer_state.json`` (the data position...)."""
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def storage_of(obj: Stateful) -> str:
+    storage = getattr(obj, "storage", "json")
+    if storage not in ("json", "per_rank", "sharded"):
+        raise ValueError(f"{type(obj).__name__}.storage={storage!r}: expected json, per_rank or "
+                         "sharded")
+    return storage
+
+
+def restartable(obj: Stateful) -> bool:
+    return bool(getattr(obj, "restartable", False))
 
 
 def run_config(cfg: Any, kind: str) -> dict[str, Any]:
@@ -194,12 +214,14 @@ class ResumePoint:
 
 
 class CheckpointManager:
-    """Saves and restores a run's objects; keeps the newest ``checkpoint.keep`` checkpoints."""
+    """Saves and restores a run's objects; keeps the newest ``checkpoint.keep`` checkpoints.
+
+    Models (:meth:`add_model`) are saved in every checkpoint of the run; the other objects are
+    given to each :meth:`save` and :meth:`restore` by the loop that owns them."""
 
     def __init__(self, out: Path, cfg: Any, kind: str, resume: ResumePoint | None) -> None:
         self.out, self.cfg, self.kind, self.resume = out, cfg, kind, resume
-        self.models: dict[str, Any] = {}  # name -> (module, processor or None), saved as HF folders
-        self.metrics_lines = lambda: 0     # set by the run: lines in metrics.jsonl so far
+        self._models: dict[str, tuple[Any, Any]] = {}  # name -> (module, processor or None)
         best_file = out / "best"
         self.best = json.loads(best_file.read_text()) if best_file.is_file() else None
         self.last_saved: Path | None = None
@@ -221,44 +243,49 @@ class CheckpointManager:
 
     def restore(self, phase: str, objects: dict[str, Stateful]) -> int:
         """Load ``objects`` from the resume point when it is in ``phase``; returns its step (0 when
-        the phase starts from scratch). A weights-only resume loads what the checkpoint has and
-        leaves the rest (optimizer, scheduler, RNG) fresh."""
+        the phase starts from scratch). What the checkpoint cannot give (a weights-only
+        checkpoint's optimizer, per-rank states saved by another number of processes) is
+        restarted by the object itself, and the log says so."""
         point = self.resume
         if point is None or point.phase != phase:
             return 0
         saved = set(point.state.get("objects", []))
         w = world()
+        saved_world = int(point.state.get("world_size", 1))
+        restarted = []
         for name, obj in objects.items():
-            if name not in saved:
-                if point.weights_only and name in FULL_ONLY:
-                    continue
-                raise CheckpointError(f"{point.path}: has no saved {name!r}")
+            storage = storage_of(obj)
             try:
-                if name == "rng":  # per rank; another process count starts new streams
-                    saved_world = int(point.state.get("world_size", 1))
-                    if saved_world == w.size:
-                        obj.load_state_dict(load_state(point.path, f"rng-rank{w.rank}"))
-                    else:
-                        seed_everything(self.cfg.train.seed + point.step + 7919 * w.rank)
-                        if w.main:
-                            log.warning("saved by %d processes, resumed on %d: the RNG states are "
-                                        "re-seeded, so the run continues from the same step and "
-                                        "optimizer state but is not bit-identical to an "
-                                        "uninterrupted one", saved_world, w.size)
-                elif getattr(obj, "sharded", False):
-                    load_optimizer_sharded(obj, point.path, name,
-                                           load_state(point.path, name)["param_groups"])
+                if name not in saved:
+                    if not (point.weights_only and restartable(obj)):
+                        raise CheckpointError(f"{point.path}: has no saved {name!r}")
+                    restarted.append(obj.restart(point))  # type: ignore[attr-defined]
+                elif storage == "per_rank" and saved_world != w.size:
+                    message = obj.restart(point)  # type: ignore[attr-defined]
+                    if w.main:
+                        log.warning("saved by %d processes, resumed on %d: %s, so the run "
+                                    "continues from the same step and optimizer state but is not "
+                                    "bit-identical to an uninterrupted one", saved_world, w.size,
+                                    message)
+                elif storage == "per_rank":
+                    obj.load_state_dict(load_state(point.path, f"{name}-rank{w.rank}"))
+                elif storage == "sharded":
+                    obj.load_sharded(point.path, name,  # type: ignore[attr-defined]
+                                     load_state(point.path, name))
                 else:
                     obj.load_state_dict(load_state(point.path, name))
             except (ValueError, KeyError, RuntimeError) as exc:
+                if isinstance(exc, CheckpointError):
+                    raise
                 raise CheckpointError(f"{point.path}: cannot restore {name}: {exc}") from exc
-        if point.weights_only:  # fresh optimizer; the schedule and RNG continue from the step
-            if "scheduler" in objects and point.state.get("updates") is not None:
-                fast_forward(objects["scheduler"], int(point.state["updates"]))
-            seed_everything(self.cfg.train.seed + point.step)
         log.info("resumed %s at step %d from %s%s", phase, point.step, point.path,
-                 " (weights only: fresh optimizer)" if point.weights_only else "")
+                 f" (weights only: {', '.join(restarted)})" if point.weights_only else "")
         return point.step
+
+    def add_model(self, name: str, module: Any, processor: Any = None) -> None:
+        """Save ``module``'s weights (sharded; the adapter only for LoRA) and config, and
+        ``processor``, in every checkpoint from now on, as ``weights/`` entries and ``name/``."""
+        self._models[name] = (module, processor)
 
     def has_model(self, name: str) -> bool:
         """True if the resume point holds the weights of model ``name``."""
@@ -291,8 +318,9 @@ class CheckpointManager:
                              "rerun the same command to resume")
 
     def save(self, phase: str, step: int, objects: dict[str, Stateful], *,
-             metrics: dict[str, Any] | None = None) -> Path:
-        """Write ``checkpoint-<step>`` atomically, update ``latest``, apply retention."""
+             metrics: dict[str, Any] | None = None, metrics_lines: int = 0) -> Path:
+        """Write ``checkpoint-<step>`` atomically, update ``latest``, apply retention.
+        ``metrics_lines``: the rows of ``metrics.jsonl`` so far (a resume keeps as many)."""
         name = checkpoint_name(phase, step)
         final, partial = self.out / name, self.out / (name + PARTIAL)
         weights_only = self.cfg.checkpoint.weights_only
@@ -305,27 +333,30 @@ class CheckpointManager:
                     shutil.rmtree(partial)
                 partial.mkdir(parents=True)
             barrier()
-            # every rank: its shards of the weights and optimizer moments, its RNG states
+            # every rank: its shards of the weights and optimizer moments, its per-rank states
             tensors = {model_name: model_tensors(module)
-                       for model_name, (module, _) in self.models.items()}
+                       for model_name, (module, _) in self._models.items()}
             saved, json_states = [], {}
             for obj_name, obj in objects.items():
-                if weights_only and obj_name in FULL_ONLY:
+                if weights_only and restartable(obj):
                     continue
                 saved.append(obj_name)
-                if obj_name == "rng":
-                    save_state(partial, f"rng-rank{w.rank}", obj.state_dict())
-                elif getattr(obj, "sharded", False):
-                    state = obj.state_dict()
-                    tensors[obj_name] = state["state"]
-                    json_states[obj_name] = {"param_groups": state["param_groups"]}
+                storage = storage_of(obj)
+                if storage == "per_rank":
+                    save_state(partial, f"{obj_name}-rank{w.rank}", obj.state_dict())
+                elif storage == "sharded":
+                    tensors[obj_name], json_states[obj_name] = obj.sharded_state()  # type: ignore[attr-defined]
                 else:
                     json_states[obj_name] = obj.state_dict()
             save_tensors(partial, tensors)
             barrier()
             if w.main:
-                files = self._write_metadata(partial, phase, step, objects, saved, json_states,
-                                             metrics)
+                progress: dict[str, Any] = {}
+                for obj in objects.values():
+                    if hasattr(obj, "progress"):
+                        progress.update(obj.progress())  # type: ignore[attr-defined]
+                files = self._write_metadata(partial, phase, step, progress, saved, json_states,
+                                             metrics, metrics_lines)
                 if final.exists():  # a checkpoint of an abandoned trajectory (resumed from earlier)
                     shutil.rmtree(final)
                 os.rename(partial, final)
@@ -353,29 +384,24 @@ class CheckpointManager:
         self._retain()
         return final
 
-    def _write_metadata(self, partial: Path, phase: str, step: int,
-                        objects: dict[str, Stateful], saved: list[str],
-                        json_states: dict[str, Any], metrics: dict[str, Any] | None
-                        ) -> dict[str, Any]:
+    def _write_metadata(self, partial: Path, phase: str, step: int, progress: dict[str, Any],
+                        saved: list[str], json_states: dict[str, Any],
+                        metrics: dict[str, Any] | None, metrics_lines: int) -> dict[str, Any]:
         """Rank 0: the non-tensor states, the models' configs and processors, trainer_state.json,
         config.json, then manifest.json over every rank's files, then fsync. Returns the
         manifest's files."""
         for obj_name, state in json_states.items():
             save_state(partial, obj_name, state)
-        for model_name, (module, processor) in self.models.items():
+        for model_name, (module, processor) in self._models.items():
             save_model_files(module, processor, partial / model_name)
-        sampler = objects["sampler"].state_dict() if "sampler" in objects else {}
         trainer_state = {
             "format": FORMAT, "r1fit_version": r1fit.__version__, "kind": self.kind,
-            "phase": phase, "step": step,
-            "updates": getattr(objects.get("scheduler"), "last_epoch", None),
-            "consumed_prompts": sampler.get("epoch", 0) * sampler.get("num_items", 0)
-            + sampler.get("position", 0),
-            "epoch": sampler.get("epoch"), "sampler": sampler,
+            "phase": phase, "step": step, "updates": None, "consumed_prompts": 0, "epoch": None,
+            "sampler": {}, **progress,
             "config_fingerprint": self.cfg.fingerprint(),
             "weights_only": self.cfg.checkpoint.weights_only,
-            "objects": saved, "models": sorted(self.models), "world_size": world().size,
-            "metrics_lines": self.metrics_lines(), "metrics": metrics or {},
+            "objects": saved, "models": sorted(self._models), "world_size": world().size,
+            "metrics_lines": metrics_lines, "metrics": metrics or {},
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         (partial / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
         (partial / "config.json").write_text(json.dumps(run_config(self.cfg, self.kind),
@@ -426,11 +452,3 @@ def save_model_files(module: Any, processor: Any, folder: Path) -> None:
         processor.save_pretrained(folder)
     if hasattr(module, "peft_config"):
         module.peft_config["default"].save_pretrained(folder)
-
-
-def fast_forward(scheduler: Any, updates: int) -> None:
-    """Put a fresh LR scheduler at update ``updates`` (weights-only resume)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()"
-        scheduler.last_epoch = updates - 1
-        scheduler.step()

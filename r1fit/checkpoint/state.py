@@ -7,10 +7,10 @@ counters) or whose own pair is keyed by position rather than by name (the optimi
 from __future__ import annotations
 
 import random
+import warnings
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
@@ -18,49 +18,17 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
 from r1fit.checkpoint.sharded import load_tensors, saved_keys
 
 
-def seed_everything(seed: int) -> None:
-    """Seed Python's, NumPy's and torch's global generators (all devices)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-class RngState:
-    """Python, NumPy, torch CPU and (when present) CUDA generator states of this process."""
-
-    def state_dict(self) -> dict[str, Any]:
-        np_state = np.random.get_state(legacy=False)
-        state: dict[str, Any] = {
-            "python": random.getstate(),
-            "numpy": {"key": np_state["state"]["key"].tolist(), "pos": int(np_state["state"]["pos"]),
-                      "has_gauss": int(np_state["has_gauss"]), "gauss": float(np_state["gauss"])},
-            "torch": torch.get_rng_state(),
-        }
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state_all()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        version, internal, gauss = state["python"]
-        random.setstate((version, tuple(internal), gauss))
-        n = state["numpy"]
-        np.random.set_state({"bit_generator": "MT19937",
-                             "state": {"key": np.asarray(n["key"], dtype=np.uint32), "pos": n["pos"]},
-                             "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
-        torch.set_rng_state(state["torch"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(list(state["cuda"]))
-
-
 class OptimizerState:
     """An optimizer's state keyed by parameter name (not position), so it survives a different
     parameter order or process count; built on ``torch.distributed.checkpoint.state_dict``.
 
-    ``sharded``: the checkpoint manager writes the moments (``state``) through DCP, each rank its
-    own shards, and the param groups as JSON; :meth:`load_sharded` reads them back into any number
-    of processes."""
+    Stored ``sharded``: the checkpoint manager writes the moments through DCP, each rank its own
+    shards, and the param groups as JSON; :meth:`load_sharded` reads them back into any number of
+    processes. ``restartable``: a weights-only checkpoint leaves it out, and the run continues
+    with a fresh optimizer."""
 
-    sharded = True
+    storage = "sharded"
+    restartable = True
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
@@ -80,6 +48,46 @@ class OptimizerState:
         # legitimate; the parameter lists were compared above
         set_optimizer_state_dict(self.model, self.optimizer, state,
                                  options=StateDictOptions(strict=False))
+
+    def sharded_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(tensors written through DCP, the rest written as JSON)."""
+        state = self.state_dict()
+        return state["state"], {"param_groups": state["param_groups"]}
+
+    def load_sharded(self, folder: Path, name: str, saved: dict[str, Any]) -> None:
+        load_optimizer_sharded(self, folder, name, saved["param_groups"])
+
+    def restart(self, point: Any) -> str:
+        return "a fresh optimizer"
+
+
+class SchedulerState:
+    """The learning-rate schedule; on a weights-only resume (no saved state) it is fast-forwarded
+    to the checkpoint's update count."""
+
+    restartable = True
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+
+    def progress(self) -> dict[str, Any]:
+        """What ``trainer_state.json`` records of it."""
+        return {"updates": self.scheduler.last_epoch}
+
+    def restart(self, point: Any) -> str:
+        updates = point.state.get("updates")
+        if updates is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()"
+                self.scheduler.last_epoch = int(updates) - 1
+                self.scheduler.step()
+        return f"the learning-rate schedule continues from update {updates}"
 
 
 class Counters:

@@ -61,6 +61,26 @@ def encode_prompts(processor: Any, samples: Sequence[Sample], system_prompt: str
     return prompts
 
 
+def split_too_long(prompts: Sequence[Prompt], max_tokens: int | None
+                   ) -> tuple[list[Prompt], list[str]]:
+    """(prompts of at most ``max_tokens`` tokens, one ``"<source>: ..."`` message per longer one).
+    A long prompt is never truncated: that would cut image tokens out of it."""
+    kept, errors = [], []
+    for prompt in prompts:
+        if max_tokens is not None and prompt.length > max_tokens:
+            errors.append(f"{prompt.sample.source}: the prompt has {prompt.length} tokens, more "
+                          f"than data.max_prompt_tokens={max_tokens}")
+        else:
+            kept.append(prompt)
+    return kept, errors
+
+
+def decode_completions(processor: Any, completions: Sequence[torch.Tensor]) -> list[str]:
+    """Completion token rows as text (special tokens left out)."""
+    return processor.tokenizer.batch_decode([c.tolist() for c in completions],
+                                            skip_special_tokens=True)
+
+
 @dataclass
 class Batch:
     """Model inputs for rows of ``[pads | prompt | completion | pads]``."""

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from r1fit.config import Config
+from r1fit.data.batch import Prompt
 from r1fit.data.dataset import PromptDataset, PromptSampler, load_dataset
 from r1fit.data.errors import DataError
 from r1fit.data.sample import Sample
@@ -48,14 +49,17 @@ class BadRowCounter:
         self.count += 1
         log.warning("skipping %s", message)
 
-    def fetch(self, dataset: PromptDataset, sampler: PromptSampler, k: int) -> list[Sample]:
-        """``k`` good samples from the sampler's stream, skipping (and counting) bad rows."""
-        good: list[Sample] = []
+    def fetch(self, dataset: PromptDataset, sampler: PromptSampler, k: int,
+              encode: Callable[[list[Sample]], tuple[list[Prompt], list[str]]]) -> list[Prompt]:
+        """``k`` good prompts from the sampler's stream, skipping (and counting) bad rows: rows
+        whose image fails to decode, and those ``encode`` refuses (a prompt too long)."""
+        good: list[Prompt] = []
         attempts = 0
         while len(good) < k:
             samples, errors = dataset.fetch(sampler.next_batch(k - len(good)))
-            good.extend(samples)
-            for message in errors:
+            prompts, refused = encode(samples)
+            good.extend(prompts)
+            for message in errors + refused:
                 self.skip(message)
             attempts += 1
             if attempts > 100:

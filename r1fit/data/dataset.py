@@ -192,6 +192,11 @@ class PromptSampler:
                 self._order = None
         return out
 
+    def progress(self) -> dict[str, Any]:
+        """What ``trainer_state.json`` records of the data position."""
+        return {"consumed_prompts": self.epoch * self.num_items + self.position,
+                "epoch": self.epoch, "sampler": self.state_dict()}
+
     def state_dict(self) -> dict[str, int]:
         """``{"epoch", "position", "seed", "num_items"}``: everything needed to continue the stream."""
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_items": self.num_items}

@@ -7,7 +7,7 @@ and vision blocks of Qwen2-VL / Qwen2.5-VL, and of any other transformers VLM), 
 which owns what is left (embeddings, LM head, final norm, vision patch embedding and merger). The
 root must be the module whose ``forward`` the loops call, so that FSDP gathers the root's
 parameters around it: r1fit calls a small wrapper that computes completion log-probs with the LM
-head in chunks (:class:`r1fit.train.forward.CompletionLogProbs`).
+head in chunks (:class:`r1fit.models.logprobs.CompletionLogProbs`).
 """
 
 from __future__ import annotations

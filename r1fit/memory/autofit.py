@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from r1fit.distributed.context import all_max, world
+from r1fit.memory.sizes import ChunkSizes
 from r1fit.units import format_bytes, parse_bytes
 from r1fit.errors import R1fitError
 
@@ -30,27 +32,32 @@ def device_budget(memory: Any, device: torch.device) -> int:
                        "(e.g. memory.budget=16GiB)")
 
 
-def resolve_auto_sizes(cfg: Any, device: torch.device) -> None:
-    """Replace ``auto`` chunk sizes in ``cfg.memory`` with the largest the planner fits."""
+def resolve_sizes(cfg: Any, device: torch.device) -> ChunkSizes:
+    """The chunk sizes the run starts with: the config's, with ``auto`` replaced by the largest
+    the planner fits. Over several processes every rank must run as many micro-batches, so the
+    smallest answer of all ranks wins."""
     memory = cfg.memory
-    if "auto" not in (memory.micro_batch, memory.generation_batch):
-        return
-    from r1fit.distributed.context import world
-    from r1fit.memory.planner import plan_memory
+    asked = {"micro_batch": memory.micro_batch, "generation_batch": memory.generation_batch}
+    chosen = dict(asked)
+    if "auto" in asked.values():
+        from r1fit.memory.planner import plan_memory
 
-    budget = device_budget(memory, device)
-
-    # over several processes: one device of the FSDP run (sharded states, 1/N of the rows)
-    plan = plan_memory(cfg, device_memory_bytes=budget, device_type=device.type,
-                       gpus=world().size)
-    if not plan.max_micro_batch or not plan.max_generation_batch:
-        raise AutoFitError(f"even memory.micro_batch=1 does not fit {format_bytes(budget)} on "
-                           f"{device}: {'; '.join(plan.advice) or 'see r1fit plan'}")
-    chosen = []
-    for key, value in (("micro_batch", plan.max_micro_batch),
-                       ("generation_batch", plan.max_generation_batch)):
-        if getattr(memory, key) == "auto":
-            setattr(memory, key, int(value))
-            chosen.append(f"memory.{key}={value}")
-    log.info("auto-fit for %s on %s: %s (planned peak %s)", format_bytes(budget), device,
-             ", ".join(chosen), format_bytes(plan.peak_bytes))
+        budget = device_budget(memory, device)
+        # over several processes: one device of the FSDP run (sharded states, 1/N of the rows)
+        plan = plan_memory(cfg, device_memory_bytes=budget, device_type=device.type,
+                           gpus=world().size)
+        if not plan.max_micro_batch or not plan.max_generation_batch:
+            raise AutoFitError(f"even memory.micro_batch=1 does not fit {format_bytes(budget)} on "
+                               f"{device}: {'; '.join(plan.advice) or 'see r1fit plan'}")
+        answers = {"micro_batch": plan.max_micro_batch,
+                   "generation_batch": plan.max_generation_batch}
+        picked = [key for key, value in asked.items() if value == "auto"]
+        for key in picked:
+            chosen[key] = int(answers[key])
+        if world().distributed:
+            smallest = all_max([-chosen["micro_batch"], -chosen["generation_batch"]])
+            chosen = {"micro_batch": int(-smallest[0]), "generation_batch": int(-smallest[1])}
+        log.info("auto-fit for %s on %s: %s (planned peak %s)", format_bytes(budget), device,
+                 ", ".join(f"memory.{key}={chosen[key]}" for key in picked),
+                 format_bytes(plan.peak_bytes))
+    return ChunkSizes(chosen["micro_batch"], chosen["generation_batch"], asked)

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import torch
 
 from r1fit.distributed.context import world
+from r1fit.memory.sizes import ChunkSizes
 from r1fit.memory.telemetry import peak_rss_bytes, reset_peak
 from r1fit.units import format_bytes, parse_bytes
 from r1fit.errors import R1fitError, one_line
@@ -38,12 +39,14 @@ class OutOfMemory(R1fitError, RuntimeError):
 
 
 class OOMGuard:
-    """Owns the chunk sizes of ``memory`` (it lowers them in place) for one run."""
+    """Lowers the run's chunk sizes (``sizes``, shared by the run's phases and saved in its
+    checkpoints) when memory runs out; ``budget`` is ``memory.budget`` ('' for none)."""
 
-    def __init__(self, memory: Any, device: torch.device, optimizer: torch.optim.Optimizer, *,
-                 baseline_rss_bytes: int) -> None:
-        self.memory, self.device, self.optimizer = memory, device, optimizer
-        self.budget = parse_bytes(memory.budget) if memory.budget else None
+    def __init__(self, sizes: ChunkSizes, budget: str, device: torch.device,
+                 optimizer: torch.optim.Optimizer, *, baseline_rss_bytes: int) -> None:
+        self.sizes, self.device, self.optimizer = sizes, device, optimizer
+        self.budget_text = budget
+        self.budget = parse_bytes(budget) if budget else None
         self.baseline = baseline_rss_bytes
         self.failed_phase: str | None = None
         self.updates_done = 0   # optimizer updates applied in the current attempt
@@ -64,7 +67,7 @@ class OOMGuard:
                 self.failed_phase = name
                 raise torch.OutOfMemoryError(
                     f"CPU out of memory: peak RSS {format_bytes(used)} over the pre-load baseline "
-                    f"exceeds memory.budget={self.memory.budget}")
+                    f"exceeds memory.budget={self.budget_text}")
 
     def run_step(self, attempt: Callable[[], T], restore: list[Any]) -> T:
         """Run ``attempt()`` (one step from its start); on OOM shrink and redo it with the
@@ -100,7 +103,7 @@ class OOMGuard:
         self.optimizer.zero_grad(set_to_none=True)
         free_memory(self.device)
         key = _SIZE_OF_PHASE[phase]
-        size = getattr(self.memory, key)
+        size = self.sizes[key]
         w = world()
         if w.distributed:  # the other ranks are inside collectives of this step: no redo alone
             raise OutOfMemory(
@@ -113,7 +116,7 @@ class OOMGuard:
                 f"({message}). Lower data.max_pixels or algo.max_new_tokens, keep "
                 "memory.gradient_checkpointing=true, use LoRA (model.lora.r=16) or a smaller "
                 "memory.logits_chunk, or give the run more memory")
-        setattr(self.memory, key, size // 2)
+        self.sizes.halve(key)
         self.retries += 1
         log.warning("out of memory in %s (%s): memory.%s %d -> %d, %s", phase, message, key, size,
                     size // 2, action)

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from r1fit.distributed.context import all_max
+
 log = logging.getLogger("r1fit.memory")
 
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
@@ -106,11 +108,14 @@ def use_tensor_probe(on: bool) -> None:
 
 
 def step_memory(device: torch.device, prefix: str = "") -> dict[str, int | None]:
-    """``peak_memory_bytes`` and ``peak_reserved_bytes`` since the last :func:`reset_peak`. On CPU
-    the reserved figure does not exist (null): the peak is the process's peak RSS."""
+    """``peak_memory_bytes`` and ``peak_reserved_bytes`` since the last :func:`reset_peak`, of the
+    busiest process when there are several. On CPU the reserved figure does not exist (null): the
+    peak is the process's peak RSS."""
     reserved = (int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else None)
-    return {f"{prefix}peak_memory_bytes": peak_memory_bytes(device),
-            f"{prefix}peak_reserved_bytes": reserved}
+    memory = {f"{prefix}peak_memory_bytes": peak_memory_bytes(device),
+              f"{prefix}peak_reserved_bytes": reserved}
+    keys = [k for k, v in memory.items() if v is not None]
+    return {**memory, **{k: int(v) for k, v in zip(keys, all_max([memory[k] for k in keys]))}}
 
 
 def warn_if_fragmented(device: torch.device, threshold_gib: float, step: int) -> bool:

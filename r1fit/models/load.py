@@ -25,6 +25,7 @@ from r1fit.errors import one_line
 __all__ = [
     "LORA_TARGETS",
     "ModelConfigError",
+    "context_length",
     "Reference",
     "language_model_lora_regex",
     "lm_backbone_and_head",
@@ -292,6 +293,17 @@ def lm_backbone_and_head(model: nn.Module) -> tuple[Callable[..., torch.Tensor],
         return inner(**inputs, return_dict=True).last_hidden_state
 
     return backbone, head
+
+
+def context_length(model: nn.Module) -> int | None:
+    """The longest sequence the language model takes (``max_position_embeddings`` of its text
+    config), or None when the config does not say."""
+    config = unwrap(model).config
+    for part in (getattr(config, "text_config", None), config):
+        value = getattr(part, "max_position_embeddings", None) if part is not None else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def special_token_ids(model: nn.Module, processor: ProcessorMixin) -> dict[str, int]:

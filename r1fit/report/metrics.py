@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -55,3 +58,13 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     """All rows of a metrics.jsonl file."""
     with Path(path).open(encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+@contextmanager
+def timed(into: dict[str, float], key: str) -> Iterator[None]:
+    """Add the block's wall time (seconds) to ``into[key]``."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        into[key] = into.get(key, 0.0) + time.perf_counter() - start

@@ -12,13 +12,16 @@ its own random stream (``row_seeds``), drawn by ``SeededSampler`` instead of by 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from r1fit.data.batch import Prompt, collate, cut_after_eos
+from r1fit.distributed.context import all_sum
+from r1fit.models.load import special_token_ids
+from r1fit.rollout.record import Rollout
 
 
 @dataclass
@@ -36,6 +39,20 @@ class TokenIds:
     pad: int
     eos: list[int]
     blocked: list[int]  # image/video placeholders must never be sampled
+
+    @classmethod
+    def of(cls, model: Any, processor: Any) -> "TokenIds":
+        special = special_token_ids(model, processor)
+        # a completion ends at <|im_end|> or, if the model emits it, at <|endoftext|> (Qwen's
+        # generation_config stops at both)
+        eos = [special["eos"]]
+        tokenizer = processor.tokenizer
+        end_of_text = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+        if isinstance(end_of_text, int) and end_of_text != tokenizer.unk_token_id \
+                and end_of_text not in eos:
+            eos.append(end_of_text)
+        return cls(pad=special["pad"], eos=eos,
+                   blocked=[special["image_pad"], special["video_pad"]])
 
 
 def generation_config(settings: SamplingSettings, ids: TokenIds) -> GenerationConfig:
@@ -118,8 +135,7 @@ class SeededSampler(LogitsProcessor):
 @torch.no_grad()
 def generate_completions(model: Any, rows: Sequence[Prompt], *, seeds: Sequence[int] | None,
                          batch_size: int, settings: SamplingSettings, ids: TokenIds,
-                         device: torch.device,
-                         on_chunk: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+                         device: torch.device) -> list[torch.Tensor]:
     """One completion per row, in row order, each cut after its EOS.
 
     Greedy (``settings.greedy``) takes ``seeds=None``; sampling needs one seed per row (see
@@ -150,8 +166,19 @@ def generate_completions(model: Any, rows: Sequence[Prompt], *, seeds: Sequence[
                                  logits_processor=processors, synced_gpus=False)
             new_tokens = out[:, batch.prompt_len:].cpu()
             completions.extend(cut_after_eos(row, ids.eos) for row in new_tokens)
-            if on_chunk is not None:
-                on_chunk(len(chunk))
     finally:
         model.train(was_training)
     return completions
+
+
+def generate_rollout(rollout: Rollout, model: Any, *, seed: int, settings: SamplingSettings,
+                     ids: TokenIds, batch_size: int, device: torch.device) -> None:
+    """Generation stage: ``num_generations`` completions of each of this process's rows, sampled
+    from per-row streams (the same completions whatever the chunking or rank), and the whole
+    step's completion-token count (the loss normaliser; one sum over processes)."""
+    rollout.completions = generate_completions(
+        model, rollout.rows, seeds=row_seeds(seed, rollout.step, rollout.first_row,
+                                             len(rollout.rows)),
+        batch_size=batch_size, settings=settings, ids=ids, device=device)
+    local = sum(int(c.shape[0]) for c in rollout.completions)
+    rollout.total_tokens = int(all_sum([local])[0])

@@ -15,20 +15,22 @@ from typing import Any, Callable
 
 import torch
 
-from r1fit.checkpoint.state import OptimizerState, PythonRandomState, RngState
+from r1fit.checkpoint.state import OptimizerState, PythonRandomState, SchedulerState
 from r1fit.config import Config
-from r1fit.data.dataset import PromptDataset, PromptSampler
+from r1fit.data.batch import collate
+from r1fit.data.build import BadRowCounter
+from r1fit.data.dataset import PromptSampler
 from r1fit.data.sample import Sample
-from r1fit.memory.guard import OOMGuard
+from r1fit.distributed.context import all_sum
 from r1fit.memory.telemetry import reset_peak, step_memory
+from r1fit.models.logprobs import completion_logprobs
 from r1fit.report.progress import progress_bar
 from r1fit.rewards.answer import extract_answer
-from r1fit.data.batch import collate, encode_prompts
-from r1fit.distributed.context import all_sum
-from r1fit.train.common import (BadRowCounter, Run, evaluate, finish_summary, reduce_memory,
-                                save_model, start_run)
-from r1fit.train.forward import completion_logprobs, micro_batches
+from r1fit.rng import RngState
+from r1fit.train.evaluate import evaluate
+from r1fit.train.forward import micro_batches
 from r1fit.train.optim import build_optimizer, build_scheduler, clip_and_step
+from r1fit.train.run import Run, start_run
 
 log = logging.getLogger("r1fit.sft")
 
@@ -52,40 +54,37 @@ def build_targets(samples: list[Sample], think: str, rng: random.Random | None) 
     return [target_text(sol, think) for sol in solutions]
 
 
-def supervised_steps(run: Run, dataset: PromptDataset, steps: int, *, format_only: bool,
-                     metrics_prefix: str = "",
-                     final_eval: Callable[[], dict[str, Any]] | None = None
-                     ) -> list[dict[str, Any]]:
-    """``steps`` SFT updates with their own AdamW and schedule; one metrics row per step.
-    ``format_only`` learns the answer format with random answers (the warm-up before GRPO);
-    ``final_eval``'s results go into the last step's row."""
-    cfg, model, processor = run.cfg, run.model, run.processor
-    phase = "warmup" if format_only else "sft"
-    sampler = PromptSampler(len(dataset), seed=cfg.train.seed + 1)
+def supervised_steps(run: Run, steps: int, *, format_only: bool) -> list[dict[str, Any]]:
+    """``steps`` SFT updates on the training set with their own AdamW and schedule; one metrics
+    row per step. ``format_only`` learns the answer format with random answers (the warm-up before
+    GRPO, logged with a ``warmup/`` prefix); otherwise each row's solution, and the last step's row
+    holds the final evaluation."""
+    cfg, processor = run.cfg, run.processor
+    phase, prefix = ("warmup", "warmup/") if format_only else ("sft", "")
+    sampler = PromptSampler(len(run.train_set), seed=cfg.train.seed + 1)
     rng = random.Random(cfg.train.seed + 1) if format_only else None
-    bad_rows = BadRowCounter(dataset.bad_rows)
-    optimizer = build_optimizer(model, cfg.sft.learning_rate, cfg.train.weight_decay)
+    bad_rows = BadRowCounter(run.train_set.bad_rows)
+    optimizer = build_optimizer(run.model, cfg.sft.learning_rate, cfg.train.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.train.lr_schedule, cfg.train.warmup_steps, steps)
-    state = {"optimizer": OptimizerState(model, optimizer), "scheduler": scheduler,
-             "sampler": sampler, "bad_rows": bad_rows, "rng": RngState()}
+    rng_state = RngState(cfg.train.seed, run.world.rank)
+    state = {"optimizer": OptimizerState(run.model, optimizer),
+             "scheduler": SchedulerState(scheduler), "sampler": sampler, "bad_rows": bad_rows,
+             "sizes": run.sizes, "rng": rng_state}
     if rng is not None:
         state["targets_rng"] = PythonRandomState(rng)
     start = run.checkpoints.restore(phase, state)
-    guard = OOMGuard(cfg.memory, run.device, optimizer,
-                     baseline_rss_bytes=run.rss_before_load_bytes)
+    guard = run.guard(optimizer)
     end_of_turn = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
     rows_out = []
-    model.train()
-    with progress_bar("SFT warm-up" if metrics_prefix else "SFT", steps,
-                      completed=start) as advance:
+    run.model.train()
+    with progress_bar("SFT warm-up" if format_only else "SFT", steps, completed=start) as advance:
         for step in range(start + 1, steps + 1):
-            start = time.perf_counter()
+            started = time.perf_counter()
             reset_peak(run.device)
-            samples = bad_rows.fetch(dataset, sampler, cfg.sft.batch_size)
-            prompts = encode_prompts(processor, samples, cfg.data.system_prompt)
+            prompts = run.fetch(sampler, bad_rows, cfg.sft.batch_size)
             targets = [torch.tensor(processor.tokenizer(t, add_special_tokens=False)["input_ids"]
                                     + [end_of_turn], dtype=torch.long)
-                       for t in build_targets(samples, cfg.sft.think, rng)]
+                       for t in build_targets([p.sample for p in prompts], cfg.sft.think, rng)]
             total_tokens = sum(int(t.shape[0]) for t in targets)
             # over several processes each rank takes its share of the batch's rows
             share = run.world.share(len(prompts), "rows per step (sft.batch_size)")
@@ -97,7 +96,7 @@ def supervised_steps(run: Run, dataset: PromptDataset, steps: int, *, format_onl
                 loss_sum = 0.0
                 with guard.phase("micro_batch"):
                     for _, mb_prompts, mb_targets in micro_batches(prompts, targets,
-                                                                   cfg.memory.micro_batch):
+                                                                   run.sizes.micro_batch):
                         batch = collate(mb_prompts, mb_targets, run.ids.pad).to(run.device)
                         logp = completion_logprobs(run.policy, batch,
                                                    chunk_size=cfg.memory.logits_chunk)
@@ -107,38 +106,27 @@ def supervised_steps(run: Run, dataset: PromptDataset, steps: int, *, format_onl
                         loss_sum += loss.item()
                 return loss_sum
 
-            loss_sum = all_sum([guard.run_step(accumulate, restore=[state["rng"]])])[0]
+            loss_sum = all_sum([guard.run_step(accumulate, restore=[rng_state])])[0]
             grad_norm = clip_and_step(optimizer, scheduler, cfg.train.max_grad_norm)
-            seconds = time.perf_counter() - start
-            row = {f"{metrics_prefix}step": step, f"{metrics_prefix}loss": loss_sum,
-                   f"{metrics_prefix}grad_norm": grad_norm,
-                   f"{metrics_prefix}tokens_per_second": total_tokens / seconds,
-                   **reduce_memory(step_memory(run.device, metrics_prefix)),
-                   f"{metrics_prefix}bad_rows": bad_rows.count,
-                   f"{metrics_prefix}oom_retries": guard.retries}
-            if final_eval is not None and step == steps:
-                row.update(final_eval())
+            seconds = time.perf_counter() - started
+            row = {f"{prefix}step": step, f"{prefix}loss": loss_sum,
+                   f"{prefix}grad_norm": grad_norm,
+                   f"{prefix}tokens_per_second": total_tokens / seconds,
+                   **step_memory(run.device, prefix), f"{prefix}bad_rows": bad_rows.count,
+                   f"{prefix}oom_retries": guard.retries}
+            if not format_only and step == steps and run.eval_set is not None:
+                row.update(evaluate(run))
             run.metrics.write(row)
             rows_out.append(row)
             advance(f"loss {loss_sum:.3f}")
-            if run.checkpoints.due(step, last=step == steps):
-                run.checkpoints.save(phase, step, state, metrics=row)
-                run.checkpoints.stop_if_requested(step)
+            run.save(phase, step, state, row, last=step == steps)
     return rows_out
 
 
 def train_sft(cfg: Config) -> dict[str, Any]:
     """``r1fit sft``: supervised fine-tuning for ``sft.steps`` steps, evaluated before and after."""
     run = start_run(cfg, "sft")
-    train_set, eval_set = run.train_set, run.eval_set
-    if eval_set is not None and cfg.eval.before_train and run.checkpoints.resume is None:
-        run.metrics.write({"step": 0, **evaluate(run.model, run.processor, eval_set, cfg,
-                                                 run.ids, run.device, run.policy)})
-    final_eval = None
-    if eval_set is not None:
-        def final_eval() -> dict[str, Any]:
-            return evaluate(run.model, run.processor, eval_set, cfg, run.ids, run.device,
-                            run.policy)
-    supervised_steps(run, train_set, cfg.sft.steps, format_only=False, final_eval=final_eval)
-    save_model(run.model, run.processor, run.out / "final")
-    return finish_summary(run, steps=cfg.sft.steps)
+    if run.eval_set is not None and cfg.eval.before_train and run.checkpoints.resume is None:
+        run.metrics.write({"step": 0, **evaluate(run)})
+    supervised_steps(run, cfg.sft.steps, format_only=False)
+    return run.finish(steps=cfg.sft.steps)

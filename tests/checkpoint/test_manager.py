@@ -23,10 +23,20 @@ class Box:
         self.value = state["value"]
 
 
+class PerRankBox(Box):
+    storage = "per_rank"
+
+
+class RestartableBox(Box):
+    """Like the optimizer: left out of weights-only checkpoints."""
+
+    restartable = True
+
+
 def manager(tmp_path: Path, *overrides: str) -> CheckpointManager:
     cfg = load_config(None, [f"train.output_dir={tmp_path}", *overrides])
     m = CheckpointManager(tmp_path, cfg, "sft", resume=None)
-    m.models["model"] = (torch.nn.Linear(2, 2, bias=False), None)
+    m.add_model("model", torch.nn.Linear(2, 2, bias=False))
     return m
 
 
@@ -36,11 +46,12 @@ def names(out: Path) -> list[str]:
 
 def test_layout_manifest_and_latest(tmp_path):
     m = manager(tmp_path, "checkpoint.every=1")
-    path = m.save("sft", 3, {"optimizer": Box(1), "sampler": Box(2), "rng": Box(3),
+    path = m.save("sft", 3, {"optimizer": Box(1), "sampler": Box(2), "rng": PerRankBox(3),
                              "scheduler": Box(4)}, metrics={"loss": 0.5})
     assert path == tmp_path / "checkpoint-3"
     manifest = json.loads((path / "manifest.json").read_text())
-    # one process: one DCP shard file holding the weights; the RNG file is named by rank
+    # one process: one DCP shard file holding the weights; a per-rank state's file is named by
+    # rank
     assert set(manifest["files"]) == {"weights/.metadata", "weights/__0_0.distcp",
                                       "optimizer.json", "sampler.json", "rng-rank0.json",
                                       "scheduler.json", "trainer_state.json", "config.json"}
@@ -83,8 +94,8 @@ def test_warmup_checkpoints_sort_before_the_main_phase(tmp_path):
 
 def test_weights_only_lists_what_a_resume_misses(tmp_path):
     m = manager(tmp_path, "checkpoint.every=1", "checkpoint.weights_only=true")
-    path = m.save("sft", 1, {"optimizer": Box(1), "scheduler": Box(1), "rng": Box(1),
-                             "sampler": Box(1)})
+    path = m.save("sft", 1, {"optimizer": RestartableBox(1), "scheduler": RestartableBox(1),
+                             "rng": RestartableBox(1), "sampler": Box(1)})
     assert not (path / "optimizer.json").exists() and (path / "sampler.json").exists()
     assert missing_for_resume(path) == ["optimizer state", "LR scheduler state", "RNG states"]
 

@@ -8,7 +8,7 @@ import torch
 from r1fit.distributed.context import World
 from r1fit.distributed.parallelize import fsdp_modules, gathered, parallelize, shard_units
 from r1fit.models.load import load_policy
-from r1fit.train.forward import CompletionLogProbs
+from r1fit.models.logprobs import CompletionLogProbs
 
 LOAD = dict(lora_r=0, lora_alpha=16, lora_dropout=0.0, lora_target="all-linear",
             freeze_vision=False, dtype="float32", gradient_checkpointing=False)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-from r1fit.checkpoint.state import RngState
+from r1fit.memory.sizes import ChunkSizes
+from r1fit.rng import RngState
 from r1fit.memory.guard import OOMGuard, OutOfMemory
 from r1fit.memory.telemetry import current_rss_bytes
 
@@ -16,10 +15,11 @@ def make_guard(micro_batch: int = 8, generation_batch: int = 8, budget: str = ""
                baseline: int = 0) -> tuple[OOMGuard, torch.nn.Parameter]:
     weight = torch.nn.Parameter(torch.ones(2))
     weight.grad = torch.ones(2)
-    memory = SimpleNamespace(micro_batch=micro_batch, generation_batch=generation_batch,
-                             budget=budget)
+    sizes = ChunkSizes(micro_batch, generation_batch,
+                       asked={"micro_batch": micro_batch, "generation_batch": generation_batch})
     optimizer = torch.optim.SGD([weight], lr=0.1)
-    return OOMGuard(memory, torch.device("cpu"), optimizer, baseline_rss_bytes=baseline), weight
+    return OOMGuard(sizes, budget, torch.device("cpu"), optimizer,
+                    baseline_rss_bytes=baseline), weight
 
 
 def test_oom_in_generation_halves_generation_batch_and_redoes_deterministically():
@@ -31,12 +31,12 @@ def test_oom_in_generation_halves_generation_batch_and_redoes_deterministically(
         draws.append(torch.rand(3).tolist())  # the step's randomness (sampling)
         weight.grad = torch.ones(2)           # the attempt leaves gradients behind
         with guard.phase("generation"):
-            if guard.memory.generation_batch > 2:
+            if guard.sizes.generation_batch > 2:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return "done"
 
     assert guard.run_step(attempt, restore=[RngState()]) == "done"
-    assert guard.memory.generation_batch == 2 and guard.memory.micro_batch == 8
+    assert guard.sizes.generation_batch == 2 and guard.sizes.micro_batch == 8
     assert guard.retries == 2
     assert draws[0] == draws[1] == draws[2]          # RNG put back before each redo
     assert grads_at_start[1] is None and grads_at_start[2] is None  # gradients zeroed
@@ -47,9 +47,9 @@ def test_oom_in_micro_batches_halves_micro_batch():
 
     def attempt() -> int:
         with guard.phase("micro_batch"):
-            if guard.memory.micro_batch > 1:
+            if guard.sizes.micro_batch > 1:
                 raise torch.OutOfMemoryError("out of memory")
-        return guard.memory.micro_batch
+        return guard.sizes.micro_batch
 
     assert guard.run_step(attempt, restore=[]) == 1 and guard.retries == 2
 
@@ -72,9 +72,9 @@ def test_after_an_applied_update_only_that_update_is_redone():
 
     def accumulate() -> int:
         calls["accumulate"] += 1
-        if guard.updates_done == 1 and guard.memory.micro_batch > 2:
+        if guard.updates_done == 1 and guard.sizes.micro_batch > 2:
             raise torch.OutOfMemoryError("out of memory")
-        return guard.memory.micro_batch
+        return guard.sizes.micro_batch
 
     def attempt() -> list[int]:
         calls["step"] += 1

@@ -3,14 +3,19 @@ micro-batched gradient accumulation equals the unbatched gradient."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from r1fit.config import load_config
+from r1fit.memory.sizes import ChunkSizes
+from r1fit.rollout.record import Rollout
 from r1fit.data.dataset import load_dataset
 from r1fit.models.load import load_policy, special_token_ids
 from r1fit.data.batch import collate, encode_prompts
-from r1fit.train.forward import completion_logprobs, logprobs_in_micro_batches
+from r1fit.models.logprobs import completion_logprobs
+from r1fit.train.forward import logprobs_in_micro_batches
 from r1fit.train.grpo import accumulate_policy_gradients
 
 CPU = torch.device("cpu")
@@ -77,10 +82,13 @@ def test_micro_batched_gradient_equals_unbatched(tiny_dir, aggregation, lora_r, 
         cfg = load_config(None, [f"memory.micro_batch={micro}", f"algo.loss_aggregation={aggregation}",
                                  "algo.max_new_tokens=10", "memory.logits_chunk=4", f"algo.beta={beta}"])
         model.zero_grad(set_to_none=True)
-        totals = dict(total_tokens=sum(int(c.shape[0]) for c in completions),
-                      total_seqs=len(rows), max_new_tokens=10)
-        sums = accumulate_policy_gradients(model, rows, completions, advantages, old, ref, totals,
-                                           cfg, pad, CPU)
+        # the whole step is these 6 rows: one process, groups of one (advantages are given)
+        rollout = Rollout(1, rows, 1, slice(0, len(rows)), completions=completions,
+                          total_tokens=sum(int(c.shape[0]) for c in completions),
+                          advantages=advantages, old_logp=old, ref_logp=ref)
+        run = SimpleNamespace(cfg=cfg, device=CPU, ids=SimpleNamespace(pad=pad), policy=model,
+                              sizes=ChunkSizes(micro, 64, asked={}))
+        sums = accumulate_policy_gradients(run, rollout)
         assert (sums["kl"] is None) == (ref is None)
         results[micro] = (sums["loss"], [p.grad.clone() for p in params])
     loss6, grads6 = results[6]

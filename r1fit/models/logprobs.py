@@ -1,0 +1,56 @@
+"""Log-probs of completion tokens under a model, with the LM head applied in token chunks.
+
+The backbone runs without the LM head; only the hidden states that predict completion tokens go
+through the head, ``memory.logits_chunk`` tokens at a time, so the [tokens x vocab] logits never
+exist in full (see :func:`r1fit.algorithms.logprobs.chunked_token_logprobs`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from r1fit.algorithms.logprobs import chunked_token_logprobs
+from r1fit.data.batch import Batch
+from r1fit.models.load import lm_backbone_and_head
+
+
+class CompletionLogProbs(nn.Module):
+    """``model`` -> log-probs of the completion tokens of a batch.
+
+    A module rather than a function so that it can be the FSDP root (see
+    :mod:`r1fit.distributed.parallelize`): its forward is the one call the loops make, so FSDP
+    gathers the root's parameters (LM head, embeddings) around it, and the LM head's weight is used
+    directly in chunks without ever building the [tokens x vocab] logits."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: Batch, chunk_size: int, temperature: float = 1.0) -> torch.Tensor:
+        backbone, head = lm_backbone_and_head(self.model)
+        hidden = backbone(**batch.inputs)
+        width = batch.completion_ids.shape[1]
+        # the hidden state at column t predicts the token at column t + 1
+        predicting = hidden[:, batch.prompt_len - 1: batch.prompt_len - 1 + width]
+        mask = batch.completion_mask.bool()
+        token_logp = chunked_token_logprobs(predicting[mask], head.weight,
+                                            batch.completion_ids[mask], bias=head.bias,
+                                            chunk_size=chunk_size, temperature=temperature)
+        out = torch.zeros(mask.shape, dtype=token_logp.dtype, device=token_logp.device)
+        return out.masked_scatter(mask, token_logp)
+
+    def generate(self, **kwargs: Any) -> torch.Tensor:
+        """The model's ``generate``, through the root so that FSDP initialises and gathers the
+        root's parameters around it (registered as an FSDP forward method when sharded)."""
+        return self.model.generate(**kwargs)
+
+
+def completion_logprobs(model: Any, batch: Batch, *, chunk_size: int,
+                        temperature: float = 1.0) -> torch.Tensor:
+    """Log-probs [B, Tc] (float32) of the completion tokens of ``batch``; 0 where masked.
+    ``model``: a :class:`CompletionLogProbs` (the FSDP root when sharded) or a plain model."""
+    module = model if isinstance(model, CompletionLogProbs) else CompletionLogProbs(model)
+    return module(batch, chunk_size, temperature)

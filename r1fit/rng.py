@@ -1,0 +1,59 @@
+"""The process's random generators: seeding at start-up and their state for checkpoints."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's global generators (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class RngState:
+    """Python, NumPy, torch CPU and (when present) CUDA generator states of this process.
+
+    Saved per rank (``storage``). Where a checkpoint cannot give this rank its own states (it was
+    saved by another number of processes, or it is weights-only), :meth:`restart` seeds fresh
+    streams from the run's seed, the step and the rank."""
+
+    storage = "per_rank"
+    restartable = True
+
+    def __init__(self, seed: int = 0, rank: int = 0) -> None:
+        self.seed, self.rank = seed, rank
+
+    def state_dict(self) -> dict[str, Any]:
+        np_state = np.random.get_state(legacy=False)
+        state: dict[str, Any] = {
+            "python": random.getstate(),
+            "numpy": {"key": np_state["state"]["key"].tolist(), "pos": int(np_state["state"]["pos"]),
+                      "has_gauss": int(np_state["has_gauss"]), "gauss": float(np_state["gauss"])},
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        n = state["numpy"]
+        np.random.set_state({"bit_generator": "MT19937",
+                             "state": {"key": np.asarray(n["key"], dtype=np.uint32), "pos": n["pos"]},
+                             "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(list(state["cuda"]))
+
+    def restart(self, point: Any) -> str:
+        """New streams for resuming at ``point`` (a ResumePoint) without this rank's saved
+        states; returns what that means for the run."""
+        seed_everything(self.seed + point.step + 7919 * self.rank)
+        return "the RNG states are re-seeded"

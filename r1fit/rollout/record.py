@@ -1,0 +1,52 @@
+"""The rollout record: one GRPO step's prompts, completions, rewards, advantages and log-probs.
+
+Built stage by stage, each adding its fields: generation
+(:func:`r1fit.rollout.generate.generate_rollout`), scoring (:func:`r1fit.rollout.score.score_rollout`),
+old-policy and reference log-probs (:func:`r1fit.train.forward.add_logprobs`); the update reads it.
+Over several processes each holds the whole step's prompts and rewards (groups must be whole for
+advantages) but generates and trains on its own share of the rows only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from r1fit.data.batch import Prompt
+
+
+@dataclass
+class Rollout:
+    """One step's rollout as this process sees it. Rows are group-contiguous: rows
+    ``g*G .. g*G+G-1`` are the ``G = num_generations`` completions of prompt ``g``."""
+
+    step: int
+    prompts: list[Prompt]  # the step's prompts, every process's, each once
+    num_generations: int
+    share: slice           # this process's rows of the step's ``len(prompts) x G``
+    # generation: this process's rows
+    completions: list[torch.Tensor] = field(default_factory=list)
+    total_tokens: int = 0  # completion tokens of the whole step (every process)
+    # scoring: every row of the step
+    rewards: torch.Tensor | None = None  # [rows] weighted sum
+    components: dict[str, torch.Tensor] = field(default_factory=dict)  # reward name -> [rows]
+    correct: list[float] = field(default_factory=list)  # the logged accuracy, per row
+    advantages: torch.Tensor | None = None  # [this process's rows]
+    # log-probs of this process's rows [rows, longest completion] (None when not needed)
+    old_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+
+    @property
+    def total_rows(self) -> int:
+        return len(self.prompts) * self.num_generations
+
+    @property
+    def rows(self) -> list[Prompt]:
+        """The prompt of each of this process's rows."""
+        return [p for p in self.prompts for _ in range(self.num_generations)][self.share]
+
+    @property
+    def first_row(self) -> int:
+        """This process's first row, as an index into the whole step's rows."""
+        return int(self.share.start or 0)

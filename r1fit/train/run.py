@@ -1,0 +1,148 @@
+"""The run object and its start-up: processes, output folder, logging, data, chunk sizes, model.
+
+Every loop (GRPO, SFT, the warm-up) starts from one :class:`Run` and reads its pieces; what changes
+while it runs lives in the objects that change it (the chunk sizes in :class:`ChunkSizes`, owned
+by auto-fit and the OOM guard), never in the config, which is read-only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from r1fit.checkpoint.export import save_hf_folder
+from r1fit.checkpoint.manager import CheckpointManager, run_config
+from r1fit.checkpoint.resume import open_output_dir
+from r1fit.config import Config
+from r1fit.data.batch import Prompt, encode_prompts, split_too_long
+from r1fit.data.build import BadRowCounter, build_datasets
+from r1fit.data.dataset import PromptDataset, PromptSampler
+from r1fit.data.sample import Sample
+from r1fit.distributed.context import (World, broadcast_object, check_split, device_for,
+                                       init_distributed, pick_device)
+from r1fit.distributed.loading import load_policy_on_ranks
+from r1fit.memory.autofit import resolve_sizes
+from r1fit.memory.guard import OOMGuard
+from r1fit.memory.sizes import ChunkSizes
+from r1fit.memory.telemetry import current_rss_bytes, use_tensor_probe
+from r1fit.models.load import context_length
+from r1fit.report.logs import EarlyLog, setup_logging
+from r1fit.report.metrics import MetricsWriter
+from r1fit.report.summary import write_summary
+from r1fit.rng import seed_everything
+from r1fit.rollout.generate import TokenIds
+
+log = logging.getLogger("r1fit")
+
+
+@dataclass
+class Run:
+    """The pieces every loop starts with."""
+
+    cfg: Config
+    kind: str  # "grpo" (r1fit train) or "sft"
+    out: Path
+    world: World
+    device: torch.device
+    model: Any      # the transformers (or peft) model
+    processor: Any
+    policy: Any     # the module to call for log-probs and generation: the FSDP root when sharded
+    ids: TokenIds
+    train_set: PromptDataset
+    eval_set: PromptDataset | None
+    sizes: ChunkSizes  # memory.micro_batch / generation_batch in use
+    max_prompt_tokens: int | None
+    metrics: MetricsWriter
+    checkpoints: CheckpointManager
+    rss_before_load_bytes: int  # what memory.budget is measured from on CPU
+    rss_after_load_bytes: int
+    started: float  # perf_counter() when the run started
+
+    def encode(self, samples: list[Sample]) -> tuple[list[Prompt], list[str]]:
+        """Prompts of ``samples`` and one message per sample refused as too long."""
+        return split_too_long(encode_prompts(self.processor, samples, self.cfg.data.system_prompt),
+                              self.max_prompt_tokens)
+
+    def fetch(self, sampler: PromptSampler, bad_rows: BadRowCounter, k: int) -> list[Prompt]:
+        """The next ``k`` good training prompts; bad rows are skipped and counted."""
+        return bad_rows.fetch(self.train_set, sampler, k, self.encode)
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> OOMGuard:
+        """The OOM guard of a loop that steps ``optimizer``, lowering the run's chunk sizes."""
+        return OOMGuard(self.sizes, self.cfg.memory.budget, self.device, optimizer,
+                        baseline_rss_bytes=self.rss_before_load_bytes)
+
+    def save(self, phase: str, step: int, state: dict[str, Any], row: dict[str, Any], *,
+             last: bool) -> None:
+        """Checkpoint ``state`` (and the models) after ``step`` when due (always after the
+        ``last``); stop there when a signal asked to."""
+        if self.checkpoints.due(step, last=last):
+            self.checkpoints.save(phase, step, state, metrics=row,
+                                  metrics_lines=self.metrics.lines)
+            self.checkpoints.stop_if_requested(step)
+
+    def finish(self, steps: int) -> dict[str, Any]:
+        """Write the final model (``final/``) and the summary; returns the summary."""
+        save_hf_folder(self.model, self.processor, self.out / "final")
+        return write_summary(self.out, self.metrics, steps=steps,
+                             seconds=time.perf_counter() - self.started,
+                             extra={"rss_after_load_bytes": self.rss_after_load_bytes},
+                             main=self.world.main)
+
+
+def start_run(cfg: Config, kind: str) -> Run:
+    """Processes, output folder and logging, then the data (cheap to check, so bad data fails
+    before a big model loads), then the model. Over several processes rank 0 alone chooses the
+    resume point and touches the output folder; the others follow its decision."""
+    started = time.perf_counter()
+    device_type = pick_device(cfg.train.device).type
+    w = init_distributed(device_type)
+    check_split(cfg, kind, w)
+    device = device_for(device_type, w)
+    setup_logging(None)  # the terminal first: choosing the resume point may warn
+    decision: tuple[Any, ...] = (None, None, None)
+    with EarlyLog() as early:
+        if w.main:
+            try:
+                out, resume = open_output_dir(cfg, kind)
+                (out / "config.json").write_text(json.dumps(run_config(cfg, kind), indent=2))
+                decision = (out, resume, None)
+            except Exception as exc:  # every rank raises rank 0's error, none waits forever
+                decision = (None, None, exc)
+    out, resume, error = broadcast_object(decision)
+    if error is not None:
+        raise error
+    setup_logging(out if w.main else None)
+    early.replay_to_file()  # what was said before log.txt existed goes into it too
+    if w.distributed:
+        log.info("%d processes (this is rank %d), %s backend", w.size, w.rank,
+                 torch.distributed.get_backend())
+    seed_everything(cfg.train.seed)
+    use_tensor_probe(cfg.memory.cpu_peak == "tensors" and device.type == "cpu")
+    train_set, eval_set = build_datasets(cfg)
+    sizes = resolve_sizes(cfg, device)  # memory.*_batch=auto: the planner's answer
+    rss_before_load = current_rss_bytes()
+    checkpoints = CheckpointManager(out, cfg, kind, resume)
+    model, processor, policy = load_policy_on_ranks(
+        cfg.model, device, activation_checkpointing=cfg.memory.gradient_checkpointing)
+    if checkpoints.has_model("model"):
+        checkpoints.load_model("model", model)
+    checkpoints.add_model("model", model, processor)
+    max_prompt_tokens = cfg.data.max_prompt_tokens
+    if max_prompt_tokens is None and (context := context_length(model)) is not None:
+        max_prompt_tokens = max(1, context - cfg.algo.max_new_tokens)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    log.info("%s run: model %s (%.2fM params, %.2fM trainable) on %s -> %s", kind,
+             cfg.model.path + (f" resumed from {resume.path}" if resume else ""), total / 1e6,
+             trainable / 1e6, device, out)
+    return Run(cfg, kind, out, w, device, model, processor, policy, TokenIds.of(model, processor),
+               train_set, eval_set, sizes, max_prompt_tokens,
+               MetricsWriter(out / "metrics.jsonl", active=w.main), checkpoints,
+               rss_before_load, current_rss_bytes(), started)
