@@ -18,7 +18,6 @@ first, and OUT is written as ``OUT.partial`` then renamed, so OUT is either comp
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import warnings
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from r1fit.checkpoint.files import fsync_dir, fsync_tree
+from r1fit.checkpoint.files import fsync_dir, fsync_tree, read_json_object
 from r1fit.checkpoint.sharded import load_model_weights, model_tensors
 from r1fit.distributed.context import barrier, world
 from r1fit.units import format_bytes
@@ -79,7 +78,7 @@ def export(checkpoint: Path, out: Path, *, merge_lora: bool = False) -> Exported
             what = "merged" if merge_lora else "adapter"
             base = _export_lora(checkpoint, model_dir, partial, merge=merge_lora)
             if not merge_lora:  # what the adapter itself names (a folder, for builtin: models)
-                base = _json(partial / _ADAPTER).get("base_model_name_or_path", base)
+                base = read_json_object(partial / _ADAPTER).get("base_model_name_or_path", base)
         else:
             what, base = "full", None
             _export_full(checkpoint, model_dir, partial)
@@ -122,7 +121,7 @@ def _checked_model_dir(checkpoint: Path) -> Path:
 def _run_dtype(checkpoint: Path) -> Any:
     import torch
 
-    dtype = _json(checkpoint / "config.json").get("model", {}).get("dtype", "auto")
+    dtype = read_json_object(checkpoint / "config.json").get("model", {}).get("dtype", "auto")
     return dtype if dtype == "auto" else getattr(torch, dtype)
 
 
@@ -160,7 +159,7 @@ def _export_lora(checkpoint: Path, model_dir: Path, dest: Path, *, merge: bool) 
 
     from r1fit.models.load import ModelConfigError, resolve_model_path
 
-    base = _json(checkpoint / "config.json").get("model", {}).get("path")
+    base = read_json_object(checkpoint / "config.json").get("model", {}).get("path")
     if not base:
         raise CheckpointError(f"{checkpoint}/config.json names no model.path; cannot find the base "
                               "model of the LoRA adapter")
@@ -185,13 +184,6 @@ def _export_lora(checkpoint: Path, model_dir: Path, dest: Path, *, merge: bool) 
         peft_model.save_pretrained(dest)
     processor.save_pretrained(dest)
     return base
-
-
-def _json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def save_hf_folder(model: Any, processor: Any, folder: Path) -> None:

@@ -57,6 +57,16 @@ def write_text_atomic(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``; ``{}`` when it is missing or unreadable (inspect and export
+    report what they find, they do not fail on a damaged folder)."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:

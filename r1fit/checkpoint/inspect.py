@@ -7,10 +7,10 @@ text, or into rich tables on a terminal. Nothing here writes to the folders it r
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from r1fit.checkpoint.files import read_json_object
 from r1fit.checkpoint.manager import (
     CHECKPOINT_NAME,
     MANIFEST,
@@ -84,7 +84,7 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
         "world_size": state.get("world_size"),
         "r1fit_version": state.get("r1fit_version"), "weights_only": weights_only,
         "lora": (path / MODEL_DIR / _ADAPTER).is_file(),
-        "base_model": _json(path / MODEL_DIR / _ADAPTER).get("base_model_name_or_path"),
+        "base_model": read_json_object(path / MODEL_DIR / _ADAPTER).get("base_model_name_or_path"),
         "models": state.get("models", sorted(p.name for p in path.iterdir()
                                              if p.is_dir() and is_model_folder(p))),
         "files": files, "total_bytes": sum(f["bytes"] for f in files),
@@ -98,7 +98,7 @@ def inspect_output_dir(path: Path) -> dict[str, Any]:
     ``latest`` / ``best`` markers."""
     latest_file, best_file = path / "latest", path / "best"
     latest = latest_file.read_text().strip() if latest_file.is_file() else None
-    best = _json(best_file) if best_file.is_file() else None
+    best = read_json_object(best_file) if best_file.is_file() else None
     rows = []
     for folder in list_checkpoints(path):
         info = inspect_checkpoint(folder)
@@ -122,7 +122,7 @@ def inspect_model(path: Path) -> dict[str, Any]:
     """A plain Hugging Face model (or peft adapter) folder: what it is and why a run cannot
     resume from it."""
     lora = (path / _ADAPTER).is_file()
-    config = _json(path / (_ADAPTER if lora else "config.json"))
+    config = read_json_object(path / (_ADAPTER if lora else "config.json"))
     base = config.get("base_model_name_or_path") if lora else None
     files = _files(path)
     parent = path.parent
@@ -139,7 +139,7 @@ def inspect_model(path: Path) -> dict[str, Any]:
                "for a plain Hugging Face folder")
     return {
         "type": "model", "path": str(path), "lora": lora, "base_model": base,
-        "architectures": _json(path / "config.json").get("architectures") if not lora else None,
+        "architectures": read_json_object(path / "config.json").get("architectures") if not lora else None,
         "files": files, "total_bytes": sum(f["bytes"] for f in files),
         "in_checkpoint": str(parent) if in_checkpoint else None,
         "resumable": False, "why_not_resumable": why,
@@ -241,20 +241,10 @@ def _files(path: Path) -> list[dict[str, Any]]:
             for p in sorted(path.rglob("*")) if p.is_file()]
 
 
-def _json(path: Path) -> dict[str, Any]:
-    """A JSON object from ``path``; ``{}`` when it is missing or unreadable (inspect reports what
-    it finds, it does not fail on a damaged folder)."""
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 def _in_checkpoint(path: Path) -> bool:
     parent = path.parent
     return checkpoint_order(parent) is not None or (parent / TRAINER_STATE).is_file()
 
 
 def _trainer_state(path: Path) -> dict[str, Any]:
-    return _json(path / TRAINER_STATE)
+    return read_json_object(path / TRAINER_STATE)

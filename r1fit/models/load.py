@@ -22,21 +22,6 @@ from r1fit.models.builtin import BUILTIN_PREFIX, ensure_builtin
 from r1fit.models.errors import ModelConfigError
 from r1fit.errors import one_line
 
-__all__ = [
-    "LORA_TARGETS",
-    "ModelConfigError",
-    "context_length",
-    "Reference",
-    "language_model_lora_regex",
-    "lm_backbone_and_head",
-    "load_policy",
-    "make_reference",
-    "resolve_model_path",
-    "special_token_ids",
-    "unwrap",
-    "vision_tower",
-]
-
 #: Linear layers of a Qwen2 decoder layer that LoRA may adapt.
 LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -27,16 +27,6 @@ from r1fit.rewards.format import format_reward
 from r1fit.rewards.iou import iou, iou_hit
 from r1fit.errors import R1fitError
 
-__all__ = [
-    "BUILTIN_REWARDS",
-    "RewardConfigError",
-    "RewardFn",
-    "RewardInputError",
-    "RewardResult",
-    "RewardScorer",
-    "resolve_reward",
-]
-
 logger = logging.getLogger("r1fit.rewards")
 
 RewardFn = Callable[..., float]
