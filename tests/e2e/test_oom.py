@@ -11,6 +11,8 @@ fresh run would need: with a 520 MiB budget it went 8 -> 4 -> 2 -> 1 here.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from r1fit.cli import main
@@ -59,3 +61,45 @@ def test_gives_up_at_size_one_with_one_line(use_realvocab, tmp_path, capsys):
     assert code == 2
     assert err[-1].startswith("r1fit: error: out of memory in generation work even with "
                               "memory.generation_batch=1 (CPU out of memory")
+
+
+def test_halved_size_is_logged_saved_and_resumed_while_the_config_keeps_the_ask(
+        use_tiny_cache, reward_plugin, tmp_path, monkeypatch):
+    """An OOM at step 2 halves memory.micro_batch 8 -> 4: the rows log the size in use, the
+    checkpoint saves it (the guard's ChunkSizes), a run resumed from that checkpoint continues at
+    4 exactly as the uninterrupted run did, and config.json (run and checkpoint) keeps the 8 the
+    user asked for."""
+    import torch
+
+    from r1fit.train import grpo
+
+    real = grpo.accumulate_policy_gradients
+
+    def out_of_memory_at_step_2(run, rollout):
+        if rollout.step == 2 and run.sizes.micro_batch > 4:
+            raise torch.OutOfMemoryError("injected: out of memory at micro_batch 8")
+        return real(run, rollout)
+
+    monkeypatch.setattr(grpo, "accumulate_policy_gradients", out_of_memory_at_step_2)
+    args = ["model.path=builtin:tiny", "train.max_steps=4", "sft.format_warmup_steps=0",
+            "train.prompts_per_step=2", "algo.num_generations=4", "algo.max_new_tokens=8",
+            "data.eval=null", "checkpoint.every=2", "checkpoint.keep=0",
+            "rewards.lenreward:length=1.0", "memory.micro_batch=8"]
+    straight = tmp_path / "straight"
+    assert main(["train", f"train.output_dir={straight}", *args]) == 0
+    rows = [r for r in read_metrics(straight / "metrics.jsonl") if "reward_mean" in r]
+    assert [(r["micro_batch"], r["oom_retries"]) for r in rows] == [(8, 0), (4, 1), (4, 0),
+                                                                     (4, 0)]
+    for config in (straight / "config.json", straight / "checkpoint-2" / "config.json"):
+        assert json.loads(config.read_text())["memory"]["micro_batch"] == 8
+    saved = json.loads((straight / "checkpoint-2" / "sizes.json").read_text())
+    assert (saved["micro_batch"], saved["asked"]["micro_batch"]) == (4, 8)
+
+    resumed = tmp_path / "resumed"
+    assert main(["train", f"train.output_dir={resumed}", *args,
+                 f"checkpoint.resume={straight / 'checkpoint-2'}"]) == 0
+    again = [r for r in read_metrics(resumed / "metrics.jsonl") if "reward_mean" in r]
+    assert [r["micro_batch"] for r in again] == [8, 4, 4, 4]
+    keep = [k for k in rows[0] if not any(v in k for v in VOLATILE)]
+    assert [{k: r[k] for k in keep} for r in again] == [{k: r[k] for k in keep} for r in rows]
+    assert json.loads((resumed / "config.json").read_text())["memory"]["micro_batch"] == 8
