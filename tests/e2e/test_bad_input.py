@@ -1,0 +1,53 @@
+"""Bad input that used to end deep in a traceback ends in one line or a counted skip."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from PIL import Image
+
+from r1fit.cli import main
+from r1fit.report.metrics import read_metrics
+
+ARGS = ["train.max_steps=3", "train.prompts_per_step=2", "algo.num_generations=2",
+        "algo.max_new_tokens=8", "sft.format_warmup_steps=0", "eval.every=0",
+        "data.shapes.image_size=56", "data.max_pixels=3136", "checkpoint.every=0"]
+
+
+def _data(folder: Path, long_words: int) -> Path:
+    """Four good rows, then (line 5) one whose question is ``long_words`` words long."""
+    Image.new("RGB", (56, 56), "red").save(folder / "red.png")
+    rows = [{"image": "red.png", "problem": "What colour is the image?", "solution": "red"}] * 4
+    rows.append({"image": "red.png", "problem": "word " * long_words, "solution": "red"})
+    path = folder / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_prompt_longer_than_the_context_is_a_counted_bad_row(use_tiny_cache, tmp_path):
+    # builtin:tiny takes 32,768 positions: the default limit is that minus algo.max_new_tokens
+    data = _data(tmp_path, 40_000)
+    out = tmp_path / "run"
+    assert main(["train", f"train.output_dir={out}", *ARGS, f"data.train={data}",
+                 f"data.eval={data}"]) == 0
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward_mean" in r]
+    log = (out / "log.txt").read_text()
+    # 3 steps x 2 prompts draw every row of the first epoch: the long one is met, skipped and
+    # counted each time it comes up, never trained on
+    met = log.count(f"WARNING r1fit: skipping {data}:5: the prompt has ")
+    assert met >= 1 and rows[-1]["bad_rows"] == met
+    evals = [r for r in read_metrics(out / "metrics.jsonl") if "eval/accuracy" in r]
+    assert evals and all(r["eval/bad_rows"] == 1 and r["eval/size"] == 4 for r in evals)
+    assert "more than data.max_prompt_tokens=32760" in log
+
+
+def test_max_prompt_tokens_is_configurable(use_tiny_cache, tmp_path):
+    data = _data(tmp_path, 200)
+    out = tmp_path / "run"
+    assert main(["train", f"train.output_dir={out}", *ARGS, f"data.train={data}",
+                 "data.eval=null", "data.max_prompt_tokens=100"]) == 0
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward_mean" in r]
+    log = (out / "log.txt").read_text()
+    met = log.count("tokens, more than data.max_prompt_tokens=100")
+    assert met >= 1 and rows[-1]["bad_rows"] == met
