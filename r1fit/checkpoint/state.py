@@ -58,7 +58,7 @@ class OptimizerState:
         load_optimizer_sharded(self, folder, name, saved["param_groups"])
 
     def restart(self, point: Any) -> str:
-        return "a fresh optimizer"
+        return "fresh optimizer"
 
 
 class SchedulerState:
