@@ -3,7 +3,7 @@
 import torch
 
 from r1fit.data.sample import Sample
-from r1fit.data.batch import Prompt, collate, cut_after_eos
+from r1fit.data.batch import Prompt, collate, cut_after_eos, split_too_long
 
 PAD = 0
 
@@ -48,3 +48,13 @@ def test_cut_after_eos():
     assert cut_after_eos(torch.tensor([3, 4, 9, 0, 0]), [9]).tolist() == [3, 4, 9]
     assert cut_after_eos(torch.tensor([3, 4, 5]), [9]).tolist() == [3, 4, 5]
     assert cut_after_eos(torch.tensor([7, 9, 7]), [9, 7]).tolist() == [7]
+
+
+def test_split_too_long_keeps_short_prompts_and_names_long_ones():
+    short, long_ = prompt([1, 2, 3], [0, 0, 0], 1), prompt([1] * 5, [0] * 5, 1)
+    long_.sample.source = "train.jsonl:7"
+    kept, errors = split_too_long([short, long_, short], max_tokens=4)
+    assert kept == [short, short]
+    assert errors == ["train.jsonl:7: the prompt has 5 tokens, more than "
+                      "data.max_prompt_tokens=4"]
+    assert split_too_long([short, long_], max_tokens=None) == ([short, long_], [])
