@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
-from r1fit.checkpoint.manager import (CheckpointManager, list_checkpoints, missing_for_resume,
+from r1fit.checkpoint.manager import (CheckpointError, CheckpointManager, ResumePoint,
+                                      list_checkpoints, missing_for_resume, read_trainer_state,
                                       verify)
 from r1fit.config import load_config
 
@@ -130,3 +132,33 @@ def test_an_older_format_is_named(tmp_path):
     (path / "manifest.json").write_text(json.dumps({**manifest, "format": 1}))
     assert verify(path) == ("checkpoint format 1 (an older r1fit, whose layout had no sharded "
                             "weights/); this r1fit reads format 2")
+
+
+def test_a_weights_only_resume_restarts_what_it_lacks_and_loads_the_rest(tmp_path):
+    m = manager(tmp_path, "checkpoint.every=1", "checkpoint.weights_only=true")
+    path = m.save("sft", 5, {"optimizer": RestartableBox(7), "sampler": Box(9)})
+    restarted = []
+
+    class Optimizer(RestartableBox):
+        def restart(self, point):
+            restarted.append(point.step)
+            return "fresh optimizer"
+
+    point = ResumePoint(path, read_trainer_state(path), weights_only=True)
+    resumed = CheckpointManager(tmp_path, m.cfg, "sft", point)
+    sampler, optimizer = Box(0), Optimizer(0)
+    assert resumed.restore("sft", {"optimizer": optimizer, "sampler": sampler}) == 5
+    assert (sampler.value, optimizer.value, restarted) == (9, 0, [5])
+    # an object that cannot be restarted must be in the checkpoint
+    with pytest.raises(CheckpointError, match="has no saved 'counters'"):
+        resumed.restore("sft", {"counters": Box(0)})
+
+
+def test_a_per_rank_state_is_written_and_read_by_rank(tmp_path):
+    m = manager(tmp_path, "checkpoint.every=1")
+    path = m.save("sft", 1, {"rng": PerRankBox(3)})
+    assert (path / "rng-rank0.json").is_file() and not (path / "rng.json").exists()
+    point = ResumePoint(path, read_trainer_state(path), weights_only=False)
+    box = PerRankBox(0)
+    CheckpointManager(tmp_path, m.cfg, "sft", point).restore("sft", {"rng": box})
+    assert box.value == 3
