@@ -197,33 +197,6 @@ class Reference:
             self._module.train(was_training)
 
 
-def make_reference(
-    policy: nn.Module,
-    path: str,
-    *,
-    lora_r: int,
-    beta: float,
-    dtype: str,
-    device: torch.device | str,
-    attn_implementation: str = "sdpa",
-) -> Reference | None:
-    """Build the KL reference for `policy` (loaded from `path`), or None when `beta == 0`.
-
-    With LoRA the reference is the policy with adapters disabled; with full fine-tuning it is a
-    second copy loaded from `path` with `from_pretrained`, in eval mode with no gradients.
-    """
-    if beta < 0:
-        raise ModelConfigError(f"beta (KL coefficient) must be >= 0, got {beta!r}")
-    if beta == 0:
-        return None
-    if lora_r > 0:
-        if not isinstance(policy, PeftModel):
-            raise ModelConfigError(f"lora_r={lora_r} but the policy has no LoRA adapters (load it with load_policy)")
-        return Reference(policy, adapter_view=True)
-    return Reference(load_frozen(path, dtype=dtype, device=device,
-                                 attn_implementation=attn_implementation), adapter_view=False)
-
-
 def load_frozen(path: str, *, dtype: str, device: torch.device | str,
                 attn_implementation: str = "sdpa") -> PreTrainedModel:
     """A model from `path` in eval mode with no gradients (a KL reference)."""

@@ -16,7 +16,7 @@ from r1fit.models.load import (
     language_model_lora_regex,
     lm_backbone_and_head,
     load_policy,
-    make_reference,
+    load_frozen,
     resolve_model_path,
     special_token_ids,
     unwrap,
@@ -204,19 +204,15 @@ def test_special_token_ids(tiny_dir: Path) -> None:
 # ---- reference --------------------------------------------------------------------------------
 
 
-def test_reference_none_when_beta_zero(tiny_dir: Path) -> None:
+def test_adapter_view_needs_lora(tiny_dir: Path) -> None:
     model, _ = _load(tiny_dir)
-    assert make_reference(model, str(tiny_dir), lora_r=0, beta=0.0, dtype="float32", device="cpu") is None
-    with pytest.raises(ModelConfigError, match="beta"):
-        make_reference(model, str(tiny_dir), lora_r=0, beta=-1.0, dtype="float32", device="cpu")
-    with pytest.raises(ModelConfigError, match="no LoRA adapters"):
-        make_reference(model, str(tiny_dir), lora_r=4, beta=0.1, dtype="float32", device="cpu")
+    with pytest.raises(ModelConfigError, match="needs a peft model"):
+        Reference(model, adapter_view=True)
 
 
 def test_lora_reference_is_policy_with_adapters_off(tiny_dir: Path, image56) -> None:
     model, processor = _load(tiny_dir, lora_r=4)
-    ref = make_reference(model, str(tiny_dir), lora_r=4, beta=0.04, dtype="float32", device="cpu")
-    assert isinstance(ref, Reference) and ref.adapter_view
+    ref = Reference(model, adapter_view=True)
     batch = _batch(processor, image56)
     with torch.no_grad():
         policy_before = model(**batch).logits
@@ -242,8 +238,7 @@ def test_lora_reference_is_policy_with_adapters_off(tiny_dir: Path, image56) -> 
 
 def test_full_reference_is_separate_frozen_copy(tiny_dir: Path, image56) -> None:
     model, processor = _load(tiny_dir)
-    ref = make_reference(model, str(tiny_dir), lora_r=0, beta=0.04, dtype="float32", device="cpu")
-    assert ref is not None and not ref.adapter_view
+    ref = Reference(load_frozen(str(tiny_dir), dtype="float32", device="cpu"), adapter_view=False)
     batch = _batch(processor, image56)
     with ref.model() as m:
         assert isinstance(m, Qwen2_5_VLForConditionalGeneration)
