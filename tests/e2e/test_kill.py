@@ -93,23 +93,28 @@ def test_sigkill_at_random_moments_and_during_saves(use_tiny_cache, reward_plugi
     same_run(straight, stopped)
 
     # 3. at random moments of the training (after start-up: model loaded): three attempts, each
-    # killed a random time into its own run (R1FIT_KILL_SEED picks them), then finish
+    # killed at a random point of its own run (R1FIT_KILL_SEED picks them), then finish. A point
+    # is "once metrics.jsonl has k rows, plus a random fraction of a row's time": measured in
+    # rows, not seconds, so a machine faster or slower than during the straight run still kills
+    # inside the training (a time-based moment once outlived a run that ran faster than the
+    # straight one had)
     seed = int(os.environ.get("R1FIT_KILL_SEED", "0"))
     rng = random.Random(seed)
     anywhere = tmp_path / "anywhere"
-    # each attempt resumes with less left to do, so the windows shrink
-    windows = [(0.1, 0.6), (0.05, 0.4), (0.0, 0.25)]
-    for attempt, (low, high) in enumerate(windows):
-        moment = rng.uniform(low, high) * training
+    rows = len((straight / "metrics.jsonl").read_text().splitlines())  # warm-up, eval, steps
+    per_row = training / rows
+    # each attempt resumes with less left to do, so the points move towards the end
+    for attempt, (low, high) in enumerate([(1, rows - 4), (2, rows - 2), (3, rows - 1)]):
+        k, extra = rng.randint(low, high), rng.uniform(0.0, 0.5) * per_row
         proc = start(anywhere, reward_plugin)
-        killed = kill_when(proc, after_loading(proc, moment))
+        killed = kill_when(proc, after_rows(proc, anywhere, k, extra))
         if not killed and proc.returncode == 2 and NO_CHECKPOINT in stderr(proc):
             # the previous kill came after the first metrics row but before any checkpoint
             proc = start(anywhere, reward_plugin, "train.overwrite=true")
-            killed = kill_when(proc, after_loading(proc, moment))
+            killed = kill_when(proc, after_rows(proc, anywhere, k, extra))
         saved = sorted(p.name for p in anywhere.glob("checkpoint-*"))
-        print(f"kill {moment:.1f} s into training ({training:.1f} s in all): killed={killed}, "
-              f"on disk: {saved}")
+        print(f"kill at row {k} + {extra:.2f} s (of {rows} rows, {training:.1f} s in all): "
+              f"killed={killed}, on disk: {saved}")
         assert killed or proc.returncode == 0, stderr(proc)[-2000:]
         assert killed or attempt > 0  # the first kill lands inside the training
     finish(anywhere, reward_plugin)
@@ -121,12 +126,15 @@ def loaded(proc: subprocess.Popen) -> bool:
     return proc.err_path.exists() and " run: model " in stderr(proc)  # type: ignore[attr-defined]
 
 
-def after_loading(proc: subprocess.Popen, seconds: float):
-    """A ``ready`` test: true ``seconds`` after the model is loaded."""
+def after_rows(proc: subprocess.Popen, out: Path, rows: int, seconds: float):
+    """A ``ready`` test: true ``seconds`` after the run (model loaded) has ``rows`` rows in its
+    metrics.jsonl (a resumed run starts with the rows of its checkpoint)."""
     deadline: list[float] = []
+    metrics = out / "metrics.jsonl"
 
     def ready() -> bool:
-        if not deadline and loaded(proc):
+        if not deadline and loaded(proc) and metrics.is_file() \
+                and len(metrics.read_text().splitlines()) >= rows:
             deadline.append(time.perf_counter() + seconds)
         return bool(deadline) and time.perf_counter() >= deadline[0]
 
