@@ -11,9 +11,9 @@ What runs: for each N, ``python -m torch.distributed.run --standalone --nproc-pe
 benchmarks/load_scaling.py --child MODE ...`` (N=1 through torchrun too, so every setting starts
 alike; ``WORLD_SIZE=1`` makes r1fit load as one process), one torch thread per rank
 (``OMP_NUM_THREADS=1``), gloo on CPU. Modes:
-- ``rank0``: what r1fit does, ``r1fit.train.common.load_run_model``. One process: a plain
-  ``from_pretrained``. N > 1: rank 0 alone reads the weights, every rank builds the model on the
-  meta device, shards it (FSDP2 ``fully_shard``) and rank 0 sends each rank only its own shard
+- ``rank0``: what r1fit does, ``r1fit.distributed.loading.load_policy_on_ranks``. One process: a
+  plain ``from_pretrained``. N > 1: rank 0 alone reads the weights, every rank builds the model on
+  the meta device, shards it (FSDP2 ``fully_shard``) and rank 0 sends each rank only its own shard
   of every tensor, point to point (``r1fit.distributed.parallelize.materialize``). Expected sum:
   rank 0's full copy plus N shards, about 2 x one load. (torch's
   ``set_model_state_dict(broadcast_from_rank0=True)``, used first, receives every tensor whole on
@@ -114,9 +114,9 @@ def run_rank(args: argparse.Namespace) -> int:
 
     from r1fit.config import load_config
     from r1fit.distributed.context import all_gather_objects, close_distributed, init_distributed
+    from r1fit.distributed.loading import load_policy_on_ranks
     from r1fit.memory.telemetry import current_rss_bytes, peak_rss_bytes, reset_peak
     from r1fit.models.load import load_policy
-    from r1fit.train.common import load_run_model
 
     def maxrss() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
@@ -132,7 +132,9 @@ def run_rank(args: argparse.Namespace) -> int:
     hwm_reset = reset_peak(torch.device("cpu"))
     started = time.perf_counter()
     if args.child == "rank0":
-        model, _, _ = load_run_model(cfg, torch.device("cpu"))
+        model, _, _ = load_policy_on_ranks(
+            cfg.model, torch.device("cpu"),
+            activation_checkpointing=cfg.memory.gradient_checkpointing)
     else:
         m = cfg.model
         model, _ = load_policy(m.path, lora_r=m.lora.r, lora_alpha=m.lora.alpha,
