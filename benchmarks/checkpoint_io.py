@@ -173,15 +173,16 @@ def full_checkpoint_save(model: Any, processor: Any, out: Path, repeats: int
     import torch
 
     from r1fit.checkpoint.manager import CheckpointManager
-    from r1fit.checkpoint.state import OptimizerState, RngState
+    from r1fit.checkpoint.state import OptimizerState
     from r1fit.config import load_config
+    from r1fit.rng import RngState
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     state = {"optimizer": OptimizerState(model, optimizer), "rng": RngState()}
     state["optimizer"].state_dict()  # creates the AdamW states (exp_avg, exp_avg_sq) untimed
     cfg = load_config(None, [f"train.output_dir={out}", "checkpoint.every=1", "checkpoint.keep=1"])
     manager = CheckpointManager(out, cfg, "sft", resume=None)
-    manager.models["model"] = (model, processor)
+    manager.add_model("model", model, processor)
     seconds = []
     for step in range(1, repeats + 1):
         started = time.perf_counter()
