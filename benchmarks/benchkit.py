@@ -1,4 +1,13 @@
-"""What the benchmark scripts share: argument checks, and loading a script as a module (tests).
+"""What the benchmark scripts share: how a script runs (its errors and exit status), its child
+processes, argument checks, and loading a script as a module (tests).
+
+A script is a parent that measures in child processes (a fresh process per measurement: RSS is a
+high-water mark, and the parent stays free of torch). Between the two:
+- a failure the user can fix is one line ``<script>: error: <message>`` on stderr and exit status 2
+  (:func:`main`, as r1fit's own ``r1fit: error: ``); the parent finds that line in the child's
+  stderr and raises it with what it was doing (:func:`run_child`);
+- a child's result is one line ``<script>: result: <JSON>`` on stdout (:func:`print_result`,
+  :func:`read_result`), found among whatever else the child (or torchrun) prints.
 
 The scripts run standalone (``python benchmarks/<name>.py``), which puts this folder first on
 ``sys.path``, so they import this file as ``benchkit``."""
@@ -7,11 +16,100 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import subprocess
 import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+
+from r1fit.errors import R1fitError, one_line  # plain Python: the parents stay free of torch
 
 FOLDER = Path(__file__).resolve().parent
+TAIL_LINES = 30  # of a failed child's stderr; torchrun's own summary alone takes about 20
+
+
+class BenchmarkError(ValueError):
+    """Bad benchmark arguments or a run that failed; the message names the culprit."""
+
+
+def error_prefix(name: str) -> str:
+    """How script ``name``'s one-line errors start."""
+    return f"{name}: error: "
+
+
+def result_prefix(name: str) -> str:
+    """How script ``name``'s result lines start."""
+    return f"{name}: result: "
+
+
+def main(name: str, parse_args: Callable[[Sequence[str] | None], argparse.Namespace],
+         run: Callable[[argparse.Namespace], int], argv: Sequence[str] | None = None) -> int:
+    """A script's entry point: ``run(parse_args(argv))`` and its exit status (each script says
+    what 0 and 1 mean: every target met, one missed). Bad arguments exit with 2 through argparse.
+    A :class:`BenchmarkError` or an r1fit error (:class:`R1fitError`: a cause the user can fix) is
+    printed as ``<name>: error: <message>`` and gives 2; anything else is a bug and keeps its
+    traceback."""
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except BenchmarkError as exc:
+        message = str(exc)  # ours: one line, or a failed child's stderr meant to be read whole
+    except R1fitError as exc:
+        message = one_line(exc)  # folded, so a parent reading this line gets all of it
+    print(error_prefix(name) + message, file=sys.stderr)
+    return 2
+
+
+def child_error(stderr: str, name: str) -> str | None:
+    """The message of the last one-line error script ``name`` printed in ``stderr``, or None.
+    The line may start with something else: torchrun puts ``[rank1]:`` before its ranks' lines."""
+    prefix = error_prefix(name)
+    ours = [line for line in stderr.splitlines() if prefix in line]
+    return ours[-1].split(prefix, 1)[1] if ours else None
+
+
+def run_child(command: Sequence[str], what: str, name: str, *,
+              env: Mapping[str, str] | None = None, timeout: float | None = None) -> str:
+    """Run ``command`` to its end (output captured) and return its stdout. ``what`` says what the
+    child does, for the errors; ``name`` is the script (or program: ``r1fit``) whose one-line
+    errors the child prints.
+
+    A failed child raises :class:`BenchmarkError`: ``<what>: <message>`` with the child's own
+    one-line error when it printed one, else ``<what> failed (exit N):`` and the last
+    :data:`TAIL_LINES` lines of its stderr (a traceback); ``<what>: no result in T s`` when it
+    runs longer than ``timeout`` seconds."""
+    try:
+        done = subprocess.run(list(command), capture_output=True, text=True, env=env,
+                              timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        raise BenchmarkError(f"{what}: no result in {timeout:.0f} s") from None
+    if done.returncode == 0:
+        return done.stdout
+    own = child_error(done.stderr, name)
+    if own is not None:
+        raise BenchmarkError(f"{what}: {own}")
+    tail = "\n".join(done.stderr.strip().splitlines()[-TAIL_LINES:])
+    raise BenchmarkError(f"{what} failed (exit {done.returncode}):\n{tail}")
+
+
+def print_result(name: str, result: Any) -> None:
+    """A child's result, as the one line ``<name>: result: <JSON>`` on stdout."""
+    print(result_prefix(name) + json.dumps(result), flush=True)
+
+
+def read_result(stdout: str, name: str, what: str) -> Any:
+    """The result a child of script ``name`` printed (:func:`print_result`): the last result line
+    in its ``stdout``, whatever else is there. ``what`` says what the child did, for the errors."""
+    prefix = result_prefix(name)
+    lines = [line for line in stdout.splitlines() if line.startswith(prefix)]
+    if not lines:
+        raise BenchmarkError(f"{what}: no result line in the output")
+    try:
+        return json.loads(lines[-1][len(prefix):])
+    except json.JSONDecodeError as exc:
+        raise BenchmarkError(f"{what}: bad result line ({exc})") from None
 
 
 def positive(text: str) -> int:

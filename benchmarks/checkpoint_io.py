@@ -51,7 +51,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -59,18 +58,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchkit import positive
+import benchkit
+from benchkit import BenchmarkError, positive, print_result, read_result, run_child
 
+NAME = "checkpoint_io"
 GB = 1e9
-ERROR_PREFIX = "checkpoint_io: error: "
 RANDOM_1B = "random-1b"
 # Qwen2.5-VL-3B (36 decoder layers, 32 vision blocks, 3.75B) cut to ~1.0B parameters
 RANDOM_1B_SHAPE = {"num_hidden_layers": 6, "vision_depth": 10}
 DEFAULT_CONFIG_DIR = "/work/shared/model-configs/Qwen2.5-VL-3B-Instruct"
-
-
-class BenchmarkError(ValueError):
-    """Bad benchmark arguments or a run that failed; the message names the culprit."""
 
 
 @dataclass
@@ -143,7 +139,7 @@ def build_random_1b(config_dir: Path) -> Any:
 
 def run_save(args: argparse.Namespace) -> int:
     """``--save MODEL``: build or load the model, save it ``--repeats`` times into ``--folder``
-    (the last save stays), print the timings as one JSON line."""
+    (the last save stays), print the timings as the result line."""
     from r1fit.checkpoint.files import fsync_tree
 
     model, processor = (build_random_1b(Path(args.config_dir)) if args.save == RANDOM_1B
@@ -162,9 +158,10 @@ def run_save(args: argparse.Namespace) -> int:
     full_bytes, full_seconds = full_checkpoint_save(model, processor, folder.parent / "full",
                                                     args.repeats)
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
-    print(json.dumps({"save_seconds": seconds, "params": sum(p.numel() for p in model.parameters()),
-                      "dtype": "/".join(dtypes), "checkpoint_bytes": folder_bytes(folder),
-                      "full_checkpoint_bytes": full_bytes, "full_save_seconds": full_seconds}))
+    print_result(NAME, {"save_seconds": seconds,
+                        "params": sum(p.numel() for p in model.parameters()),
+                        "dtype": "/".join(dtypes), "checkpoint_bytes": folder_bytes(folder),
+                        "full_checkpoint_bytes": full_bytes, "full_save_seconds": full_seconds})
     return 0
 
 
@@ -176,15 +173,16 @@ def full_checkpoint_save(model: Any, processor: Any, out: Path, repeats: int
     import torch
 
     from r1fit.checkpoint.manager import CheckpointManager
-    from r1fit.checkpoint.state import OptimizerState, RngState
+    from r1fit.checkpoint.state import OptimizerState
     from r1fit.config import load_config
+    from r1fit.rng import RngState
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     state = {"optimizer": OptimizerState(model, optimizer), "rng": RngState()}
     state["optimizer"].state_dict()  # creates the AdamW states (exp_avg, exp_avg_sq) untimed
     cfg = load_config(None, [f"train.output_dir={out}", "checkpoint.every=1", "checkpoint.keep=1"])
     manager = CheckpointManager(out, cfg, "sft", resume=None)
-    manager.models["model"] = (model, processor)
+    manager.add_model("model", model, processor)
     seconds = []
     for step in range(1, repeats + 1):
         started = time.perf_counter()
@@ -199,21 +197,17 @@ def load_builtin(model: str) -> Any:
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from r1fit.models.builtin import ensure_builtin
-    from r1fit.models.errors import ModelConfigError
 
     if not model.startswith("builtin:"):
         raise BenchmarkError(f"--models: {model!r} is neither builtin:<name> nor {RANDOM_1B}")
-    try:
-        folder = ensure_builtin(model.split(":", 1)[1])
-    except ModelConfigError as exc:
-        raise BenchmarkError(f"--models {model}: {exc}") from None
+    folder = ensure_builtin(model.split(":", 1)[1])
     return (AutoModelForImageTextToText.from_pretrained(folder, dtype="auto"),
             AutoProcessor.from_pretrained(folder))
 
 
 def run_load(args: argparse.Namespace) -> int:
     """``--load FOLDER``: time from_pretrained + touching every weight, measure peak RSS over the
-    baseline; print one JSON line."""
+    baseline; print the result line."""
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForImageTextToText
@@ -236,11 +230,12 @@ def run_load(args: argparse.Namespace) -> int:
     with torch.no_grad():
         total = sum(float(t.sum()) for t in (*model.parameters(), *model.buffers()))
     done = time.perf_counter()
-    print(json.dumps({"load_seconds": done - started, "from_pretrained_seconds": loaded - started,
-                      "touch_seconds": done - loaded, "baseline_rss": baseline,
-                      "peak_over_baseline": peak_rss_bytes() - baseline,
-                      "rss_after_over_baseline": current_rss_bytes() - baseline,
-                      "peak_is_exact": exact_peak, "checksum": total}))
+    print_result(NAME, {"load_seconds": done - started,
+                        "from_pretrained_seconds": loaded - started,
+                        "touch_seconds": done - loaded, "baseline_rss": baseline,
+                        "peak_over_baseline": peak_rss_bytes() - baseline,
+                        "rss_after_over_baseline": current_rss_bytes() - baseline,
+                        "peak_is_exact": exact_peak, "checksum": total})
     return 0
 
 
@@ -268,21 +263,10 @@ def bench_root() -> Path:
     return (Path(env).expanduser() if env else Path.home() / ".cache" / "r1fit") / "bench"
 
 
-def child_failure(stderr: str, lines: int = 25) -> str:
-    """A failed child's own one-line error when it printed one, else the end of its stderr."""
-    ours = [line for line in stderr.splitlines() if line.startswith(ERROR_PREFIX)]
-    if ours:
-        return ours[-1][len(ERROR_PREFIX):]
-    return "\n".join(stderr.strip().splitlines()[-lines:])
-
-
 def child(what: str, *mode: str) -> dict[str, Any]:
-    """Run this script in a child mode; its last stdout line is its JSON result."""
-    command = [sys.executable, os.path.abspath(__file__), *mode]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise BenchmarkError(f"{what} failed (exit {done.returncode}):\n{child_failure(done.stderr)}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """Run this script in a child mode; its result line."""
+    stdout = run_child([sys.executable, os.path.abspath(__file__), *mode], what, NAME)
+    return read_result(stdout, NAME, what)
 
 
 def measure(args: argparse.Namespace, name: str, folder: Path) -> Model:
@@ -402,17 +386,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def run(args: argparse.Namespace) -> int:
+    """The child mode the arguments name, else the parent."""
+    if args.save:
+        return run_save(args)
+    if args.load:
+        return run_load(args)
+    return run_parent(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        if args.save:
-            return run_save(args)
-        if args.load:
-            return run_load(args)
-        return run_parent(args)
-    except BenchmarkError as exc:
-        print(f"{ERROR_PREFIX}{exc}", file=sys.stderr)
-        return 2
+    return benchkit.main(NAME, parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ What runs: for each N, ``python -m torch.distributed.run --standalone --nproc-pe
 benchmarks/load_scaling.py --child MODE ...`` (N=1 through torchrun too, so every setting starts
 alike; ``WORLD_SIZE=1`` makes r1fit load as one process), one torch thread per rank
 (``OMP_NUM_THREADS=1``), gloo on CPU. Modes:
-- ``rank0``: what r1fit does, ``r1fit.train.common.load_run_model``. One process: a plain
-  ``from_pretrained``. N > 1: rank 0 alone reads the weights, every rank builds the model on the
-  meta device, shards it (FSDP2 ``fully_shard``) and rank 0 sends each rank only its own shard
+- ``rank0``: what r1fit does, ``r1fit.distributed.loading.load_policy_on_ranks``. One process: a
+  plain ``from_pretrained``. N > 1: rank 0 alone reads the weights, every rank builds the model on
+  the meta device, shards it (FSDP2 ``fully_shard``) and rank 0 sends each rank only its own shard
   of every tensor, point to point (``r1fit.distributed.parallelize.materialize``). Expected sum:
   rank 0's full copy plus N shards, about 2 x one load. (torch's
   ``set_model_state_dict(broadcast_from_rank0=True)``, used first, receives every tensor whole on
@@ -51,23 +51,18 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from benchkit import positive
+import benchkit
+from benchkit import BenchmarkError, positive, print_result, read_result, run_child
 
+NAME = "load_scaling"
 MB = 1e6
-ERROR_PREFIX = "load_scaling: error: "
-RESULT_PREFIX = "load_scaling: result: "  # rank 0's JSON line among torchrun's output
 MODES = ("rank0", "every-rank")
-
-
-class BenchmarkError(ValueError):
-    """Bad benchmark arguments or a run that failed; the message names the culprit."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -107,7 +102,7 @@ def rss_split() -> dict[str, int]:
     return split
 
 
-def run_child(args: argparse.Namespace) -> int:
+def run_rank(args: argparse.Namespace) -> int:
     """``--child MODE``: one rank's load, measured; rank 0 prints every rank's figures."""
     import resource
 
@@ -119,9 +114,9 @@ def run_child(args: argparse.Namespace) -> int:
 
     from r1fit.config import load_config
     from r1fit.distributed.context import all_gather_objects, close_distributed, init_distributed
+    from r1fit.distributed.loading import load_policy_on_ranks
     from r1fit.memory.telemetry import current_rss_bytes, peak_rss_bytes, reset_peak
     from r1fit.models.load import load_policy
-    from r1fit.train.common import load_run_model
 
     def maxrss() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
@@ -137,7 +132,9 @@ def run_child(args: argparse.Namespace) -> int:
     hwm_reset = reset_peak(torch.device("cpu"))
     started = time.perf_counter()
     if args.child == "rank0":
-        model, _, _ = load_run_model(cfg, torch.device("cpu"))
+        model, _, _ = load_policy_on_ranks(
+            cfg.model, torch.device("cpu"),
+            activation_checkpointing=cfg.memory.gradient_checkpointing)
     else:
         m = cfg.model
         model, _ = load_policy(m.path, lora_r=m.lora.r, lora_alpha=m.lora.alpha,
@@ -162,24 +159,19 @@ def run_child(args: argparse.Namespace) -> int:
             "seconds": seconds, "weights_sum": weights_sum}
     ranks = all_gather_objects(mine)
     if w.main:
-        print(RESULT_PREFIX + json.dumps({"mode": args.child, "processes": w.size,
-                                          "ranks": ranks}), flush=True)
+        print_result(NAME, {"mode": args.child, "processes": w.size, "ranks": ranks})
     close_distributed()
     return 0
 
 
 def run_prepare(args: argparse.Namespace) -> int:
     """``--prepare``: the model's folder (a builtin: model is built on first use) and bytes."""
-    from r1fit.models.errors import ModelConfigError
     from r1fit.models.load import resolve_model_path
 
-    try:
-        folder = Path(resolve_model_path(args.model))
-    except ModelConfigError as exc:
-        raise BenchmarkError(f"--model {args.model}: {exc}") from None
+    folder = Path(resolve_model_path(args.model))
     if not folder.is_dir():
-        raise BenchmarkError(f"--model {args.model}: not a local folder (download it first)")
-    print(json.dumps({"folder": str(folder), "weight_bytes": weight_bytes(folder)}))
+        raise BenchmarkError("not a local folder (download it first)")
+    print_result(NAME, {"folder": str(folder), "weight_bytes": weight_bytes(folder)})
     return 0
 
 
@@ -229,13 +221,7 @@ class Setting:
 
 def parse_child_output(stdout: str, mode: str, processes: int) -> list[dict[str, Any]]:
     """Every rank's figures from rank 0's result line (the last one) in a launch's stdout."""
-    lines = [line for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    if not lines:
-        raise BenchmarkError(f"{mode} N={processes}: no result line in the output")
-    try:
-        result = json.loads(lines[-1][len(RESULT_PREFIX):])
-    except json.JSONDecodeError as exc:
-        raise BenchmarkError(f"{mode} N={processes}: bad result line ({exc})") from None
+    result = read_result(stdout, NAME, f"{mode} N={processes}")
     ranks = result.get("ranks") or []
     if result.get("mode") != mode or result.get("processes") != processes or \
             [r.get("rank") for r in ranks] != list(range(processes)):
@@ -245,15 +231,6 @@ def parse_child_output(stdout: str, mode: str, processes: int) -> list[dict[str,
     return ranks
 
 
-def launch_failure(stderr: str, lines: int = 30) -> str:
-    """A failed launch's one-line error when a rank printed one, else the end of its stderr
-    (ranks' tracebacks come before torchrun's summary)."""
-    ours = [line for line in stderr.splitlines() if ERROR_PREFIX in line]
-    if ours:
-        return ours[-1].split(ERROR_PREFIX, 1)[1]
-    return "\n".join(stderr.strip().splitlines()[-lines:])
-
-
 def launch(mode: str, processes: int, folder: str, dtype: str, timeout: float
            ) -> list[dict[str, Any]]:
     """One torchrun launch of ``processes`` ranks in ``mode``; every rank's figures."""
@@ -261,15 +238,8 @@ def launch(mode: str, processes: int, folder: str, dtype: str, timeout: float
                str(processes), os.path.abspath(__file__), "--child", mode, "--model", folder,
                "--dtype", dtype]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout,
-                              check=False)
-    except subprocess.TimeoutExpired:
-        raise BenchmarkError(f"{mode} N={processes}: no result in {timeout:.0f} s") from None
-    if done.returncode != 0:
-        raise BenchmarkError(f"{mode} N={processes} failed (exit {done.returncode}):\n"
-                             f"{launch_failure(done.stderr)}")
-    return parse_child_output(done.stdout, mode, processes)
+    stdout = run_child(command, f"{mode} N={processes}", NAME, env=env, timeout=timeout)
+    return parse_child_output(stdout, mode, processes)
 
 
 def warm_page_cache(folder: Path) -> None:
@@ -340,11 +310,10 @@ def prepare(model: str) -> dict[str, Any]:
     folder = Path(model).expanduser()
     if (folder / "config.json").is_file():
         return {"folder": str(folder.resolve()), "weight_bytes": weight_bytes(folder)}
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--prepare", "--model",
-                           model], capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise BenchmarkError(f"preparing {model} failed:\n{launch_failure(done.stderr)}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    what = f"preparing {model}"
+    stdout = run_child([sys.executable, os.path.abspath(__file__), "--prepare", "--model", model],
+                       what, NAME)
+    return read_result(stdout, NAME, what)
 
 
 def run_parent(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -428,16 +397,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
-    try:
+
+    def run(args: argparse.Namespace) -> int:
+        """The child mode the arguments name, else the parent (which prints ``argv``)."""
         if args.child:
-            return run_child(args)
+            return run_rank(args)
         if args.prepare:
             return run_prepare(args)
         return run_parent(args, argv)
-    except BenchmarkError as exc:
-        print(f"{ERROR_PREFIX}{exc}", file=sys.stderr)
-        return 2
+
+    return benchkit.main(NAME, parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,15 +49,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from benchkit import positive
+import benchkit
+from benchkit import BenchmarkError, positive, print_result, read_result, run_child
 
+NAME = "memory_vs_group"
 MIB = 2**20
-ERROR_PREFIX = "memory_vs_group: error: "
 STEP_KEY = "reward_mean"  # present in GRPO step rows of metrics.jsonl, absent in eval-only rows
-
-
-class BenchmarkError(ValueError):
-    """Bad benchmark arguments or a run that failed; the message names the culprit."""
 
 
 @dataclass
@@ -134,45 +130,16 @@ def run_overrides(args: argparse.Namespace, num_generations: int, output_dir: Pa
             "train.overwrite=true"]
 
 
-def known_errors() -> tuple[type[BaseException], ...]:
-    """r1fit's own one-line errors (config, data, model, reward, run), as its CLI catches them."""
-    from r1fit.config import ConfigError  # imported here: the parent must not load torch
-    from r1fit.data.dataset import DataError
-    from r1fit.models.load import ModelConfigError
-    from r1fit.rewards.registry import RewardConfigError
-    from r1fit.errors import R1fitError as RunError
-
-    return ConfigError, DataError, ModelConfigError, RewardConfigError, RunError
-
-
-def run_child(args: argparse.Namespace) -> int:
-    """``--one G``: train in this process, then print the run's measurements as one JSON line."""
+def run_one(args: argparse.Namespace) -> int:
+    """``--one G``: train in this process, then print the run's measurements as the result
+    line."""
     from r1fit.config import load_config
     from r1fit.train.grpo import train_grpo
 
     out = Path(args.output_dir) if args.output_dir else Path(tempfile.mkdtemp(prefix="r1fit-mem-"))
-    try:
-        train_grpo(load_config(None, run_overrides(args, args.one, out)))
-    except known_errors() as exc:
-        raise BenchmarkError(f"run at G={args.one}: {exc}") from None
-    print(json.dumps(asdict(summarise_run(out, args.one))))
+    train_grpo(load_config(None, run_overrides(args, args.one, out)))
+    print_result(NAME, asdict(summarise_run(out, args.one)))
     return 0
-
-
-def run_prepare(args: argparse.Namespace) -> int:
-    """``--prepare``: build a built-in model into the cache, in a process of its own, so that no
-    measured run pays for the build (or keeps the memory the build freed)."""
-    from r1fit.models.builtin import ensure_builtin
-
-    try:
-        ensure_builtin(args.model.split(":", 1)[1])
-    except known_errors() as exc:
-        raise BenchmarkError(f"--model {args.model}: {exc}") from None
-    return 0
-
-
-# ----------------------------------------------------------------------------------------------
-# parent: runs, table, target
 
 
 def summarise_run(out: Path, num_generations: int) -> RunResult:
@@ -197,6 +164,19 @@ def summarise_run(out: Path, num_generations: int) -> RunResult:
                                                      "seconds_update")) for r in later])
 
 
+def run_prepare(args: argparse.Namespace) -> int:
+    """``--prepare``: build a built-in model into the cache, in a process of its own, so that no
+    measured run pays for the build (or keeps the memory the build freed)."""
+    from r1fit.models.builtin import ensure_builtin
+
+    ensure_builtin(args.model.split(":", 1)[1])
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# parent: runs, table, target
+
+
 def child_env(pairs: Sequence[str]) -> dict[str, str]:
     """This process's environment plus ``--child-env KEY=VALUE`` pairs (allocator experiments)."""
     env = dict(os.environ)
@@ -206,14 +186,6 @@ def child_env(pairs: Sequence[str]) -> dict[str, str]:
             raise BenchmarkError(f"--child-env {pair!r}: expected KEY=VALUE")
         env[key] = value
     return env
-
-
-def child_failure(stderr: str, lines: int = 25) -> str:
-    """A failed child's own one-line error when it printed one, else the end of its stderr."""
-    ours = [line for line in stderr.splitlines() if line.startswith(ERROR_PREFIX)]
-    if ours:
-        return ours[-1][len(ERROR_PREFIX):]
-    return "\n".join(stderr.strip().splitlines()[-lines:])
 
 
 def child_command(args: argparse.Namespace, *mode: str) -> list[str]:
@@ -228,23 +200,17 @@ def prepare_model(args: argparse.Namespace) -> None:
     """Build a built-in model before any measured run (see :func:`run_prepare`)."""
     if not args.model.startswith("builtin:"):
         return
-    done = subprocess.run(child_command(args, "--prepare"), capture_output=True, text=True)
-    if done.returncode != 0:
-        raise BenchmarkError(child_failure(done.stderr))
+    run_child(child_command(args, "--prepare"), f"--model {args.model}", NAME)
 
 
 def measure(args: argparse.Namespace, num_generations: int, env: dict[str, str]) -> RunResult:
     """One fresh child process training at group size ``num_generations``."""
+    what = f"run at G={num_generations}"
     with tempfile.TemporaryDirectory(prefix=f"r1fit-mem-g{num_generations}-") as tmp:
-        out = Path(tmp) / "run"
-        command = child_command(args, "--one", str(num_generations), "--output-dir", str(out))
-        done = subprocess.run(command, capture_output=True, text=True, env=env)
-        if done.returncode != 0:
-            message = child_failure(done.stderr)
-            if not message.startswith(f"run at G={num_generations}"):
-                message = f"run at G={num_generations} failed (exit {done.returncode}):\n{message}"
-            raise BenchmarkError(message)
-        return summarise_run(out, num_generations)
+        command = child_command(args, "--one", str(num_generations), "--output-dir",
+                                str(Path(tmp) / "run"))
+        stdout = run_child(command, what, NAME, env=env)
+    return RunResult(**read_result(stdout, NAME, what))
 
 
 def mib(value: float) -> str:
@@ -360,15 +326,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def run(args: argparse.Namespace) -> int:
+    """The child mode the arguments name, else the parent."""
+    if args.prepare:
+        return run_prepare(args)
+    return run_one(args) if args.one is not None else run_parent(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        if args.prepare:
-            return run_prepare(args)
-        return run_child(args) if args.one is not None else run_parent(args)
-    except BenchmarkError as exc:
-        print(f"{ERROR_PREFIX}{exc}", file=sys.stderr)
-        return 2
+    return benchkit.main(NAME, parse_args, run, argv)
 
 
 if __name__ == "__main__":

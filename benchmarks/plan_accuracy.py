@@ -19,13 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import benchkit
+from benchkit import run_child
+
+NAME = "plan_accuracy"
 COMMON = ["train.max_steps=2", "sft.format_warmup_steps=0", "eval.every=0", "data.eval=null",
           "checkpoint.every=0", "train.prompts_per_step=1", "memory.cpu_peak=tensors",
           "data.shapes.image_size=56", "data.max_pixels=3136"]
@@ -80,11 +83,9 @@ def measure(name: str, overrides: list[str]) -> int:
         out = Path(folder) / "run"
         command = [sys.executable, "-m", "r1fit", "train", f"train.output_dir={out}", *COMMON,
                    *overrides]
-        done = subprocess.run(command, capture_output=True, text=True, check=False,
-                              env={**os.environ, "KINETO_LOG_LEVEL": "5"})
-        if done.returncode != 0:
-            tail = "\n".join(done.stderr.strip().splitlines()[-15:])
-            raise RuntimeError(f"{name}: r1fit train failed (exit {done.returncode}):\n{tail}")
+        # the child is r1fit's CLI: its one-line errors start "r1fit: error: "
+        run_child(command, f"{name}: r1fit train", "r1fit",
+                  env={**os.environ, "KINETO_LOG_LEVEL": "5"})
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         return max(r["peak_memory_bytes"] for r in rows if "reward_mean" in r)
 
@@ -97,12 +98,15 @@ def predict(overrides: list[str]) -> tuple[int, dict[str, int]]:
     return predict_peak(cfg, device_type="cpu"), plan_memory(cfg, device_type="cpu").parts
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="+", choices=sorted(GRID), help="run these configurations")
     p.add_argument("--tolerance", type=float, default=0.15, help="allowed |plan/probe - 1|")
     p.add_argument("--json", help="also write the results here")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     results = []
     for name in args.only or GRID:
@@ -128,6 +132,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps({"command": sys.argv, "target_met": met,
                                                "results": results}, indent=2))
     return 0 if met else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return benchkit.main(NAME, parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "load_scaling.py"
+from benchkit import BenchmarkError, load_script, result_prefix
+
 MB = 10**6
-
-
-sys.path.insert(0, str(SCRIPT.parent))  # the scripts import benchkit from their folder
-from benchkit import load_script  # noqa: E402
 
 ls = load_script("load_scaling")
 
@@ -32,7 +27,7 @@ def _setting(mode: str, runs: list[list[float]]) -> object:
 
 
 def _result_line(mode: str, growths: list[float]) -> str:
-    return ls.RESULT_PREFIX + json.dumps({"mode": mode, "processes": len(growths),
+    return result_prefix(ls.NAME) + json.dumps({"mode": mode, "processes": len(growths),
                                           "ranks": [_rank(i, g) for i, g in enumerate(growths)]})
 
 
@@ -66,22 +61,13 @@ def test_parse_child_output_reads_the_last_result_line_among_other_output():
 
 @pytest.mark.parametrize("stdout, message", [
     ("nothing here\n", "no result line"),
-    (ls.RESULT_PREFIX + "{not json\n", "bad result line"),
+    (result_prefix(ls.NAME) + "{not json\n", "bad result line"),
     (_result_line("every-rank", [1.0, 1.0]), "the result is for every-rank N=2"),
     (_result_line("rank0", [1.0, 1.0, 1.0]), "the result is for rank0 N=3"),
 ])
 def test_parse_child_output_rejects_missing_or_foreign_results(stdout, message):
-    with pytest.raises(ls.BenchmarkError, match=message):
+    with pytest.raises(BenchmarkError, match=message):
         ls.parse_child_output(stdout, "rank0", 2)
-
-
-def test_launch_failure_prefers_a_ranks_one_line_error():
-    stderr = ("W torchrun: setting OMP_NUM_THREADS\n"
-              f"[rank1]: {ls.ERROR_PREFIX}--model x: does not exist\n"
-              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n")
-    assert ls.launch_failure(stderr) == "--model x: does not exist"
-    traceback = "\n".join(f"line {i}" for i in range(40))
-    assert ls.launch_failure(traceback, lines=2) == "line 38\nline 39"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -168,11 +154,8 @@ def test_exit_code_follows_the_target(monkeypatch, tmp_path, capsys):
     (["--repeats", "0"], "integer >= 1"),
     (["--every-rank-repeats", "-1"], ">= 0"),
 ])
-def test_bad_arguments_are_one_line_errors(argv, message, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        ls.parse_args(argv)
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+def test_bad_arguments_are_one_line_errors(argv, message, refused):
+    assert message in refused(ls.parse_args, argv)
 
 
 def test_processes_are_sorted_and_deduplicated():

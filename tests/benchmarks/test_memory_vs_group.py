@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "memory_vs_group.py"
+from benchkit import BenchmarkError, load_script, result_prefix
+
 MIB = 2**20
-
-
-sys.path.insert(0, str(SCRIPT.parent))  # the scripts import benchkit from their folder
-from benchkit import load_script  # noqa: E402
 
 mvg = load_script("memory_vs_group")
 
@@ -49,7 +45,7 @@ def test_summarise_run_needs_the_load_baseline(tmp_path):
     out = _fake_run(tmp_path / "run", base=1, peaks=[2, 3], tokens=[1.0, 1.0],
                     seconds=[(1.0, 0.0, 1.0)] * 2)
     (out / "summary.json").write_text(json.dumps({"steps": 2}))
-    with pytest.raises(mvg.BenchmarkError, match="rss_after_load_bytes"):
+    with pytest.raises(BenchmarkError, match="rss_after_load_bytes"):
         mvg.summarise_run(out, 2)
 
 
@@ -76,7 +72,7 @@ def test_target_compares_largest_with_smallest_group():
 def test_child_env_adds_pairs_and_rejects_malformed_ones():
     env = mvg.child_env(["MALLOC_ARENA_MAX=2", "X=a=b"])
     assert env["MALLOC_ARENA_MAX"] == "2" and env["X"] == "a=b"
-    with pytest.raises(mvg.BenchmarkError, match="NOEQUALS"):
+    with pytest.raises(BenchmarkError, match="NOEQUALS"):
         mvg.child_env(["NOEQUALS"])
 
 
@@ -99,16 +95,25 @@ def test_run_overrides_pin_everything_but_the_group_size(tmp_path):
     (["--steps", "1"], "--steps"),
     (["--micro-batch", "0"], "integer >= 1"),
 ])
-def test_bad_arguments_are_one_line_errors(argv, message, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        mvg.parse_args(argv)
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+def test_bad_arguments_are_one_line_errors(argv, message, refused):
+    assert message in refused(mvg.parse_args, argv)
 
 
-def test_child_failure_prefers_the_childs_one_line_error():
-    stderr = ("INFO r1fit: data: 64 rows\n"
-              f"{mvg.ERROR_PREFIX}run at G=2: model folder '/x' does not exist\n")
-    assert mvg.child_failure(stderr) == "run at G=2: model folder '/x' does not exist"
-    traceback = "\n".join(f"line {i}" for i in range(40))
-    assert mvg.child_failure(traceback, lines=3) == "line 37\nline 38\nline 39"
+def test_measure_runs_one_child_and_reads_its_result_line(tmp_path, monkeypatch):
+    args = mvg.parse_args(["--micro-batch", "2", "--steps", "2", "--model", "builtin:tiny"])
+    out = _fake_run(tmp_path / "run", base=800 * MIB, peaks=[900 * MIB, 1000 * MIB],
+                    tokens=[1.0, 5.0], seconds=[(1.0, 0.0, 1.0), (2.0, 0.5, 3.0)])
+    child = mvg.summarise_run(out, 4)  # what the child prints after training
+    calls = []
+
+    def run_child(command, what, name, *, env=None, timeout=None):
+        calls.append((command, what, name, env))
+        return (f"Training: 100%\n{result_prefix(name)}"
+                + json.dumps(mvg.asdict(child)) + "\n")
+
+    monkeypatch.setattr(mvg, "run_child", run_child)
+    assert mvg.measure(args, 4, {"X": "1"}) == child
+    [(command, what, name, env)] = calls
+    assert command[1].endswith("memory_vs_group.py") and command[2:4] == ["--one", "4"]
+    assert {"--output-dir", "--micro-batch", "2", "--model", "builtin:tiny"} <= set(command)
+    assert (what, name, env) == ("run at G=4", "memory_vs_group", {"X": "1"})
