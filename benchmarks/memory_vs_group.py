@@ -45,9 +45,10 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import benchkit
 from benchkit import BenchmarkError, positive, print_result, read_result, run_child

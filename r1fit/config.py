@@ -38,7 +38,7 @@ class ReadOnlyDict(dict):
 
     __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse  # type: ignore[assignment]
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> "ReadOnlyDict":
+    def __deepcopy__(self, memo: dict[int, Any]) -> ReadOnlyDict:
         return ReadOnlyDict(copy.deepcopy(dict(self), memo))
 
 
@@ -252,7 +252,7 @@ class Config:
         """Plain JSON-able data (tuples as lists), as ``config.json`` records it."""
         return json.loads(json.dumps(dataclasses.asdict(self)))
 
-    def with_values(self, changes: dict[str, Any]) -> "Config":
+    def with_values(self, changes: dict[str, Any]) -> Config:
         """A new, validated config with dotted keys set, e.g. ``{"memory.micro_batch": 1}``
         (the same path as ``key=value`` overrides; this config is left as it is)."""
         return _validated(self, [(key.split("."), value) for key, value in changes.items()])

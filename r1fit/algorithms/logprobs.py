@@ -133,13 +133,16 @@ def _check_inputs(
 ) -> None:
     """Raise ``ValueError`` naming the first inconsistent argument."""
     if weight.ndim != 2 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got {tuple(weight.shape)}")
+        raise ValueError(f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, "
+                         f"got {tuple(weight.shape)}")
     if targets.shape != hidden.shape[:-1]:
-        raise ValueError(f"targets shape {tuple(targets.shape)} must equal hidden.shape[:-1] = {tuple(hidden.shape[:-1])}")
+        raise ValueError(f"targets shape {tuple(targets.shape)} must equal hidden.shape[:-1] = "
+                         f"{tuple(hidden.shape[:-1])}")
     if targets.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"targets must be an int64 or int32 tensor of token ids, got {targets.dtype}")
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= weight.shape[0]):
-        raise ValueError(f"targets must lie in [0, {weight.shape[0]}), got range [{int(targets.min())}, {int(targets.max())}]")
+        raise ValueError(f"targets must lie in [0, {weight.shape[0]}), got range "
+                         f"[{int(targets.min())}, {int(targets.max())}]")
     if bias is not None and bias.shape != weight.shape[:1]:
         raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
     if int(chunk_size) != chunk_size or chunk_size < 1:

@@ -148,7 +148,8 @@ def grpo_loss(
         if tensor is not None and tensor.shape != logp.shape:
             raise ValueError(f"{name} shape {tuple(tensor.shape)} does not match logp shape {tuple(logp.shape)}")
     if advantages.shape not in (logp.shape[:1], logp.shape):
-        raise ValueError(f"advantages must be [B] or [B, T] for logp {tuple(logp.shape)}, got {tuple(advantages.shape)}")
+        raise ValueError(f"advantages must be [B] or [B, T] for logp {tuple(logp.shape)}, "
+                         f"got {tuple(advantages.shape)}")
 
     token_loss, clipped = token_policy_loss(
         logp, old_logp, advantages, epsilon=epsilon, epsilon_high=epsilon_high, beta=beta, ref_logp=ref_logp

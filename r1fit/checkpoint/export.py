@@ -26,9 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from r1fit.checkpoint.files import fsync_dir, fsync_tree, read_json_object
-from r1fit.checkpoint.sharded import load_model_weights, model_tensors
-from r1fit.distributed.context import barrier, world
-from r1fit.units import format_bytes
 from r1fit.checkpoint.manager import (
     MODEL_DIR,
     PARTIAL,
@@ -36,6 +33,9 @@ from r1fit.checkpoint.manager import (
     list_checkpoints,
     verify,
 )
+from r1fit.checkpoint.sharded import load_model_weights, model_tensors
+from r1fit.distributed.context import barrier, world
+from r1fit.units import format_bytes
 
 _ADAPTER = "adapter_config.json"
 

@@ -7,8 +7,9 @@ Layout of every batch (generation and training alike, the layout ``generate`` it
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -90,7 +91,7 @@ class Batch:
     completion_ids: torch.Tensor  # [B, Tc] (pad where masked)
     completion_mask: torch.Tensor  # [B, Tc] float, 1 on real completion tokens
 
-    def to(self, device: torch.device) -> "Batch":
+    def to(self, device: torch.device) -> Batch:
         return Batch({k: v.to(device) for k, v in self.inputs.items()}, self.prompt_len,
                      self.completion_ids.to(device), self.completion_mask.to(device))
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

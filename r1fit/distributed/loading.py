@@ -3,7 +3,8 @@ and parallelized."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict

@@ -13,15 +13,15 @@ head in chunks (:class:`r1fit.models.logprobs.CompletionLogProbs`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import (FSDPModule, MixedPrecisionPolicy, fully_shard,
-                                    register_fsdp_forward_method)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
+
 from r1fit.distributed.context import World
 from r1fit.models.load import unwrap
 

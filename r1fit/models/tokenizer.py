@@ -18,7 +18,8 @@ from transformers import Qwen2Tokenizer
 
 # Qwen2's pre-tokenisation regex (copied from transformers' tokenization_qwen2.py) so our BPE splits
 # text exactly where Qwen's does.
-_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+_PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+                      r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 #: Upper bound on the trained BPE part of the vocabulary (bytes + merges); training stops earlier
 #: (~700) once the small corpus has no pair left to merge.

@@ -47,7 +47,7 @@ class EarlyLog:
     def __init__(self) -> None:
         self.buffer = logging.handlers.BufferingHandler(capacity=10_000)
 
-    def __enter__(self) -> "EarlyLog":
+    def __enter__(self) -> EarlyLog:
         logging.getLogger("r1fit").addHandler(self.buffer)
         return self
 

@@ -47,7 +47,7 @@ class MetricsWriter:
         if self._file is not None:
             self._file.close()
 
-    def __enter__(self) -> "MetricsWriter":
+    def __enter__(self) -> MetricsWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
+from r1fit.errors import R1fitError
 from r1fit.rewards.accuracy import accuracy
 from r1fit.rewards.format import format_reward
 from r1fit.rewards.iou import iou, iou_hit
-from r1fit.errors import R1fitError
 
 logger = logging.getLogger("r1fit.rewards")
 

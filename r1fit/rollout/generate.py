@@ -11,8 +11,9 @@ its own random stream (``row_seeds``), drawn by ``SeededSampler`` instead of by 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,7 +42,7 @@ class TokenIds:
     blocked: list[int]  # image/video placeholders must never be sampled
 
     @classmethod
-    def of(cls, model: Any, processor: Any) -> "TokenIds":
+    def of(cls, model: Any, processor: Any) -> TokenIds:
         special = special_token_ids(model, processor)
         # a completion ends at <|im_end|> or, if the model emits it, at <|endoftext|> (Qwen's
         # generation_config stops at both)

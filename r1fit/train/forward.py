@@ -3,13 +3,14 @@ is :func:`r1fit.models.logprobs.completion_logprobs`)."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from r1fit.models.logprobs import completion_logprobs
 from r1fit.data.batch import Prompt, collate
+from r1fit.models.logprobs import completion_logprobs
 from r1fit.rollout.record import Rollout
 
 

@@ -24,8 +24,7 @@ from r1fit.data.batch import Prompt, encode_prompts, split_too_long
 from r1fit.data.build import BadRowCounter, build_datasets
 from r1fit.data.dataset import PromptDataset, PromptSampler
 from r1fit.data.sample import Sample
-from r1fit.distributed.context import (World, broadcast_object, check_split, device_for,
-                                       init_distributed, pick_device)
+from r1fit.distributed.context import World, broadcast_object, check_split, device_for, init_distributed, pick_device
 from r1fit.distributed.loading import load_policy_on_ranks
 from r1fit.memory.autofit import resolve_sizes
 from r1fit.memory.guard import OOMGuard

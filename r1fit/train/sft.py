@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -47,7 +47,8 @@ def test_chunked_matches_full_values_and_grads(chunk_size, use_bias, temperature
     out, grads = _value_and_grads(
         chunked_token_logprobs, hidden, weight, bias, targets, upstream, chunk_size=chunk_size, temperature=temperature
     )
-    ref, ref_grads = _value_and_grads(full_token_logprobs, hidden, weight, bias, targets, upstream, temperature=temperature)
+    ref, ref_grads = _value_and_grads(full_token_logprobs, hidden, weight, bias, targets, upstream,
+                                      temperature=temperature)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
     assert len(grads) == len(ref_grads) == (3 if use_bias else 2)
     for grad, ref_grad in zip(grads, ref_grads):
@@ -66,7 +67,8 @@ def test_frozen_weight_gets_no_gradient_buffer():
     hidden, weight, _, targets, upstream = _inputs()
     weight.requires_grad_(False)  # LoRA: the LM head is frozen
     with LiveBytes() as tracker:
-        _, (grad_hidden,) = _value_and_grads(chunked_token_logprobs, hidden, weight, None, targets, upstream, chunk_size=8)
+        _, (grad_hidden,) = _value_and_grads(chunked_token_logprobs, hidden, weight, None, targets, upstream,
+                                             chunk_size=8)
     _, (ref_grad_hidden,) = _value_and_grads(full_token_logprobs, hidden, weight, None, targets, upstream)
     torch.testing.assert_close(grad_hidden, ref_grad_hidden, atol=1e-12, rtol=0)
     assert tuple(weight.shape) not in tracker.shapes  # no [V, H] gradient was ever allocated

@@ -137,7 +137,8 @@ def test_old_logp_none_gives_ratio_one_and_policy_gradient():
 # ---------------------------------------------------------------- vectorised vs slow reference loop
 
 
-def reference_grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, epsilon, epsilon_high, beta, aggregation, max_new_tokens):
+def reference_grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, epsilon, epsilon_high, beta, aggregation,
+                        max_new_tokens):
     """Obvious loop over sequences and tokens, scalar by scalar, over the whole batch."""
     seq_sums, seq_lens = [], []
     for b in range(logp.shape[0]):
@@ -256,7 +257,8 @@ def _call(**overrides):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"aggregation": "sum"}, r"unknown loss aggregation 'sum'; allowed: \['seq_mean_token_mean', 'seq_mean_token_sum_norm', 'token_mean'\]"),
+        ({"aggregation": "sum"}, r"unknown loss aggregation 'sum'; allowed: \['seq_mean_token_mean', "
+                                 r"'seq_mean_token_sum_norm', 'token_mean'\]"),
         ({"epsilon": 0.0}, "epsilon must be in"),
         ({"epsilon": 1.5}, "epsilon must be in"),
         ({"epsilon_high": -0.1}, "epsilon_high must be > 0"),

@@ -8,9 +8,19 @@ import sys
 import textwrap
 
 import pytest
+from benchkit import (
+    FOLDER,
+    TAIL_LINES,
+    BenchmarkError,
+    child_error,
+    main,
+    positive,
+    print_result,
+    read_result,
+    result_prefix,
+    run_child,
+)
 
-from benchkit import (FOLDER, TAIL_LINES, BenchmarkError, child_error, main, positive,
-                      print_result, read_result, result_prefix, run_child)
 from r1fit.errors import R1fitError
 
 

@@ -6,7 +6,6 @@ import json
 import time
 
 import pytest
-
 from benchkit import BenchmarkError, load_script, result_prefix
 
 MB = 10**6

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from benchkit import BenchmarkError, load_script, result_prefix
 
 MIB = 2**20

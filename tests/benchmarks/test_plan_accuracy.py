@@ -4,7 +4,6 @@ line and exit status 2 (no training runs)."""
 from __future__ import annotations
 
 import pytest
-
 from benchkit import BenchmarkError, load_script
 
 pa = load_script("plan_accuracy")

@@ -8,9 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from r1fit.checkpoint.manager import (CheckpointError, CheckpointManager, ResumePoint,
-                                      list_checkpoints, missing_for_resume, read_trainer_state,
-                                      verify)
+from r1fit.checkpoint.manager import (
+    CheckpointError,
+    CheckpointManager,
+    ResumePoint,
+    list_checkpoints,
+    missing_for_resume,
+    read_trainer_state,
+    verify,
+)
 from r1fit.config import load_config
 
 

@@ -2,8 +2,8 @@
 
 import torch
 
-from r1fit.data.sample import Sample
 from r1fit.data.batch import Prompt, collate, cut_after_eos, split_too_long
+from r1fit.data.sample import Sample
 
 PAD = 0
 

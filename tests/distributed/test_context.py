@@ -6,9 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from r1fit.distributed.context import (DistributedError, World, all_gather_objects,
-                                       all_gather_rows, all_max, all_sum, broadcast_object,
-                                       init_distributed, world)
+from r1fit.distributed.context import (
+    DistributedError,
+    World,
+    all_gather_objects,
+    all_gather_rows,
+    all_max,
+    all_sum,
+    broadcast_object,
+    init_distributed,
+    world,
+)
 
 
 def test_shares_are_contiguous_and_even():

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from r1fit.memory.sizes import ChunkSizes
-from r1fit.rng import RngState
 from r1fit.memory.guard import OOMGuard, OutOfMemory
+from r1fit.memory.sizes import ChunkSizes
 from r1fit.memory.telemetry import current_rss_bytes
+from r1fit.rng import RngState
 
 
 def make_guard(micro_batch: int = 8, generation_batch: int = 8, budget: str = "",

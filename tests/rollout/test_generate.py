@@ -10,9 +10,9 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.logits_process import TopPLogitsWarper
 
+from r1fit.data.batch import encode_prompts
 from r1fit.data.dataset import load_dataset
 from r1fit.models.load import load_policy, special_token_ids
-from r1fit.data.batch import encode_prompts
 from r1fit.rollout.generate import (
     SamplingSettings,
     SeededSampler,

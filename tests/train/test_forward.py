@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from r1fit.config import load_config
-from r1fit.memory.sizes import ChunkSizes
-from r1fit.rollout.record import Rollout
-from r1fit.data.dataset import load_dataset
-from r1fit.models.load import load_policy, special_token_ids
 from r1fit.data.batch import collate, encode_prompts
+from r1fit.data.dataset import load_dataset
+from r1fit.memory.sizes import ChunkSizes
+from r1fit.models.load import load_policy, special_token_ids
 from r1fit.models.logprobs import completion_logprobs
+from r1fit.rollout.record import Rollout
 from r1fit.train.forward import logprobs_in_micro_batches
 from r1fit.train.grpo import accumulate_policy_gradients
 
