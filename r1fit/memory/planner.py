@@ -54,7 +54,6 @@ long and batches are padded (a padding mask makes SDPA repeat the KV heads).
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 import math
@@ -431,9 +430,8 @@ def _encoded_prompt(cfg: Config, processor: Any, images: int, shapes: bool) -> P
     if shapes:
         from r1fit.data.build import build_datasets
 
-        small = replace(cfg, data=replace(d, eval=None, shapes=replace(d.shapes,
-                                                                        train_size=SHAPES_SAMPLES)))
-        dataset, _ = build_datasets(small)
+        dataset, _ = build_datasets(cfg.with_values({"data.eval": None,
+                                                      "data.shapes.train_size": SHAPES_SAMPLES}))
         samples = [dataset[i] for i in range(len(dataset))]
         extra, how = 0, f"encoded by the model's processor ({d.train} questions and images)"
     else:
@@ -858,44 +856,37 @@ def _advice(plan: Plan, facts: ModelFacts, cfg: Config, prompt: PromptShape, siz
                    f"(now {sizes.generation})")
     if plan.max_micro_batch and plan.max_generation_batch:
         return out
-    switches: list[tuple[str, Any]] = []
+    switches: list[dict[str, Any]] = []  # each tried alone: one or two keys set together
     if not cfg.memory.gradient_checkpointing:
-        switches.append(("memory.gradient_checkpointing", True))
+        switches.append({"memory.gradient_checkpointing": True})
     if cfg.model.lora.r == 0:
-        switches.append(("model.lora.r", 16))
+        switches.append({"model.lora.r": 16})
         if facts.vision is not None and not cfg.model.freeze_vision:
-            switches.append(("model.freeze_vision", True))
+            switches.append({"model.freeze_vision": True})
         if cfg.algo.beta > 0:  # no reference copy (offloading it is not implemented)
-            switches.append(("algo.beta", 0))
+            switches.append({"algo.beta": 0})
     if prompt.patches and cfg.data.max_pixels >= 4 * 28 * 28:
-        switches.append(("data.max_pixels", max(28 * 28, cfg.data.max_pixels // 4)))
+        pixels = max(28 * 28, cfg.data.max_pixels // 4)
+        switches.append({"data.max_pixels": pixels})
+        if cfg.data.min_pixels > pixels:  # else the config is invalid (min_pixels > max_pixels)
+            switches[-1]["data.min_pixels"] = pixels
     dtype = facts.config_dtype if cfg.model.dtype == "auto" else cfg.model.dtype
     if dtype == "float32" and device_type == "cuda":
-        switches.append(("model.dtype", "bfloat16"))
-    for key, value in switches:
-        changed = _with(cfg, {key: value, "memory.micro_batch": 1, "memory.generation_batch": 1})
-        p = prompt_shape(changed, facts) if key.startswith("data.") else prompt
+        switches.append({"model.dtype": "bfloat16"})
+    for switch in switches:
+        changed = cfg.with_values({**switch, "memory.micro_batch": 1,
+                                   "memory.generation_batch": 1})
+        p = prompt_shape(changed, facts) if any(k.startswith("data.") for k in switch) else prompt
         f = model_facts(changed.model.path, changed.model.lora.target)
         est = _estimate(f, changed, p, replace(sizes, micro=1, generation=1,
                                                checkpointing=changed.memory.gradient_checkpointing),
                         device_type)
         verdict = "fits" if est.peak <= usable else "still does not fit"
-        out.append(f"{key}={_shown(value)}: peak {format_bytes(est.peak)} at micro_batch = "
+        keys = " ".join(f"{key}={_shown(value)}" for key, value in switch.items())
+        out.append(f"{keys}: peak {format_bytes(est.peak)} at micro_batch = "
                    f"generation_batch = 1 ({verdict})")
     if not switches:
         out.append("nothing left to switch: use a device with more memory or a smaller model")
-    return out
-
-
-def _with(cfg: Config, changes: dict[str, Any]) -> Config:
-    """A copy of ``cfg`` with dotted keys set (values of the right type)."""
-    out = copy.deepcopy(cfg)
-    for key, value in changes.items():
-        *path, name = key.split(".")
-        obj = out
-        for part in path:
-            obj = getattr(obj, part)
-        setattr(obj, name, value)
     return out
 
 

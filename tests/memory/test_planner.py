@@ -167,7 +167,7 @@ def test_auto_sizes_are_planned_at_what_auto_picks(small_model):
     budget = plan_memory(cfg_for(small_model, "memory.micro_batch=4",
                                  "memory.gradient_checkpointing=false"),
                          device_type="cpu").peak_bytes * 2
-    cfg.memory.micro_batch = cfg.memory.generation_batch = "auto"  # as memory.*=auto sets them
+    cfg = cfg.with_values({"memory.micro_batch": "auto", "memory.generation_batch": "auto"})
     plan = plan_memory(cfg, device_memory_bytes=budget, device_type="cpu")
     assert plan.details["auto"] == ["micro_batch", "generation_batch"]
     assert plan.details["micro_batch"] == plan.max_micro_batch >= 4 and plan.fits
@@ -180,6 +180,14 @@ def test_nothing_fits_gives_switches(small_model):
     switches = " ".join(plan.advice)
     for key in ("memory.gradient_checkpointing=true", "model.lora.r=16", "algo.beta=0"):
         assert key in switches
+
+
+def test_a_smaller_image_switch_lowers_min_pixels_too(small_model):
+    # a quarter of max_pixels (12,544) is below min_pixels: both move, or the config is invalid
+    plan = plan_memory(cfg_for(small_model, "data.min_pixels=12544"),
+                       device_memory_bytes=1 << 20, device_type="cpu")
+    assert any(a.startswith("data.max_pixels=3136 data.min_pixels=3136: peak ")
+               for a in plan.advice)
 
 
 # --- FSDP2 over several GPUs (--gpus N)
