@@ -252,7 +252,7 @@ def _facts(source: str, path: str, lora_target: str) -> ModelFacts:
     from torch import nn
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from r1fit.models.load import ModelConfigError, language_model_lora_regex
+    from r1fit.models.load import ModelConfigError, language_model_lora_regex, vision_tower
 
     regex = re.compile(language_model_lora_regex(lora_target))
     try:
@@ -277,7 +277,7 @@ def _facts(source: str, path: str, lora_target: str) -> ModelFacts:
                     head_dim=getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // heads,
                     vocab=text_cfg.vocab_size)
     params = list(model.parameters())  # unique: a tied head is counted once
-    visual = _vision_tower(model)
+    visual = vision_tower(model)
     vision_params = list(visual.parameters()) if visual is not None else []
     layers, blocks = _fsdp_units(model, visual)
     in_layer_0 = {id(m) for m in layers[0].modules()} if layers else set()
@@ -339,14 +339,6 @@ def shard_elements(shapes: Any, n: int) -> int:
     FSDP2 chunks each tensor along dim 0 (torch.chunk) and pads every rank's piece to the first,
     ``ceil(rows / n)`` rows."""
     return sum(-(-rows // n) * (numel // rows) for rows, numel in shapes)
-
-
-def _vision_tower(model: Any) -> Any:
-    inner = getattr(model, "model", model)
-    for name in ("visual", "vision_tower", "vision_model"):
-        if getattr(inner, name, None) is not None:
-            return getattr(inner, name)
-    return None
 
 
 def vision_dims(config: Any, visual: Any) -> VisionDims | None:
