@@ -319,6 +319,8 @@ def test_fsdp_on_cuda_gathers_float32_in_bfloat16_and_reduces_in_float32(small_m
 
 
 def test_one_gpu_has_no_fsdp_parts_and_more_gpus_say_so(small_model, capsys):
+    from r1fit.memory.planner.render import _LABELS
+
     cfg = cfg_for(small_model)
     one, two = plan_memory(cfg, device_type="cpu"), plan_memory(cfg, device_type="cpu", gpus=2)
     assert all(one.parts[name] == 0 for name in planner.FSDP_PARTS)
@@ -329,7 +331,7 @@ def test_one_gpu_has_no_fsdp_parts_and_more_gpus_say_so(small_model, capsys):
     out = capsys.readouterr().out
     assert "per GPU, FSDP over 2 GPUs" in out and "weights, 1/2 shard" in out
     for name in planner.FSDP_PARTS:
-        assert planner._LABELS[name] in out
+        assert _LABELS[name] in out
     planner.render(one, cfg)
     out = capsys.readouterr().out
     assert "FSDP" not in out and "one cpu device" in out
@@ -483,9 +485,10 @@ def test_builtin_prompt_is_encoded_by_its_processor(use_tiny_cache):
 
 
 def test_unknown_hub_id_is_one_line():
+    from r1fit.memory.planner.facts import _facts
     from r1fit.models.load import ModelConfigError
 
-    planner._facts.cache_clear()
+    _facts.cache_clear()
     with pytest.raises(ModelConfigError, match="not in the Hugging Face cache"):
         model_facts("nobody-r1fit/not-a-model")
 
