@@ -63,12 +63,16 @@ from r1fit.memory.planner.facts import (
 from r1fit.memory.planner.formulas import (
     ADAPTER_BYTES,
     F32,
-    GENERATION_LOGITS_F32,
+    chunk_backward_bytes,
+    chunk_forward_bytes,
+    kv_cache_bytes,
     layer_backward_temp_per_token,
-    layer_forward_temp_per_token,
     layer_saved_per_token,
+    lm_forward_bytes,
+    pixel_bytes,
+    sampling_logits_f32,
     vision_block_saved_per_patch,
-    vision_forward_temp_per_patch,
+    vision_forward_bytes,
     vision_other_saved_per_patch,
 )
 from r1fit.units import format_bytes, parse_bytes
@@ -140,7 +144,7 @@ class Plan:
 
 
 @dataclass(frozen=True)
-class _Sizes:
+class Sizes:
     """The run's settings the phases depend on, for one GPU."""
 
     rows: int  # of a step, on this GPU
@@ -148,6 +152,11 @@ class _Sizes:
     micro: int
     generation: int
     checkpointing: bool
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per update."""
+        return -(-self.rows // self.micro)
 
 
 def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_type: str = "cuda",
@@ -170,7 +179,7 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
     rows = cfg.train.prompts_per_step * cfg.algo.num_generations
     local = -(-rows // gpus)  # the step's rows are split evenly over the GPUs
     micro, generation = cfg.memory.micro_batch, cfg.memory.generation_batch
-    sizes = _Sizes(rows=local, gpus=gpus, micro=local if micro == "auto" else min(micro, local),
+    sizes = Sizes(rows=local, gpus=gpus, micro=local if micro == "auto" else min(micro, local),
                    generation=local if generation == "auto" else min(generation, local),
                    checkpointing=cfg.memory.gradient_checkpointing)
     notes = []
@@ -240,209 +249,326 @@ class _Estimate:
     details: dict[str, Any]
 
 
-def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: _Sizes,
+def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
               device_type: str) -> _Estimate:
-    t, v = f.text, f.vision
+    """One GRPO step of ``cfg`` at the sizes ``s``: the parts, each phase's peak, the details."""
     dtype = f.config_dtype if cfg.model.dtype == "auto" else cfg.model.dtype
-    b = _DTYPE_BYTES.get(dtype, 4)
+    stored = _DTYPE_BYTES.get(dtype, 4)
+    fsdp, cuda = s.gpus > 1, device_type == "cuda"
+    states = persistent_states(f, cfg, s.gpus, stored)
+    # FSDP (gpus > 1), set up as r1fit/distributed/parallelize.py does: on CUDA, weights stored in
+    # float32 are gathered, and computed with, in bfloat16; on CPU nothing is cast
+    b = 2 if fsdp and cuda and stored == F32 else stored
+    buffers = fsdp_buffers(f, cfg, dtype, b, cuda) if fsdp else FsdpBuffers()
     lora = cfg.model.lora.r > 0
+    step = StepShape(facts=f, b=b, lora_r=cfg.model.lora.r, prompt=prompt,
+                     completion=cfg.algo.max_new_tokens,
+                     eager=cfg.model.attn_implementation == "eager",
+                     vision_trains=f.vision is not None and not lora
+                     and not cfg.model.freeze_vision)
+    # the step keeps every prompt's pixel values (each GPU encodes all of the step's prompts), and
+    # the old/reference log-probs of its rows [rows x completion]
+    step_inputs = step.pixels(cfg.train.prompts_per_step) + 2 * s.rows * step.completion * F32
+    chunk = min(cfg.memory.logits_chunk, s.micro * step.completion)
+    generation = generation_bytes(step, s.generation,
+                                  sampling_logits_f32(cfg.algo.temperature, cfg.algo.top_p))
+    update = update_bytes(step, s, states, buffers, chunk)
+
+    persistent = states.weights + states.optimizer + states.reference + step_inputs
+    phases = {"generation": (persistent + buffers.unsharded_weights
+                             + max(generation, buffers.gathering)),
+              "update": persistent + update.peak}
+    if cfg.algo.beta > 0 or cfg.algo.num_iterations > 1:  # else no log-probs are computed
+        phases["log-probs"] = (persistent + buffers.all_gather
+                               + logprobs_bytes(step, s.micro, chunk))
+    allocated = max(phases.values())
+    phases = {k: x + cuda_overhead(x, cuda) for k, x in phases.items()}
+    parts = {"weights": states.weights, "gradients": states.gradients,
+             "optimizer": states.optimizer, "reference": states.reference,
+             "all_gather": buffers.all_gather, "reduce_scatter": buffers.reduce_scatter,
+             "activations": update.activations.kept(s.checkpointing),
+             "logits_chunk": update.logits_chunk, "vision": update.vision,
+             "unsharded_weights": buffers.unsharded_weights, "generation": generation,
+             "inputs": step_inputs + step.pixels(max(s.micro, s.generation)),
+             "overhead": cuda_overhead(allocated, cuda)}
+    return _Estimate(
+        parts=parts, phases=phases, peak=max(phases.values()),
+        update_peak=max(x for k, x in phases.items() if k in ("update", "log-probs")),
+        generation_peak=phases["generation"],
+        activations_by_checkpointing={"on": update.activations.on,
+                                      "off": update.activations.off},
+        details={"dtype": dtype, "params": f.params,
+                 "trainable_params": states.gradients // (ADAPTER_BYTES if lora else b),
+                 "kv_cache": kv_cache_bytes(f.text, b, s.generation, step.length),
+                 "logits_chunk_tokens": chunk, "micro_batches_per_update": s.micro_batches,
+                 "persistent": persistent,
+                 "fsdp_units": {"decoder_layer": buffers.layer_unit,
+                                "vision_block": buffers.block_unit,
+                                "root": buffers.root_unit} if fsdp else {}})
+
+
+# ---------------------------------------------------------------------------------------------
+# the parts and phases of a step, each a function of the model's facts and the run's sizes
+
+
+@dataclass(frozen=True)
+class States:
+    """What one GPU holds for the whole run: whole tensors, or its FSDP2 shards over several."""
+
+    weights: int
+    gradients: int  # of the trainable parameters, during updates
+    optimizer: int  # AdamW's states
+    reference: int  # the frozen copy for a KL term
+
+
+def persistent_states(f: ModelFacts, cfg: Config, gpus: int, b: int) -> States:
+    """Weights, gradients, AdamW states and the reference copy, on one of ``gpus`` GPUs."""
     r = cfg.model.lora.r
-    algo = cfg.algo
-    H, V = t.hidden, t.vocab
-
-    # --- for the whole run: weights, gradients (during updates), AdamW states, reference; on
-    # one GPU of several, each tensor's FSDP2 shard (on one GPU: the whole tensor)
-    gpus = s.gpus
+    lora = r > 0
     frozen_vision = not lora and cfg.model.freeze_vision
-    model_shard = shard_elements(f.param_shapes, gpus) * b
-    adapter_shard = 0
-    if lora:  # lora_A [r x in], lora_B [out x r]
-        adapter_shard = ADAPTER_BYTES * sum(-(-r // gpus) * i + -(-o // gpus) * r
-                                            for i, o in f.lora_linears)
-    weights = model_shard + adapter_shard
-    if lora:
-        trainable, trainable_tensors = adapter_shard, 2 * f.lora_layers
+    model = shard_elements(f.param_shapes, gpus) * b
+    if lora:  # lora_A [r x in], lora_B [out x r], in float32
+        adapters = ADAPTER_BYTES * sum(-(-r // gpus) * i + -(-o // gpus) * r
+                                       for i, o in f.lora_linears)
+        trainable, tensors = adapters, 2 * f.lora_layers
     else:
-        trainable = model_shard - (shard_elements(f.vision_param_shapes, gpus) * b
-                                   if frozen_vision else 0)
-        trainable_tensors = f.param_tensors - (f.vision_param_tensors if frozen_vision else 0)
-    gradients = trainable
-    # AdamW: exp_avg and exp_avg_sq in the parameter dtype, plus a float32 step count per tensor
-    optimizer = 2 * trainable + F32 * trainable_tensors
-    # full fine-tuning with a KL term keeps a frozen copy; LoRA's reference is the policy with
-    # its adapters off; beta = 0 loads none
-    reference = model_shard if (algo.beta > 0 and not lora) else 0
+        adapters = 0
+        trainable = model - (shard_elements(f.vision_param_shapes, gpus) * b
+                             if frozen_vision else 0)
+        tensors = f.param_tensors - (f.vision_param_tensors if frozen_vision else 0)
+    return States(
+        weights=model + adapters, gradients=trainable,
+        # AdamW: exp_avg and exp_avg_sq in the parameter dtype, plus a float32 step count per tensor
+        optimizer=2 * trainable + F32 * tensors,
+        # full fine-tuning with a KL term keeps a frozen copy; LoRA's reference is the policy with
+        # its adapters off; beta = 0 loads none
+        reference=model if cfg.algo.beta > 0 and not lora else 0)
 
-    # --- FSDP (gpus > 1), set up as r1fit/distributed/parallelize.py does: on CUDA, weights
-    # stored in float32 are gathered, and computed with, in bfloat16, and gradients are
-    # reduce-scattered in float32; on CPU nothing is cast
-    fsdp, cuda = gpus > 1, device_type == "cuda"
-    if fsdp and cuda and b == F32:
-        b = 2  # from here on, b is the dtype of gathered weights and of the computation
-    gathered_adapter = b if fsdp and cuda and dtype == "float32" else ADAPTER_BYTES
-    layer_unit = f.layer_params * b + (r * f.layer_lora_in_plus_out * gathered_adapter
-                                       if lora else 0)
+
+@dataclass(frozen=True)
+class FsdpBuffers:
+    """FSDP2's unsharded copies on one GPU of several (all 0 on one GPU)."""
+
+    layer_unit: int = 0  # a decoder layer gathered, adapters included
+    block_unit: int = 0  # a vision block gathered
+    root_unit: int = 0  # the root's own parameters gathered
+    all_gather: int = 0  # what forward and backward keep gathered at once
+    layer_grad: int = 0  # a decoder layer's unsharded gradients
+    root_grad: int = 0  # the root's unsharded gradients (full fine-tuning)
+    head_grad: int = 0  # the LM head's unsharded gradient, from its backward to the end
+    reduce_scatter: int = 0  # the copy of one unit's gradients that is reduce-scattered
+    unsharded_weights: int = 0  # the whole policy, gathered for generation
+    gathering: int = 0  # the moment of gathering it, beyond the whole policy
+
+
+def fsdp_buffers(f: ModelFacts, cfg: Config, dtype: str, b: int, cuda: bool) -> FsdpBuffers:
+    """The gathered units, unsharded gradients and reduce-scatter copy of FSDP2 on one GPU."""
+    r = cfg.model.lora.r
+    lora = r > 0
+    frozen_vision = not lora and cfg.model.freeze_vision
+    # b is the computation's dtype: on CUDA a float32 model is gathered in bfloat16, its float32
+    # adapters too; otherwise adapters are gathered in float32. Gradients are reduce-scattered in
+    # float32 on CUDA
+    adapter = b if cuda and dtype == "float32" else ADAPTER_BYTES
+    layer_unit = f.layer_params * b + (r * f.layer_lora_in_plus_out * adapter if lora else 0)
     block_unit, root_unit = f.vision_block_params * b, f.root_params * b
-    # the root stays gathered from its pre-forward to its post-backward; a unit and its
-    # all-gather output (forward), or a unit and the next one prefetched (backward)
-    all_gather = root_unit + 2 * max(layer_unit, block_unit) if fsdp else 0
     # elements and bytes of each unit's unsharded gradients
     if lora:
-        grads = [(r * f.layer_lora_in_plus_out, gathered_adapter)]
+        grads = [(r * f.layer_lora_in_plus_out, adapter)]
     else:
         grads = [(f.layer_params, b),
                  (0 if cfg.model.freeze_vision else f.vision_block_params, b),
                  (f.root_params - (f.root_vision_params if frozen_vision else 0), b)]
-    layer_grad = grads[0][0] * grads[0][1]
-    root_grad = grads[2][0] * grads[2][1] if fsdp and not lora else 0
-    # reduce-scatter's input: a copy of one unit's unsharded gradients, made while they exist
-    reduce_scatter = max(x * (F32 if cuda else bytes_) for x, bytes_ in grads) if fsdp else 0
-    # generation: every unit gathered whole, beside the shards (which FSDP2 keeps)
-    unsharded_weights = 0
-    if fsdp:
-        unsharded_weights = f.params * b + (r * f.lora_in_plus_out * gathered_adapter
-                                            if lora else 0)
+    return FsdpBuffers(
+        layer_unit=layer_unit, block_unit=block_unit, root_unit=root_unit,
+        # the root stays gathered from its pre-forward to its post-backward; a unit and its
+        # all-gather output (forward), or a unit and the next one prefetched (backward)
+        all_gather=root_unit + 2 * max(layer_unit, block_unit),
+        layer_grad=grads[0][0] * grads[0][1],
+        root_grad=0 if lora else grads[2][0] * grads[2][1],
+        head_grad=0 if lora else f.text.vocab * f.text.hidden * b,
+        # reduce-scatter's input: a copy of one unit's unsharded gradients, made while they exist
+        reduce_scatter=max(x * (F32 if cuda else bytes_) for x, bytes_ in grads),
+        # generation: every unit gathered whole, beside the shards (which FSDP2 keeps)
+        unsharded_weights=f.params * b + (r * f.lora_in_plus_out * adapter if lora else 0),
+        # gathering the policy before generate: every unit's all-gather at once (the whole policy
+        # in flat buffers), then each unit copied out of its buffer, which is freed: one unit more
+        gathering=max(layer_unit, block_unit, root_unit))
 
-    # --- shapes of the step
-    P, M = prompt.tokens, algo.max_new_tokens
-    T = P + M
-    patches = prompt.patches if v is not None else 0
-    vision_trains = v is not None and not lora and not cfg.model.freeze_vision
-    head_trains = not lora
-    pixels = (lambda n: n * patches * v.pixels_per_patch * F32) if v is not None else (lambda n: 0)
-    eager = T if cfg.model.attn_implementation == "eager" else 0
-    # the step keeps every prompt's pixel values (each GPU encodes all of the step's prompts), and
-    # the old/reference log-probs of its rows [rows x M]
-    step_inputs = pixels(cfg.train.prompts_per_step) + 2 * s.rows * M * F32
 
-    def kv_cache(rows: int, length: int) -> int:
-        return rows * length * t.layers * 2 * t.kv_dim * b
+@dataclass(frozen=True)
+class StepShape:
+    """What the phases read about the step's rows: the model, the bytes per element it computes
+    in, and one row's shape (every completion is taken to be ``max_new_tokens`` long)."""
 
-    def vision_forward(rows: int) -> int:  # no-grad vision tower over ``rows`` prompts' images
-        if v is None or not patches:
-            return 0
-        n = rows * patches
-        copy = n * v.pixels_per_patch * b if b != F32 else 0  # pixel_values.type(model dtype)
-        return copy + n * (vision_forward_temp_per_patch(v, b) + b * v.hidden)
+    facts: ModelFacts
+    b: int  # bytes per element of the computation (FSDP on CUDA computes float32 in bfloat16)
+    lora_r: int  # 0: full fine-tuning
+    prompt: PromptShape
+    completion: int  # tokens of a completion
+    eager: bool  # eager attention, which keeps its scores
+    vision_trains: bool
 
-    def lm_forward(rows: int, length: int) -> int:  # no-grad layers
-        per_token = (layer_forward_temp_per_token(t, b) + b * H  # inputs_embeds stays referenced
-                     + 2 * b * t.head_dim)  # rotary cos/sin shared by the layers
-        mask = rows * length * length * (1 + b)  # the boolean mask, one layer's float copy
-        eager_scores = rows * t.heads * length * length * (F32 + b) if eager else 0
-        return rows * length * per_token + mask + eager_scores
+    @property
+    def lora(self) -> bool:
+        return self.lora_r > 0
 
-    def chunk_forward(c: int) -> int:
-        # _ChunkedLogprobs.forward: a float32 [chunk x vocab] logits tensor and logsumexp's
-        # (logits - max) temporary of the same size (a bf16 matmul output is freed before that)
-        return 2 * c * V * F32
+    @property
+    def length(self) -> int:
+        return self.prompt.tokens + self.completion
 
-    def chunk_backward(c: int) -> int:
-        # the recomputed float32 chunk, turned into d logp / d logits in place; for a bf16 model
-        # its bf16 copy coexists for a moment
-        return c * V * (F32 + (b if b != F32 else 0))
+    @property
+    def patches(self) -> int:
+        """Vision patches of one prompt's images (0 without a vision tower)."""
+        return self.prompt.patches if self.facts.vision is not None else 0
 
-    # --- generation: generation_batch rows, KV cache on, no gradients
-    g = s.generation
+    def pixels(self, rows: int) -> int:
+        """Bytes of the pixel values of ``rows`` prompts' images."""
+        return pixel_bytes(self.facts.vision, rows * self.patches)
+
+
+def generation_bytes(step: StepShape, rows: int, sampling: int) -> int:
+    """A generation chunk of ``rows`` rows under no_grad, KV cache on: its largest moment."""
+    t, v, b = step.facts.text, step.facts.vision, step.b
+    P, T = step.prompt.tokens, step.length
+    patches = rows * step.patches
     # the vision tower runs after the text embeddings exist, and its output is merged into them
-    prefill_vision = vision_forward(g) + g * (P + prompt.image_tokens) * H * b
-    prefill = kv_cache(g, P) + lm_forward(g, P)
-    sampling = GENERATION_LOGITS_F32 + (algo.temperature != 1.0) + 4 * (algo.top_p < 1.0)
-    decode = (kv_cache(g, T) + g * T * t.kv_dim * b  # torch.cat grows one layer's K (or V)
-              + g * V * (b + sampling * F32 + 1))  # + the model's logits and a bool mask
-    generation = pixels(g) + max(prefill_vision, prefill, decode)
-    # gathering the policy before generate: every unit's all-gather at once (the whole policy in
-    # flat buffers), then each unit copied out of its buffer, which is freed: one unit more at most
-    gathering = max(layer_unit, block_unit, root_unit) if fsdp else 0
+    prefill_vision = (vision_forward_bytes(v, b, patches)
+                      + rows * (P + step.prompt.image_tokens) * t.hidden * b)
+    prefill = kv_cache_bytes(t, b, rows, P) + lm_forward_bytes(t, b, rows, P, step.eager)
+    decode = (kv_cache_bytes(t, b, rows, T)
+              + rows * T * t.kv_dim * b  # torch.cat grows one layer's K (or V)
+              + rows * t.vocab * (b + sampling * F32 + 1))  # + the model's logits and a bool mask
+    return step.pixels(rows) + max(prefill_vision, prefill, decode)
 
-    # --- micro-batches: log-probs (no grad) and the update
-    m = s.micro
-    tokens = m * T
-    n_completion = m * M
-    c = min(cfg.memory.logits_chunk, n_completion)
-    head_input = n_completion * H * b  # hidden[mask]: the chunked head's saved input
-    logprob_head = tokens * H * b + head_input + chunk_forward(c)  # + the backbone's output
-    logprobs = pixels(m) + all_gather + max(vision_forward(m), lm_forward(m, T), logprob_head)
-    has_logprobs = algo.beta > 0 or algo.num_iterations > 1
 
-    targets = f.lora_targets if lora else None
-    layer = layer_saved_per_token(t, b, lora_targets=targets, lora_r=r, mask_len=T, eager_len=eager)
+def logprobs_bytes(step: StepShape, rows: int, chunk: int) -> int:
+    """Old-policy or reference log-probs of ``rows`` rows under no_grad: their largest moment."""
+    t, v, b = step.facts.text, step.facts.vision, step.b
+    patches = rows * step.patches
+    head = (rows * step.length * t.hidden * b  # the backbone's output
+            + _head_input(step, rows) + chunk_forward_bytes(t.vocab, chunk))
+    return step.pixels(rows) + max(vision_forward_bytes(v, b, patches),
+                                   lm_forward_bytes(t, b, rows, step.length, step.eager), head)
+
+
+def _head_input(step: StepShape, rows: int) -> int:
+    """hidden[mask]: the completion tokens' hidden states, the chunked head's saved input."""
+    return rows * step.completion * step.facts.text.hidden * step.b
+
+
+@dataclass(frozen=True)
+class Activations:
+    """What a training micro-batch keeps for the language model's backward."""
+
+    on: int  # with gradient checkpointing, ``recompute`` included
+    off: int  # without
+    recompute: int  # the layer a checkpointed backward rebuilds
+
+    def kept(self, checkpointing: bool) -> int:
+        return self.on if checkpointing else self.off
+
+
+def lm_activations(step: StepShape, rows: int) -> Activations:
+    """The language model's saved activations for ``rows`` rows, with and without checkpointing."""
+    f, b, T = step.facts, step.b, step.length
+    t, H = f.text, f.text.hidden
+    tokens = rows * T
+    layer = layer_saved_per_token(t, b, lora_targets=f.lora_targets if step.lora else None,
+                                  lora_r=step.lora_r, mask_len=T, eager_len=T if step.eager else 0)
     outside = (2 * b * t.head_dim  # rotary cos/sin, alive for every layer
-               + F32 * H + F32 + (b * H if head_trains else 0))  # the final norm
-    mask = m * T * T  # the boolean padding mask, shared by the layers
-    activations_off = tokens * (t.layers * layer + outside) + head_input + mask
+               + F32 * H + F32 + (b * H if not step.lora else 0))  # the final norm
+    mask = rows * T * T  # the boolean padding mask, shared by the layers
+    shared = _head_input(step, rows) + mask
     recompute = tokens * layer  # checkpointing: one layer's activations rebuilt in backward
-    activations_on = tokens * (t.layers * b * H + outside) + head_input + mask + recompute
-    activations = activations_on if s.checkpointing else activations_off
-    saved_lm = activations - (recompute if s.checkpointing else 0)
+    return Activations(on=tokens * (t.layers * b * H + outside) + shared + recompute,
+                       off=tokens * (t.layers * layer + outside) + shared, recompute=recompute)
 
-    if vision_trains and patches:
-        n = m * patches
-        block = vision_block_saved_per_patch(v, b)
-        blocks = v.depth * (b * v.hidden if s.checkpointing else block)
-        vision = n * (blocks + vision_other_saved_per_patch(v, b))
-        vision_peak = vision + (n * block if s.checkpointing else 0)  # a block recomputed
-    else:
-        vision = vision_peak = vision_forward(m)  # transient, before the language model runs
-    vision_saved = vision if vision_trains else 0
 
-    accumulating = -(-s.rows // m) > 1  # from the second micro-batch on, every .grad exists
-    grads_before = gradients if accumulating else 0
-    head_grad = V * H * b if head_trains else 0  # grad_weight = zeros_like(head.weight)
-    logits_chunk = max(tokens * H * b + chunk_forward(c),  # + the backbone's output, still held
-                       head_grad + n_completion * H * b + chunk_backward(c))  # + grad of hidden
-    # FSDP: the root keeps the LM head's unsharded gradient from the head's backward to the end
-    head_held = V * H * b if fsdp and head_trains else 0
-    if fsdp:  # the unit's own unsharded gradients, fresh each micro-batch, + reduce-scatter
-        layer_backward = (tokens * layer_backward_temp_per_token(t, b) + layer_grad
-                          + reduce_scatter + head_held)
+def vision_activations(step: StepShape, rows: int, checkpointing: bool) -> tuple[int, int]:
+    """The vision tower over ``rows`` rows' images: what it keeps for backward, and its peak."""
+    v, b = step.facts.vision, step.b
+    n = rows * step.patches
+    if not (step.vision_trains and n):
+        forward = vision_forward_bytes(v, b, n)  # transient, before the language model runs
+        return forward, forward
+    block = vision_block_saved_per_patch(v, b)
+    saved = n * (v.depth * (b * v.hidden if checkpointing else block)
+                 + vision_other_saved_per_patch(v, b))
+    return saved, saved + (n * block if checkpointing else 0)  # + a block recomputed
+
+
+def head_chunk_bytes(step: StepShape, rows: int, chunk: int) -> int:
+    """The LM head's temporaries for ``rows`` rows: a chunk's logits, or its gradient buffers."""
+    t, b = step.facts.text, step.b
+    grad_weight = t.vocab * t.hidden * b if not step.lora else 0  # zeros_like(head.weight)
+    return max(rows * step.length * t.hidden * b  # the backbone's output, still held
+               + chunk_forward_bytes(t.vocab, chunk),
+               grad_weight + _head_input(step, rows)  # + the gradient of hidden[mask]
+               + chunk_backward_bytes(t.vocab, b, chunk))
+
+
+def layer_backward_bytes(step: StepShape, s: Sizes, fsdp: FsdpBuffers) -> int:
+    """Gradients alive inside one decoder layer's backward, for a micro-batch."""
+    t, b = step.facts.text, step.b
+    temp = s.micro * step.length * layer_backward_temp_per_token(t, b)
+    if s.gpus > 1:  # the unit's own unsharded gradients, fresh each micro-batch, + reduce-scatter
+        return temp + fsdp.layer_grad + fsdp.reduce_scatter + fsdp.head_grad
+    accumulating = s.micro_batches > 1  # the weight's gradient is added into an existing .grad
+    return temp + (step.facts.largest_layer_weight * b if accumulating and not step.lora else 0)
+
+
+def backward_end_bytes(step: StepShape, s: Sizes, fsdp: FsdpBuffers) -> int:
+    """Gradients alive at the end of a micro-batch's backward, beyond the trainable ones."""
+    if s.gpus > 1:
         # the root's post-backward: its gathered weights and gradients (the embedding's dense
         # [vocab x hidden] one included), and their reduce-scatter copy
-        end = root_unit + root_grad + reduce_scatter
-    else:
-        layer_backward = tokens * layer_backward_temp_per_token(t, b) + (
-            f.largest_layer_weight * b if (accumulating and not lora) else 0)  # weight grad, +=
-        # the embedding's dense [vocab x hidden] gradient, added into an existing .grad
-        end = V * H * b if head_trains and (accumulating or f.tied_head) else 0
-    base = grads_before + pixels(m) + vision_saved + all_gather
-    update = max(
-        # vision tower (its backward, or no-grad forward)
-        grads_before + pixels(m) + all_gather + vision_peak
-        + (reduce_scatter + head_held if vision_trains else 0),
-        base + saved_lm + logits_chunk,  # head: forward chunk or the start of backward
-        base + saved_lm + (recompute if s.checkpointing else 0) + layer_backward,
-        gradients + pixels(m) + end)  # the end of backward
-
-    persistent = weights + optimizer + reference + step_inputs
-    phases = {"generation": persistent + unsharded_weights + max(generation, gathering),
-              "update": persistent + update}
-    if has_logprobs:
-        phases["log-probs"] = persistent + logprobs
-    allocated = max(phases.values())
-
-    def overhead(peak: int) -> int:
-        return (CUDA_CONTEXT_BYTES + int(CUDA_ALLOCATOR_SLACK * peak)) if cuda else 0
-
-    phases = {k: x + overhead(x) for k, x in phases.items()}
-    parts = {"weights": weights, "gradients": gradients, "optimizer": optimizer,
-             "reference": reference, "all_gather": all_gather, "reduce_scatter": reduce_scatter,
-             "activations": activations, "logits_chunk": logits_chunk, "vision": vision,
-             "unsharded_weights": unsharded_weights, "generation": generation,
-             "inputs": step_inputs + pixels(max(m, g)), "overhead": overhead(allocated)}
-    micro_phases = [phases["update"]] + ([phases["log-probs"]] if has_logprobs else [])
-    return _Estimate(
-        parts=parts, phases=phases, peak=max(phases.values()), update_peak=max(micro_phases),
-        generation_peak=phases["generation"],
-        activations_by_checkpointing={"on": activations_on, "off": activations_off},
-        details={"dtype": dtype, "params": f.params,
-                 "trainable_params": trainable // (ADAPTER_BYTES if lora else b),
-                 "kv_cache": kv_cache(g, T), "logits_chunk_tokens": c,
-                 "micro_batches_per_update": -(-s.rows // m), "persistent": persistent,
-                 "fsdp_units": {"decoder_layer": layer_unit, "vision_block": block_unit,
-                                "root": root_unit} if fsdp else {}})
+        return fsdp.root_unit + fsdp.root_grad + fsdp.reduce_scatter
+    # the embedding's dense [vocab x hidden] gradient, added into an existing .grad
+    t = step.facts.text
+    adds = s.micro_batches > 1 or step.facts.tied_head
+    return t.vocab * t.hidden * step.b if not step.lora and adds else 0
 
 
-def _advice(plan: Plan, facts: ModelFacts, cfg: Config, prompt: PromptShape, sizes: _Sizes,
+@dataclass(frozen=True)
+class Update:
+    """One micro-batch of the update: its peak, and the parts the plan reports."""
+
+    peak: int
+    activations: Activations
+    logits_chunk: int
+    vision: int
+
+
+def update_bytes(step: StepShape, s: Sizes, states: States, fsdp: FsdpBuffers,
+                 chunk: int) -> Update:
+    """One micro-batch's forward and backward: the largest of its moments."""
+    m = s.micro
+    activations = lm_activations(step, m)
+    kept = activations.kept(s.checkpointing)
+    rebuilt = activations.recompute if s.checkpointing else 0
+    vision, vision_peak = vision_activations(step, m, s.checkpointing)
+    logits_chunk = head_chunk_bytes(step, m, chunk)
+    # from the second micro-batch on, every .grad exists
+    grads_before = states.gradients if s.micro_batches > 1 else 0
+    before = grads_before + step.pixels(m) + fsdp.all_gather
+    vision_saved = vision if step.vision_trains else 0  # kept for the tower's backward
+    peak = max(
+        # the vision tower (its backward, or no-grad forward)
+        before + vision_peak + (fsdp.reduce_scatter + fsdp.head_grad if step.vision_trains else 0),
+        before + vision_saved + kept - rebuilt + logits_chunk,  # head: a chunk, or backward's start
+        before + vision_saved + kept + layer_backward_bytes(step, s, fsdp),  # a layer's backward
+        # the end of backward
+        states.gradients + step.pixels(m) + backward_end_bytes(step, s, fsdp))
+    return Update(peak=peak, activations=activations, logits_chunk=logits_chunk, vision=vision)
+
+
+def cuda_overhead(peak: int, cuda: bool) -> int:
+    """The CUDA context and the allocator's slack at an allocated ``peak`` (0 on CPU)."""
+    return (CUDA_CONTEXT_BYTES + int(CUDA_ALLOCATOR_SLACK * peak)) if cuda else 0
+
+
+def _advice(plan: Plan, facts: ModelFacts, cfg: Config, prompt: PromptShape, sizes: Sizes,
             device_type: str, usable: int) -> list[str]:
     """What to change: smaller chunks when they are the problem, else the switches that would
     make micro_batch = generation_batch = 1 fit (each tried alone)."""

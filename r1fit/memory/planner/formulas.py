@@ -1,5 +1,6 @@
 """Bytes per token (or per vision patch) that each piece of the model saves for backward or holds
-for a moment, read off the transformers Qwen2-VL / Qwen2.5-VL code.
+for a moment, read off the transformers Qwen2-VL / Qwen2.5-VL code; and from those, the bytes of
+whole tensors (pixel values, a KV cache, a forward without autograd, a chunk of logits).
 
 The counts were derived from that code (which tensors autograd saves, which temporaries coexist)
 and are checked tensor by tensor against saved-tensor hooks on CPU, float32 and bfloat16, full
@@ -108,3 +109,53 @@ def vision_forward_temp_per_patch(v: VisionDims, b: int) -> int:
     mlp = b * (2 * h + 3 * v.intermediate)
     attn = b * (2 * h + 3 * h + h) + 4 * F32 * h
     return max(mlp, attn) + 2 * F32 * (h // v.heads)
+
+
+# ---------------------------------------------------------------------------------------------
+# whole tensors, from the per-token counts: bytes of ``rows`` rows (or ``patches`` patches)
+
+
+def pixel_bytes(v: VisionDims | None, patches: int) -> int:
+    """The float32 pixel values of ``patches`` vision patches, as the processor returns them."""
+    return patches * v.pixels_per_patch * F32 if v is not None else 0
+
+
+def kv_cache_bytes(t: TextDims, b: int, rows: int, length: int) -> int:
+    """The KV cache of ``rows`` sequences of ``length`` tokens: K and V of every layer."""
+    return rows * length * t.layers * 2 * t.kv_dim * b
+
+
+def vision_forward_bytes(v: VisionDims | None, b: int, patches: int) -> int:
+    """The vision tower's largest moment without autograd, over ``patches`` patches."""
+    if v is None or not patches:
+        return 0
+    copy = patches * v.pixels_per_patch * b if b != F32 else 0  # pixel_values.type(model dtype)
+    return copy + patches * (vision_forward_temp_per_patch(v, b) + b * v.hidden)
+
+
+def lm_forward_bytes(t: TextDims, b: int, rows: int, length: int, eager: bool) -> int:
+    """The decoder layers' largest moment without autograd, over ``rows`` x ``length`` tokens."""
+    per_token = (layer_forward_temp_per_token(t, b) + b * t.hidden  # inputs_embeds stays referenced
+                 + 2 * b * t.head_dim)  # rotary cos/sin shared by the layers
+    mask = rows * length * length * (1 + b)  # the boolean mask, one layer's float copy
+    scores = rows * t.heads * length * length * (F32 + b) if eager else 0  # eager attention's
+    return rows * length * per_token + mask + scores
+
+
+def chunk_forward_bytes(vocab: int, chunk: int) -> int:
+    """The chunked LM head's forward (_ChunkedLogprobs) over ``chunk`` tokens."""
+    # a float32 [chunk x vocab] logits tensor and logsumexp's (logits - max) temporary of the same
+    # size (a bf16 matmul output is freed before that)
+    return 2 * chunk * vocab * F32
+
+
+def chunk_backward_bytes(vocab: int, b: int, chunk: int) -> int:
+    """The chunked LM head's backward over ``chunk`` tokens."""
+    # the recomputed float32 chunk, turned into d logp / d logits in place; for a bf16 model its
+    # bf16 copy coexists for a moment
+    return chunk * vocab * (F32 + (b if b != F32 else 0))
+
+
+def sampling_logits_f32(temperature: float, top_p: float) -> int:
+    """How many float32 [rows x vocab] tensors one sampling step of ``generate`` holds."""
+    return GENERATION_LOGITS_F32 + (temperature != 1.0) + 4 * (top_p < 1.0)
