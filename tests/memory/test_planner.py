@@ -1,10 +1,14 @@
 """The memory planner: parts worked out by hand on a small config, the per-token formulas against
-what autograd really saves, the budget search, and a real 7B config."""
+what autograd really saves, the budget search, a real 7B config, and what the package imports."""
 
 from __future__ import annotations
 
+import ast
 import math
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -491,6 +495,36 @@ def test_unknown_hub_id_is_one_line():
     _facts.cache_clear()
     with pytest.raises(ModelConfigError, match="not in the Hugging Face cache"):
         model_facts("nobody-r1fit/not-a-model")
+
+
+# --- the package
+
+
+def test_the_planner_imports_nothing_above_its_layer():
+    # function-level imports included: the planner reads models and data and prints with
+    # report.blocks, and never reaches up into train or checkpoint
+    allowed = ("r1fit.config", "r1fit.units", "r1fit.errors", "r1fit.data", "r1fit.models",
+               "r1fit.report.blocks", "r1fit.memory.planner")
+    imported = []
+    for path in sorted(Path(planner.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported += [(path.name, a.name) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.append((path.name, node.module))
+    ours = [(file, name) for file, name in imported if name.split(".")[0] == "r1fit"]
+    assert ("estimate.py", "r1fit.memory.planner.facts") in ours
+    assert [(file, name) for file, name in ours
+            if not any(name == a or name.startswith(a + ".") for a in allowed)] == []
+
+
+def test_importing_the_planner_loads_neither_torch_nor_transformers():
+    root = Path(planner.__file__).parents[3]  # so the child imports this r1fit
+    code = ("import sys, r1fit.memory.planner; "
+            "print(sorted({'torch', 'transformers'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=root, env={**os.environ, "PYTHONPATH": str(root)}).stdout
+    assert out.strip() == "[]"
 
 
 def first_savers(model: torch.nn.Module, blocks: Any) -> tuple[dict[int, tuple[int, int]], Any]:
