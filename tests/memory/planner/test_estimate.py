@@ -4,6 +4,9 @@ made up by hand (no model is built): what each adds, and when."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any, Callable
+
+import pytest
 
 from r1fit.config import Config
 from r1fit.memory.planner.estimate import (
@@ -19,70 +22,76 @@ from r1fit.memory.planner.estimate import (
 )
 from r1fit.memory.planner.facts import ModelFacts, PromptShape, TextDims, VisionDims
 
-TEXT = TextDims(hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, head_dim=8, vocab=100)
-VISION = VisionDims(hidden=16, intermediate=32, depth=1, heads=2, pixels_per_patch=1176, merge=2,
-                    rms_norm=True, gated_mlp=True)
-# two tensors, [100 x 32] and [32]; one adapted Linear 32 -> 32; FSDP units: a layer of 100
-# elements, a vision block of 40, the root's 300 (50 of them the vision tower's)
-FACTS = ModelFacts(
-    name="hand", config_dtype="float32", params=3_232, param_tensors=2, vision_params=0,
-    vision_param_tensors=0, tied_head=False, largest_layer_weight=2_048, lora_in_plus_out=64,
-    lora_layers=1, lora_targets=("q_proj",), text=TEXT, vision=VISION,
-    param_shapes=((100, 3_200), (32, 32)), vision_param_shapes=(), lora_linears=((32, 32),),
-    layer_params=100, layer_lora_in_plus_out=64, vision_block_params=40, root_params=300,
-    root_vision_params=50)
 PROMPT = PromptShape(tokens=10, image_tokens=4, patches=16, how="by hand")
 
 
-def step(**changes) -> StepShape:
-    shape = StepShape(facts=FACTS, b=4, lora_r=0, prompt=PROMPT, completion=6, eager=False,
-                      vision_trains=True)
-    return replace(shape, **changes)
+@pytest.fixture
+def facts(text: TextDims, vision: VisionDims) -> ModelFacts:
+    """Two tensors, [100 x 32] and [32]; one adapted Linear 32 -> 32; FSDP units: a layer of 100
+    elements, a vision block of 40, the root's 300 (50 of them the vision tower's)."""
+    return ModelFacts(
+        name="hand", config_dtype="float32", params=3_232, param_tensors=2, vision_params=0,
+        vision_param_tensors=0, tied_head=False, largest_layer_weight=2_048, lora_in_plus_out=64,
+        lora_layers=1, lora_targets=("q_proj",), text=text, vision=vision,
+        param_shapes=((100, 3_200), (32, 32)), vision_param_shapes=(), lora_linears=((32, 32),),
+        layer_params=100, layer_lora_in_plus_out=64, vision_block_params=40, root_params=300,
+        root_vision_params=50)
 
 
-def test_states_whole_and_sharded():
-    full = persistent_states(FACTS, Config(), gpus=1, b=4)  # beta 0.05: a reference copy
+@pytest.fixture
+def step(facts: ModelFacts) -> Callable[..., StepShape]:
+    """A float32, fully fine-tuned step of 10 + 6 tokens a row; keywords change it."""
+    def make(**changes: Any) -> StepShape:
+        shape = StepShape(facts=facts, b=4, lora_r=0, prompt=PROMPT, completion=6, eager=False,
+                          vision_trains=True)
+        return replace(shape, **changes)
+
+    return make
+
+
+def test_states_whole_and_sharded(facts):
+    full = persistent_states(facts, Config(), gpus=1, b=4)  # beta 0.05: a reference copy
     assert full.weights == full.gradients == full.reference == 4 * 3_232
     assert full.optimizer == 2 * 4 * 3_232 + 4 * 2  # exp_avg, exp_avg_sq; a step count a tensor
     # over 3 GPUs each tensor keeps ceil(rows / 3) rows: 34 x 32 + 11 x 1
-    assert persistent_states(FACTS, Config(), gpus=3, b=4).weights == 4 * (34 * 32 + 11)
+    assert persistent_states(facts, Config(), gpus=3, b=4).weights == 4 * (34 * 32 + 11)
     lora = Config().with_values({"model.lora.r": 8})
-    adapters = persistent_states(FACTS, lora, gpus=1, b=2)
+    adapters = persistent_states(facts, lora, gpus=1, b=2)
     assert adapters.gradients == 4 * (8 * 32 + 32 * 8)  # lora_A, lora_B in float32
     assert adapters.weights == 2 * 3_232 + adapters.gradients and adapters.reference == 0
     # lora_A [8 x 32] by rows of 2, lora_B [32 x 8] by rows of 8, over 4 GPUs
-    assert persistent_states(FACTS, lora, gpus=4, b=2).gradients == 4 * (2 * 32 + 8 * 8)
+    assert persistent_states(facts, lora, gpus=4, b=2).gradients == 4 * (2 * 32 + 8 * 8)
 
 
-def test_fsdp_buffers_gather_the_root_and_two_units():
-    cpu = fsdp_buffers(FACTS, Config(), "float32", b=4, cuda=False)
+def test_fsdp_buffers_gather_the_root_and_two_units(facts):
+    cpu = fsdp_buffers(facts, Config(), "float32", b=4, cuda=False)
     assert cpu.all_gather == 4 * (300 + 2 * 100)
     assert cpu.reduce_scatter == 4 * 300  # the largest unit's gradients: the root's
     assert cpu.head_grad == 4 * 100 * 32 and cpu.gathering == 4 * 300
     # on CUDA a float32 model computes in bfloat16 (b = 2) and reduce-scatters in float32
-    cuda = fsdp_buffers(FACTS, Config(), "float32", b=2, cuda=True)
+    cuda = fsdp_buffers(facts, Config(), "float32", b=2, cuda=True)
     assert cuda.all_gather == 2 * (300 + 2 * 100) and cuda.reduce_scatter == 4 * 300
-    frozen = fsdp_buffers(FACTS, Config().with_values({"model.freeze_vision": True}), "float32",
+    frozen = fsdp_buffers(facts, Config().with_values({"model.freeze_vision": True}), "float32",
                           b=4, cuda=False)
     assert frozen.root_grad == 4 * (300 - 50)
-    lora = fsdp_buffers(FACTS, Config().with_values({"model.lora.r": 8}), "bfloat16", b=2,
+    lora = fsdp_buffers(facts, Config().with_values({"model.lora.r": 8}), "bfloat16", b=2,
                         cuda=False)
     assert lora.layer_unit == 2 * 100 + 4 * 8 * 64  # the layer + its float32 adapters
     assert lora.reduce_scatter == 4 * 8 * 64 and lora.root_grad == lora.head_grad == 0
 
 
-def test_end_of_backward_adds_the_embedding_gradient_when_it_accumulates():
+def test_end_of_backward_adds_the_embedding_gradient_when_it_accumulates(facts, step):
     one = Sizes(rows=4, gpus=1, micro=4, generation=4, checkpointing=True)
     two = replace(one, micro=2)
     embedding = 100 * 32 * 4
     assert backward_end_bytes(step(), one, FsdpBuffers()) == 0  # a fresh .grad, untied head
     assert backward_end_bytes(step(), two, FsdpBuffers()) == embedding  # added into .grad
-    tied = step(facts=replace(FACTS, tied_head=True))
+    tied = step(facts=replace(facts, tied_head=True))
     assert backward_end_bytes(tied, one, FsdpBuffers()) == embedding
     assert backward_end_bytes(step(lora_r=8), two, FsdpBuffers()) == 0  # frozen under LoRA
 
 
-def test_a_layers_backward_adds_its_weight_gradient_when_it_accumulates():
+def test_a_layers_backward_adds_its_weight_gradient_when_it_accumulates(step):
     one = Sizes(rows=2, gpus=1, micro=2, generation=2, checkpointing=True)
     two = replace(one, rows=4)
     assert two.micro_batches == 2 and Sizes(10, 1, 4, 4, True).micro_batches == 3
@@ -93,7 +102,7 @@ def test_a_layers_backward_adds_its_weight_gradient_when_it_accumulates():
         step(lora_r=8), one, FsdpBuffers())
 
 
-def test_a_frozen_vision_tower_saves_nothing_for_backward():
+def test_a_frozen_vision_tower_saves_nothing_for_backward(step):
     trained, peak = vision_activations(step(), rows=2, checkpointing=False)
     assert peak == trained > 0
     forward, peak = vision_activations(step(vision_trains=False), rows=2, checkpointing=False)
@@ -102,8 +111,8 @@ def test_a_frozen_vision_tower_saves_nothing_for_backward():
     assert on < trained < peak  # each block's input kept; one block rebuilt in backward
 
 
-def test_gradients_are_held_from_the_second_micro_batch_on():
-    states = persistent_states(FACTS, Config(), gpus=1, b=4)
+def test_gradients_are_held_from_the_second_micro_batch_on(facts, step):
+    states = persistent_states(facts, Config(), gpus=1, b=4)
     one = Sizes(rows=2, gpus=1, micro=2, generation=2, checkpointing=True)
     first = update_bytes(step(), one, states, FsdpBuffers(), chunk=12)
     later = update_bytes(step(), replace(one, rows=4), states, FsdpBuffers(), chunk=12)

@@ -3,7 +3,6 @@ per-token ones are checked against autograd's saved tensors in tests/memory/test
 
 from __future__ import annotations
 
-from r1fit.memory.planner.facts import TextDims, VisionDims
 from r1fit.memory.planner.formulas import (
     chunk_backward_bytes,
     chunk_forward_bytes,
@@ -14,25 +13,20 @@ from r1fit.memory.planner.formulas import (
     vision_forward_bytes,
 )
 
-# hidden 32, 4 heads of 8, 2 KV heads (kv_dim 16), 2 layers, vocab 100
-TEXT = TextDims(hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, head_dim=8, vocab=100)
-VISION = VisionDims(hidden=16, intermediate=32, depth=1, heads=2, pixels_per_patch=1176, merge=2,
-                    rms_norm=True, gated_mlp=True)
 
-
-def test_kv_cache_is_k_and_v_of_every_layer():
+def test_kv_cache_is_k_and_v_of_every_layer(text):
     # 3 rows x 10 tokens x 2 layers x (K, V) x 16 x bfloat16
-    assert kv_cache_bytes(TEXT, 2, rows=3, length=10) == 3 * 10 * 2 * 2 * 16 * 2 == 3_840
+    assert kv_cache_bytes(text, 2, rows=3, length=10) == 3 * 10 * 2 * 2 * 16 * 2 == 3_840
 
 
-def test_pixel_values_are_float32_and_absent_without_a_vision_tower():
-    assert pixel_bytes(VISION, 64) == 64 * 1176 * 4
+def test_pixel_values_are_float32_and_absent_without_a_vision_tower(vision):
+    assert pixel_bytes(vision, 64) == 64 * 1176 * 4
     assert pixel_bytes(None, 64) == 0
 
 
-def test_vision_forward_copies_the_pixels_only_when_the_model_is_not_float32():
-    assert vision_forward_bytes(None, 2, 64) == vision_forward_bytes(VISION, 2, 0) == 0
-    f32, bf16 = vision_forward_bytes(VISION, 4, 10), vision_forward_bytes(VISION, 2, 10)
+def test_vision_forward_copies_the_pixels_only_when_the_model_is_not_float32(vision):
+    assert vision_forward_bytes(None, 2, 64) == vision_forward_bytes(vision, 2, 0) == 0
+    f32, bf16 = vision_forward_bytes(vision, 4, 10), vision_forward_bytes(vision, 2, 10)
     # float32: a block's largest moment + the running hidden states, per patch
     # (the attention: 4 x (2 + 3 + 1) x 16 + 4 x 4 x 16 = 640, + rotary 2 x 4 x 8 = 64; + 4 x 16)
     assert f32 == 10 * (640 + 64 + 64)
@@ -40,9 +34,9 @@ def test_vision_forward_copies_the_pixels_only_when_the_model_is_not_float32():
     assert bf16 == 10 * 1176 * 2 + 10 * (448 + 64 + 32)
 
 
-def test_eager_attention_adds_its_scores():
-    sdpa = lm_forward_bytes(TEXT, 2, rows=3, length=10, eager=False)
-    eager = lm_forward_bytes(TEXT, 2, rows=3, length=10, eager=True)
+def test_eager_attention_adds_its_scores(text):
+    sdpa = lm_forward_bytes(text, 2, rows=3, length=10, eager=False)
+    eager = lm_forward_bytes(text, 2, rows=3, length=10, eager=True)
     # rows x heads x length x length, float32 softmax + its bfloat16 copy
     assert eager - sdpa == 3 * 4 * 10 * 10 * (4 + 2)
 
