@@ -350,8 +350,8 @@ def saved_by_layer_one(dtype: torch.dtype, lora_r: int, padded: bool,
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from r1fit.models.load import language_model_lora_regex
     from r1fit.data.batch import Batch
+    from r1fit.models.load import language_model_lora_regex
     from r1fit.train.forward import completion_logprobs
 
     torch.manual_seed(0)

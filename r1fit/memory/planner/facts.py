@@ -285,9 +285,9 @@ def _image_side(cfg: Config, shapes: bool) -> int:
 def _encoded_prompt(cfg: Config, processor: Any, images: int, shapes: bool) -> PromptShape:
     from PIL import Image
 
+    from r1fit.data.batch import encode_prompts
     from r1fit.data.images import fit_pixel_budget
     from r1fit.data.sample import Sample
-    from r1fit.data.batch import encode_prompts
 
     d = cfg.data
     if shapes:

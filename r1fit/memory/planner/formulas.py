@@ -37,7 +37,7 @@ def layer_saved_per_token(t: TextDims, b: int, *, lora_targets: tuple[str, ...] 
     copy of the boolean mask, one row of ``mask_len`` per token. ``eager_len``: the sequence
     length under eager attention. Checked against saved-tensor hooks (tests/memory).
     """
-    H, I = t.hidden, t.intermediate
+    H, inter = t.hidden, t.intermediate
     kv = t.q_dim if mask_len and t.kv_heads < t.heads else t.kv_dim
     # SDPA (flash/efficient kernels) saves q, k, v, its output (which is also o_proj's input:
     # same storage) and a float32 log-sum-exp per head
@@ -49,10 +49,10 @@ def layer_saved_per_token(t: TextDims, b: int, *, lora_targets: tuple[str, ...] 
     if lora_targets is None:
         # + the normalised value the trained norm weight multiplies, and the norm's output that
         # q/k/v (resp. gate/up) save; MLP: gate (SiLU input), SiLU output, up, their product
-        return 2 * (norm + b * H) + 2 * b * H + attn + 4 * b * I
-    saved = 2 * norm + attn + 3 * b * I  # frozen norm weights save nothing; gate, act, up
+        return 2 * (norm + b * H) + 2 * b * H + attn + 4 * b * inter
+    saved = 2 * norm + attn + 3 * b * inter  # frozen norm weights save nothing; gate, act, up
     groups = ((("q_proj", "k_proj", "v_proj"), H), (("o_proj",), t.q_dim),
-              (("gate_proj", "up_proj"), H), (("down_proj",), I))
+              (("gate_proj", "up_proj"), H), (("down_proj",), inter))
     for names, width in groups:
         hits = sum(name in lora_targets for name in names)
         if not hits:
@@ -70,8 +70,8 @@ def layer_forward_temp_per_token(t: TextDims, b: int) -> int:
     """Largest moment inside a decoder layer without autograd, per token: the MLP's SiLU output,
     up projection and their product next to the residual stream and the normed input, or the
     attention's projections, rotary copies and repeated KV heads."""
-    H, I = t.hidden, t.intermediate
-    mlp = b * (2 * H + 3 * I)
+    H, inter = t.hidden, t.intermediate
+    mlp = b * (2 * H + 3 * inter)
     attn = b * (2 * H + 4 * t.q_dim + 4 * t.kv_dim)
     return max(mlp, attn) + F32 * H  # + the RMSNorm's float32 square
 

@@ -3,8 +3,9 @@ made up by hand (no model is built): what each adds, and when."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
