@@ -1,9 +1,8 @@
 """The peak memory per device of one GRPO step, added up phase by phase from the model's facts
 and the per-token formulas.
 
-``r1fit plan CONFIG [key=value ...]`` builds the model from its ``config.json`` on the meta device
-(no weights are read or allocated) and adds up what one step of the configured run holds, phase by
-phase, the way r1fit's code allocates it:
+What one step of the configured run holds is added up phase by phase, the way r1fit's code
+allocates it:
 
 - for the whole run: weights, AdamW states (after the first update), the KL reference copy;
 - generation (r1fit/rollout/generate.py): ``memory.generation_batch`` rows at a time under
