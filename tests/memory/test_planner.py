@@ -1,10 +1,14 @@
 """The memory planner: parts worked out by hand on a small config, the per-token formulas against
-what autograd really saves, the budget search, and a real 7B config."""
+what autograd really saves, the budget search, a real 7B config, and what the package imports."""
 
 from __future__ import annotations
 
+import ast
 import math
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -167,7 +171,7 @@ def test_auto_sizes_are_planned_at_what_auto_picks(small_model):
     budget = plan_memory(cfg_for(small_model, "memory.micro_batch=4",
                                  "memory.gradient_checkpointing=false"),
                          device_type="cpu").peak_bytes * 2
-    cfg.memory.micro_batch = cfg.memory.generation_batch = "auto"  # as memory.*=auto sets them
+    cfg = cfg.with_values({"memory.micro_batch": "auto", "memory.generation_batch": "auto"})
     plan = plan_memory(cfg, device_memory_bytes=budget, device_type="cpu")
     assert plan.details["auto"] == ["micro_batch", "generation_batch"]
     assert plan.details["micro_batch"] == plan.max_micro_batch >= 4 and plan.fits
@@ -180,6 +184,14 @@ def test_nothing_fits_gives_switches(small_model):
     switches = " ".join(plan.advice)
     for key in ("memory.gradient_checkpointing=true", "model.lora.r=16", "algo.beta=0"):
         assert key in switches
+
+
+def test_a_smaller_image_switch_lowers_min_pixels_too(small_model):
+    # a quarter of max_pixels (12,544) is below min_pixels: both move, or the config is invalid
+    plan = plan_memory(cfg_for(small_model, "data.min_pixels=12544"),
+                       device_memory_bytes=1 << 20, device_type="cpu")
+    assert any(a.startswith("data.max_pixels=3136 data.min_pixels=3136: peak ")
+               for a in plan.advice)
 
 
 # --- FSDP2 over several GPUs (--gpus N)
@@ -311,6 +323,8 @@ def test_fsdp_on_cuda_gathers_float32_in_bfloat16_and_reduces_in_float32(small_m
 
 
 def test_one_gpu_has_no_fsdp_parts_and_more_gpus_say_so(small_model, capsys):
+    from r1fit.memory.planner.render import _LABELS
+
     cfg = cfg_for(small_model)
     one, two = plan_memory(cfg, device_type="cpu"), plan_memory(cfg, device_type="cpu", gpus=2)
     assert all(one.parts[name] == 0 for name in planner.FSDP_PARTS)
@@ -321,7 +335,7 @@ def test_one_gpu_has_no_fsdp_parts_and_more_gpus_say_so(small_model, capsys):
     out = capsys.readouterr().out
     assert "per GPU, FSDP over 2 GPUs" in out and "weights, 1/2 shard" in out
     for name in planner.FSDP_PARTS:
-        assert planner._LABELS[name] in out
+        assert _LABELS[name] in out
     planner.render(one, cfg)
     out = capsys.readouterr().out
     assert "FSDP" not in out and "one cpu device" in out
@@ -336,8 +350,8 @@ def saved_by_layer_one(dtype: torch.dtype, lora_r: int, padded: bool,
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from r1fit.models.load import language_model_lora_regex
     from r1fit.data.batch import Batch
+    from r1fit.models.load import language_model_lora_regex
     from r1fit.train.forward import completion_logprobs
 
     torch.manual_seed(0)
@@ -475,11 +489,42 @@ def test_builtin_prompt_is_encoded_by_its_processor(use_tiny_cache):
 
 
 def test_unknown_hub_id_is_one_line():
+    from r1fit.memory.planner.facts import _facts
     from r1fit.models.load import ModelConfigError
 
-    planner._facts.cache_clear()
+    _facts.cache_clear()
     with pytest.raises(ModelConfigError, match="not in the Hugging Face cache"):
         model_facts("nobody-r1fit/not-a-model")
+
+
+# --- the package
+
+
+def test_the_planner_imports_nothing_above_its_layer():
+    # function-level imports included: the planner reads models and data and prints with
+    # report.blocks, and never reaches up into train or checkpoint
+    allowed = ("r1fit.config", "r1fit.units", "r1fit.errors", "r1fit.data", "r1fit.models",
+               "r1fit.report.blocks", "r1fit.memory.planner")
+    imported = []
+    for path in sorted(Path(planner.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported += [(path.name, a.name) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.append((path.name, node.module))
+    ours = [(file, name) for file, name in imported if name.split(".")[0] == "r1fit"]
+    assert ("estimate.py", "r1fit.memory.planner.facts") in ours
+    assert [(file, name) for file, name in ours
+            if not any(name == a or name.startswith(a + ".") for a in allowed)] == []
+
+
+def test_importing_the_planner_loads_neither_torch_nor_transformers():
+    root = Path(planner.__file__).parents[3]  # so the child imports this r1fit
+    code = ("import sys, r1fit.memory.planner; "
+            "print(sorted({'torch', 'transformers'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=root, env={**os.environ, "PYTHONPATH": str(root)}).stdout
+    assert out.strip() == "[]"
 
 
 def first_savers(model: torch.nn.Module, blocks: Any) -> tuple[dict[int, tuple[int, int]], Any]:

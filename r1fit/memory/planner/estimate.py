@@ -1,0 +1,617 @@
+"""The peak memory per device of one GRPO step, added up phase by phase from the model's facts
+and the per-token formulas.
+
+What one step of the configured run holds is added up phase by phase, the way r1fit's code
+allocates it:
+
+- for the whole run: weights, AdamW states (after the first update), the KL reference copy;
+- generation (r1fit/rollout/generate.py): ``memory.generation_batch`` rows at a time under
+  ``no_grad``, KV cache on; the gradients were freed by the previous update;
+- old-policy and reference log-probs (r1fit/train/forward.py, ``no_grad``): ``memory.micro_batch``
+  rows at a time; only with ``algo.beta > 0`` or ``algo.num_iterations > 1``;
+- the update (r1fit/train/grpo.py): ``memory.micro_batch`` rows at a time, each holding its saved
+  activations, the LM head's chunk of ``memory.logits_chunk`` tokens (r1fit/algorithms/logprobs.py)
+  and, from the second micro-batch on, the gradients of every trainable parameter.
+
+With ``--gpus N`` (N > 1) the plan is per GPU of a torchrun job whose model is sharded by FSDP2
+(``fully_shard`` on each decoder layer and vision block, then on the root), as torch 2.x does it:
+
+- weights, gradients, AdamW states and the reference copy are per-parameter shards: each tensor is
+  cut into N pieces along dim 0, padded to the first (largest) piece, ``ceil(rows / N)`` rows;
+  the plan is for that first GPU;
+- forward and backward all-gather one unit at a time, and a unit's all-gather output stays alive
+  while the unit computes (forward keeps it for the next unit's copy-out; backward prefetches the
+  next unit): two units' unsharded bytes. The root's own parameters (embeddings, LM head, final
+  norm, the vision patch embedding and merger) are gathered at the start of the forward and, as
+  FSDP2 does for the root, not resharded until its post-backward: they stay gathered throughout,
+  and so does the LM head's unsharded gradient during backward;
+- backward's reduce-scatter copies a unit's unsharded gradients into one flat buffer before
+  freeing them: the largest trainable unit's gradients, twice, at that moment;
+- generation runs on the policy gathered whole (``r1fit.distributed.parallelize.gathered``): the
+  full unsharded weights beside the shards, which FSDP2 keeps;
+- on CUDA (r1fit's MixedPrecisionPolicy) float32 weights are gathered, and computed with, in
+  bfloat16, and gradients are reduce-scattered in float32;
+- each GPU takes 1/N of a step's rows (prompts_per_step x num_generations): the micro-batches per
+  update and the old/reference log-probs are per GPU, a generation chunk and a micro-batch are at
+  most that share; every GPU encodes all of the step's prompts (their pixel values).
+Unsharded sizes leave out dim-0 padding (under N - 1 rows per tensor).
+
+Peak = what lives for the whole step + the largest phase. A phase's figure is its largest moment
+(e.g. the start of a micro-batch's backward: all saved activations, the head's gradient buffer and
+one chunk of logits), not the sum of everything it ever allocates; :class:`Plan` keeps the named
+parts and the phases apart.
+
+Not modelled: CUDA kernel workspaces beyond the constants below, and prompts longer than the prompt
+estimate. Deliberately pessimistic: every completion is ``max_new_tokens`` long and batches are
+padded (a padding mask makes SDPA repeat the KV heads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from r1fit.config import Config, ConfigError
+from r1fit.memory.planner.facts import (
+    ModelFacts,
+    PromptShape,
+    model_facts,
+    prompt_shape,
+    shard_elements,
+)
+from r1fit.memory.planner.formulas import (
+    ADAPTER_BYTES,
+    F32,
+    chunk_backward_bytes,
+    chunk_forward_bytes,
+    kv_cache_bytes,
+    layer_backward_temp_per_token,
+    layer_saved_per_token,
+    lm_forward_bytes,
+    pixel_bytes,
+    sampling_logits_f32,
+    vision_block_saved_per_patch,
+    vision_forward_bytes,
+    vision_other_saved_per_patch,
+)
+from r1fit.units import format_bytes, parse_bytes
+
+#: Headroom kept free of the budget: a plan "fits" when its peak is at most (1 - margin) x budget,
+#: and the largest micro_batch / generation_batch are chosen the same way. It absorbs what the plan
+#: does not model (allocator rounding, prompts longer than estimated, library workspaces).
+SAFETY_MARGIN = 0.10
+#: Budget when neither --device-memory nor memory.budget is given: an 80 GB A100/H100.
+DEFAULT_DEVICE_MEMORY = "80GiB"
+#: Device memory the CUDA context takes outside PyTorch's allocator (driver, kernels loaded
+#: lazily, cuBLAS/cuDNN handles). Public reports put it at 0.5-1 GiB on A100/H100 with CUDA 12;
+#: not measured here (no GPU on the development machine). 0 on CPU.
+CUDA_CONTEXT_BYTES = 768 << 20
+#: Reserved-but-unallocated memory the caching allocator holds at the peak, as a fraction of the
+#: allocated peak. r1fit turns on expandable segments, which keeps this small; 5% is an estimate,
+#: not a measurement. 0 on CPU (the plan there is live tensor bytes, what the probe measures).
+CUDA_ALLOCATOR_SLACK = 0.05
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+PARTS = ("weights", "gradients", "optimizer", "reference", "all_gather", "reduce_scatter",
+         "activations", "logits_chunk", "vision", "unsharded_weights", "generation", "inputs",
+         "overhead")
+#: Parts that exist only under FSDP (--gpus > 1); 0, and not printed, on one GPU.
+FSDP_PARTS = ("all_gather", "reduce_scatter", "unsharded_weights")
+
+@dataclass
+class Plan:
+    """A prediction of one GRPO step's peak memory per device. Sizes are bytes.
+
+    ``parts`` (names in ``PARTS``): weights; gradients (trainable parameters); optimizer (AdamW
+    states); reference (the frozen copy for a KL term under full fine-tuning) - the four are one
+    GPU's FSDP shards with ``gpus > 1``; all_gather (FSDP: the root's gathered parameters and two
+    units'); reduce_scatter (FSDP: one unit's gradients copied for the reduce-scatter);
+    unsharded_weights (FSDP: the whole policy, gathered for generation); activations (what
+    one training micro-batch keeps for backward, as memory.gradient_checkpointing says, with the
+    layer a checkpointed backward rebuilds); logits_chunk (the LM head's temporaries: one chunk
+    of float32 logits, the head's gradient buffer); vision (the vision tower's activations for one
+    micro-batch's images); generation (KV cache and sampling logits of one generation chunk, or
+    its prefill if larger); inputs (pixel values the step holds); overhead (CUDA context and
+    allocator slack; 0 on CPU). Parts do not add up to the peak: ``phases`` gives each phase's
+    peak (persistent parts + the phase's largest moment + overhead), and the largest is
+    ``peak_bytes``. ``fits``: the peak is within the budget less ``SAFETY_MARGIN``; the two
+    ``max_*`` sizes are the largest that fit the same way (0: not even 1).
+    """
+
+    parts: dict[str, int]
+    peak_bytes: int
+    budget_bytes: int
+    fits: bool
+    max_micro_batch: int
+    max_generation_batch: int
+    advice: list[str]
+    phases: dict[str, int] = field(default_factory=dict)  # each phase's peak, whole device
+    peak_phase: str = ""
+    activations_by_checkpointing: dict[str, int] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.budget_bytes * (1 - SAFETY_MARGIN))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["usable_bytes"] = self.usable_bytes
+        out["safety_margin"] = SAFETY_MARGIN
+        return out
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The run's settings the phases depend on, for one GPU."""
+
+    rows: int  # of a step, on this GPU
+    gpus: int
+    micro: int
+    generation: int
+    checkpointing: bool
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per update."""
+        return -(-self.rows // self.micro)
+
+
+def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_type: str = "cuda",
+                gpus: int = 1) -> Plan:
+    """Predict the peak memory per device of one GRPO step of ``cfg``.
+
+    ``device_memory_bytes``: the budget (default ``memory.budget``, else 80 GiB). ``device_type``:
+    ``"cpu"`` drops the CUDA context and allocator slack, giving live tensor bytes (what
+    r1fit.memory.probe measures). ``gpus``: the GPUs of a torchrun job; with more than one the
+    model is sharded by FSDP2 and the plan is for one of them (see the module docstring).
+    """
+    if device_type not in ("cuda", "cpu"):
+        raise ConfigError(f"device type: got {device_type!r}, expected 'cuda' or 'cpu'")
+    if gpus < 1:
+        raise ConfigError(f"--gpus: got {gpus}, expected a number >= 1")
+    if device_memory_bytes is None:
+        device_memory_bytes = parse_bytes(cfg.memory.budget or DEFAULT_DEVICE_MEMORY)
+    facts = model_facts(cfg.model.path, cfg.model.lora.target)
+    prompt = prompt_shape(cfg, facts)
+    rows = cfg.train.prompts_per_step * cfg.algo.num_generations
+    local = -(-rows // gpus)  # the step's rows are split evenly over the GPUs
+    micro, generation = cfg.memory.micro_batch, cfg.memory.generation_batch
+    sizes = Sizes(rows=local, gpus=gpus, micro=local if micro == "auto" else min(micro, local),
+                   generation=local if generation == "auto" else min(generation, local),
+                   checkpointing=cfg.memory.gradient_checkpointing)
+    notes = []
+    if gpus > 1:
+        notes.append(f"per GPU, FSDP2 over {gpus} GPUs: weights, gradients, AdamW states and the "
+                     f"reference are 1/{gpus} shards; each GPU takes {local} of the {rows} rows "
+                     "of a step; generation gathers the whole policy")
+    if device_type == "cpu":
+        notes.append("cpu: the plan is live tensor bytes; the process's RSS adds the Python heap "
+                     "and libraries (memory.budget caps RSS over the pre-load baseline)")
+    usable = int(device_memory_bytes * (1 - SAFETY_MARGIN))
+    # each search moves one size; the phase it looks at does not depend on the other size
+    max_micro = _largest(lambda m: _estimate(facts, cfg, prompt, replace(sizes, micro=m),
+                                             device_type).update_peak, local, usable)
+    max_gen = _largest(lambda g: _estimate(facts, cfg, prompt, replace(sizes, generation=g),
+                                           device_type).generation_peak, local, usable)
+    if micro == "auto":  # plan the run with what 'auto' will pick
+        sizes = replace(sizes, micro=max(1, max_micro))
+    if generation == "auto":
+        sizes = replace(sizes, generation=max(1, max_gen))
+    est = _estimate(facts, cfg, prompt, sizes, device_type)
+    plan = Plan(parts=est.parts, peak_bytes=est.peak, budget_bytes=device_memory_bytes,
+                fits=est.peak <= usable, max_micro_batch=max_micro,
+                max_generation_batch=max_gen, advice=[], phases=est.phases,
+                peak_phase=max(est.phases, key=est.phases.__getitem__),
+                activations_by_checkpointing=est.activations_by_checkpointing,
+                details={**est.details, "device_type": device_type, "gpus": gpus,
+                         "prompt_tokens": prompt.tokens, "image_tokens": prompt.image_tokens,
+                         "vision_patches": prompt.patches, "prompt_estimate": prompt.how,
+                         "rows_per_step": rows, "rows_per_gpu": local,
+                         "micro_batch": sizes.micro,
+                         "generation_batch": sizes.generation,
+                         "auto": [k for k, x in (("micro_batch", micro),
+                                                 ("generation_batch", generation)) if x == "auto"]},
+                notes=notes)
+    plan.advice = _advice(plan, facts, cfg, prompt, sizes, device_type, usable)
+    return plan
+
+
+def predict_peak(cfg: Config, *, device_type: str = "cuda") -> int:
+    """The predicted peak bytes of one GRPO step on one device (what a probe should measure)."""
+    return plan_memory(cfg, device_type=device_type).peak_bytes
+
+
+def _largest(peak_at: Any, rows: int, usable: int) -> int:
+    """Largest size in [1, rows] whose peak fits ``usable`` (peaks grow with size); 0 if none."""
+    if peak_at(1) > usable:
+        return 0
+    low, high = 1, rows
+    while low < high:
+        mid = (low + high + 1) // 2
+        if peak_at(mid) <= usable:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+@dataclass
+class _Estimate:
+    parts: dict[str, int]
+    phases: dict[str, int]
+    peak: int
+    update_peak: int  # the peak of the micro-batch phases alone (log-probs, update)
+    generation_peak: int
+    activations_by_checkpointing: dict[str, int]
+    details: dict[str, Any]
+
+
+def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
+              device_type: str) -> _Estimate:
+    """One GRPO step of ``cfg`` at the sizes ``s``: the parts, each phase's peak, the details."""
+    dtype = f.config_dtype if cfg.model.dtype == "auto" else cfg.model.dtype
+    stored = _DTYPE_BYTES.get(dtype, 4)
+    fsdp, cuda = s.gpus > 1, device_type == "cuda"
+    states = persistent_states(f, cfg, s.gpus, stored)
+    # FSDP (gpus > 1), set up as r1fit/distributed/parallelize.py does: on CUDA, weights stored in
+    # float32 are gathered, and computed with, in bfloat16; on CPU nothing is cast
+    b = 2 if fsdp and cuda and stored == F32 else stored
+    buffers = fsdp_buffers(f, cfg, dtype, b, cuda) if fsdp else FsdpBuffers()
+    lora = cfg.model.lora.r > 0
+    step = StepShape(facts=f, b=b, lora_r=cfg.model.lora.r, prompt=prompt,
+                     completion=cfg.algo.max_new_tokens,
+                     eager=cfg.model.attn_implementation == "eager",
+                     vision_trains=f.vision is not None and not lora
+                     and not cfg.model.freeze_vision)
+    # the step keeps every prompt's pixel values (each GPU encodes all of the step's prompts), and
+    # the old/reference log-probs of its rows [rows x completion]
+    step_inputs = step.pixels(cfg.train.prompts_per_step) + 2 * s.rows * step.completion * F32
+    chunk = min(cfg.memory.logits_chunk, s.micro * step.completion)
+    generation = generation_bytes(step, s.generation,
+                                  sampling_logits_f32(cfg.algo.temperature, cfg.algo.top_p))
+    update = update_bytes(step, s, states, buffers, chunk)
+
+    persistent = states.weights + states.optimizer + states.reference + step_inputs
+    phases = {"generation": (persistent + buffers.unsharded_weights
+                             + max(generation, buffers.gathering)),
+              "update": persistent + update.peak}
+    if cfg.algo.beta > 0 or cfg.algo.num_iterations > 1:  # else no log-probs are computed
+        phases["log-probs"] = (persistent + buffers.all_gather
+                               + logprobs_bytes(step, s.micro, chunk))
+    allocated = max(phases.values())
+    phases = {k: x + cuda_overhead(x, cuda) for k, x in phases.items()}
+    parts = {"weights": states.weights, "gradients": states.gradients,
+             "optimizer": states.optimizer, "reference": states.reference,
+             "all_gather": buffers.all_gather, "reduce_scatter": buffers.reduce_scatter,
+             "activations": update.activations.kept(s.checkpointing),
+             "logits_chunk": update.logits_chunk, "vision": update.vision,
+             "unsharded_weights": buffers.unsharded_weights, "generation": generation,
+             "inputs": step_inputs + step.pixels(max(s.micro, s.generation)),
+             "overhead": cuda_overhead(allocated, cuda)}
+    return _Estimate(
+        parts=parts, phases=phases, peak=max(phases.values()),
+        update_peak=max(x for k, x in phases.items() if k in ("update", "log-probs")),
+        generation_peak=phases["generation"],
+        activations_by_checkpointing={"on": update.activations.on,
+                                      "off": update.activations.off},
+        details={"dtype": dtype, "params": f.params,
+                 "trainable_params": states.gradients // (ADAPTER_BYTES if lora else b),
+                 "kv_cache": kv_cache_bytes(f.text, b, s.generation, step.length),
+                 "logits_chunk_tokens": chunk, "micro_batches_per_update": s.micro_batches,
+                 "persistent": persistent,
+                 "fsdp_units": {"decoder_layer": buffers.layer_unit,
+                                "vision_block": buffers.block_unit,
+                                "root": buffers.root_unit} if fsdp else {}})
+
+
+# ---------------------------------------------------------------------------------------------
+# the parts and phases of a step, each a function of the model's facts and the run's sizes
+
+
+@dataclass(frozen=True)
+class States:
+    """What one GPU holds for the whole run: whole tensors, or its FSDP2 shards over several."""
+
+    weights: int
+    gradients: int  # of the trainable parameters, during updates
+    optimizer: int  # AdamW's states
+    reference: int  # the frozen copy for a KL term
+
+
+def persistent_states(f: ModelFacts, cfg: Config, gpus: int, b: int) -> States:
+    """Weights, gradients, AdamW states and the reference copy, on one of ``gpus`` GPUs."""
+    r = cfg.model.lora.r
+    lora = r > 0
+    frozen_vision = not lora and cfg.model.freeze_vision
+    model = shard_elements(f.param_shapes, gpus) * b
+    if lora:  # lora_A [r x in], lora_B [out x r], in float32
+        adapters = ADAPTER_BYTES * sum(-(-r // gpus) * i + -(-o // gpus) * r
+                                       for i, o in f.lora_linears)
+        trainable, tensors = adapters, 2 * f.lora_layers
+    else:
+        adapters = 0
+        trainable = model - (shard_elements(f.vision_param_shapes, gpus) * b
+                             if frozen_vision else 0)
+        tensors = f.param_tensors - (f.vision_param_tensors if frozen_vision else 0)
+    return States(
+        weights=model + adapters, gradients=trainable,
+        # AdamW: exp_avg and exp_avg_sq in the parameter dtype, plus a float32 step count per tensor
+        optimizer=2 * trainable + F32 * tensors,
+        # full fine-tuning with a KL term keeps a frozen copy; LoRA's reference is the policy with
+        # its adapters off; beta = 0 loads none
+        reference=model if cfg.algo.beta > 0 and not lora else 0)
+
+
+@dataclass(frozen=True)
+class FsdpBuffers:
+    """FSDP2's unsharded copies on one GPU of several (all 0 on one GPU)."""
+
+    layer_unit: int = 0  # a decoder layer gathered, adapters included
+    block_unit: int = 0  # a vision block gathered
+    root_unit: int = 0  # the root's own parameters gathered
+    all_gather: int = 0  # what forward and backward keep gathered at once
+    layer_grad: int = 0  # a decoder layer's unsharded gradients
+    root_grad: int = 0  # the root's unsharded gradients (full fine-tuning)
+    head_grad: int = 0  # the LM head's unsharded gradient, from its backward to the end
+    reduce_scatter: int = 0  # the copy of one unit's gradients that is reduce-scattered
+    unsharded_weights: int = 0  # the whole policy, gathered for generation
+    gathering: int = 0  # the moment of gathering it, beyond the whole policy
+
+
+def fsdp_buffers(f: ModelFacts, cfg: Config, dtype: str, b: int, cuda: bool) -> FsdpBuffers:
+    """The gathered units, unsharded gradients and reduce-scatter copy of FSDP2 on one GPU."""
+    r = cfg.model.lora.r
+    lora = r > 0
+    frozen_vision = not lora and cfg.model.freeze_vision
+    # b is the computation's dtype: on CUDA a float32 model is gathered in bfloat16, its float32
+    # adapters too; otherwise adapters are gathered in float32. Gradients are reduce-scattered in
+    # float32 on CUDA
+    adapter = b if cuda and dtype == "float32" else ADAPTER_BYTES
+    layer_unit = f.layer_params * b + (r * f.layer_lora_in_plus_out * adapter if lora else 0)
+    block_unit, root_unit = f.vision_block_params * b, f.root_params * b
+    # elements and bytes of each unit's unsharded gradients
+    if lora:
+        grads = [(r * f.layer_lora_in_plus_out, adapter)]
+    else:
+        grads = [(f.layer_params, b),
+                 (0 if cfg.model.freeze_vision else f.vision_block_params, b),
+                 (f.root_params - (f.root_vision_params if frozen_vision else 0), b)]
+    return FsdpBuffers(
+        layer_unit=layer_unit, block_unit=block_unit, root_unit=root_unit,
+        # the root stays gathered from its pre-forward to its post-backward; a unit and its
+        # all-gather output (forward), or a unit and the next one prefetched (backward)
+        all_gather=root_unit + 2 * max(layer_unit, block_unit),
+        layer_grad=grads[0][0] * grads[0][1],
+        root_grad=0 if lora else grads[2][0] * grads[2][1],
+        head_grad=0 if lora else f.text.vocab * f.text.hidden * b,
+        # reduce-scatter's input: a copy of one unit's unsharded gradients, made while they exist
+        reduce_scatter=max(x * (F32 if cuda else bytes_) for x, bytes_ in grads),
+        # generation: every unit gathered whole, beside the shards (which FSDP2 keeps)
+        unsharded_weights=f.params * b + (r * f.lora_in_plus_out * adapter if lora else 0),
+        # gathering the policy before generate: every unit's all-gather at once (the whole policy
+        # in flat buffers), then each unit copied out of its buffer, which is freed: one unit more
+        gathering=max(layer_unit, block_unit, root_unit))
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What the phases read about the step's rows: the model, the bytes per element it computes
+    in, and one row's shape (every completion is taken to be ``max_new_tokens`` long)."""
+
+    facts: ModelFacts
+    b: int  # bytes per element of the computation (FSDP on CUDA computes float32 in bfloat16)
+    lora_r: int  # 0: full fine-tuning
+    prompt: PromptShape
+    completion: int  # tokens of a completion
+    eager: bool  # eager attention, which keeps its scores
+    vision_trains: bool
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_r > 0
+
+    @property
+    def length(self) -> int:
+        return self.prompt.tokens + self.completion
+
+    @property
+    def patches(self) -> int:
+        """Vision patches of one prompt's images (0 without a vision tower)."""
+        return self.prompt.patches if self.facts.vision is not None else 0
+
+    def pixels(self, rows: int) -> int:
+        """Bytes of the pixel values of ``rows`` prompts' images."""
+        return pixel_bytes(self.facts.vision, rows * self.patches)
+
+
+def generation_bytes(step: StepShape, rows: int, sampling: int) -> int:
+    """A generation chunk of ``rows`` rows under no_grad, KV cache on: its largest moment."""
+    t, v, b = step.facts.text, step.facts.vision, step.b
+    P, T = step.prompt.tokens, step.length
+    patches = rows * step.patches
+    # the vision tower runs after the text embeddings exist, and its output is merged into them
+    prefill_vision = (vision_forward_bytes(v, b, patches)
+                      + rows * (P + step.prompt.image_tokens) * t.hidden * b)
+    prefill = kv_cache_bytes(t, b, rows, P) + lm_forward_bytes(t, b, rows, P, step.eager)
+    decode = (kv_cache_bytes(t, b, rows, T)
+              + rows * T * t.kv_dim * b  # torch.cat grows one layer's K (or V)
+              + rows * t.vocab * (b + sampling * F32 + 1))  # + the model's logits and a bool mask
+    return step.pixels(rows) + max(prefill_vision, prefill, decode)
+
+
+def logprobs_bytes(step: StepShape, rows: int, chunk: int) -> int:
+    """Old-policy or reference log-probs of ``rows`` rows under no_grad: their largest moment."""
+    t, v, b = step.facts.text, step.facts.vision, step.b
+    patches = rows * step.patches
+    head = (rows * step.length * t.hidden * b  # the backbone's output
+            + _head_input(step, rows) + chunk_forward_bytes(t.vocab, chunk))
+    return step.pixels(rows) + max(vision_forward_bytes(v, b, patches),
+                                   lm_forward_bytes(t, b, rows, step.length, step.eager), head)
+
+
+def _head_input(step: StepShape, rows: int) -> int:
+    """hidden[mask]: the completion tokens' hidden states, the chunked head's saved input."""
+    return rows * step.completion * step.facts.text.hidden * step.b
+
+
+@dataclass(frozen=True)
+class Activations:
+    """What a training micro-batch keeps for the language model's backward."""
+
+    on: int  # with gradient checkpointing, ``recompute`` included
+    off: int  # without
+    recompute: int  # the layer a checkpointed backward rebuilds
+
+    def kept(self, checkpointing: bool) -> int:
+        return self.on if checkpointing else self.off
+
+
+def lm_activations(step: StepShape, rows: int) -> Activations:
+    """The language model's saved activations for ``rows`` rows, with and without checkpointing."""
+    f, b, T = step.facts, step.b, step.length
+    t, H = f.text, f.text.hidden
+    tokens = rows * T
+    layer = layer_saved_per_token(t, b, lora_targets=f.lora_targets if step.lora else None,
+                                  lora_r=step.lora_r, mask_len=T, eager_len=T if step.eager else 0)
+    outside = (2 * b * t.head_dim  # rotary cos/sin, alive for every layer
+               + F32 * H + F32 + (b * H if not step.lora else 0))  # the final norm
+    mask = rows * T * T  # the boolean padding mask, shared by the layers
+    shared = _head_input(step, rows) + mask
+    recompute = tokens * layer  # checkpointing: one layer's activations rebuilt in backward
+    return Activations(on=tokens * (t.layers * b * H + outside) + shared + recompute,
+                       off=tokens * (t.layers * layer + outside) + shared, recompute=recompute)
+
+
+def vision_activations(step: StepShape, rows: int, checkpointing: bool) -> tuple[int, int]:
+    """The vision tower over ``rows`` rows' images: what it keeps for backward, and its peak."""
+    v, b = step.facts.vision, step.b
+    n = rows * step.patches
+    if not (step.vision_trains and n):
+        forward = vision_forward_bytes(v, b, n)  # transient, before the language model runs
+        return forward, forward
+    block = vision_block_saved_per_patch(v, b)
+    saved = n * (v.depth * (b * v.hidden if checkpointing else block)
+                 + vision_other_saved_per_patch(v, b))
+    return saved, saved + (n * block if checkpointing else 0)  # + a block recomputed
+
+
+def head_chunk_bytes(step: StepShape, rows: int, chunk: int) -> int:
+    """The LM head's temporaries for ``rows`` rows: a chunk's logits, or its gradient buffers."""
+    t, b = step.facts.text, step.b
+    grad_weight = t.vocab * t.hidden * b if not step.lora else 0  # zeros_like(head.weight)
+    return max(rows * step.length * t.hidden * b  # the backbone's output, still held
+               + chunk_forward_bytes(t.vocab, chunk),
+               grad_weight + _head_input(step, rows)  # + the gradient of hidden[mask]
+               + chunk_backward_bytes(t.vocab, b, chunk))
+
+
+def layer_backward_bytes(step: StepShape, s: Sizes, fsdp: FsdpBuffers) -> int:
+    """Gradients alive inside one decoder layer's backward, for a micro-batch."""
+    t, b = step.facts.text, step.b
+    temp = s.micro * step.length * layer_backward_temp_per_token(t, b)
+    if s.gpus > 1:  # the unit's own unsharded gradients, fresh each micro-batch, + reduce-scatter
+        return temp + fsdp.layer_grad + fsdp.reduce_scatter + fsdp.head_grad
+    accumulating = s.micro_batches > 1  # the weight's gradient is added into an existing .grad
+    return temp + (step.facts.largest_layer_weight * b if accumulating and not step.lora else 0)
+
+
+def backward_end_bytes(step: StepShape, s: Sizes, fsdp: FsdpBuffers) -> int:
+    """Gradients alive at the end of a micro-batch's backward, beyond the trainable ones."""
+    if s.gpus > 1:
+        # the root's post-backward: its gathered weights and gradients (the embedding's dense
+        # [vocab x hidden] one included), and their reduce-scatter copy
+        return fsdp.root_unit + fsdp.root_grad + fsdp.reduce_scatter
+    # the embedding's dense [vocab x hidden] gradient, added into an existing .grad
+    t = step.facts.text
+    adds = s.micro_batches > 1 or step.facts.tied_head
+    return t.vocab * t.hidden * step.b if not step.lora and adds else 0
+
+
+@dataclass(frozen=True)
+class Update:
+    """One micro-batch of the update: its peak, and the parts the plan reports."""
+
+    peak: int
+    activations: Activations
+    logits_chunk: int
+    vision: int
+
+
+def update_bytes(step: StepShape, s: Sizes, states: States, fsdp: FsdpBuffers,
+                 chunk: int) -> Update:
+    """One micro-batch's forward and backward: the largest of its moments."""
+    m = s.micro
+    activations = lm_activations(step, m)
+    kept = activations.kept(s.checkpointing)
+    rebuilt = activations.recompute if s.checkpointing else 0
+    vision, vision_peak = vision_activations(step, m, s.checkpointing)
+    logits_chunk = head_chunk_bytes(step, m, chunk)
+    # from the second micro-batch on, every .grad exists
+    grads_before = states.gradients if s.micro_batches > 1 else 0
+    before = grads_before + step.pixels(m) + fsdp.all_gather
+    vision_saved = vision if step.vision_trains else 0  # kept for the tower's backward
+    peak = max(
+        # the vision tower (its backward, or no-grad forward)
+        before + vision_peak + (fsdp.reduce_scatter + fsdp.head_grad if step.vision_trains else 0),
+        before + vision_saved + kept - rebuilt + logits_chunk,  # head: a chunk, or backward's start
+        before + vision_saved + kept + layer_backward_bytes(step, s, fsdp),  # a layer's backward
+        # the end of backward
+        states.gradients + step.pixels(m) + backward_end_bytes(step, s, fsdp))
+    return Update(peak=peak, activations=activations, logits_chunk=logits_chunk, vision=vision)
+
+
+def cuda_overhead(peak: int, cuda: bool) -> int:
+    """The CUDA context and the allocator's slack at an allocated ``peak`` (0 on CPU)."""
+    return (CUDA_CONTEXT_BYTES + int(CUDA_ALLOCATOR_SLACK * peak)) if cuda else 0
+
+
+def _advice(plan: Plan, facts: ModelFacts, cfg: Config, prompt: PromptShape, sizes: Sizes,
+            device_type: str, usable: int) -> list[str]:
+    """What to change: smaller chunks when they are the problem, else the switches that would
+    make micro_batch = generation_batch = 1 fit (each tried alone)."""
+    out = []
+    if 0 < plan.max_micro_batch < sizes.micro:
+        out.append(f"memory.micro_batch={plan.max_micro_batch} (now {sizes.micro})")
+    if 0 < plan.max_generation_batch < sizes.generation:
+        out.append(f"memory.generation_batch={plan.max_generation_batch} "
+                   f"(now {sizes.generation})")
+    if plan.max_micro_batch and plan.max_generation_batch:
+        return out
+    switches: list[dict[str, Any]] = []  # each tried alone: one or two keys set together
+    if not cfg.memory.gradient_checkpointing:
+        switches.append({"memory.gradient_checkpointing": True})
+    if cfg.model.lora.r == 0:
+        switches.append({"model.lora.r": 16})
+        if facts.vision is not None and not cfg.model.freeze_vision:
+            switches.append({"model.freeze_vision": True})
+        if cfg.algo.beta > 0:  # no reference copy (offloading it is not implemented)
+            switches.append({"algo.beta": 0})
+    if prompt.patches and cfg.data.max_pixels >= 4 * 28 * 28:
+        pixels = max(28 * 28, cfg.data.max_pixels // 4)
+        switches.append({"data.max_pixels": pixels})
+        if cfg.data.min_pixels > pixels:  # else the config is invalid (min_pixels > max_pixels)
+            switches[-1]["data.min_pixels"] = pixels
+    dtype = facts.config_dtype if cfg.model.dtype == "auto" else cfg.model.dtype
+    if dtype == "float32" and device_type == "cuda":
+        switches.append({"model.dtype": "bfloat16"})
+    for switch in switches:
+        changed = cfg.with_values({**switch, "memory.micro_batch": 1,
+                                   "memory.generation_batch": 1})
+        p = prompt_shape(changed, facts) if any(k.startswith("data.") for k in switch) else prompt
+        f = model_facts(changed.model.path, changed.model.lora.target)
+        est = _estimate(f, changed, p, replace(sizes, micro=1, generation=1,
+                                               checkpointing=changed.memory.gradient_checkpointing),
+                        device_type)
+        verdict = "fits" if est.peak <= usable else "still does not fit"
+        keys = " ".join(f"{key}={_shown(value)}" for key, value in switch.items())
+        out.append(f"{keys}: peak {format_bytes(est.peak)} at micro_batch = "
+                   f"generation_batch = 1 ({verdict})")
+    if not switches:
+        out.append("nothing left to switch: use a device with more memory or a smaller model")
+    return out
+
+
+def _shown(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)

@@ -1,0 +1,312 @@
+"""What the planner reads off the model and the data, before any of the run's memory settings:
+the model's shapes and parameter counts from a build on the meta device (no weights are read or
+allocated), its FSDP2 units and shard sizes, and the longest prompt the run will see."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from r1fit.config import Config
+
+log = logging.getLogger("r1fit.memory")
+
+#: Question tokens assumed for JSONL data, whose questions are unknown at plan time: typical VQA
+#: and grounding questions are 10-40 tokens.
+QUESTION_TOKENS = 64
+#: When the model folder has no processor (a bare config.json): tokens of Qwen's chat-template
+#: framing around the question, including its default system message, and characters per token
+#: of an English system prompt.
+CHAT_TEMPLATE_TOKENS = 21
+CHARS_PER_TOKEN = 4
+#: Shapes questions sampled to find the longest builtin:shapes prompt.
+SHAPES_SAMPLES = 16
+
+
+@dataclass(frozen=True)
+class TextDims:
+    """The language model's shape, from the model config."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class VisionDims:
+    """The vision tower's shape (Qwen2-VL / Qwen2.5-VL layout)."""
+
+    hidden: int
+    intermediate: int
+    depth: int
+    heads: int
+    pixels_per_patch: int  # channels x temporal patch x patch x patch (1176 for Qwen)
+    merge: int  # spatial merge: merge x merge patches become one LM token
+    rms_norm: bool  # Qwen2.5-VL: RMSNorm; Qwen2-VL: LayerNorm
+    gated_mlp: bool  # Qwen2.5-VL: SiLU-gated MLP (3 linears); Qwen2-VL: fc1 -> GELU -> fc2
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the planner reads off the meta model; independent of the run's settings."""
+
+    name: str
+    config_dtype: str
+    params: int
+    param_tensors: int
+    vision_params: int
+    vision_param_tensors: int
+    tied_head: bool
+    largest_layer_weight: int  # elements of the biggest Linear in a decoder layer
+    lora_in_plus_out: int  # sum of (in + out) over the Linears model.lora.target selects
+    lora_layers: int  # how many Linears it selects
+    lora_targets: tuple[str, ...]  # their names within one decoder layer (q_proj, ...)
+    text: TextDims
+    vision: VisionDims | None
+    # for FSDP2, which shards every tensor along dim 0: (size(0), numel) of each parameter, the
+    # vision tower's apart; (in, out) of each Linear LoRA adapts
+    param_shapes: tuple[tuple[int, int], ...]
+    vision_param_shapes: tuple[tuple[int, int], ...]
+    lora_linears: tuple[tuple[int, int], ...]
+    # FSDP units (elements): the largest decoder layer, the largest vision block, and the root's
+    # own parameters (everything else: embeddings, head, final norm, vision patch embed/merger)
+    layer_params: int
+    layer_lora_in_plus_out: int  # sum of (in + out) over the adapted Linears of one layer
+    vision_block_params: int
+    root_params: int
+    root_vision_params: int  # of which the vision tower's (patch embedding, merger)
+    processor: Any = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class PromptShape:
+    tokens: int  # one prompt, images included
+    image_tokens: int
+    patches: int  # vision-encoder patches of one prompt's images
+    how: str
+
+
+
+def model_facts(path: str, lora_target: str = "all-linear") -> ModelFacts:
+    """Shapes and parameter counts of ``model.path`` (a folder, builtin:NAME, or a hub id in the
+    local Hugging Face cache), from a model built on the meta device."""
+    source = _model_source(path)
+    return _facts(source, path, lora_target)
+
+
+def _model_source(path: str) -> str:
+    from r1fit.models.load import resolve_model_path
+
+    return resolve_model_path(path)  # builtin:NAME -> its folder (built on first use)
+
+
+@functools.lru_cache(maxsize=16)
+def _facts(source: str, path: str, lora_target: str) -> ModelFacts:
+    import torch
+    from torch import nn
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from r1fit.models.load import ModelConfigError, language_model_lora_regex, vision_tower
+
+    regex = re.compile(language_model_lora_regex(lora_target))
+    try:
+        config = AutoConfig.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ModelConfigError(
+            f"cannot plan for {path!r}: not a local folder, and its config.json is not in the "
+            "Hugging Face cache; point model.path at a folder holding config.json (the planner "
+            "reads no weights)") from err
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForImageTextToText.from_config(config)
+    except (ValueError, KeyError, TypeError) as err:
+        raise ModelConfigError(f"cannot build {path!r} from its config: "
+                               f"{' '.join(str(err).split())}") from err
+    text_cfg = getattr(config, "text_config", config)
+    heads = text_cfg.num_attention_heads
+    text = TextDims(hidden=text_cfg.hidden_size, intermediate=text_cfg.intermediate_size,
+                    layers=text_cfg.num_hidden_layers, heads=heads,
+                    kv_heads=getattr(text_cfg, "num_key_value_heads", None) or heads,
+                    head_dim=getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // heads,
+                    vocab=text_cfg.vocab_size)
+    params = list(model.parameters())  # unique: a tied head is counted once
+    visual = vision_tower(model)
+    vision_params = list(visual.parameters()) if visual is not None else []
+    layers, blocks = _fsdp_units(model, visual)
+    in_layer_0 = {id(m) for m in layers[0].modules()} if layers else set()
+    lora_linears: list[tuple[int, int]] = []
+    lora_layer_0 = 0
+    targets: set[str] = set()
+    largest = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        if ".layers.0." in name and "language_model" in name:
+            largest = max(largest, module.in_features * module.out_features)
+        if regex.fullmatch(name):
+            lora_linears.append((module.in_features, module.out_features))
+            lora_layer_0 += (module.in_features + module.out_features) * (id(module) in in_layer_0)
+            targets.add(name.rsplit(".", 1)[-1])
+    layer_sizes = [_numel(unit.parameters()) for unit in layers]
+    block_sizes = [_numel(unit.parameters()) for unit in blocks]
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+    return ModelFacts(
+        name=path, config_dtype=str(dtype).replace("torch.", ""),
+        params=_numel(params), param_tensors=len(params),
+        vision_params=_numel(vision_params),
+        vision_param_tensors=len(vision_params),
+        tied_head=head is not None and embed is not None and head.weight is embed.weight,
+        largest_layer_weight=largest,
+        lora_in_plus_out=sum(i + o for i, o in lora_linears), lora_layers=len(lora_linears),
+        lora_targets=tuple(sorted(targets)), text=text, vision=vision_dims(config, visual),
+        param_shapes=_shapes(params), vision_param_shapes=_shapes(vision_params),
+        lora_linears=tuple(lora_linears), layer_params=max(layer_sizes, default=0),
+        layer_lora_in_plus_out=lora_layer_0, vision_block_params=max(block_sizes, default=0),
+        root_params=_numel(params) - sum(layer_sizes) - sum(block_sizes),
+        root_vision_params=_numel(vision_params) - sum(block_sizes),
+        processor=_processor(source))
+
+
+def _fsdp_units(model: Any, visual: Any) -> tuple[list[Any], list[Any]]:
+    """The modules r1fit's FSDP2 shards one by one (r1fit.distributed.parallelize.shard_units:
+    instances of the model's ``_no_split_modules``), as (decoder layers, vision blocks); the root
+    takes the rest."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    in_vision = {id(m) for m in visual.modules()} if visual is not None else set()
+    units = [m for m in model.modules() if type(m).__name__ in names]
+    return ([m for m in units if id(m) not in in_vision], [m for m in units if id(m) in in_vision])
+
+
+def _numel(params: Any) -> int:
+    return sum(p.numel() for p in params)
+
+
+def _shapes(params: list[Any]) -> tuple[tuple[int, int], ...]:
+    """(size(0), numel) of each tensor; a 0-d (or empty) tensor counts as one row."""
+    return tuple((max(p.shape[0] if p.dim() else 1, 1), p.numel()) for p in params)
+
+
+def shard_elements(shapes: Any, n: int) -> int:
+    """Elements of the largest FSDP2 shard of tensors of these (size(0), numel) over ``n`` GPUs:
+    FSDP2 chunks each tensor along dim 0 (torch.chunk) and pads every rank's piece to the first,
+    ``ceil(rows / n)`` rows."""
+    return sum(-(-rows // n) * (numel // rows) for rows, numel in shapes)
+
+
+def vision_dims(config: Any, visual: Any) -> VisionDims | None:
+    vc = getattr(config, "vision_config", None)
+    if vc is None or visual is None:
+        return None
+    # Qwen2-VL calls the block width embed_dim (its hidden_size is the merger's output width)
+    hidden = getattr(vc, "embed_dim", None) or vc.hidden_size
+    intermediate = (getattr(vc, "intermediate_size", None)
+                    or int(hidden * getattr(vc, "mlp_ratio", 4)))
+    block = visual.blocks[0] if hasattr(visual, "blocks") else None
+    patch = getattr(vc, "patch_size", 14)
+    return VisionDims(
+        hidden=hidden, intermediate=intermediate, depth=getattr(vc, "depth", 0),
+        heads=getattr(vc, "num_heads", 16),
+        pixels_per_patch=(getattr(vc, "in_channels", None) or getattr(vc, "in_chans", 3))
+        * getattr(vc, "temporal_patch_size", 2) * patch * patch,
+        merge=getattr(vc, "spatial_merge_size", 2),
+        rms_norm=block is None or "RMSNorm" in type(getattr(block, "norm1", None)).__name__,
+        gated_mlp=block is None or hasattr(getattr(block, "mlp", None), "gate_proj"))
+
+
+def _processor(source: str) -> Any:
+    """The model's processor when its files are at hand (builtins, full model folders, the HF
+    cache); None for a bare config.json."""
+    from transformers import AutoProcessor
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return AutoProcessor.from_pretrained(source, local_files_only=True)
+    except Exception:  # noqa: BLE001 - any failure means "no processor": fall back to estimates
+        return None
+
+
+def prompt_shape(cfg: Config, facts: ModelFacts) -> PromptShape:
+    """Tokens of the longest prompt the run will see: system prompt + question + images.
+
+    With the model's processor, prompts are encoded for real (builtin:shapes: its own questions
+    and images; JSONL: a blank image at ``data.max_pixels`` and ``QUESTION_TOKENS`` question
+    tokens). Without one, the same is estimated from Qwen's 28 px per token.
+    """
+    d = cfg.data
+    images = d.max_images if facts.vision is not None else 0
+    shapes = d.train.startswith("builtin:")
+    if facts.processor is not None:
+        try:
+            return _encoded_prompt(cfg, facts.processor, images, shapes)
+        except Exception as err:  # noqa: BLE001 - e.g. a processor that is not Qwen-like
+            log.debug("plan: encoding a prompt failed (%s); estimating instead", err)
+    side = _image_side(cfg, shapes)
+    merge = facts.vision.merge if facts.vision else 2
+    unit = 14 * merge  # one LM token covers a 28 x 28 px square
+    side = max(unit, round(side / unit) * unit)  # the processor rounds sides to whole tokens
+    tokens_per_image = (side // unit) ** 2
+    system = (math.ceil(len(d.system_prompt) / CHARS_PER_TOKEN) if d.system_prompt else 0)
+    text = CHAT_TEMPLATE_TOKENS + system + QUESTION_TOKENS + 2 * images  # + vision start/end
+    return PromptShape(tokens=text + images * tokens_per_image,
+                       image_tokens=images * tokens_per_image,
+                       patches=images * tokens_per_image * merge * merge,
+                       how=f"estimated: {QUESTION_TOKENS} question tokens, "
+                           f"{CHARS_PER_TOKEN} characters per system-prompt token")
+
+
+def _image_side(cfg: Config, shapes: bool) -> int:
+    """Side of the square image fitted to [min_pixels, max_pixels] (r1fit/data/images.py)."""
+    d = cfg.data
+    area = d.shapes.image_size ** 2 if shapes else d.max_pixels
+    area = min(max(area, d.min_pixels), d.max_pixels)
+    return max(28, math.isqrt(area))
+
+
+def _encoded_prompt(cfg: Config, processor: Any, images: int, shapes: bool) -> PromptShape:
+    from PIL import Image
+
+    from r1fit.data.batch import encode_prompts
+    from r1fit.data.images import fit_pixel_budget
+    from r1fit.data.sample import Sample
+
+    d = cfg.data
+    if shapes:
+        from r1fit.data.build import build_datasets
+
+        dataset, _ = build_datasets(cfg.with_values({"data.eval": None,
+                                                      "data.shapes.train_size": SHAPES_SAMPLES}))
+        samples = [dataset[i] for i in range(len(dataset))]
+        extra, how = 0, f"encoded by the model's processor ({d.train} questions and images)"
+    else:
+        side = _image_side(cfg, shapes=False)
+        image = fit_pixel_budget(Image.new("RGB", (side, side)), d.min_pixels, d.max_pixels)
+        samples = [Sample(images=[image] * images, problem="?", solution="", source="plan")]
+        extra = QUESTION_TOKENS
+        how = (f"encoded by the model's processor with {images} image(s) of {image.width}x"
+               f"{image.height} px and {QUESTION_TOKENS} question tokens")
+    best = max(encode_prompts(processor, samples, d.system_prompt), key=lambda p: p.length)
+    grid = best.image_inputs.get("image_grid_thw")
+    patches = int(grid.prod(-1).sum()) if grid is not None else 0
+    merge = getattr(getattr(processor, "image_processor", None), "merge_size", 2)
+    return PromptShape(tokens=best.length + extra, image_tokens=patches // (merge * merge),
+                       patches=patches, how=how)

@@ -1,0 +1,95 @@
+"""The plan printed: its parts, its phases, the largest sizes that fit and the advice, as lines
+and tables (rich on a terminal)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from r1fit.config import Config
+from r1fit.memory.planner.estimate import FSDP_PARTS, PARTS, SAFETY_MARGIN, Plan
+from r1fit.units import format_bytes
+
+_LABELS = {"weights": "weights", "gradients": "gradients", "optimizer": "optimizer (AdamW)",
+           "reference": "reference model",
+           "all_gather": "FSDP all-gather buffers (root + 2 units)",
+           "reduce_scatter": "FSDP reduce-scatter buffer (one unit's gradients)",
+           "activations": "activations (one micro-batch)", "logits_chunk": "LM head chunk",
+           "vision": "vision encoder (one micro-batch)",
+           "unsharded_weights": "FSDP unsharded weights (the whole policy)",
+           "generation": "generation (KV cache + logits)", "inputs": "inputs (pixel values)",
+           "overhead": "CUDA context + allocator slack"}
+_WHEN = {"weights": "always", "gradients": "update", "optimizer": "always", "reference": "always",
+         "all_gather": "log-probs, update", "reduce_scatter": "update",
+         "activations": "update", "logits_chunk": "update", "vision": "update",
+         "unsharded_weights": "generation", "generation": "generation", "inputs": "step",
+         "overhead": "always"}
+
+
+def render_blocks(plan: Plan, cfg: Config) -> list[Any]:
+    """Lines and tables ``(headers, rows, right_aligned_columns)`` describing ``plan``."""
+    d = plan.details
+    mode = f"LoRA r={cfg.model.lora.r}" if cfg.model.lora.r else "full fine-tuning"
+    ckpt = "on" if cfg.memory.gradient_checkpointing else "off"
+
+    def auto(key: str) -> str:
+        return " (auto)" if key in d["auto"] else ""
+
+    gpus = d["gpus"]
+    where = (f"per GPU, FSDP over {gpus} GPUs" if gpus > 1 else f"one {d['device_type']} device")
+    per_gpu = f", {d['rows_per_gpu']} per GPU" if gpus > 1 else ""
+    blocks: list[Any] = [
+        (f"r1fit plan: {cfg.model.path} ({d['params'] / 1e9:.2f}B parameters, {d['dtype']}), "
+         f"{mode}, {where}"),
+        (f"  {d['rows_per_step']} rows per step ({cfg.train.prompts_per_step} prompts x "
+         f"{cfg.algo.num_generations}{per_gpu}); prompt {d['prompt_tokens']} tokens "
+         f"({d['image_tokens']} image), completion up to {cfg.algo.max_new_tokens}"),
+        f"  prompt {d['prompt_estimate']}",
+        (f"  micro_batch {d['micro_batch']}{auto('micro_batch')} "
+         f"({d['micro_batches_per_update']} per update), generation_batch "
+         f"{d['generation_batch']}{auto('generation_batch')}, gradient checkpointing {ckpt}"),
+    ]
+    blocks += [f"  note: {n}" for n in plan.notes]
+    other = "off" if cfg.memory.gradient_checkpointing else "on"
+    rows = []
+    for name in PARTS:
+        if name in FSDP_PARTS and gpus == 1:
+            continue
+        size = plan.parts[name]
+        label = _LABELS[name]
+        if gpus > 1 and name in ("weights", "gradients", "optimizer", "reference"):
+            label += f", 1/{gpus} shard"
+        if name == "activations":
+            alternative = format_bytes(plan.activations_by_checkpointing[other])
+            label += f" [checkpointing {other}: {alternative}]"
+        rows.append((label, format_bytes(size), _WHEN[name]))
+    blocks.append((("part", "size", "when"), rows, {1}))
+    phase_rows = [(name + (" <- peak" if name == plan.peak_phase else ""), format_bytes(size))
+                  for name, size in plan.phases.items()]
+    blocks.append((("phase (whole device)", "peak"), phase_rows, {1}))
+    verdict = "fits" if plan.fits else "does NOT fit"
+    blocks.append(f"peak {format_bytes(plan.peak_bytes)} of {format_bytes(plan.budget_bytes)} "
+                  f"(usable with a {SAFETY_MARGIN:.0%} margin: {format_bytes(plan.usable_bytes)}): "
+                  f"{verdict}")
+    rows = d["rows_per_gpu"]  # of a step, on one GPU
+    of = " on a GPU" if gpus > 1 else ""
+    blocks.append(f"largest memory.micro_batch that fits: "
+                  f"{_size(plan.max_micro_batch, rows, of)}")
+    blocks.append(f"largest memory.generation_batch that fits: "
+                  f"{_size(plan.max_generation_batch, rows, of)}")
+    if plan.advice:
+        blocks.append("advice:")
+        blocks += [f"  {a}" for a in plan.advice]
+    return blocks
+
+
+def _size(n: int, rows: int, of: str) -> str:
+    if n == 0:
+        return "none (even 1 does not fit)"
+    return f"{n} (all {rows} rows of a step{of})" if n >= rows else str(n)
+
+
+def render(plan: Plan, cfg: Config, *, rich: bool = False) -> None:
+    """Print ``plan``: rich tables on a terminal, aligned plain text otherwise."""
+    from r1fit.report.blocks import print_blocks
+
+    print_blocks(render_blocks(plan, cfg), rich=rich)

@@ -1,0 +1,123 @@
+"""The parts and phases of r1fit/memory/planner/estimate.py one function at a time, on model facts
+made up by hand (no model is built): what each adds, and when."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from r1fit.config import Config
+from r1fit.memory.planner.estimate import (
+    FsdpBuffers,
+    Sizes,
+    StepShape,
+    backward_end_bytes,
+    fsdp_buffers,
+    layer_backward_bytes,
+    persistent_states,
+    update_bytes,
+    vision_activations,
+)
+from r1fit.memory.planner.facts import ModelFacts, PromptShape, TextDims, VisionDims
+
+PROMPT = PromptShape(tokens=10, image_tokens=4, patches=16, how="by hand")
+
+
+@pytest.fixture
+def facts(text: TextDims, vision: VisionDims) -> ModelFacts:
+    """Two tensors, [100 x 32] and [32]; one adapted Linear 32 -> 32; FSDP units: a layer of 100
+    elements, a vision block of 40, the root's 300 (50 of them the vision tower's)."""
+    return ModelFacts(
+        name="hand", config_dtype="float32", params=3_232, param_tensors=2, vision_params=0,
+        vision_param_tensors=0, tied_head=False, largest_layer_weight=2_048, lora_in_plus_out=64,
+        lora_layers=1, lora_targets=("q_proj",), text=text, vision=vision,
+        param_shapes=((100, 3_200), (32, 32)), vision_param_shapes=(), lora_linears=((32, 32),),
+        layer_params=100, layer_lora_in_plus_out=64, vision_block_params=40, root_params=300,
+        root_vision_params=50)
+
+
+@pytest.fixture
+def step(facts: ModelFacts) -> Callable[..., StepShape]:
+    """A float32, fully fine-tuned step of 10 + 6 tokens a row; keywords change it."""
+    def make(**changes: Any) -> StepShape:
+        shape = StepShape(facts=facts, b=4, lora_r=0, prompt=PROMPT, completion=6, eager=False,
+                          vision_trains=True)
+        return replace(shape, **changes)
+
+    return make
+
+
+def test_states_whole_and_sharded(facts):
+    full = persistent_states(facts, Config(), gpus=1, b=4)  # beta 0.05: a reference copy
+    assert full.weights == full.gradients == full.reference == 4 * 3_232
+    assert full.optimizer == 2 * 4 * 3_232 + 4 * 2  # exp_avg, exp_avg_sq; a step count a tensor
+    # over 3 GPUs each tensor keeps ceil(rows / 3) rows: 34 x 32 + 11 x 1
+    assert persistent_states(facts, Config(), gpus=3, b=4).weights == 4 * (34 * 32 + 11)
+    lora = Config().with_values({"model.lora.r": 8})
+    adapters = persistent_states(facts, lora, gpus=1, b=2)
+    assert adapters.gradients == 4 * (8 * 32 + 32 * 8)  # lora_A, lora_B in float32
+    assert adapters.weights == 2 * 3_232 + adapters.gradients and adapters.reference == 0
+    # lora_A [8 x 32] by rows of 2, lora_B [32 x 8] by rows of 8, over 4 GPUs
+    assert persistent_states(facts, lora, gpus=4, b=2).gradients == 4 * (2 * 32 + 8 * 8)
+
+
+def test_fsdp_buffers_gather_the_root_and_two_units(facts):
+    cpu = fsdp_buffers(facts, Config(), "float32", b=4, cuda=False)
+    assert cpu.all_gather == 4 * (300 + 2 * 100)
+    assert cpu.reduce_scatter == 4 * 300  # the largest unit's gradients: the root's
+    assert cpu.head_grad == 4 * 100 * 32 and cpu.gathering == 4 * 300
+    # on CUDA a float32 model computes in bfloat16 (b = 2) and reduce-scatters in float32
+    cuda = fsdp_buffers(facts, Config(), "float32", b=2, cuda=True)
+    assert cuda.all_gather == 2 * (300 + 2 * 100) and cuda.reduce_scatter == 4 * 300
+    frozen = fsdp_buffers(facts, Config().with_values({"model.freeze_vision": True}), "float32",
+                          b=4, cuda=False)
+    assert frozen.root_grad == 4 * (300 - 50)
+    lora = fsdp_buffers(facts, Config().with_values({"model.lora.r": 8}), "bfloat16", b=2,
+                        cuda=False)
+    assert lora.layer_unit == 2 * 100 + 4 * 8 * 64  # the layer + its float32 adapters
+    assert lora.reduce_scatter == 4 * 8 * 64 and lora.root_grad == lora.head_grad == 0
+
+
+def test_end_of_backward_adds_the_embedding_gradient_when_it_accumulates(facts, step):
+    one = Sizes(rows=4, gpus=1, micro=4, generation=4, checkpointing=True)
+    two = replace(one, micro=2)
+    embedding = 100 * 32 * 4
+    assert backward_end_bytes(step(), one, FsdpBuffers()) == 0  # a fresh .grad, untied head
+    assert backward_end_bytes(step(), two, FsdpBuffers()) == embedding  # added into .grad
+    tied = step(facts=replace(facts, tied_head=True))
+    assert backward_end_bytes(tied, one, FsdpBuffers()) == embedding
+    assert backward_end_bytes(step(lora_r=8), two, FsdpBuffers()) == 0  # frozen under LoRA
+
+
+def test_a_layers_backward_adds_its_weight_gradient_when_it_accumulates(step):
+    one = Sizes(rows=2, gpus=1, micro=2, generation=2, checkpointing=True)
+    two = replace(one, rows=4)
+    assert two.micro_batches == 2 and Sizes(10, 1, 4, 4, True).micro_batches == 3
+    extra = layer_backward_bytes(step(), two, FsdpBuffers()) - layer_backward_bytes(
+        step(), one, FsdpBuffers())
+    assert extra == 2_048 * 4  # the largest Linear's gradient
+    assert layer_backward_bytes(step(lora_r=8), two, FsdpBuffers()) == layer_backward_bytes(
+        step(lora_r=8), one, FsdpBuffers())
+
+
+def test_a_frozen_vision_tower_saves_nothing_for_backward(step):
+    trained, peak = vision_activations(step(), rows=2, checkpointing=False)
+    assert peak == trained > 0
+    forward, peak = vision_activations(step(vision_trains=False), rows=2, checkpointing=False)
+    assert peak == forward < trained  # its no-grad forward, gone before the language model runs
+    on, peak = vision_activations(step(), rows=2, checkpointing=True)
+    assert on < trained < peak  # each block's input kept; one block rebuilt in backward
+
+
+def test_gradients_are_held_from_the_second_micro_batch_on(facts, step):
+    states = persistent_states(facts, Config(), gpus=1, b=4)
+    one = Sizes(rows=2, gpus=1, micro=2, generation=2, checkpointing=True)
+    first = update_bytes(step(), one, states, FsdpBuffers(), chunk=12)
+    later = update_bytes(step(), replace(one, rows=4), states, FsdpBuffers(), chunk=12)
+    assert later.activations == first.activations and later.logits_chunk == first.logits_chunk
+    # the largest moment is a layer's backward: now beside every .grad, and adding the layer's
+    # weight gradient into its existing one
+    assert later.peak == first.peak + states.gradients + 2_048 * 4
