@@ -323,7 +323,7 @@ def test_fsdp_on_cuda_gathers_float32_in_bfloat16_and_reduces_in_float32(small_m
 
 
 def test_one_gpu_has_no_fsdp_parts_and_more_gpus_say_so(small_model, capsys):
-    from r1fit.memory.planner.render import _LABELS
+    from r1fit.memory.planner.printing import _LABELS
 
     cfg = cfg_for(small_model)
     one, two = plan_memory(cfg, device_type="cpu"), plan_memory(cfg, device_type="cpu", gpus=2)

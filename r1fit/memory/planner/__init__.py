@@ -9,10 +9,9 @@ phase, the way r1fit's code allocates it. Read in this order:
 - ``formulas``: the bytes each piece of the model saves or holds, per token or per patch;
 - ``estimate``: the phases of one step added up from those (the module docstring says what is
   modelled), the largest sizes that fit, and the advice;
-- ``render``: the plan printed.
+- ``printing``: the plan printed (``render``).
 
-The names below are the planner's public ones, importable from here. ``render`` here is the
-function: the module of that name is reached with ``from r1fit.memory.planner.render import ...``.
+The names below are the planner's public ones, importable from here.
 """
 
 from r1fit.memory.planner.estimate import (
@@ -51,7 +50,7 @@ from r1fit.memory.planner.formulas import (
     vision_forward_temp_per_patch,
     vision_other_saved_per_patch,
 )
-from r1fit.memory.planner.render import render, render_blocks
+from r1fit.memory.planner.printing import render, render_blocks
 
 __all__ = [
     "ADAPTER_BYTES", "CHARS_PER_TOKEN", "CHAT_TEMPLATE_TOKENS", "CUDA_ALLOCATOR_SLACK",
