@@ -97,16 +97,7 @@ def verify_image(path: str | os.PathLike[str]) -> None:
     Raises ``BadRowError`` with a one-line reason. ``verify()`` checks headers and, for PNG, chunk
     checksums; it cannot see every corruption, so decoding can still fail later (see ``load_image``).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise BadRowError(f"image not found: {path}")
-    try:
-        with Image.open(path) as img:
-            img.verify()
-    # PIL plugins raise many types on corrupt input (OSError, SyntaxError, struct.error, IndexError,
-    # DecompressionBombError...); any of them means "this file is unusable".
-    except Exception as exc:  # noqa: BLE001
-        raise BadRowError(f"corrupt image {path}: {one_line(exc)}") from exc
+    _open(path, "verify", "corrupt image")
 
 
 def load_image(path: str | os.PathLike[str]) -> Image.Image:
@@ -115,13 +106,20 @@ def load_image(path: str | os.PathLike[str]) -> Image.Image:
     Decoding eagerly surfaces truncated/corrupt files here, with the path in the message, instead of
     deep inside the processor. The returned image is in its file mode; ``fit_pixel_budget`` makes it RGB.
     """
+    return _open(path, "load", "cannot decode image")
+
+
+def _open(path: str | os.PathLike[str], how: str, failure: str) -> Image.Image:
+    """``Image.open(path)`` then its ``verify()`` or ``load()``; ``BadRowError`` naming the path."""
     path = Path(path)
     if not path.is_file():
         raise BadRowError(f"image not found: {path}")
     try:
         with Image.open(path) as img:
-            img.load()
-            # The context manager closes the file; the decoded pixels stay in memory.
+            getattr(img, how)()
+            # the context manager closes the file; loaded pixels stay in memory
             return img
-    except Exception as exc:  # noqa: BLE001 - see verify_image
-        raise BadRowError(f"cannot decode image {path}: {one_line(exc)}") from exc
+    # PIL plugins raise many types on corrupt input (OSError, SyntaxError, struct.error, IndexError,
+    # DecompressionBombError...); any of them means "this file is unusable".
+    except Exception as exc:  # noqa: BLE001
+        raise BadRowError(f"{failure} {path}: {one_line(exc)}") from exc
