@@ -86,3 +86,14 @@ def test_train_on_truncated_weights_is_one_line(capsys, tmp_path, tiny_dir):
     assert errors[0].endswith("; download or export it again")
     assert "Traceback" not in err
 
+
+def test_inspect_flags_truncated_weights(capsys, tmp_path, tiny_dir):
+    folder = _truncated_model(tiny_dir, tmp_path / "model")
+    assert main(["inspect", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "  integrity: model.safetensors is truncated or corrupt (" in out
+    assert "nor can a new run start from it: its weights are truncated or corrupt" in out
+    assert f"model.path={folder}" not in out
+    assert main(["inspect", str(tiny_dir), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["intact"] is True and report["problem"] is None
