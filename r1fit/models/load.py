@@ -317,7 +317,7 @@ def _from_pretrained(
             device_map=str(torch.device(device)),
         )
     except SafetensorError as err:  # a truncated or corrupt weights file; it does not say which
-        raise ModelConfigError(_bad_weights_message(folder, path, err)) from err
+        raise ModelConfigError(bad_weights_message(folder, path, err)) from err
     except (OSError, ValueError, KeyError, ImportError) as err:
         raise ModelConfigError(f"cannot load model {path!r}: {one_line(err)}") from err
     return model
@@ -333,8 +333,9 @@ def safetensors_problem(file: str | os.PathLike[str]) -> str | None:
         return one_line(err)
 
 
-def _bad_weights_message(folder: str, path: str, err: Exception) -> str:
-    """The one-line error for weights safetensors rejects, naming the broken file(s)."""
+def bad_weights_message(folder: str, path: str, err: Exception) -> str:
+    """The one-line error for weights safetensors rejects (``err``) when loading model ``path``
+    from ``folder`` (what :func:`resolve_model_path` made of it), naming the broken file(s)."""
     local = Path(folder) if os.path.isdir(folder) else _hub_snapshot(folder)
     broken = [f for f in sorted(local.glob("*.safetensors")) if safetensors_problem(f)] if local else []
     if path.startswith(BUILTIN_PREFIX):
