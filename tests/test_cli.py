@@ -105,6 +105,6 @@ def test_train_into_a_folder_below_a_file_is_one_line(capsys, tmp_path):
     assert main(["train", f"train.output_dir={blocker / 'run'}"]) == 2
     err = capsys.readouterr().err
     assert [line for line in err.splitlines() if line.startswith("r1fit: error:")] == [
-        f"r1fit: error: train.output_dir={blocker / 'run'}: cannot create or use the output "
-        f"folder: {blocker} is a file, not a folder; choose another train.output_dir"]
+        (f"r1fit: error: train.output_dir={blocker / 'run'}: cannot create or use the output "
+         f"folder: {blocker} is a file, not a folder; choose another train.output_dir")]
     assert "Traceback" not in err

@@ -337,7 +337,8 @@ def bad_weights_message(folder: str, path: str, err: Exception) -> str:
     """The one-line error for weights safetensors rejects (``err``) when loading model ``path``
     from ``folder`` (what :func:`resolve_model_path` made of it), naming the broken file(s)."""
     local = Path(folder) if os.path.isdir(folder) else _hub_snapshot(folder)
-    broken = [f for f in sorted(local.glob("*.safetensors")) if safetensors_problem(f)] if local else []
+    files = sorted(local.glob("*.safetensors")) if local is not None else []
+    broken = [f"{f} is truncated or corrupt ({why})" for f in files if (why := safetensors_problem(f))]
     if path.startswith(BUILTIN_PREFIX):
         fix = f"delete {folder} and r1fit builds it again"
     elif local is not None and not os.path.isdir(folder):  # the snapshot only links the blobs
@@ -347,9 +348,7 @@ def bad_weights_message(folder: str, path: str, err: Exception) -> str:
     if not broken:
         return (f"cannot load model {path!r}: a safetensors weights file is truncated or corrupt "
                 f"({one_line(err)}); {fix}")
-    names = ", ".join(str(f) for f in broken)
-    verb = "is" if len(broken) == 1 else "are"
-    return f"cannot load model {path!r}: {names} {verb} truncated or corrupt ({one_line(err)}); {fix}"
+    return f"cannot load model {path!r}: {'; '.join(broken)}; {fix}"
 
 
 def _hub_snapshot(repo_id: str) -> Path | None:

@@ -15,6 +15,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 from r1fit.models.errors import ModelConfigError
 from r1fit.models.load import (
     Reference,
+    bad_weights_message,
     language_model_lora_regex,
     lm_backbone_and_head,
     load_policy,
@@ -140,6 +141,26 @@ def test_truncated_hub_download_names_its_cache(tiny_dir: Path, tmp_path: Path,
                                       "is truncated or corrupt")
     assert str(info.value).endswith(f"delete {repo} (the Hugging Face cache of acme/tiny) and "
                                     "download it again")
+
+
+def test_bad_weights_message_names_each_broken_shard(tmp_path: Path) -> None:
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    for name in ("model-00001-of-00003", "model-00002-of-00003", "model-00003-of-00003"):
+        save_file({"w": torch.zeros(64)}, str(tmp_path / f"{name}.safetensors"))
+    for name, size in (("model-00001-of-00003", 100), ("model-00003-of-00003", 3)):
+        os.truncate(tmp_path / f"{name}.safetensors", size)
+    message = bad_weights_message(str(tmp_path), str(tmp_path), SafetensorError("header too small"))
+    first, third = (tmp_path / f"model-0000{i}-of-00003.safetensors" for i in (1, 3))
+    assert message == (f"cannot load model {str(tmp_path)!r}: {first} is truncated or corrupt "
+                       "(Error while deserializing header: incomplete metadata, file not fully "
+                       f"covered); {third} is truncated or corrupt (Error while deserializing "
+                       "header: header too small); download or export it again")
+    # a hub id that is not in the local cache: no file to name
+    assert bad_weights_message("acme/absent", "acme/absent", SafetensorError("header too small")) == (
+        "cannot load model 'acme/absent': a safetensors weights file is truncated or corrupt "
+        "(header too small); download or export it again")
 
 
 def test_bad_options_are_named(tiny_dir: Path) -> None:
