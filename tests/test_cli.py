@@ -61,3 +61,50 @@ def test_plan_bad_device_memory_is_one_line(capsys):
     assert main(["plan", "--device-memory", "80 parsecs"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("r1fit: error: --device-memory:") and "\n" not in err
+
+
+def _truncated_model(tiny_dir, folder):
+    """builtin:tiny with its weights file cut in half."""
+    import os
+    import shutil
+
+    shutil.copytree(tiny_dir, folder)
+    weights = folder / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    return folder
+
+
+def test_train_on_truncated_weights_is_one_line(capsys, tmp_path, tiny_dir):
+    folder = _truncated_model(tiny_dir, tmp_path / "model")
+    assert main(["train", f"model.path={folder}", f"train.output_dir={tmp_path / 'out'}"]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("r1fit: error:")]
+    assert len(errors) == 1, err
+    assert errors[0].startswith(f"r1fit: error: cannot load model {str(folder)!r}: "
+                                f"{folder / 'model.safetensors'} is truncated or corrupt (Error "
+                                "while deserializing header: ")
+    assert errors[0].endswith("; download or export it again")
+    assert "Traceback" not in err
+
+
+def test_inspect_flags_truncated_weights(capsys, tmp_path, tiny_dir):
+    folder = _truncated_model(tiny_dir, tmp_path / "model")
+    assert main(["inspect", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "  integrity: model.safetensors is truncated or corrupt (" in out
+    assert "nor can a new run start from it: its weights are truncated or corrupt" in out
+    assert f"model.path={folder}" not in out
+    assert main(["inspect", str(tiny_dir), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["intact"] is True and report["problem"] is None
+
+
+def test_train_into_a_folder_below_a_file_is_one_line(capsys, tmp_path):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("")
+    assert main(["train", f"train.output_dir={blocker / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.startswith("r1fit: error:")] == [
+        (f"r1fit: error: train.output_dir={blocker / 'run'}: cannot create or use the output "
+         f"folder: {blocker} is a file, not a folder; choose another train.output_dir")]
+    assert "Traceback" not in err

@@ -155,9 +155,10 @@ def _export_lora(checkpoint: Path, model_dir: Path, dest: Path, *, merge: bool) 
     """The adapter of ``checkpoint`` on the run's base model (``model.path``): saved as an adapter,
     or merged into the base (``merge``). Returns the base model's name."""
     from peft import LoraConfig, get_peft_model
+    from safetensors import SafetensorError
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from r1fit.models.load import ModelConfigError, resolve_model_path
+    from r1fit.models.load import ModelConfigError, bad_weights_message, resolve_model_path
 
     base = read_json_object(checkpoint / "config.json").get("model", {}).get("path")
     if not base:
@@ -174,6 +175,9 @@ def _export_lora(checkpoint: Path, model_dir: Path, dest: Path, *, merge: bool) 
             peft_model = get_peft_model(model, LoraConfig.from_pretrained(str(model_dir)))
         load_model_weights(checkpoint, "model", peft_model)
         processor = AutoProcessor.from_pretrained(str(model_dir))
+    except SafetensorError as exc:  # the base model's weights file is truncated or corrupt
+        raise CheckpointError(f"{checkpoint}: cannot rebuild the LoRA model on its base model: "
+                              f"{bad_weights_message(folder, base, exc)}") from exc
     except (ModelConfigError, OSError, ValueError, KeyError, AttributeError, RuntimeError) as exc:
         message = " ".join(str(exc).split())
         raise CheckpointError(f"{checkpoint}: cannot rebuild the LoRA model on its base model "

@@ -127,7 +127,10 @@ def inspect_model(path: Path) -> dict[str, Any]:
     files = _files(path)
     parent = path.parent
     in_checkpoint = _in_checkpoint(path)
-    if lora:
+    problem = _weights_problem(path)
+    if problem:
+        start = "nor can a new run start from it: its weights are truncated or corrupt"
+    elif lora:
         start = f"it is a LoRA adapter that needs its base model {base}"
     else:
         start = f"a new run can start from these weights with model.path={path}"
@@ -142,6 +145,7 @@ def inspect_model(path: Path) -> dict[str, Any]:
         "architectures": read_json_object(path / "config.json").get("architectures") if not lora else None,
         "files": files, "total_bytes": sum(f["bytes"] for f in files),
         "in_checkpoint": str(parent) if in_checkpoint else None,
+        "intact": problem is None, "problem": problem,
         "resumable": False, "why_not_resumable": why,
     }
 
@@ -227,6 +231,8 @@ def _model_blocks(r: dict[str, Any]) -> list[Any]:
     if r["in_checkpoint"]:
         blocks.append(f"  the model of checkpoint {r['in_checkpoint']} (inspect that for its "
                       "training state)")
+    if r["problem"]:
+        blocks.append(f"  integrity: {r['problem']}")
     blocks += ["files:", (("size", "file"), [(_size(f["bytes"]), f["path"]) for f in r["files"]],
                           {0}),
                f"  {_size(r['total_bytes'])} in {len(r['files'])} files", _resumable(r)]
@@ -239,6 +245,16 @@ def _model_blocks(r: dict[str, Any]) -> list[Any]:
 def _files(path: Path) -> list[dict[str, Any]]:
     return [{"path": str(p.relative_to(path)), "bytes": p.stat().st_size}
             for p in sorted(path.rglob("*")) if p.is_file()]
+
+
+def _weights_problem(path: Path) -> str | None:
+    """Which ``*.safetensors`` files of a model folder safetensors cannot open (truncated or
+    corrupt), and why; None when all open. Reads their headers only."""
+    from r1fit.models.load import safetensors_problem
+
+    problems = [f"{f.name} is truncated or corrupt ({why})" for f in sorted(path.glob("*.safetensors"))
+                if (why := safetensors_problem(f))]
+    return "; ".join(problems) + "; download or export it again" if problems else None
 
 
 def _in_checkpoint(path: Path) -> bool:

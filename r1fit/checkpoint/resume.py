@@ -21,6 +21,7 @@ from r1fit.checkpoint.manager import (PARTIAL, RESUME_NOT_EXACT, RESUME_SAFE, Ch
                                       ResumePoint, checkpoint_order, command_of, config_changes,
                                       list_checkpoints, missing_for_resume, read_trainer_state,
                                       run_config, verify)
+from r1fit.errors import one_line
 
 log = logging.getLogger("r1fit.checkpoint")
 
@@ -42,7 +43,30 @@ def find_resume_point(out: Path) -> tuple[Path | None, list[str]]:
 
 
 def open_output_dir(cfg: Any, kind: str) -> tuple[Path, ResumePoint | None]:
-    """Create or reuse ``train.output_dir`` and decide the resume point (see the module doc)."""
+    """Create or reuse ``train.output_dir`` and decide the resume point (see the module doc).
+    Raises :class:`CheckpointError` when it cannot, an OS error included (a path below a regular
+    file, no permission)."""
+    try:
+        return _open_output_dir(cfg, kind)
+    except OSError as exc:
+        raise CheckpointError(f"train.output_dir={cfg.train.output_dir}: cannot create or use the "
+                              f"output folder: {_os_reason(exc)}; choose another "
+                              "train.output_dir") from exc
+
+
+def _os_reason(exc: OSError) -> str:
+    """What went wrong and where, e.g. ``/a/b is a file, not a folder`` for a path below a file."""
+    if exc.filename is None:
+        return one_line(exc)
+    path = Path(exc.filename)
+    if isinstance(exc, (NotADirectoryError, FileExistsError)):
+        blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            return f"{blocker} is a file, not a folder"
+    return f"{path}: {exc.strerror or one_line(exc)}"
+
+
+def _open_output_dir(cfg: Any, kind: str) -> tuple[Path, ResumePoint | None]:
     out = Path(cfg.train.output_dir)
     mode = cfg.checkpoint.resume
     if cfg.train.overwrite and out.exists() and holds_run(out):

@@ -11,10 +11,12 @@ import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, PreTrainedModel, ProcessorMixin
 
@@ -314,9 +316,50 @@ def _from_pretrained(
             folder, dtype=_DTYPES[dtype], attn_implementation=attn_implementation,
             device_map=str(torch.device(device)),
         )
+    except SafetensorError as err:  # a truncated or corrupt weights file; it does not say which
+        raise ModelConfigError(bad_weights_message(folder, path, err)) from err
     except (OSError, ValueError, KeyError, ImportError) as err:
         raise ModelConfigError(f"cannot load model {path!r}: {one_line(err)}") from err
     return model
+
+
+def safetensors_problem(file: str | os.PathLike[str]) -> str | None:
+    """Why safetensors cannot open ``file`` (a truncated or corrupt header, or a file cut short
+    of the tensors its header lists), or None when it opens. Reads the header only."""
+    try:
+        with safe_open(os.fspath(file), framework="pt"):
+            return None
+    except (SafetensorError, OSError) as err:
+        return one_line(err)
+
+
+def bad_weights_message(folder: str, path: str, err: Exception) -> str:
+    """The one-line error for weights safetensors rejects (``err``) when loading model ``path``
+    from ``folder`` (what :func:`resolve_model_path` made of it), naming the broken file(s)."""
+    local = Path(folder) if os.path.isdir(folder) else _hub_snapshot(folder)
+    files = sorted(local.glob("*.safetensors")) if local is not None else []
+    broken = [f"{f} is truncated or corrupt ({why})" for f in files if (why := safetensors_problem(f))]
+    if path.startswith(BUILTIN_PREFIX):
+        fix = f"delete {folder} and r1fit builds it again"
+    elif local is not None and not os.path.isdir(folder):  # the snapshot only links the blobs
+        fix = f"delete {local.parent.parent} (the Hugging Face cache of {path}) and download it again"
+    else:
+        fix = "download or export it again"
+    if not broken:
+        return (f"cannot load model {path!r}: a safetensors weights file is truncated or corrupt "
+                f"({one_line(err)}); {fix}")
+    return f"cannot load model {path!r}: {'; '.join(broken)}; {fix}"
+
+
+def _hub_snapshot(repo_id: str) -> Path | None:
+    """The local snapshot folder of a hub model in the Hugging Face cache, or None."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        config = try_to_load_from_cache(repo_id, "config.json")
+    except ValueError:  # not a valid repo id
+        return None
+    return Path(config).parent if isinstance(config, str) else None
 
 
 def _load_processor(folder: str, path: str) -> ProcessorMixin:

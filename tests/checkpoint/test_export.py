@@ -120,3 +120,21 @@ def test_corrupt_or_missing_checkpoint_is_a_one_line_error(checkpoints, capsys, 
 
     code, _, err = export(capsys, str(tmp_path / "nope"), str(tmp_path / "out"))
     assert code == 2 and err == f"r1fit: error: {tmp_path / 'nope'}: no such checkpoint folder\n"
+
+
+@pytest.mark.parametrize("merge", [[], ["--merge-lora"]], ids=["adapter", "merged"])
+def test_a_truncated_base_model_is_a_one_line_error(checkpoints, capsys, tmp_path, tiny_cache,
+                                                    monkeypatch, merge):
+    tiny = next((tiny_cache / "models").glob("tiny-v*"))
+    base = tmp_path / "cache" / "models" / tiny.name  # builtin:tiny, its weights cut in half
+    shutil.copytree(tiny, base)
+    weights = base / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    monkeypatch.setenv("R1FIT_CACHE", str(tmp_path / "cache"))
+    code, _, err = export(capsys, str(checkpoints["lora"]), str(tmp_path / "out"), *merge)
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"r1fit: error: {checkpoints['lora']}: cannot rebuild the LoRA model on "
+                          f"its base model: cannot load model 'builtin:tiny': {weights} is "
+                          "truncated or corrupt (")
+    assert err.endswith(f"; delete {base} and r1fit builds it again\n")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 from r1fit.models.errors import ModelConfigError
 from r1fit.models.load import (
     Reference,
+    bad_weights_message,
     language_model_lora_regex,
     lm_backbone_and_head,
     load_policy,
@@ -86,6 +89,78 @@ def test_unloadable_hub_id_is_one_line_naming_the_path() -> None:
     with pytest.raises(ModelConfigError, match=r"^cannot load model 'bad id/with spaces': ") as info:
         _load("bad id/with spaces")
     assert "\n" not in str(info.value)
+
+
+def truncated_copy(tiny_dir: Path, dest: Path, size: int | None = None) -> Path:
+    """A copy of builtin:tiny whose model.safetensors is cut to ``size`` bytes (half by default)."""
+    shutil.copytree(tiny_dir, dest)
+    weights = dest / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2 if size is None else size)
+    return dest
+
+
+@pytest.mark.parametrize("size", [None, 10], ids=["half", "10-bytes"])
+def test_truncated_weights_are_one_line_naming_the_file(tiny_dir: Path, tmp_path: Path,
+                                                        size: int | None) -> None:
+    folder = truncated_copy(tiny_dir, tmp_path / "model", size)
+    with pytest.raises(ModelConfigError, match=r"^cannot load model .* is truncated or corrupt") as info:
+        _load(folder)
+    message = str(info.value)
+    assert f"{folder / 'model.safetensors'} is truncated or corrupt" in message
+    assert "download or export it again" in message and "\n" not in message
+    with pytest.raises(ModelConfigError, match="truncated or corrupt"):
+        load_frozen(str(folder), dtype="float32", device="cpu")
+
+
+def test_truncated_builtin_says_how_to_rebuild(tiny_dir: Path, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = tmp_path / "cache"
+    truncated_copy(tiny_dir, cache / "models" / tiny_dir.name)
+    monkeypatch.setenv("R1FIT_CACHE", str(cache))
+    with pytest.raises(ModelConfigError) as info:
+        _load("builtin:tiny")
+    folder = cache / "models" / tiny_dir.name
+    assert str(info.value).startswith(f"cannot load model 'builtin:tiny': {folder / 'model.safetensors'} "
+                                      "is truncated or corrupt")
+    assert str(info.value).endswith(f"delete {folder} and r1fit builds it again")
+
+
+def test_truncated_hub_download_names_its_cache(tiny_dir: Path, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub.constants as hub
+
+    repo = tmp_path / "hub" / "models--acme--tiny"  # the Hugging Face cache's layout
+    snapshot = truncated_copy(tiny_dir, repo / "snapshots" / "0123abc")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abc")
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelConfigError) as info:
+        _load("acme/tiny")
+    assert str(info.value).startswith(f"cannot load model 'acme/tiny': {snapshot / 'model.safetensors'} "
+                                      "is truncated or corrupt")
+    assert str(info.value).endswith(f"delete {repo} (the Hugging Face cache of acme/tiny) and "
+                                    "download it again")
+
+
+def test_bad_weights_message_names_each_broken_shard(tmp_path: Path) -> None:
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    for name in ("model-00001-of-00003", "model-00002-of-00003", "model-00003-of-00003"):
+        save_file({"w": torch.zeros(64)}, str(tmp_path / f"{name}.safetensors"))
+    for name, size in (("model-00001-of-00003", 100), ("model-00003-of-00003", 3)):
+        os.truncate(tmp_path / f"{name}.safetensors", size)
+    message = bad_weights_message(str(tmp_path), str(tmp_path), SafetensorError("header too small"))
+    first, third = (tmp_path / f"model-0000{i}-of-00003.safetensors" for i in (1, 3))
+    assert message == (f"cannot load model {str(tmp_path)!r}: {first} is truncated or corrupt "
+                       "(Error while deserializing header: incomplete metadata, file not fully "
+                       f"covered); {third} is truncated or corrupt (Error while deserializing "
+                       "header: header too small); download or export it again")
+    # a hub id that is not in the local cache: no file to name
+    assert bad_weights_message("acme/absent", "acme/absent", SafetensorError("header too small")) == (
+        "cannot load model 'acme/absent': a safetensors weights file is truncated or corrupt "
+        "(header too small); download or export it again")
 
 
 def test_bad_options_are_named(tiny_dir: Path) -> None:
