@@ -17,10 +17,21 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from r1fit.checkpoint.manager import (PARTIAL, RESUME_NOT_EXACT, RESUME_SAFE, CheckpointError,
-                                      ResumePoint, checkpoint_order, command_of, config_changes,
-                                      list_checkpoints, missing_for_resume, read_trainer_state,
-                                      run_config, verify)
+from r1fit.checkpoint.manager import (
+    PARTIAL,
+    RESUME_NOT_EXACT,
+    RESUME_SAFE,
+    CheckpointError,
+    ResumePoint,
+    checkpoint_order,
+    command_of,
+    config_changes,
+    list_checkpoints,
+    missing_for_resume,
+    read_trainer_state,
+    run_config,
+    verify,
+)
 from r1fit.errors import one_line
 
 log = logging.getLogger("r1fit.checkpoint")
@@ -43,11 +54,13 @@ def find_resume_point(out: Path) -> tuple[Path | None, list[str]]:
 
 
 def open_output_dir(cfg: Any, kind: str) -> tuple[Path, ResumePoint | None]:
-    """Create or reuse ``train.output_dir`` and decide the resume point (see the module doc).
-    Raises :class:`CheckpointError` when it cannot, an OS error included (a path below a regular
-    file, no permission)."""
+    """Create or reuse ``train.output_dir``, decide the resume point (see the module doc) and
+    write the run's ``config.json``. Raises :class:`CheckpointError` when it cannot, an OS error
+    included (a path below a regular file, no permission, a read-only folder)."""
     try:
-        return _open_output_dir(cfg, kind)
+        out, point = _open_output_dir(cfg, kind)
+        (out / "config.json").write_text(json.dumps(run_config(cfg, kind), indent=2))
+        return out, point
     except OSError as exc:
         raise CheckpointError(f"train.output_dir={cfg.train.output_dir}: cannot create or use the "
                               f"output folder: {_os_reason(exc)}; choose another "

@@ -20,9 +20,9 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, PreTrainedModel, ProcessorMixin
 
+from r1fit.errors import one_line
 from r1fit.models.builtin import BUILTIN_PREFIX, ensure_builtin
 from r1fit.models.errors import ModelConfigError
-from r1fit.errors import one_line
 
 #: Linear layers of a Qwen2 decoder layer that LoRA may adapt.
 LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

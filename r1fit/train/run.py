@@ -7,7 +7,6 @@ by auto-fit and the OOM guard), never in the config, which is read-only.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from typing import Any
 import torch
 
 from r1fit.checkpoint.export import save_hf_folder
-from r1fit.checkpoint.manager import CheckpointManager, run_config
+from r1fit.checkpoint.manager import CheckpointManager
 from r1fit.checkpoint.resume import open_output_dir
 from r1fit.config import Config
 from r1fit.data.batch import Prompt, encode_prompts, split_too_long
@@ -109,9 +108,7 @@ def start_run(cfg: Config, kind: str) -> Run:
     with EarlyLog() as early:
         if w.main:
             try:
-                out, resume = open_output_dir(cfg, kind)
-                (out / "config.json").write_text(json.dumps(run_config(cfg, kind), indent=2))
-                decision = (out, resume, None)
+                decision = (*open_output_dir(cfg, kind), None)
             except Exception as exc:  # every rank raises rank 0's error, none waits forever
                 decision = (None, None, exc)
     out, resume, error = broadcast_object(decision)

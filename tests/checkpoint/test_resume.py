@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,14 @@ def test_other_os_errors_name_the_path_and_the_reason(tmp_path: Path,
     assert str(info.value) == (f"train.output_dir={out}: cannot create or use the output folder: "
                                f"{out}: Permission denied; choose another train.output_dir")
     assert isinstance(info.value.__cause__, PermissionError)
+
+
+def test_the_run_config_is_written_and_a_failed_write_is_one_line(tmp_path: Path) -> None:
+    out, _ = _open(tmp_path / "run")
+    assert json.loads((out / "config.json").read_text())["kind"] == "grpo"
+    # a folder that cannot take the file (as root, a read-only folder would still take it)
+    other = tmp_path / "other"
+    (other / "config.json").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=rf"^train\.output_dir={other}: cannot create or use "
+                                              r"the output folder: .*config\.json"):
+        _open(other)
