@@ -41,3 +41,35 @@ def realvocab_cache(tiny_cache: Path) -> Path:
         mp.setenv("R1FIT_CACHE", str(tiny_cache))
         ensure_builtin("small-realvocab")
     return tiny_cache
+
+
+@pytest.fixture
+def float64_tiny(tiny_dir: Path):
+    """``make(lora_r=0) -> (model, processor, rows, completions)``: builtin:tiny in float64 with
+    gradient checkpointing, and 3 builtin:shapes prompts x 2 rows with random completions of
+    different lengths (so padding and masks matter), for exactness tests of log-probs and
+    gradients."""
+    import torch
+
+    from r1fit.data.batch import encode_prompts
+    from r1fit.data.dataset import load_dataset
+    from r1fit.models.load import load_policy
+
+    def make(lora_r: int = 0):
+        model, processor = load_policy(str(tiny_dir), lora_r=lora_r, lora_alpha=16,
+                                       lora_dropout=0.0, lora_target="all-linear",
+                                       freeze_vision=False, dtype="float32",
+                                       device=torch.device("cpu"), gradient_checkpointing=True)
+        data = load_dataset("builtin:shapes", split="train", min_pixels=784, max_pixels=3136,
+                            max_images=1, max_bad_fraction=0.0, seed=0, size=16)
+        prompts = encode_prompts(processor, [data[i] for i in range(3)], "Think, then answer.")
+        for p in prompts:  # pixels in float64 like the model under test
+            p.image_inputs["pixel_values"] = p.image_inputs["pixel_values"].double()
+        rows = [p for p in prompts for _ in range(2)]
+        gen = torch.Generator().manual_seed(0)
+        vocab = len(processor.tokenizer)
+        completions = [torch.randint(10, vocab - 30, (3 + (i * 5) % 7,), generator=gen)
+                       for i in range(len(rows))]
+        return model.double(), processor, rows, completions
+
+    return make
