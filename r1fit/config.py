@@ -209,6 +209,34 @@ class MemoryConfig:
 
 
 @dataclass(frozen=True)
+class VllmConfig:
+    kv_cache_memory: int | None = opt(
+        None, "Bytes of KV cache each engine keeps (vLLM's kv_cache_memory_bytes). null: "
+        "gpu_memory_utilization on CUDA, 256 MiB on CPU. It must hold at least one sequence of "
+        "data.max_prompt_tokens + algo.max_new_tokens tokens.", ge=1)
+    gpu_memory_utilization: float = opt(
+        0.3, "CUDA only, when kv_cache_memory is null: the fraction of the GPU the engine may use "
+        "(its weights, activations and KV cache; the trainer has the rest).", gt=0, le=1)
+    sleep_level: int = opt(
+        1, "CUDA only: while the policy trains, the engine sleeps; 1 frees its KV cache and moves "
+        "its weights to host RAM, 2 frees both (they are synced again before the next rollout "
+        "anyway); 0 keeps both on the GPU. vLLM has no sleep mode on CPU, so there the engine "
+        "keeps its memory.", ge=0, le=2)
+    enforce_eager: bool | None = opt(
+        None, "Run the engine without CUDA graphs / torch.compile. null: on CPU yes (compiling "
+        "costs more than it saves on small runs), on CUDA no.")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: Literal["hf", "vllm"] = opt(
+        "hf", "What generates the rollouts: 'hf' (Hugging Face generate on the policy itself; no "
+        "extra install, any device) or 'vllm' (one in-process vLLM engine per training process, "
+        "its weights synced from the policy before each rollout; pip install -e '.[vllm]').")
+    vllm: VllmConfig = opt(VllmConfig(), "Settings of rollout.engine=vllm.")
+
+
+@dataclass(frozen=True)
 class EvalConfig:
     every: int = opt(20, "Evaluate every N GRPO steps (0 = only before and after training).", ge=0)
     before_train: bool = opt(True, "Evaluate once before GRPO starts (after the SFT warm-up).")
@@ -245,6 +273,7 @@ class Config:
     train: TrainConfig = opt(TrainConfig(), "The optimisation loop.")
     sft: SFTConfig = opt(SFTConfig(), "Supervised fine-tuning (and the warm-up before GRPO).")
     memory: MemoryConfig = opt(MemoryConfig(), "What bounds peak memory.")
+    rollout: RolloutConfig = opt(RolloutConfig(), "The engine that generates GRPO's rollouts.")
     eval: EvalConfig = opt(EvalConfig(), "Held-out evaluation.")
     checkpoint: CheckpointConfig = opt(CheckpointConfig(), "Checkpoints and resume.")
 

@@ -73,3 +73,19 @@ def float64_tiny(tiny_dir: Path):
         return model.double(), processor, rows, completions
 
     return make
+
+
+@pytest.fixture(scope="session")
+def hd32_dir(tiny_cache: Path) -> Path:
+    """builtin:tiny-hd32 (tiny with 32-dim attention heads, which vLLM's CPU attention runs),
+    built into the session cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("R1FIT_CACHE", str(tiny_cache))
+        return ensure_builtin("tiny-hd32")
+
+
+@pytest.fixture(scope="session")
+def vllm_installed() -> None:
+    """Skip the test when vLLM is not installed (CI installs it: .ci/install_vllm_cpu.sh)."""
+    pytest.importorskip("vllm", reason="rollout.engine=vllm tests need vLLM: pip install -e "
+                        "'.[vllm]' (GPU) or bash .ci/install_vllm_cpu.sh (CPU)")

@@ -85,6 +85,23 @@ BUILTINS: dict[str, BuiltinSpec] = {
         vision_intermediate=128,
         tie_word_embeddings=True,
     ),
+    "tiny-hd32": BuiltinSpec(
+        name="tiny-hd32",
+        description="tiny with 2 attention heads of 32 dims, the smallest head size vLLM's CPU "
+        "attention runs; for rollout.engine=vllm tests",
+        seed=1234,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=128,
+        mrope_section=(4, 6, 6),  # sums to head_dim / 2 = 16
+        vision_hidden=64,
+        vision_depth=2,
+        vision_heads=4,
+        vision_intermediate=128,
+        tie_word_embeddings=True,
+    ),
     "small-realvocab": BuiltinSpec(
         name="small-realvocab",
         description="hidden 256, 4 layers, Qwen's 151,936-row embedding and untied lm_head; "

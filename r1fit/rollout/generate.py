@@ -11,7 +11,7 @@ its own random stream (``row_seeds``), drawn by ``SeededSampler`` instead of by 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,14 +172,27 @@ def generate_completions(model: Any, rows: Sequence[Prompt], *, seeds: Sequence[
     return completions
 
 
-def generate_rollout(rollout: Rollout, model: Any, *, seed: int, settings: SamplingSettings,
-                     ids: TokenIds, batch_size: int, device: torch.device) -> None:
+#: ``generate(rows, seeds) -> (completions, engine log-probs or None)``: one engine's generation
+Generate = Callable[[Sequence[Prompt], Sequence[int]], tuple[list[torch.Tensor], list[torch.Tensor] | None]]
+
+
+def generate_rollout(rollout: Rollout, generate: Generate, *, seed: int) -> None:
     """Generation stage: ``num_generations`` completions of each of this process's rows, sampled
-    from per-row streams (the same completions whatever the chunking or rank), and the whole
-    step's completion-token count (the loss normaliser; one sum over processes)."""
-    rollout.completions = generate_completions(
-        model, rollout.rows, seeds=row_seeds(seed, rollout.step, rollout.first_row,
-                                             len(rollout.rows)),
-        batch_size=batch_size, settings=settings, ids=ids, device=device)
+    from per-row streams (the same completions whatever the chunking or rank), the engine's
+    log-probs when it gives them, and the whole step's completion-token count (the loss
+    normaliser; one sum over processes)."""
+    seeds = row_seeds(seed, rollout.step, rollout.first_row, len(rollout.rows))
+    rollout.completions, engine_logp = generate(rollout.rows, seeds)
+    if engine_logp is not None:
+        rollout.engine_logp = pad_rows(engine_logp)
     local = sum(int(c.shape[0]) for c in rollout.completions)
     rollout.total_tokens = int(all_sum([local])[0])
+
+
+def pad_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Rows of different lengths as one [rows, longest] tensor, zero-padded on the right."""
+    width = max((int(r.shape[0]) for r in rows), default=0)
+    out = torch.zeros(len(rows), width, dtype=rows[0].dtype if rows else torch.float32)
+    for i, row in enumerate(rows):
+        out[i, :row.shape[0]] = row
+    return out

@@ -36,6 +36,10 @@ class Rollout:
     # log-probs of this process's rows [rows, longest completion] (None when not needed)
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
+    # the engine's log-probs of the sampled tokens (vLLM; None with HF generate), and their mean
+    # absolute difference to the trainer's, measured by the first update
+    engine_logp: torch.Tensor | None = None
+    engine_logp_diff: float | None = None
 
     @property
     def total_rows(self) -> int:

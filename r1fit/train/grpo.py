@@ -27,7 +27,6 @@ from r1fit.data.build import BadRowCounter
 from r1fit.data.dataset import PromptSampler
 from r1fit.distributed.context import all_sum
 from r1fit.distributed.loading import load_frozen_copy
-from r1fit.distributed.parallelize import gathered
 from r1fit.memory.guard import OOMGuard
 from r1fit.memory.telemetry import reset_peak, step_memory, warn_if_fragmented
 from r1fit.models.load import Reference
@@ -39,6 +38,7 @@ from r1fit.rng import RngState
 from r1fit.rollout.generate import SamplingSettings, generate_rollout
 from r1fit.rollout.record import Rollout
 from r1fit.rollout.score import score_rollout
+from r1fit.train.engines import rollout_engine
 from r1fit.train.evaluate import evaluate
 from r1fit.train.forward import add_logprobs, micro_batches
 from r1fit.train.optim import build_optimizer, build_scheduler, clip_and_step
@@ -71,6 +71,7 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
     start = run.checkpoints.restore("grpo", state)
     guard = run.guard(optimizer)
     settings = SamplingSettings(algo.max_new_tokens, algo.temperature, algo.top_p)
+    engine = rollout_engine(run, settings)
     advantage = get_advantage_estimator("grpo" if algo.scale_rewards else "dr_grpo")
     if run.eval_set is not None and cfg.eval.before_train and start == 0:
         row = {"step": 0, **evaluate(run)}
@@ -92,18 +93,17 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
                 """The four stages; the OOM guard redoes them with smaller chunks if memory runs
                 out."""
                 rollout = Rollout(step, prompts, algo.num_generations, share)
-                with timed(times, "seconds_generate"), guard.phase("generation"), \
-                        gathered(run.policy):
-                    generate_rollout(rollout, run.policy, seed=cfg.train.seed, settings=settings,
-                                     ids=run.ids, batch_size=run.sizes.generation_batch,
-                                     device=run.device)
+                with engine.ready(times), timed(times, "seconds_generate"), \
+                        guard.phase("generation"):
+                    generate_rollout(rollout, engine.generate, seed=cfg.train.seed)
                 with timed(times, "seconds_score"):
                     score_rollout(rollout, scorer, run.processor, advantage)
                 with timed(times, "seconds_update"):
                     with guard.phase("micro_batch"):
                         add_logprobs(rollout, run, reference, old=algo.num_iterations > 1)
-                    updates = [policy_update(run, rollout, optimizer, scheduler, guard)
-                               for _ in range(algo.num_iterations)]
+                    updates = [policy_update(run, rollout, optimizer, scheduler, guard, first=i == 0)
+                               for i in range(algo.num_iterations)]
+                    engine.updated()
                 return rollout, updates
 
             rollout, updates = guard.run_step(attempt, restore=[rng, scorer])
@@ -131,6 +131,7 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
                 log.info("early stop at step %d: eval accuracy has not improved on %.3f for %d "
                          "evaluations", step, loop.best, loop.since_best)
                 break
+    engine.close()
     return run.finish(steps=step)
 
 
@@ -166,31 +167,39 @@ def step_metrics(rollout: Rollout, updates: list[dict[str, float | None]],
             **{f"reward/{k}": v.mean().item() for k, v in rollout.components.items()},
             "accuracy": sum(rollout.correct) / len(rollout.correct),
             "completion_len_mean": rollout.total_tokens / rollout.total_rows,
+            "engine_logp_diff": rollout.engine_logp_diff,
             **times, "tokens_per_second": rollout.total_tokens / max(seconds, 1e-9)}
 
 
 def policy_update(run: Run, rollout: Rollout, optimizer: torch.optim.Optimizer, scheduler: Any,
-                  guard: OOMGuard) -> dict[str, float | None]:
+                  guard: OOMGuard, *, first: bool = True) -> dict[str, float | None]:
     """One optimizer update over this process's rows: accumulate (under the OOM guard), clip,
-    step. The logged sums are over every process (each one's are its shares of the step)."""
+    step. The logged sums are over every process (each one's are its shares of the step). The
+    ``first`` update of a rollout, whose policy is the one that generated it, also measures how
+    far the engine's log-probs are from the trainer's (``rollout.engine_logp_diff``)."""
     def accumulate() -> dict[str, float | None]:
         optimizer.zero_grad(set_to_none=True)
-        return accumulate_policy_gradients(run, rollout)
+        return accumulate_policy_gradients(run, rollout, compare_engine=first)
 
     sums = guard.run_update(accumulate)
     keys = [k for k, v in sums.items() if v is not None]
     sums.update(zip(keys, all_sum([sums[k] for k in keys])))
+    engine_diff = sums.pop("engine_logp_abs_diff", None)
+    if engine_diff is not None:
+        rollout.engine_logp_diff = engine_diff / max(rollout.total_tokens, 1)
     sums["grad_norm"] = clip_and_step(optimizer, scheduler, run.cfg.train.max_grad_norm)
     guard.updates_done += 1
     return sums
 
 
-def accumulate_policy_gradients(run: Run, rollout: Rollout) -> dict[str, float | None]:
+def accumulate_policy_gradients(run: Run, rollout: Rollout, *,
+                                compare_engine: bool = False) -> dict[str, float | None]:
     """Backward of the GRPO loss over this process's rows, ``memory.micro_batch`` rows at a time.
 
     The loss of each micro-batch is its share of the whole-batch loss (the token and sequence
     counts of the whole step, every process's rows), so the accumulated gradient, summed over
-    processes, equals the gradient of the unsplit batch.
+    processes, equals the gradient of the unsplit batch. With ``compare_engine`` and engine
+    log-probs in the rollout, also the sum of ``|trainer - engine|`` log-probs of its tokens.
     """
     algo, device = run.cfg.algo, run.device
     assert rollout.advantages is not None
@@ -198,6 +207,8 @@ def accumulate_policy_gradients(run: Run, rollout: Rollout) -> dict[str, float |
                   max_new_tokens=algo.max_new_tokens)
     sums: dict[str, float | None] = {"loss": 0.0, "clip_fraction": 0.0,
                                      "kl": 0.0 if rollout.ref_logp is not None else None}
+    if compare_engine and rollout.engine_logp is not None:
+        sums["engine_logp_abs_diff"] = 0.0
     for piece, prompts, comps in micro_batches(rollout.rows, rollout.completions,
                                                run.sizes.micro_batch):
         batch = collate(prompts, comps, run.ids.pad).to(device)
@@ -211,6 +222,10 @@ def accumulate_policy_gradients(run: Run, rollout: Rollout) -> dict[str, float |
                                 epsilon_high=algo.epsilon_high or algo.epsilon, beta=algo.beta,
                                 aggregation=algo.loss_aggregation, **totals)
         loss.backward()
+        if sums.get("engine_logp_abs_diff") is not None:
+            engine = rollout.engine_logp[piece, :width].to(device)
+            sums["engine_logp_abs_diff"] += float(
+                ((logp.detach() - engine).abs() * batch.completion_mask).sum())
         sums["loss"] += loss.item()
         sums["clip_fraction"] += float(stats["clip_fraction"])
         if "kl" in stats:  # only with a reference model (beta > 0); else logged as null

@@ -1,0 +1,210 @@
+"""Rollouts on vLLM: one in-process engine per training process, colocated with the policy.
+
+The engine is started once from the model folder, then before each rollout it takes the policy's
+current weights (:meth:`VllmEngine.load_weights`, streamed one tensor at a time from
+:func:`r1fit.models.weights.full_named_weights`: FSDP shards gathered per parameter, LoRA merged
+per layer). Each row is sampled with its own seed (``row_seeds``) through
+``SamplingParams(seed=...)``, so a row's completion depends on its prompt, seed and the weights,
+not on the process or the other rows, and a resumed run samples what the uninterrupted one did.
+The engine's log-probs of the sampled tokens come back with the completions (after temperature,
+as the trainer computes them).
+
+On CUDA the engine sleeps while the policy trains (``rollout.vllm.sleep_level``); vLLM has no
+sleep mode on CPU, where it keeps its memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from r1fit.data.batch import Prompt, cut_after_eos
+from r1fit.errors import R1fitError, one_line
+from r1fit.units import format_bytes
+
+log = logging.getLogger("r1fit.vllm")
+
+#: vLLM versions r1fit is tested with: [low, high). vLLM's API moves between minor versions.
+TESTED_VLLM = ("0.32.0", "0.33.0")
+#: KV cache of each engine on CPU when rollout.vllm.kv_cache_memory is null.
+CPU_DEFAULT_KV_BYTES = 256 << 20
+
+
+class RolloutEngineError(R1fitError, RuntimeError):
+    """The rollout engine cannot be used as configured; the message says what to change."""
+
+
+def import_vllm() -> Any:
+    """The ``vllm`` module, after checking it is installed in the tested version range."""
+    from packaging.version import Version
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine lives in this process
+    try:
+        import vllm
+    except Exception as exc:  # ImportError, or a broken install failing at import
+        raise RolloutEngineError(
+            f"rollout.engine=vllm needs vLLM {TESTED_VLLM[0]} <= version < {TESTED_VLLM[1]}: "
+            f"pip install -e '.[vllm]' (GPU) or bash .ci/install_vllm_cpu.sh (CPU) "
+            f"({one_line(exc)})") from exc
+    version = Version(vllm.__version__)
+    if not Version(TESTED_VLLM[0]) <= version < Version(TESTED_VLLM[1]):
+        raise RolloutEngineError(
+            f"vLLM {vllm.__version__} is installed, but r1fit is tested with {TESTED_VLLM[0]} <= "
+            f"vLLM < {TESTED_VLLM[1]} (its API changes between versions): pip install "
+            f"'vllm>={TESTED_VLLM[0]},<{TESTED_VLLM[1]}', or rollout.engine=hf")
+    return vllm
+
+
+def kv_bytes_per_token(text_config: Any, dtype: torch.dtype) -> int:
+    """KV-cache bytes one token takes in every layer (keys and values)."""
+    heads = text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    return 2 * text_config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything the engine is started with (from the run's config and model)."""
+
+    folder: Path           # the model folder (or hub id) the policy was loaded from
+    dtype: torch.dtype
+    device: torch.device
+    seed: int
+    max_model_len: int     # longest prompt + completion it must hold
+    kv_cache_memory: int | None
+    gpu_memory_utilization: float
+    sleep_level: int
+    enforce_eager: bool | None
+    max_images: int
+    image_token_id: int
+    distributed: bool      # several training processes, each with its own engine
+
+
+class VllmEngine:
+    """One vLLM ``LLM`` in this process. ``generate`` takes r1fit prompts and gives completions
+    and their log-probs; ``load_weights`` takes the policy's weights."""
+
+    def __init__(self, spec: EngineSpec, text_config: Any) -> None:
+        vllm = import_vllm()
+        self.spec = spec
+        on_cuda = spec.device.type == "cuda"
+        kv_bytes = spec.kv_cache_memory
+        if kv_bytes is None and not on_cuda:
+            kv_bytes = CPU_DEFAULT_KV_BYTES
+        if kv_bytes is not None:
+            per_token = kv_bytes_per_token(text_config, spec.dtype)
+            if kv_bytes // per_token < spec.max_model_len:
+                need = per_token * spec.max_model_len
+                raise RolloutEngineError(
+                    f"rollout.vllm.kv_cache_memory={kv_bytes} ({format_bytes(kv_bytes)}) holds "
+                    f"{kv_bytes // per_token} tokens, fewer than one sequence of "
+                    f"data.max_prompt_tokens + algo.max_new_tokens = {spec.max_model_len}: set "
+                    f"rollout.vllm.kv_cache_memory >= {need} or lower data.max_prompt_tokens")
+        self.sleeps = on_cuda and spec.sleep_level > 0
+        if spec.sleep_level > 0 and not on_cuda:
+            log.info("vLLM has no sleep mode on %s (\"Sleep mode is not supported on current "
+                     "platform\"): the engine keeps its KV cache and weights while the policy "
+                     "trains", spec.device.type)
+        kwargs: dict[str, Any] = dict(
+            model=str(spec.folder), dtype=str(spec.dtype).removeprefix("torch."), seed=spec.seed,
+            max_model_len=spec.max_model_len, enable_prefix_caching=True,
+            enforce_eager=(not on_cuda) if spec.enforce_eager is None else spec.enforce_eager,
+            # log-probs after temperature, as the trainer computes them
+            logprobs_mode="processed_logprobs",
+            limit_mm_per_prompt={"image": spec.max_images, "video": 0},
+            enable_sleep_mode=self.sleeps)
+        if kv_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = kv_bytes
+        else:
+            kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
+        if spec.distributed:  # one engine per torchrun process, in the processes torchrun made
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        threads = torch.get_num_threads()  # vLLM's CPU worker pins threads at start-up
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        except Exception as exc:
+            raise RolloutEngineError(f"vLLM cannot run {spec.folder}: {one_line(exc)}") from exc
+        log.info("vLLM %s engine for %s on %s (%s, KV cache %s, %d torch threads)",
+                 vllm.__version__, spec.folder, spec.device, kwargs["dtype"],
+                 format_bytes(kv_bytes) if kv_bytes else
+                 f"{spec.gpu_memory_utilization:.0%} of the GPU", threads)
+        self._awake = True
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the engine's weights by ``weights`` (transformers-v5 names), consumed one
+        tensor at a time, then forget every cache computed with the old ones."""
+        if self.sleeps and not self._awake:
+            self.llm.wake_up(tags=["weights"])  # the KV cache comes back after the weights
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        # image features and prompt blocks cached under the old weights would be reused
+        self.llm.llm_engine.reset_encoder_cache()
+        self.llm.reset_prefix_cache()
+        if self.sleeps and not self._awake:
+            self.llm.wake_up(tags=["kv_cache"])
+        self._awake = True
+
+    def sleep(self) -> None:
+        """Free the engine's GPU memory while the policy trains (CUDA with sleep_level > 0)."""
+        if self.sleeps and self._awake:
+            self.llm.sleep(level=self.spec.sleep_level)
+            self._awake = False
+
+    def close(self) -> None:
+        """Shut the engine down (its memory and the process groups it made) while the run's own
+        process group still exists; vLLM would otherwise do it at interpreter exit."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def request(self, prompt: Prompt) -> dict[str, Any]:
+        """``prompt`` as a vLLM token prompt: its ids with each image's run of placeholder tokens
+        collapsed to one (vLLM's processor expands it again), and its images."""
+        pad = self.spec.image_token_id
+        ids: list[int] = []
+        for token in prompt.input_ids.tolist():
+            if not (token == pad and ids and ids[-1] == pad):
+                ids.append(token)
+        request: dict[str, Any] = {"prompt_token_ids": ids}
+        if prompt.sample.images:
+            request["multi_modal_data"] = {"image": list(prompt.sample.images)}
+        return request
+
+    def generate(self, rows: Sequence[Prompt], *, seeds: Sequence[int] | None,
+                 max_new_tokens: int, temperature: float, top_p: float, eos: Sequence[int],
+                 blocked: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """One completion per row (cut after its EOS) and the engine's log-prob of each of its
+        tokens. ``seeds=None`` is greedy decoding."""
+        from vllm import SamplingParams
+
+        if not self._awake:
+            raise RolloutEngineError("the vLLM engine is asleep: load_weights wakes it")
+        params = [SamplingParams(
+            max_tokens=max_new_tokens, temperature=0.0 if seeds is None else temperature,
+            top_p=1.0 if seeds is None else top_p, seed=None if seeds is None else seeds[i],
+            stop_token_ids=list(eos), logprobs=0, detokenize=False,
+            logit_bias={token: -100.0 for token in blocked} or None)  # never sample image pads
+            for i in range(len(rows))]
+        outputs = self.llm.generate([self.request(p) for p in rows], params, use_tqdm=False)
+        completions, logprobs = [], []
+        for prompt, out in zip(rows, outputs):
+            if list(out.prompt_token_ids) != prompt.input_ids.tolist():
+                raise RolloutEngineError(
+                    f"{prompt.sample.source}: vLLM encoded the prompt as {len(out.prompt_token_ids)} "
+                    f"tokens, r1fit as {prompt.length}; the image processors disagree (check the "
+                    f"model folder's preprocessor_config.json)")
+            sample = out.outputs[0]
+            tokens = cut_after_eos(torch.tensor(list(sample.token_ids), dtype=torch.long), eos)
+            completions.append(tokens)
+            logprobs.append(torch.tensor(
+                [position[token].logprob for position, token in
+                 zip(sample.logprobs or [], tokens.tolist())], dtype=torch.float32))
+        return completions, logprobs

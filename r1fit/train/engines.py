@@ -1,0 +1,110 @@
+"""The engine that generates a GRPO run's rollouts (``rollout.engine``).
+
+``hf``: Hugging Face ``generate`` on the policy itself (FSDP units gathered for the block).
+``vllm``: one colocated vLLM engine per process; the policy's weights are streamed into it before
+the first rollout after each update, and it sleeps (CUDA) while the policy trains.
+Both sample row i with seed ``row_seeds(...)[i]``, each with its own sampler, so the two engines
+give different (equally valid) completions for the same seeds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from r1fit.data.batch import Prompt
+from r1fit.distributed.parallelize import gathered
+from r1fit.models.load import context_length, resolve_model_path, special_token_ids, unwrap
+from r1fit.models.weights import full_named_weights
+from r1fit.report.metrics import timed
+from r1fit.rollout.generate import SamplingSettings, generate_completions
+from r1fit.rollout.vllm_engine import EngineSpec, RolloutEngineError, VllmEngine
+from r1fit.train.run import Run
+
+log = logging.getLogger("r1fit.rollout")
+
+
+class HFRollouts:
+    """Rollouts with ``generate`` on the policy, ``memory.generation_batch`` rows at a time."""
+
+    def __init__(self, run: Run, settings: SamplingSettings) -> None:
+        self.run, self.settings = run, settings
+
+    @contextmanager
+    def ready(self, times: dict[str, float]) -> Iterator[None]:
+        with gathered(self.run.policy):  # whole weights for every token step
+            yield
+
+    def generate(self, rows: Sequence[Prompt], seeds: Sequence[int]
+                 ) -> tuple[list[torch.Tensor], None]:
+        run = self.run
+        return generate_completions(run.policy, rows, seeds=seeds,
+                                    batch_size=run.sizes.generation_batch,
+                                    settings=self.settings, ids=run.ids, device=run.device), None
+
+    def updated(self) -> None:
+        """The policy changed (nothing to do: generate reads it directly)."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class VllmRollouts:
+    """Rollouts on this process's vLLM engine, synced from the policy when it changed."""
+
+    def __init__(self, run: Run, settings: SamplingSettings) -> None:
+        cfg = run.cfg
+        self.run, self.settings = run, settings
+        model = unwrap(run.model)
+        longest = run.max_prompt_tokens if run.max_prompt_tokens is not None else context_length(model)
+        if longest is None:
+            raise RolloutEngineError("rollout.engine=vllm needs data.max_prompt_tokens (the model config "
+                             "gives no context length)")
+        max_len = longest + cfg.algo.max_new_tokens
+        if (context := context_length(model)) is not None:
+            max_len = min(max_len, context)
+        spec = EngineSpec(
+            folder=resolve_model_path(cfg.model.path), dtype=next(run.model.parameters()).dtype,
+            device=run.device, seed=cfg.train.seed, max_model_len=max_len,
+            kv_cache_memory=cfg.rollout.vllm.kv_cache_memory,
+            gpu_memory_utilization=cfg.rollout.vllm.gpu_memory_utilization,
+            sleep_level=cfg.rollout.vllm.sleep_level, enforce_eager=cfg.rollout.vllm.enforce_eager,
+            max_images=cfg.data.max_images,
+            image_token_id=special_token_ids(run.model, run.processor)["image_pad"],
+            distributed=run.world.distributed)
+        self.engine = VllmEngine(spec, model.config.get_text_config())
+        self.stale = True  # the engine holds the checkpoint's weights, not the policy's
+
+    @contextmanager
+    def ready(self, times: dict[str, float]) -> Iterator[None]:
+        if self.stale:
+            with timed(times, "seconds_weight_sync"), torch.no_grad():
+                self.engine.load_weights(full_named_weights(self.run.model))
+            self.stale = False
+        yield
+
+    def generate(self, rows: Sequence[Prompt], seeds: Sequence[int]
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        s, ids = self.settings, self.run.ids
+        return self.engine.generate(rows, seeds=seeds, max_new_tokens=s.max_new_tokens,
+                                    temperature=s.temperature, top_p=s.top_p, eos=ids.eos,
+                                    blocked=ids.blocked)
+
+    def updated(self) -> None:
+        """The policy changed: sync before the next rollout; free the engine's memory meanwhile."""
+        self.stale = True
+        self.engine.sleep()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def rollout_engine(run: Run, settings: SamplingSettings) -> Any:
+    """The engine ``rollout.engine`` names, ready for the run's first rollout."""
+    if run.cfg.rollout.engine == "vllm":
+        return VllmRollouts(run, settings)
+    return HFRollouts(run, settings)
