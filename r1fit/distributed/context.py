@@ -100,9 +100,11 @@ def init_distributed(device_type: str) -> World:
 
 
 def close_distributed() -> None:
-    """Leave the process group (at the end of a run; a crash leaves it to torchrun)."""
+    """Leave the process group of a torchrun run (at its end; a crash leaves it to torchrun).
+    A one-process run has none of its own; a group a library made (vLLM makes one for its engine)
+    is the library's to close."""
     global _WORLD
-    if dist.is_initialized():
+    if _WORLD.distributed and dist.is_initialized():
         dist.destroy_process_group()
     _WORLD = World()
 

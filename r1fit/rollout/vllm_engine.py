@@ -127,10 +127,18 @@ class VllmEngine:
         if spec.distributed:  # one engine per torchrun process, in the processes torchrun made
             kwargs["distributed_executor_backend"] = "external_launcher"
         threads = torch.get_num_threads()  # vLLM's CPU worker pins threads at start-up
+        self.llm = None
         try:
             self.llm = vllm.LLM(**kwargs)
+            # one token now: kernels that refuse the model (such as an attention head size the
+            # CPU backend lacks) fail here, before any training, not at the first rollout
+            self.llm.generate([{"prompt_token_ids": [0]}], vllm.SamplingParams(max_tokens=1),
+                              use_tqdm=False)
         except Exception as exc:
-            raise RolloutEngineError(f"vLLM cannot run {spec.folder}: {one_line(exc)}") from exc
+            if self.llm is not None:
+                self.close()
+            raise RolloutEngineError(f"vLLM cannot run {spec.folder}: "
+                                     f"{one_line(exc, 300, first_line=True)}") from exc
         log.info("vLLM %s engine for %s on %s (%s, KV cache %s, %d torch threads)",
                  vllm.__version__, spec.folder, spec.device, kwargs["dtype"],
                  format_bytes(kv_bytes) if kv_bytes else

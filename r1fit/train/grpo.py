@@ -131,8 +131,9 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
                 log.info("early stop at step %d: eval accuracy has not improved on %.3f for %d "
                          "evaluations", step, loop.best, loop.since_best)
                 break
-    engine.close()
-    return run.finish(steps=step)
+    summary = run.finish(steps=step)
+    engine.close()  # last: vLLM's shutdown takes down the process groups it joined
+    return summary
 
 
 def build_reference(run: Run) -> Reference | None:

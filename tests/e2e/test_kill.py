@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ARGS = ["train.prompts_per_step=2", "algo.num_generations=4", "algo.max_new_tokens=8",
         "sft.batch_size=4", "data.eval_size=4", "memory.micro_batch=3",
         "memory.generation_batch=5", "data.shapes.train_size=50", "data.shapes.image_size=56",
@@ -39,13 +41,13 @@ def stderr(proc: subprocess.Popen) -> str:
     return proc.err_path.read_text()  # type: ignore[attr-defined]
 
 
-def finish(out: Path, plugins: Path) -> None:
+def finish(out: Path, plugins: Path, *extra: str) -> None:
     """Rerun the command until the run completes; a run killed before its first checkpoint is
     refused (never silently restarted) and then started over explicitly."""
-    proc = start(out, plugins)
+    proc = start(out, plugins, *extra)
     proc.wait(timeout=600)
     if proc.returncode == 2 and NO_CHECKPOINT in stderr(proc):
-        proc = start(out, plugins, "train.overwrite=true")
+        proc = start(out, plugins, *extra, "train.overwrite=true")
         proc.wait(timeout=600)
     assert proc.returncode == 0, stderr(proc)[-2000:]
 
@@ -119,6 +121,29 @@ def test_sigkill_at_random_moments_and_during_saves(use_tiny_cache, reward_plugi
         assert killed or attempt > 0  # the first kill lands inside the training
     finish(anywhere, reward_plugin)
     same_run(straight, anywhere)
+
+
+@pytest.mark.vllm
+def test_sigkill_and_resume_with_the_vllm_engine(hd32_dir, use_tiny_cache, vllm_installed,
+                                                  reward_plugin, same_run, tmp_path):
+    """The engine holds nothing a checkpoint must keep: its weights come from the policy before
+    each rollout and each row's sampling from its seed, so a run killed in the middle and resumed
+    equals an uninterrupted one, bit for bit."""
+    engine = ["model.path=builtin:tiny-hd32", "rollout.engine=vllm",
+              "rollout.vllm.kv_cache_memory=67108864", "data.max_prompt_tokens=256"]
+    straight = tmp_path / "straight"
+    proc = start(straight, reward_plugin, *engine)
+    proc.wait(timeout=600)
+    assert proc.returncode == 0, stderr(proc)[-2000:]
+    rows = len((straight / "metrics.jsonl").read_text().splitlines())
+    k = random.Random(int(os.environ.get("R1FIT_KILL_SEED", "0"))).randint(3, rows - 2)
+    killed_run = tmp_path / "killed"
+    proc = start(killed_run, reward_plugin, *engine)
+    assert kill_when(proc, after_rows(proc, killed_run, k, 0.0))
+    print(f"killed after row {k} of {rows}; on disk: "
+          f"{sorted(p.name for p in killed_run.glob('checkpoint-*'))}")
+    finish(killed_run, reward_plugin, *engine)
+    same_run(straight, killed_run)
 
 
 def loaded(proc: subprocess.Popen) -> bool:
