@@ -28,6 +28,7 @@ from r1fit.memory.planner import (
     layer_saved_per_token,
     model_facts,
     plan_memory,
+    render,
     vision_block_saved_per_patch,
     vision_dims,
 )
@@ -545,3 +546,26 @@ def first_savers(model: torch.nn.Module, blocks: Any) -> tuple[dict[int, tuple[i
         return t
 
     return first_saver, pack
+
+
+def test_vllm_engine_parts_and_when_the_engine_sleeps(small_model, capsys):
+    hf = plan_memory(cfg_for(small_model), device_type="cpu")
+    kv = 3 << 20
+    vllm = cfg_for(small_model, "rollout.engine=vllm", f"rollout.vllm.kv_cache_memory={kv}")
+    cpu = plan_memory(vllm, device_type="cpu")
+    weights = cpu.parts["weights"]  # float32, full fine-tuning: the engine's copy is as big
+    assert (cpu.parts["engine_weights"], cpu.parts["engine_kv_cache"]) == (weights, kv)
+    assert cpu.parts["generation"] == 0 and hf.parts["engine_weights"] == 0
+    # CPU: no sleep mode, the engine's memory stays through the update
+    assert cpu.phases["update"] == hf.phases["update"] + weights + kv
+    persistent = cpu.details["persistent"]
+    assert cpu.phases["generation"] == persistent + weights + kv
+    # CUDA with sleep_level 1: asleep while training, so the update phase is the HF run's
+    cuda, cuda_hf = (plan_memory(c, device_type="cuda", device_memory_bytes=80 << 30)
+                     for c in (vllm, cfg_for(small_model)))
+    assert cuda.phases["update"] == cuda_hf.phases["update"]
+    render(cuda, vllm)
+    out = capsys.readouterr().out
+    assert "vLLM engine: KV cache pool" in out and "asleep while training" in out
+    render(cuda_hf, cfg_for(small_model))
+    assert "vLLM engine" not in capsys.readouterr().out

@@ -93,10 +93,15 @@ CUDA_ALLOCATOR_SLACK = 0.05
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 PARTS = ("weights", "gradients", "optimizer", "reference", "all_gather", "reduce_scatter",
-         "activations", "logits_chunk", "vision", "unsharded_weights", "generation", "inputs",
-         "overhead")
+         "activations", "logits_chunk", "vision", "unsharded_weights", "generation",
+         "engine_weights", "engine_kv_cache", "inputs", "overhead")
 #: Parts that exist only under FSDP (--gpus > 1); 0, and not printed, on one GPU.
 FSDP_PARTS = ("all_gather", "reduce_scatter", "unsharded_weights")
+#: Parts of rollout.engine=vllm (the engine's own copy of the weights and its KV pool); 0, and
+#: not printed, with rollout.engine=hf.
+ENGINE_PARTS = ("engine_weights", "engine_kv_cache")
+#: The vLLM engine's KV pool on CPU when rollout.vllm.kv_cache_memory is null (as the engine)
+CPU_ENGINE_KV_BYTES = 256 << 20
 
 @dataclass
 class Plan:
@@ -192,14 +197,16 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
     usable = int(device_memory_bytes * (1 - SAFETY_MARGIN))
     # each search moves one size; the phase it looks at does not depend on the other size
     max_micro = _largest(lambda m: _estimate(facts, cfg, prompt, replace(sizes, micro=m),
-                                             device_type).update_peak, local, usable)
+                                             device_type, device_memory_bytes).update_peak,
+                         local, usable)
     max_gen = _largest(lambda g: _estimate(facts, cfg, prompt, replace(sizes, generation=g),
-                                           device_type).generation_peak, local, usable)
+                                           device_type, device_memory_bytes).generation_peak,
+                       local, usable)
     if micro == "auto":  # plan the run with what 'auto' will pick
         sizes = replace(sizes, micro=max(1, max_micro))
     if generation == "auto":
         sizes = replace(sizes, generation=max(1, max_gen))
-    est = _estimate(facts, cfg, prompt, sizes, device_type)
+    est = _estimate(facts, cfg, prompt, sizes, device_type, device_memory_bytes)
     plan = Plan(parts=est.parts, peak_bytes=est.peak, budget_bytes=device_memory_bytes,
                 fits=est.peak <= usable, max_micro_batch=max_micro,
                 max_generation_batch=max_gen, advice=[], phases=est.phases,
@@ -249,8 +256,9 @@ class _Estimate:
 
 
 def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
-              device_type: str) -> _Estimate:
-    """One GRPO step of ``cfg`` at the sizes ``s``: the parts, each phase's peak, the details."""
+              device_type: str, budget: int) -> _Estimate:
+    """One GRPO step of ``cfg`` at the sizes ``s`` on a device of ``budget`` bytes: the parts,
+    each phase's peak, the details."""
     dtype = f.config_dtype if cfg.model.dtype == "auto" else cfg.model.dtype
     stored = _DTYPE_BYTES.get(dtype, 4)
     fsdp, cuda = s.gpus > 1, device_type == "cuda"
@@ -274,11 +282,21 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
     update = update_bytes(step, s, states, buffers, chunk)
 
     persistent = states.weights + states.optimizer + states.reference + step_inputs
-    phases = {"generation": (persistent + buffers.unsharded_weights
-                             + max(generation, buffers.gathering)),
-              "update": persistent + update.peak}
+    engine = engine_memory(f, cfg, stored, cuda, budget)
+    if engine.weights or engine.kv_cache:
+        # the engine generates from its own weights (synced one parameter at a time, so no
+        # whole gathered copy of the policy) and its own KV pool; asleep (CUDA) while training
+        generation = 0
+        buffers = replace(buffers, unsharded_weights=0)
+        phases = {"generation": persistent + engine.weights + engine.kv_cache}
+        training = 0 if engine.sleeps else engine.weights + engine.kv_cache
+    else:
+        phases = {"generation": (persistent + buffers.unsharded_weights
+                                 + max(generation, buffers.gathering))}
+        training = 0
+    phases["update"] = persistent + training + update.peak
     if cfg.algo.beta > 0 or cfg.algo.num_iterations > 1:  # else no log-probs are computed
-        phases["log-probs"] = (persistent + buffers.all_gather
+        phases["log-probs"] = (persistent + training + buffers.all_gather
                                + logprobs_bytes(step, s.micro, chunk))
     allocated = max(phases.values())
     phases = {k: x + cuda_overhead(x, cuda) for k, x in phases.items()}
@@ -288,6 +306,7 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
              "activations": update.activations.kept(s.checkpointing),
              "logits_chunk": update.logits_chunk, "vision": update.vision,
              "unsharded_weights": buffers.unsharded_weights, "generation": generation,
+             "engine_weights": engine.weights, "engine_kv_cache": engine.kv_cache,
              "inputs": step_inputs + step.pixels(max(s.micro, s.generation)),
              "overhead": cuda_overhead(allocated, cuda)}
     return _Estimate(
@@ -304,6 +323,34 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
                  "fsdp_units": {"decoder_layer": buffers.layer_unit,
                                 "vision_block": buffers.block_unit,
                                 "root": buffers.root_unit} if fsdp else {}})
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """What rollout.engine=vllm adds on one device: the engine's whole copy of the weights (it
+    runs without tensor parallelism) and its KV pool; ``sleeps``: both are freed from the device
+    while the policy trains (CUDA with rollout.vllm.sleep_level > 0)."""
+
+    weights: int = 0
+    kv_cache: int = 0
+    sleeps: bool = False
+
+
+def engine_memory(f: ModelFacts, cfg: Config, stored: int, cuda: bool, budget: int) -> EngineMemory:
+    """The engine's parts (all 0 with rollout.engine=hf). Its KV pool is
+    rollout.vllm.kv_cache_memory; without it, on CUDA vLLM takes gpu_memory_utilization of the
+    device for weights and KV together, on CPU r1fit gives it ``CPU_ENGINE_KV_BYTES``."""
+    if cfg.rollout.engine != "vllm":
+        return EngineMemory()
+    v = cfg.rollout.vllm
+    weights = f.params * stored
+    if v.kv_cache_memory is not None:
+        kv = v.kv_cache_memory
+    elif cuda:
+        kv = max(0, int(v.gpu_memory_utilization * budget) - weights)
+    else:
+        kv = CPU_ENGINE_KV_BYTES
+    return EngineMemory(weights, kv, sleeps=cuda and v.sleep_level > 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -603,7 +650,7 @@ def _advice(plan: Plan, facts: ModelFacts, cfg: Config, prompt: PromptShape, siz
         f = model_facts(changed.model.path, changed.model.lora.target)
         est = _estimate(f, changed, p, replace(sizes, micro=1, generation=1,
                                                checkpointing=changed.memory.gradient_checkpointing),
-                        device_type)
+                        device_type, plan.budget_bytes)
         verdict = "fits" if est.peak <= usable else "still does not fit"
         keys = " ".join(f"{key}={_shown(value)}" for key, value in switch.items())
         out.append(f"{keys}: peak {format_bytes(est.peak)} at micro_batch = "

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from r1fit.config import Config
-from r1fit.memory.planner.estimate import FSDP_PARTS, PARTS, SAFETY_MARGIN, Plan
+from r1fit.memory.planner.estimate import ENGINE_PARTS, FSDP_PARTS, PARTS, SAFETY_MARGIN, Plan
 from r1fit.units import format_bytes
 
 _LABELS = {"weights": "weights", "gradients": "gradients", "optimizer": "optimizer (AdamW)",
@@ -16,12 +16,15 @@ _LABELS = {"weights": "weights", "gradients": "gradients", "optimizer": "optimiz
            "activations": "activations (one micro-batch)", "logits_chunk": "LM head chunk",
            "vision": "vision encoder (one micro-batch)",
            "unsharded_weights": "FSDP unsharded weights (the whole policy)",
-           "generation": "generation (KV cache + logits)", "inputs": "inputs (pixel values)",
+           "generation": "generation (KV cache + logits)",
+           "engine_weights": "vLLM engine: its copy of the weights",
+           "engine_kv_cache": "vLLM engine: KV cache pool", "inputs": "inputs (pixel values)",
            "overhead": "CUDA context + allocator slack"}
 _WHEN = {"weights": "always", "gradients": "update", "optimizer": "always", "reference": "always",
          "all_gather": "log-probs, update", "reduce_scatter": "update",
          "activations": "update", "logits_chunk": "update", "vision": "update",
-         "unsharded_weights": "generation", "generation": "generation", "inputs": "step",
+         "unsharded_weights": "generation", "generation": "generation",
+         "engine_weights": "always", "engine_kv_cache": "always", "inputs": "step",
          "overhead": "always"}
 
 
@@ -54,6 +57,9 @@ def render_blocks(plan: Plan, cfg: Config) -> list[Any]:
     for name in PARTS:
         if name in FSDP_PARTS and gpus == 1:
             continue
+        vllm = cfg.rollout.engine == "vllm"
+        if name in ENGINE_PARTS and not vllm or name == "generation" and vllm:
+            continue
         size = plan.parts[name]
         label = _LABELS[name]
         if gpus > 1 and name in ("weights", "gradients", "optimizer", "reference"):
@@ -61,7 +67,10 @@ def render_blocks(plan: Plan, cfg: Config) -> list[Any]:
         if name == "activations":
             alternative = format_bytes(plan.activations_by_checkpointing[other])
             label += f" [checkpointing {other}: {alternative}]"
-        rows.append((label, format_bytes(size), _WHEN[name]))
+        when = _WHEN[name]
+        if name in ENGINE_PARTS and d["device_type"] == "cuda" and cfg.rollout.vllm.sleep_level:
+            when = "generation (asleep while training)"
+        rows.append((label, format_bytes(size), when))
     blocks.append((("part", "size", "when"), rows, {1}))
     phase_rows = [(name + (" <- peak" if name == plan.peak_phase else ""), format_bytes(size))
                   for name, size in plan.phases.items()]

@@ -11,10 +11,13 @@ import pytest
 
 from r1fit.config import Config
 from r1fit.memory.planner.estimate import (
+    CPU_ENGINE_KV_BYTES,
+    EngineMemory,
     FsdpBuffers,
     Sizes,
     StepShape,
     backward_end_bytes,
+    engine_memory,
     fsdp_buffers,
     layer_backward_bytes,
     persistent_states,
@@ -121,3 +124,19 @@ def test_gradients_are_held_from_the_second_micro_batch_on(facts, step):
     # the largest moment is a layer's backward: now beside every .grad, and adding the layer's
     # weight gradient into its existing one
     assert later.peak == first.peak + states.gradients + 2_048 * 4
+
+
+def test_vllm_engine_adds_its_weight_copy_and_kv_pool(facts):
+    hf = engine_memory(facts, Config(), stored=4, cuda=True, budget=80 << 30)
+    assert hf == EngineMemory()  # rollout.engine=hf: no engine
+    vllm = Config().with_values({"rollout.engine": "vllm"})
+    # CUDA, no kv_cache_memory: gpu_memory_utilization 0.3 of the device for weights + KV
+    cuda = engine_memory(facts, vllm, stored=2, cuda=True, budget=1000_000)
+    assert (cuda.weights, cuda.kv_cache, cuda.sleeps) == (2 * 3_232, 300_000 - 2 * 3_232, True)
+    given = vllm.with_values({"rollout.vllm.kv_cache_memory": 5_000,
+                              "rollout.vllm.sleep_level": 0})
+    assert engine_memory(facts, given, stored=4, cuda=True, budget=1 << 30) == \
+        EngineMemory(4 * 3_232, 5_000, sleeps=False)
+    # CPU: no sleep mode; the default pool
+    assert engine_memory(facts, vllm, stored=4, cuda=False, budget=1 << 30) == \
+        EngineMemory(4 * 3_232, CPU_ENGINE_KV_BYTES, sleeps=False)
