@@ -75,10 +75,10 @@ def test_halved_size_is_logged_saved_and_resumed_while_the_config_keeps_the_ask(
 
     real = grpo.accumulate_policy_gradients
 
-    def out_of_memory_at_step_2(run, rollout):
+    def out_of_memory_at_step_2(run, rollout, **options):
         if rollout.step == 2 and run.sizes.micro_batch > 4:
             raise torch.OutOfMemoryError("injected: out of memory at micro_batch 8")
-        return real(run, rollout)
+        return real(run, rollout, **options)
 
     monkeypatch.setattr(grpo, "accumulate_policy_gradients", out_of_memory_at_step_2)
     args = ["model.path=builtin:tiny", "train.max_steps=4", "sft.format_warmup_steps=0",
