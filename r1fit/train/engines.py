@@ -31,6 +31,9 @@ log = logging.getLogger("r1fit.rollout")
 class HFRollouts:
     """Rollouts with ``generate`` on the policy, ``memory.generation_batch`` rows at a time."""
 
+    #: evaluation decodes with generate on the policy itself
+    greedy = None
+
     def __init__(self, run: Run, settings: SamplingSettings) -> None:
         self.run, self.settings = run, settings
 
@@ -93,6 +96,15 @@ class VllmRollouts:
         return self.engine.generate(rows, seeds=seeds, max_new_tokens=s.max_new_tokens,
                                     temperature=s.temperature, top_p=s.top_p, eos=ids.eos,
                                     blocked=ids.blocked)
+
+    def greedy(self, prompts: Sequence[Prompt]) -> list[torch.Tensor]:
+        """Greedy completions on the engine (evaluation), synced with the policy first."""
+        with self.ready({}):
+            ids = self.run.ids
+            return self.engine.generate(prompts, seeds=None,
+                                        max_new_tokens=self.settings.max_new_tokens,
+                                        temperature=1.0, top_p=1.0, eos=ids.eos,
+                                        blocked=ids.blocked)[0]
 
     def updated(self) -> None:
         """The policy changed: sync before the next rollout; free the engine's memory meanwhile."""

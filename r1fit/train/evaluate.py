@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
-from r1fit.data.batch import decode_completions
+from r1fit.data.batch import Prompt, decode_completions
 from r1fit.distributed.context import all_sum
 from r1fit.distributed.parallelize import gathered
 from r1fit.memory.telemetry import reset_peak, step_memory
@@ -19,9 +21,15 @@ from r1fit.train.run import Run
 log = logging.getLogger("r1fit")
 
 
+#: ``greedy(prompts) -> completions``: an engine's greedy decoding (rollout.engine=vllm)
+Greedy = Callable[[Sequence[Prompt]], list[torch.Tensor]]
+
+
 @torch.no_grad()
-def evaluate(run: Run) -> dict[str, Any]:
-    """Greedy decoding on ``run.eval_set``: accuracy and format rate (under inference mode).
+def evaluate(run: Run, greedy: Greedy | None = None) -> dict[str, Any]:
+    """Greedy decoding on ``run.eval_set``: accuracy and format rate (under inference mode), by
+    ``greedy`` when given (the run's vLLM engine, holding the policy's current weights), else
+    with ``generate`` on the policy.
 
     Rows whose image fails to decode, or whose prompt is longer than ``data.max_prompt_tokens``,
     are skipped with a warning, counted in ``eval/bad_rows`` and left out of the averages
@@ -35,7 +43,7 @@ def evaluate(run: Run) -> dict[str, Any]:
     correct = formatted = 0.0
     scored = bad = 0
     starts = list(range(0, len(dataset), cfg.eval.batch))[run.world.rank::run.world.size]
-    with gathered(run.policy):
+    with gathered(run.policy) if greedy is None else nullcontext():
         for start in starts:
             samples, errors = dataset.fetch(list(range(start, min(start + cfg.eval.batch,
                                                                    len(dataset)))))
@@ -45,10 +53,14 @@ def evaluate(run: Run) -> dict[str, Any]:
             bad += len(errors) + len(refused)
             if not prompts:
                 continue
-            with torch.inference_mode():
-                completions = generate_completions(run.policy, prompts, seeds=None,
-                                                   batch_size=cfg.eval.batch, settings=settings,
-                                                   ids=run.ids, device=run.device)
+            if greedy is not None:
+                completions = greedy(prompts)
+            else:
+                with torch.inference_mode():
+                    completions = generate_completions(run.policy, prompts, seeds=None,
+                                                       batch_size=cfg.eval.batch,
+                                                       settings=settings, ids=run.ids,
+                                                       device=run.device)
             for prompt, text in zip(prompts, decode_completions(run.processor, completions)):
                 sample = prompt.sample
                 correct += accuracy(text, sample.solution, problem=sample.problem)
