@@ -31,9 +31,6 @@ log = logging.getLogger("r1fit.rollout")
 class HFRollouts:
     """Rollouts with ``generate`` on the policy, ``memory.generation_batch`` rows at a time."""
 
-    #: evaluation decodes with generate on the policy itself
-    greedy = None
-
     def __init__(self, run: Run, settings: SamplingSettings) -> None:
         self.run, self.settings = run, settings
 
@@ -48,6 +45,16 @@ class HFRollouts:
         return generate_completions(run.policy, rows, seeds=seeds,
                                     batch_size=run.sizes.generation_batch,
                                     settings=self.settings, ids=run.ids, device=run.device), None
+
+    def greedy(self, prompts: Sequence[Prompt]) -> list[torch.Tensor]:
+        """Greedy completions with ``generate`` on the policy, ``eval.batch`` rows at a time
+        (inside ``ready``)."""
+        run = self.run
+        settings = SamplingSettings(max_new_tokens=self.settings.max_new_tokens, greedy=True)
+        with torch.inference_mode():
+            return generate_completions(run.policy, prompts, seeds=None,
+                                        batch_size=run.cfg.eval.batch, settings=settings,
+                                        ids=run.ids, device=run.device)
 
     def updated(self) -> None:
         """The policy changed (nothing to do: generate reads it directly)."""
@@ -84,6 +91,8 @@ class VllmRollouts:
 
     @contextmanager
     def ready(self, times: dict[str, float]) -> Iterator[None]:
+        """The engine holding the policy's weights: synced when stale. Under FSDP the sync
+        gathers every parameter (collectives), so every rank enters this, rows or none."""
         if self.stale:
             with timed(times, "seconds_weight_sync"), torch.no_grad():
                 self.engine.load_weights(full_named_weights(self.run.model))
@@ -98,13 +107,12 @@ class VllmRollouts:
                                     blocked=ids.blocked)
 
     def greedy(self, prompts: Sequence[Prompt]) -> list[torch.Tensor]:
-        """Greedy completions on the engine (evaluation), synced with the policy first."""
-        with self.ready({}):
-            ids = self.run.ids
-            return self.engine.generate(prompts, seeds=None,
-                                        max_new_tokens=self.settings.max_new_tokens,
-                                        temperature=1.0, top_p=1.0, eos=ids.eos,
-                                        blocked=ids.blocked)[0]
+        """Greedy completions on the engine (evaluation, inside ``ready``)."""
+        ids = self.run.ids
+        return self.engine.generate(prompts, seeds=None,
+                                    max_new_tokens=self.settings.max_new_tokens,
+                                    temperature=1.0, top_p=1.0, eos=ids.eos,
+                                    blocked=ids.blocked)[0]
 
     def updated(self) -> None:
         """The policy changed: sync before the next rollout; free the engine's memory meanwhile."""

@@ -3,33 +3,27 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from typing import Any
 
 import torch
 
-from r1fit.data.batch import Prompt, decode_completions
+from r1fit.data.batch import decode_completions
 from r1fit.distributed.context import all_sum
-from r1fit.distributed.parallelize import gathered
 from r1fit.memory.telemetry import reset_peak, step_memory
 from r1fit.rewards.accuracy import accuracy
 from r1fit.rewards.format import format_reward
-from r1fit.rollout.generate import SamplingSettings, generate_completions
+from r1fit.rollout.generate import SamplingSettings
+from r1fit.train.engines import HFRollouts, VllmRollouts
 from r1fit.train.run import Run
 
 log = logging.getLogger("r1fit")
 
 
-#: ``greedy(prompts) -> completions``: an engine's greedy decoding (rollout.engine=vllm)
-Greedy = Callable[[Sequence[Prompt]], list[torch.Tensor]]
-
-
 @torch.no_grad()
-def evaluate(run: Run, greedy: Greedy | None = None) -> dict[str, Any]:
-    """Greedy decoding on ``run.eval_set``: accuracy and format rate (under inference mode), by
-    ``greedy`` when given (the run's vLLM engine, holding the policy's current weights), else
-    with ``generate`` on the policy.
+def evaluate(run: Run, engine: HFRollouts | VllmRollouts | None = None) -> dict[str, Any]:
+    """Greedy decoding on ``run.eval_set``: accuracy and format rate, on the run's rollout
+    ``engine`` when given (a vLLM engine is synced with the policy first), else with
+    ``generate`` on the policy.
 
     Rows whose image fails to decode, or whose prompt is longer than ``data.max_prompt_tokens``,
     are skipped with a warning, counted in ``eval/bad_rows`` and left out of the averages
@@ -39,11 +33,14 @@ def evaluate(run: Run, greedy: Greedy | None = None) -> dict[str, Any]:
     dataset, cfg = run.eval_set, run.cfg
     assert dataset is not None, "evaluate() needs data.eval"
     reset_peak(run.device)  # eval/peak_memory_bytes is the evaluation's own peak
-    settings = SamplingSettings(max_new_tokens=cfg.algo.max_new_tokens, greedy=True)
+    if engine is None:
+        engine = HFRollouts(run, SamplingSettings(max_new_tokens=cfg.algo.max_new_tokens))
     correct = formatted = 0.0
     scored = bad = 0
     starts = list(range(0, len(dataset), cfg.eval.batch))[run.world.rank::run.world.size]
-    with gathered(run.policy) if greedy is None else nullcontext():
+    # every rank enters ready() (it gathers FSDP weights), also one with no batch of its own;
+    # a weight sync here is the evaluation's, not a step's
+    with engine.ready({}):
         for start in starts:
             samples, errors = dataset.fetch(list(range(start, min(start + cfg.eval.batch,
                                                                    len(dataset)))))
@@ -53,14 +50,7 @@ def evaluate(run: Run, greedy: Greedy | None = None) -> dict[str, Any]:
             bad += len(errors) + len(refused)
             if not prompts:
                 continue
-            if greedy is not None:
-                completions = greedy(prompts)
-            else:
-                with torch.inference_mode():
-                    completions = generate_completions(run.policy, prompts, seeds=None,
-                                                       batch_size=cfg.eval.batch,
-                                                       settings=settings, ids=run.ids,
-                                                       device=run.device)
+            completions = engine.greedy(prompts)
             for prompt, text in zip(prompts, decode_completions(run.processor, completions)):
                 sample = prompt.sample
                 correct += accuracy(text, sample.solution, problem=sample.problem)

@@ -74,7 +74,7 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
     engine = rollout_engine(run, settings)
     advantage = get_advantage_estimator("grpo" if algo.scale_rewards else "dr_grpo")
     if run.eval_set is not None and cfg.eval.before_train and start == 0:
-        row = {"step": 0, **evaluate(run, engine.greedy)}
+        row = {"step": 0, **evaluate(run, engine)}
         run.metrics.write(row)
         log.info("eval before GRPO: %s", row)
 
@@ -116,7 +116,7 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
             # step appears exactly once in metrics.jsonl
             if run.eval_set is not None and (step == cfg.train.max_steps or
                                              (cfg.eval.every and step % cfg.eval.every == 0)):
-                row.update(evaluate(run, engine.greedy))
+                row.update(evaluate(run, engine))
                 if row["eval/accuracy"] > loop.best:
                     loop.best, loop.since_best = row["eval/accuracy"], 0
                 else:

@@ -171,8 +171,8 @@ def test_real_run_on_the_tiny_model(tiny_dir, capsys):
     started = time.perf_counter()
     code = ls.main(["--model", str(tiny_dir), "--processes", "1,2", "--repeats", "1",
                     "--every-rank-repeats", "0", "--max-ratio", "100"])
-    out = capsys.readouterr().out
-    assert code == 0, out
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
     rows = _rows(out)
     assert [row[:2] for row in rows] == [["rank0", "1"], ["rank0", "2"]]
     per_rank = rows[1][6].split()

@@ -37,7 +37,7 @@ def launch(out: Path, plugins: Path, *args: str, processes: int = 1) -> subproce
     if processes > 1:
         env["OMP_NUM_THREADS"] = "1"
     return subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          text=True, timeout=600)
+                          text=True, timeout=300)
 
 
 def step_rows(out: Path) -> list[dict]:
@@ -86,7 +86,8 @@ def test_grpo_lora_reused_rollouts_and_kl_on_vllm(hd32_dir, use_tiny_cache, vllm
 def test_torchrun_two_processes_sample_what_one_does(hd32_dir, use_tiny_cache, vllm_installed,
                                                      reward_plugin, tmp_path):
     """One engine per rank (gloo): each generates its own rows with the rows' own seeds, so the
-    step's completions, rewards and engine log-probs are those of one process."""
+    step's completions, rewards and engine log-probs are those of one process. Evaluation gives
+    rank 1 no batch (4 rows, one batch): it must still take part in the weight sync's gathers."""
     one, two = tmp_path / "one", tmp_path / "two"
     for out, n in ((one, 1), (two, 2)):
         done = launch(out, reward_plugin, "algo.beta=0", "train.max_steps=2", processes=n)
@@ -96,7 +97,8 @@ def test_torchrun_two_processes_sample_what_one_does(hd32_dir, use_tiny_cache, v
     for ra, rb in zip(a, b):
         for key in ("reward_mean", "reward_std", "completion_len_mean"):
             assert ra[key] == rb[key], key
-        assert ra["engine_logp_diff"] == pytest.approx(rb["engine_logp_diff"], rel=1e-5)
+        # float32 sums in another order on two processes (gradient all-reduce, FSDP gathers)
+        assert ra["engine_logp_diff"] == pytest.approx(rb["engine_logp_diff"], rel=1e-4)
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-4, abs=1e-7)
 
 
