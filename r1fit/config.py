@@ -99,10 +99,37 @@ class ShapesConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    train: str = opt("builtin:shapes", "Training prompts: a JSONL file of {image, problem, solution} "
-                     "rows (image paths relative to the file) or 'builtin:shapes'.")
-    eval: str | None = opt("builtin:shapes", "Held-out prompts in the same format, or null for no "
-                           "evaluation.")
+    train: str | tuple[str, ...] = opt(
+        "builtin:shapes", "Training data: 'builtin:shapes', or one source or a list of them (their "
+        "rows are concatenated). A source is a JSONL file, a JSON file holding a list of rows, a "
+        "parquet file, a folder saved by datasets' save_to_disk, or a hub dataset id; 'SOURCE@split' "
+        "picks a split (default train). Row formats are detected (see data.format).")
+    eval: str | tuple[str, ...] | None = opt(
+        "builtin:shapes", "Held-out data, the same kinds of sources as data.train (a hub id's split "
+        "defaults to test), or null for no evaluation.")
+    format: Literal["auto", "columns", "conversations"] = opt(
+        "auto", "Row format: 'columns' (a question, an answer and image columns: r1fit's {image, "
+        "problem, solution}, EasyR1's {images, problem, answer}), 'conversations' (VLM-R1, "
+        "LLaVA/ShareGPT and MiniCPM-V rows: a list of turns with '<image>' placeholders), or "
+        "'auto' (detected from each source's first row; the choice and the keys are logged).")
+    image_folder: str | tuple[str, ...] | None = opt(
+        None, "Folder that image paths in data.train rows are relative to: one for every source, or "
+              "one per data.train source (VLM-R1's --image_folders). null: each file's own folder.")
+    eval_image_folder: str | tuple[str, ...] | None = opt(
+        None, "data.image_folder for the data.eval sources.")
+    problem_key: str | None = opt(None, "Column of the question ('columns' rows; null: 'problem').")
+    answer_key: str | None = opt(None, "Column of the reference answer ('columns' rows; null: "
+                                 "'solution', else 'answer').")
+    image_key: str | None = opt(None, "Column of the image(s): paths, bytes or {bytes, path} "
+                                "records ('columns' rows; null: 'image', else 'images').")
+    conversations_key: str | None = opt(None, "Column of the turns ('conversations' rows; null: "
+                                        "'conversations', else 'messages').")
+    reward_method: str | tuple[str, ...] = opt(
+        "default", "Accuracy method of rows that do not name one: one for every source, or one per "
+        "data.train source (VLM-R1's --reward_method). Methods: default, mcq, yes_no, numeric, "
+        "math, fuzzy (see the README).")
+    reward_method_key: str = opt("accu_reward_method", "Column a row names its own accuracy "
+                                 "method in (VLM-R1's); it wins over data.reward_method.")
     eval_size: int = opt(200, "Evaluate on at most this many held-out questions.", ge=1)
     max_pixels: int = opt(112 * 112, "Images are resized (aspect kept) to at most this many "
                           "pixels.", ge=28 * 28)
@@ -263,6 +290,19 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class ReportConfig:
+    to: tuple[Literal["tensorboard", "wandb", "trackio", "mlflow"], ...] = opt(
+        [], "Metric trackers that receive every metrics row besides metrics.jsonl (rank 0 only; "
+        "each needs its extra: pip install -e '.[tensorboard]' and so on). Offline works: W&B "
+        "with WANDB_MODE=offline, mlflow with a file store, trackio and TensorBoard locally.")
+    project: str = opt("r1fit", "Project (W&B, trackio) or experiment (mlflow) name.")
+    run_name: str | None = opt(None, "Run name in the trackers (null: the output folder's name).")
+    samples_every: int = opt(0, "Every N GRPO steps, send a table of the step's completions (with "
+                             "their images, rewards and advantages) to the trackers (0 = never).",
+                             ge=0)
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = opt(ModelConfig(), "The policy model.")
     data: DataConfig = opt(DataConfig(), "Prompts and images.")
@@ -276,6 +316,7 @@ class Config:
     rollout: RolloutConfig = opt(RolloutConfig(), "The engine that generates GRPO's rollouts.")
     eval: EvalConfig = opt(EvalConfig(), "Held-out evaluation.")
     checkpoint: CheckpointConfig = opt(CheckpointConfig(), "Checkpoints and resume.")
+    report: ReportConfig = opt(ReportConfig(), "Metric trackers and the run report.")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able data (tuples as lists), as ``config.json`` records it."""
