@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from r1fit.errors import R1fitError
 from r1fit.rewards.accuracy import accuracy
 from r1fit.rewards.format import format_reward
 from r1fit.rewards.iou import iou, iou_hit
+from r1fit.rewards.methods import RewardConfigError  # defined below us: methods.py raises it too
 
 logger = logging.getLogger("r1fit.rewards")
 
@@ -41,10 +41,6 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 
 # Keys the scorer passes positionally; an info dict carrying them would collide at call time.
 _RESERVED_INFO_KEYS = ("completion", "solution")
-
-
-class RewardConfigError(R1fitError, ValueError):
-    """A reward name, plugin spec or weight in the configuration is unusable."""
 
 
 class RewardInputError(ValueError):
@@ -214,6 +210,9 @@ class RewardScorer:
         infos: Sequence[Mapping[str, Any]],
     ) -> RewardResult:
         """Score N completions against their solutions; ``infos[i]`` must contain ``"problem"``.
+
+        Every other key of ``infos[i]`` reaches every reward as a keyword, e.g. the row's
+        ``reward_method``, which ``accuracy`` reads and rewards that do not know it ignore.
 
         Raises :class:`RewardInputError` only for inconsistent inputs (length mismatch, missing
         ``problem``, reserved keys in an info). Failures inside reward functions are contained.

@@ -1,11 +1,14 @@
-"""Accuracy reward and the answer helpers it is built on (r1fit/rewards/accuracy.py, answer.py)."""
+"""Accuracy reward (its default method) and the answer helpers it is built on
+(r1fit/rewards/accuracy.py, methods.py, answer.py); the other methods are in test_methods.py."""
 
 import threading
 
 import pytest
 
-from r1fit.rewards.accuracy import accuracy, math_equivalent
+from r1fit.rewards import methods
+from r1fit.rewards.accuracy import accuracy
 from r1fit.rewards.answer import extract_answer, normalize
+from r1fit.rewards.methods import math_equivalent
 
 COMPLETION_3 = "<think>1 + 2 = 3</think><answer> 3 </answer>"
 
@@ -121,14 +124,12 @@ class TestMathEquivalence:
 def test_without_math_verify_only_exact_matches_count(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    # Not `from r1fit.rewards import accuracy`: the package re-exports the function of that name.
-    accuracy_module = sys.modules["r1fit.rewards.accuracy"]
     # A None entry in sys.modules makes `import math_verify` raise ImportError.
     monkeypatch.setitem(sys.modules, "math_verify", None)
-    accuracy_module._math_verify.cache_clear()
+    methods._math_verify.cache_clear()
     try:
         assert accuracy("<answer>\\frac{1}{2}</answer>", "0.5", problem="") == 0.0
         assert accuracy("<answer>0.50</answer>", "0.5", problem="") == 1.0
     finally:
         monkeypatch.undo()
-        accuracy_module._math_verify.cache_clear()
+        methods._math_verify.cache_clear()
