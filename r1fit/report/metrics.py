@@ -1,4 +1,5 @@
-"""The metrics sink: one JSON object per line in ``<output_dir>/metrics.jsonl``."""
+"""The metrics sink: one JSON object per line in ``<output_dir>/metrics.jsonl``, each row passed
+on to the trackers of ``report.to`` (:mod:`r1fit.report.sinks`)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from r1fit.report.sinks import Trackers
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
+    """A tensor's or numpy scalar's Python value; NaN and infinities as None."""
     if hasattr(value, "item"):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
@@ -22,9 +27,11 @@ def _plain(value: Any) -> Any:
 class MetricsWriter:
     """Appends metric rows and flushes each one, so a crash loses at most the row being written."""
 
-    def __init__(self, path: Path, *, active: bool = True) -> None:
-        """``active=False`` (ranks other than 0) counts rows without writing them."""
+    def __init__(self, path: Path, *, active: bool = True, trackers: Trackers | None = None) -> None:
+        """``active=False`` (ranks other than 0) counts rows without writing them; ``trackers``
+        receive every row written (and are closed with this writer)."""
         self.path = Path(path)
+        self.trackers = trackers
         # rows already there (a resumed run continues the file); checkpoints record the count
         self.lines = (sum(1 for _ in self.path.open(encoding="utf-8"))
                       if self.path.is_file() else 0)
@@ -35,8 +42,10 @@ class MetricsWriter:
 
     def write(self, row: dict[str, Any]) -> None:
         if self._file is not None:
-            self._file.write(json.dumps({k: _plain(v) for k, v in row.items()}) + "\n")
+            self._file.write(json.dumps({k: plain(v) for k, v in row.items()}) + "\n")
             self._file.flush()
+        if self.trackers is not None:
+            self.trackers.write(row)
         self.lines += 1
 
     def flush(self) -> None:
@@ -46,6 +55,8 @@ class MetricsWriter:
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
+        if self.trackers is not None:
+            self.trackers.close()
 
     def __enter__(self) -> MetricsWriter:
         return self

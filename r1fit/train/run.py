@@ -32,6 +32,7 @@ from r1fit.memory.telemetry import current_rss_bytes, use_tensor_probe
 from r1fit.models.load import context_length
 from r1fit.report.logs import EarlyLog, setup_logging
 from r1fit.report.metrics import MetricsWriter
+from r1fit.report.sinks import Trackers, open_trackers, require_trackers
 from r1fit.report.summary import write_summary
 from r1fit.rng import seed_everything
 from r1fit.rollout.generate import TokenIds
@@ -57,6 +58,7 @@ class Run:
     sizes: ChunkSizes  # memory.micro_batch / generation_batch in use
     max_prompt_tokens: int | None
     metrics: MetricsWriter
+    trackers: Trackers  # report.to (also fed by metrics); empty on ranks other than 0
     checkpoints: CheckpointManager
     rss_before_load_bytes: int  # what memory.budget is measured from on CPU
     rss_after_load_bytes: int
@@ -99,6 +101,7 @@ def start_run(cfg: Config, kind: str) -> Run:
     before a big model loads), then the model. Over several processes rank 0 alone chooses the
     resume point and touches the output folder; the others follow its decision."""
     started = time.perf_counter()
+    require_trackers(cfg.report.to)  # every process: a missing package stops all before starting
     device_type = pick_device(cfg.train.device).type
     w = init_distributed(device_type)
     check_split(cfg, kind, w)
@@ -138,7 +141,9 @@ def start_run(cfg: Config, kind: str) -> Run:
     log.info("%s run: model %s (%.2fM params, %.2fM trainable) on %s -> %s", kind,
              cfg.model.path + (f" resumed from {resume.path}" if resume else ""), total / 1e6,
              trainable / 1e6, device, out)
+    trackers = open_trackers(cfg, out) if w.main else Trackers([])
     return Run(cfg, kind, out, w, device, model, processor, policy, TokenIds.of(model, processor),
                train_set, eval_set, sizes, max_prompt_tokens,
-               MetricsWriter(out / "metrics.jsonl", active=w.main), checkpoints,
+               MetricsWriter(out / "metrics.jsonl", active=w.main, trackers=trackers), trackers,
+               checkpoints,
                rss_before_load, current_rss_bytes(), started)
