@@ -4,6 +4,7 @@
     r1fit train my.yaml algo.num_generations=8 model.lora.r=16
     r1fit sft my.yaml sft.steps=500
     r1fit plan my.yaml --device-memory 80GiB  # peak memory per device, before launch (no weights)
+    r1fit plan Qwen/Qwen2.5-VL-7B-Instruct    # a model instead of a config: model.path=...
     r1fit config [my.yaml ...]       # print the resolved config; --reference for every key
     r1fit inspect runs/demo          # its checkpoints, newest first; or one checkpoint's files
     r1fit export runs/demo/checkpoint-40 my-model [--merge-lora]   # a plain Hugging Face folder
@@ -26,6 +27,15 @@ def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
     if args and "=" not in args[0]:
         return args[0], args[1:]
     return None, args
+
+
+def _model_first(args: list[str]) -> list[str]:
+    """``r1fit plan MODEL ...``: a first argument that is no file and no YAML name is a model
+    folder or hub id, i.e. ``model.path=MODEL`` over the defaults."""
+    path, overrides = _split_args(args)
+    if path is None or Path(path).is_file() or path.endswith((".yaml", ".yml")):
+        return args
+    return [f"model.path={path}", *overrides]
 
 
 def _config(args: list[str]) -> Config:
@@ -62,7 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("args", nargs="*", metavar="CONFIG.yaml | key.sub=value")
     text = "predict a run's peak memory per device before launching it (reads no weights)"
     p = sub.add_parser("plan", help=text, description=text)
-    p.add_argument("args", nargs="*", metavar="CONFIG.yaml | key.sub=value")
+    p.add_argument("args", nargs="*", metavar="CONFIG.yaml | MODEL | key.sub=value",
+                   help="a config file, or a model (folder or hub id, e.g. "
+                        "Qwen/Qwen2.5-VL-7B-Instruct) planned with the default config; then "
+                        "overrides")
     p.add_argument("--device-memory", metavar="SIZE",
                    help="memory of one device, e.g. 80GiB (default: memory.budget, else 80GiB)")
     p.add_argument("--gpus", type=int, default=1, metavar="N",
@@ -103,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                 budget = parse_bytes(ns.device_memory) if ns.device_memory else None
             except ValueError as exc:
                 raise ConfigError(f"--device-memory: {exc}") from None
-            cfg = _config(ns.args)
+            cfg = _config(_model_first(ns.args))
             plan = plan_memory(cfg, device_memory_bytes=budget, gpus=ns.gpus,
                                device_type="cpu" if cfg.train.device == "cpu" else "cuda")
             if ns.json:

@@ -10,6 +10,8 @@ def test_defaults_are_the_demo():
     assert cfg.model.path == "builtin:tiny"
     assert cfg.data.train == "builtin:shapes"
     assert cfg.model.lora.r == 0
+    # the checkpoint's dtype, float32 for builtin:tiny (tests/models/test_dtype.py loads it)
+    assert cfg.model.dtype == "auto"
 
 
 def test_yaml_then_overrides(tmp_path):

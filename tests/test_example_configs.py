@@ -19,3 +19,17 @@ def test_example_config_is_valid_and_says_how_to_run_it(path):
     assert cfg.model.path
     first = path.read_text().splitlines()[0]
     assert first.startswith("# r1fit ") and path.name in first
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_example_config_plans_offline(path, use_tiny_cache, monkeypatch):
+    # a hub model's config.json ships with r1fit: `r1fit plan CONFIG` needs no network, and
+    # model.dtype=auto plans a Qwen checkpoint in its own bfloat16
+    import huggingface_hub.constants as hub
+
+    from r1fit.memory.planner import plan_memory
+
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    cfg = load_config(path)
+    plan = plan_memory(cfg)
+    assert plan.details["dtype"] == ("bfloat16" if cfg.model.path.startswith("Qwen/") else "float32")

@@ -130,12 +130,15 @@ def _export_full(checkpoint: Path, model_dir: Path, dest: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
+    from r1fit.models.load import checkpoint_dtype
+
     try:
         config = AutoConfig.from_pretrained(model_dir)
         dtype = _run_dtype(checkpoint)
+        if dtype == "auto":  # the dtype the run loaded: model/config.json was saved from it
+            dtype = checkpoint_dtype(config, str(model_dir))[0]
         with torch.device("meta"):  # no random initialisation: every weight is loaded below
-            model = AutoModelForImageTextToText.from_config(
-                config, dtype=None if dtype == "auto" else dtype)
+            model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
         model.to_empty(device="cpu")
         model.tie_weights()  # to_empty unties the LM head from the embeddings; the config ties
         load_model_weights(checkpoint, "model", model)

@@ -33,6 +33,7 @@ from r1fit.checkpoint.manager import (
     verify,
 )
 from r1fit.errors import one_line
+from r1fit.models.load import checkpoint_dtype, resolve_model_path
 
 log = logging.getLogger("r1fit.checkpoint")
 
@@ -140,6 +141,8 @@ def _check_resumable(point: Path, cfg: Any, kind: str) -> ResumePoint:
                               f"not {command_of(kind)}")
     saved_cfg = json.loads((point / "config.json").read_text())
     changes = config_changes(saved_cfg, run_config(cfg, kind))
+    if "model.dtype" in changes and _same_dtype(cfg.model.path, *changes["model.dtype"]):
+        del changes["model.dtype"]  # e.g. a run saved before 'auto' became the default
     fixed = {k: v for k, v in changes.items() if not k.startswith(RESUME_SAFE)}
     if fixed and not cfg.checkpoint.allow_config_change:
         listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(fixed.items())[:5])
@@ -150,6 +153,22 @@ def _check_resumable(point: Path, cfg: Any, kind: str) -> ResumePoint:
         log.warning("resuming with %s changed: %r -> %r%s", key, a, b,
                     " (the run will not be identical to an uninterrupted one)" if inexact else "")
     return ResumePoint(point, state, weights_only=bool(missing))
+
+
+def _same_dtype(model: str, saved: Any, now: Any) -> bool:
+    """``model.dtype`` 'auto' and an explicit dtype are one setting when the model's checkpoint
+    is stored in that dtype (what 'auto' loads)."""
+    if "auto" not in (saved, now) or saved == now:
+        return False
+    from transformers import AutoConfig
+
+    explicit = now if saved == "auto" else saved
+    try:
+        folder = resolve_model_path(model)
+        dtype, _ = checkpoint_dtype(AutoConfig.from_pretrained(folder), folder)
+    except Exception:  # noqa: BLE001 - unknown: keep treating it as a change
+        return False
+    return str(dtype).removeprefix("torch.") == explicit
 
 
 def _continue_metrics(point: Path, out: Path, lines: int) -> None:

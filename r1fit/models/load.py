@@ -7,6 +7,9 @@ same code paths as a real Qwen2-VL / Qwen2.5-VL checkpoint.
 
 from __future__ import annotations
 
+import functools
+import importlib.resources
+import json
 import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -34,6 +37,10 @@ _DTYPES: dict[str, torch.dtype | str] = {
     "float16": torch.float16,
     "auto": "auto",
 }
+#: safetensors names of the floating-point dtypes ``dtype="auto"`` may pick from a weights header
+#: (transformers skips float8/float4 there too)
+_SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16,
+                       "F16": torch.float16}
 
 
 def resolve_model_path(path: str) -> str:
@@ -59,6 +66,85 @@ def resolve_model_path(path: str) -> str:
     if path.startswith(("/", "./", "../", "~")) or path.count("/") > 1:
         raise ModelConfigError(f"model folder {path!r} does not exist")
     return path
+
+
+def config_folder(path: str) -> str:
+    """A local folder holding the ``config.json`` of model ``path``, reached without its weights
+    (what ``r1fit plan`` reads).
+
+    ``builtin:NAME`` and local folders: as :func:`resolve_model_path`. A hub id r1fit ships the
+    config of (:func:`shipped_config`): that copy, without the network. Any other hub id: its
+    ``config.json`` alone, from the Hugging Face cache or the hub.
+    """
+    folder = resolve_model_path(path)
+    if os.path.isdir(folder):
+        return folder
+    shipped = shipped_config(folder)
+    if shipped is not None:
+        return shipped
+    from huggingface_hub import constants, errors, hf_hub_download
+
+    try:
+        return os.path.dirname(hf_hub_download(folder, "config.json"))
+    except (OSError, ValueError) as err:
+        if isinstance(err, errors.LocalEntryNotFoundError):  # offline, or the hub is unreachable
+            how = "offline (HF_HUB_OFFLINE)" if constants.is_offline_mode() else "the hub is unreachable"
+            why = f"{how} and it is not in the Hugging Face cache"
+        elif isinstance(err, errors.GatedRepoError):
+            why = "the model is gated: accept its licence on the hub and log in (hf auth login)"
+        elif isinstance(err, errors.RepositoryNotFoundError):
+            why = "no such model on the hub (or it is private: log in)"
+        else:
+            why = one_line(err)
+        raise ModelConfigError(
+            f"cannot get the config.json of {path!r}: {why}; only that file is needed (no "
+            "weights): point model.path at a local folder holding it") from err
+
+
+@functools.cache
+def _shipped_configs() -> dict[str, str]:
+    """Lower-cased hub id -> folder of every config.json in r1fit/models/configs/ORG/NAME/."""
+    root = importlib.resources.files("r1fit.models") / "configs"
+    return {f"{org.name}/{name.name}".lower(): str(name)
+            for org in root.iterdir() if org.is_dir()
+            for name in org.iterdir() if (name / "config.json").is_file()}
+
+
+def shipped_config(repo_id: str) -> str | None:
+    """The folder of the ``config.json`` r1fit ships (package data) for hub model ``repo_id``,
+    e.g. ``Qwen/Qwen2.5-VL-7B-Instruct``, matched regardless of case as the hub does; else None."""
+    return _shipped_configs().get(repo_id.lower())
+
+
+def checkpoint_dtype(config: Any, model: str) -> tuple[torch.dtype, str]:
+    """The dtype ``from_pretrained(model, dtype="auto")`` loads the weights in, and where it is
+    read, without reading the weights: ``(dtype, source)``.
+
+    transformers 5 (``modeling_utils._get_dtype``) takes the config's ``dtype`` (``config.json``'s
+    ``dtype``, or ``torch_dtype`` in older files). Only when the config names none does it look at
+    the weights: the index's ``metadata.dtype``, else the first floating-point tensor of the first
+    weights file, which is read here from the safetensors header of ``model`` (a folder, or a hub
+    id's snapshot in the Hugging Face cache). With neither at hand: float32, torch's default.
+    """
+    named = getattr(config, "dtype", None)
+    if named is not None:
+        return (getattr(torch, named) if isinstance(named, str) else named), "config.json"
+    local = Path(model) if os.path.isdir(model) else _hub_snapshot(model)
+    index = local / "model.safetensors.index.json" if local is not None else None
+    first = local / "model.safetensors" if local is not None else None
+    if index is not None and index.is_file():
+        data = json.loads(index.read_text())
+        if (data.get("metadata") or {}).get("dtype"):
+            return getattr(torch, data["metadata"]["dtype"]), index.name
+        files = sorted(set(data.get("weight_map", {}).values()))
+        first = local / files[0] if files else None
+    if first is not None and first.is_file():
+        with safe_open(str(first), framework="pt") as f:
+            for key in f.keys():
+                found = _SAFETENSORS_FLOATS.get(f.get_slice(key).get_dtype())
+                if found is not None:
+                    return found, f"the header of {first.name} (config.json names no dtype)"
+    return torch.float32, "torch's default (config.json names no dtype, no safetensors at hand)"
 
 
 def load_policy(
@@ -307,10 +393,11 @@ def _from_pretrained(
             config = AutoConfig.from_pretrained(folder)
         except (OSError, ValueError, KeyError) as err:
             raise ModelConfigError(f"cannot load model config {path!r}: {one_line(err)}") from err
+        # the dtype rank 0's from_pretrained loads in, or the shards would not match its tensors
+        meta_dtype = checkpoint_dtype(config, folder)[0] if dtype == "auto" else _DTYPES[dtype]
         with torch.device("meta"):
             return AutoModelForImageTextToText.from_config(
-                config, dtype=_DTYPES[dtype] if dtype != "auto" else None,
-                attn_implementation=attn_implementation)
+                config, dtype=meta_dtype, attn_implementation=attn_implementation)
     try:
         model = AutoModelForImageTextToText.from_pretrained(
             folder, dtype=_DTYPES[dtype], attn_implementation=attn_implementation,

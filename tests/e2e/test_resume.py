@@ -145,6 +145,18 @@ def test_skips_corrupt_and_partial_checkpoints_with_a_reason(use_tiny_cache, tmp
     assert steps == [1, 2, 3, 4, 5]
 
 
+def test_auto_dtype_resumes_a_run_saved_with_the_dtype_it_resolves_to(use_tiny_cache, tmp_path):
+    """A run saved with model.dtype=float32 (the default before 'auto') resumes under 'auto' on
+    the float32 built-in model; bfloat16 there is a real change and is refused."""
+    out = tmp_path / "run"
+    args = [*TINY, "checkpoint.every=1", "eval.every=0", "data.eval=null"]
+    assert run("sft", f"train.output_dir={out}", *args, "sft.steps=1", "model.dtype=float32") == 0
+    assert run("sft", f"train.output_dir={out}", *args, "sft.steps=2") == 0  # model.dtype=auto
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r] == [1, 2]
+    assert run("sft", f"train.output_dir={out}", *args, "sft.steps=3",
+               "model.dtype=bfloat16") == 2
+
+
 def test_refusals(use_tiny_cache, tmp_path, capsys):
     out = tmp_path / "run"
     args = [*TINY, "sft.steps=2", "checkpoint.every=1", "eval.every=0", "data.eval=null"]

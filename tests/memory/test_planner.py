@@ -6,7 +6,6 @@ from __future__ import annotations
 import ast
 import math
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,9 +32,8 @@ from r1fit.memory.planner import (
     vision_dims,
 )
 
-# Qwen2.5-VL-7B-Instruct's real config.json (from the hub, Apache-2.0), kept with the tests so the
-# plan of a real model never depends on a folder outside the repo
-MODEL_CONFIGS = Path(__file__).parent / "data"
+# a real model: r1fit ships its config.json (r1fit/models/configs/), so planning it needs no network
+QWEN_7B = "Qwen/Qwen2.5-VL-7B-Instruct"
 
 # the hand-built model: text hidden 32, MLP 64, 2 layers, 4 heads of 8 (2 KV heads), vocab 100,
 # untied head; a 1-block vision tower of width 16
@@ -440,34 +438,55 @@ def test_vision_block_formula_matches_saved_tensors(kind, dtype):
 # --- a real model
 
 
-def test_qwen25_vl_7b_full_breakdown(tmp_path, capsys):
-    source = MODEL_CONFIGS / "Qwen2.5-VL-7B-Instruct"
-    folder = tmp_path / "Qwen2.5-VL-7B-Instruct"
-    shutil.copytree(source, folder)
+def test_qwen25_vl_7b_full_breakdown(capsys):
     from r1fit.cli import main
 
-    assert main(["plan", f"model.path={folder}", "model.dtype=auto", "algo.num_generations=8",
-                 "--device-memory", "80GiB"]) == 0
+    assert main(["plan", QWEN_7B, "algo.num_generations=8", "--device-memory", "80GiB"]) == 0
     out = capsys.readouterr().out
     for label in ("weights", "gradients", "optimizer (AdamW)", "reference model", "activations",
                   "LM head chunk", "vision encoder", "generation (KV cache + logits)", "peak"):
         assert label in out
-    assert "8.29B parameters, bfloat16" in out and "of 80.00 GiB" in out
-    plan = plan_memory(load_config(None, [f"model.path={folder}", "model.dtype=auto"]))
-    assert plan.parts["weights"] == 2 * plan.details["params"]
-    assert 8.2e9 < plan.details["params"] < 8.4e9
+    assert out.startswith(f"r1fit plan: {QWEN_7B} (8.29B parameters, bfloat16: model.dtype=auto, "
+                          "from config.json), full fine-tuning")
+    assert "of 80.00 GiB" in out
 
 
-@pytest.fixture(scope="module")
-def qwen_7b(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("7b") / "Qwen2.5-VL-7B-Instruct"
-    shutil.copytree(MODEL_CONFIGS / "Qwen2.5-VL-7B-Instruct", folder)
-    return folder
+def test_auto_plans_the_7b_in_its_own_bfloat16():
+    auto, bf16, f32 = (plan_memory(load_config(None, [f"model.path={QWEN_7B}", *dtype]))
+                       for dtype in ([], ["model.dtype=bfloat16"], ["model.dtype=float32"]))
+    params = auto.details["params"]
+    assert 8.2e9 < params < 8.4e9
+    assert auto.parts["weights"] == bf16.parts["weights"] == 2 * params
+    assert auto.parts == bf16.parts and auto.peak_bytes == bf16.peak_bytes
+    assert f32.parts["weights"] == 4 * params  # what the float32 default used to plan
+
+
+def test_plan_a_hub_id_offline(tmp_path):
+    """`r1fit plan HUB_ID` with HF_HUB_OFFLINE=1 and an empty Hugging Face cache: a shipped config
+    plans; any other id is a one-line error (exit 2)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")}
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+
+    def plan(model: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "r1fit", "plan", model], env=env,
+                              capture_output=True, text=True, timeout=600)
+
+    shipped = plan(QWEN_7B)
+    assert shipped.returncode == 0, shipped.stderr
+    assert shipped.stdout.startswith(f"r1fit plan: {QWEN_7B} (8.29B parameters, bfloat16: "
+                                     "model.dtype=auto, from config.json)")
+    assert "\npeak " in shipped.stdout and "largest memory.micro_batch that fits" in shipped.stdout
+    unknown = plan("nobody-r1fit/not-a-model")
+    assert unknown.returncode == 2 and unknown.stdout == ""
+    assert unknown.stderr == (
+        "r1fit: error: cannot get the config.json of 'nobody-r1fit/not-a-model': offline "
+        "(HF_HUB_OFFLINE) and it is not in the Hugging Face cache; only that file is needed (no "
+        "weights): point model.path at a local folder holding it\n")
 
 
 @pytest.mark.parametrize("lora_r", [0, 16])
-def test_qwen25_vl_7b_more_gpus_lower_the_peak(qwen_7b, lora_r):
-    cfg = load_config(None, [f"model.path={qwen_7b}", "model.dtype=auto", f"model.lora.r={lora_r}",
+def test_qwen25_vl_7b_more_gpus_lower_the_peak(lora_r):
+    cfg = load_config(None, [f"model.path={QWEN_7B}", f"model.lora.r={lora_r}",
                              "algo.num_generations=8", "algo.max_new_tokens=512"])
     one = plan_memory(cfg, device_memory_bytes=80 << 30)
     eight = plan_memory(cfg, device_memory_bytes=80 << 30, gpus=8)
@@ -487,15 +506,6 @@ def test_builtin_prompt_is_encoded_by_its_processor(use_tiny_cache):
                        device_type="cpu")
     assert plan.details["prompt_estimate"].startswith("encoded by the model's processor")
     assert plan.details["image_tokens"] == 4 and plan.details["vision_patches"] == 16
-
-
-def test_unknown_hub_id_is_one_line():
-    from r1fit.memory.planner.facts import _facts
-    from r1fit.models.load import ModelConfigError
-
-    _facts.cache_clear()
-    with pytest.raises(ModelConfigError, match="not in the Hugging Face cache"):
-        model_facts("nobody-r1fit/not-a-model")
 
 
 # --- the package

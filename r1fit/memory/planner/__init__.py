@@ -1,8 +1,10 @@
 """The memory planner: the peak memory per device of one GRPO step, predicted before launch.
 
-``r1fit plan CONFIG [key=value ...]`` builds the model from its ``config.json`` on the meta device
-(no weights are read or allocated) and adds up what one step of the configured run holds, phase by
-phase, the way r1fit's code allocates it. Read in this order:
+``r1fit plan CONFIG|MODEL [key=value ...]`` builds the model from its ``config.json`` on the meta
+device (no weights are read or allocated) and adds up what one step of the configured run holds,
+phase by phase, the way r1fit's code allocates it. A hub id's ``config.json`` is r1fit's shipped
+copy (r1fit/models/configs/) or that file alone from the hub; ``model.dtype=auto`` is planned in the
+dtype ``from_pretrained`` will pick (r1fit.models.load.checkpoint_dtype). Read in this order:
 
 - ``facts``: what the planner reads off the model and the data (shapes, parameter counts, FSDP2
   units and shards, the longest prompt);

@@ -57,6 +57,7 @@ from r1fit.memory.planner.facts import (
     PromptShape,
     model_facts,
     prompt_shape,
+    run_dtype,
     shard_elements,
 )
 from r1fit.memory.planner.formulas import (
@@ -187,6 +188,8 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
                    generation=local if generation == "auto" else min(generation, local),
                    checkpointing=cfg.memory.gradient_checkpointing)
     notes = []
+    if facts.hub_config:
+        notes.append(f"model config: {facts.hub_config} (no weights read)")
     if gpus > 1:
         notes.append(f"per GPU, FSDP2 over {gpus} GPUs: weights, gradients, AdamW states and the "
                      f"reference are 1/{gpus} shards; each GPU takes {local} of the {rows} rows "
@@ -259,7 +262,7 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
               device_type: str, budget: int) -> _Estimate:
     """One GRPO step of ``cfg`` at the sizes ``s`` on a device of ``budget`` bytes: the parts,
     each phase's peak, the details."""
-    dtype = f.config_dtype if cfg.model.dtype == "auto" else cfg.model.dtype
+    dtype = run_dtype(cfg, f)
     stored = _DTYPE_BYTES.get(dtype, 4)
     fsdp, cuda = s.gpus > 1, device_type == "cuda"
     states = persistent_states(f, cfg, s.gpus, stored)
@@ -315,7 +318,9 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
         generation_peak=phases["generation"],
         activations_by_checkpointing={"on": update.activations.on,
                                       "off": update.activations.off},
-        details={"dtype": dtype, "params": f.params,
+        details={"dtype": dtype,
+                 "dtype_from": f.config_dtype_from if cfg.model.dtype == "auto" else "model.dtype",
+                 "params": f.params,
                  "trainable_params": states.gradients // (ADAPTER_BYTES if lora else b),
                  "kv_cache": kv_cache_bytes(f.text, b, s.generation, step.length),
                  "logits_chunk_tokens": chunk, "micro_batches_per_update": s.micro_batches,
@@ -640,8 +645,7 @@ def _advice(plan: Plan, facts: ModelFacts, cfg: Config, prompt: PromptShape, siz
         switches.append({"data.max_pixels": pixels})
         if cfg.data.min_pixels > pixels:  # else the config is invalid (min_pixels > max_pixels)
             switches[-1]["data.min_pixels"] = pixels
-    dtype = facts.config_dtype if cfg.model.dtype == "auto" else cfg.model.dtype
-    if dtype == "float32" and device_type == "cuda":
+    if run_dtype(cfg, facts) == "float32" and device_type == "cuda":
         switches.append({"model.dtype": "bfloat16"})
     for switch in switches:
         changed = cfg.with_values({**switch, "memory.micro_batch": 1,

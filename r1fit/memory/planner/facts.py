@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -68,7 +69,7 @@ class ModelFacts:
     """What the planner reads off the meta model; independent of the run's settings."""
 
     name: str
-    config_dtype: str
+    config_dtype: str  # what model.dtype=auto loads the weights in (from_pretrained's dtype="auto")
     params: int
     param_tensors: int
     vision_params: int
@@ -93,6 +94,8 @@ class ModelFacts:
     root_params: int
     root_vision_params: int  # of which the vision tower's (patch embedding, merger)
     processor: Any = field(default=None, compare=False, repr=False)
+    config_dtype_from: str = "config.json"  # where config_dtype was read
+    hub_config: str = ""  # for a hub id: the config.json read (r1fit's shipped copy, or the hub's)
 
 
 @dataclass(frozen=True)
@@ -105,34 +108,43 @@ class PromptShape:
 
 
 def model_facts(path: str, lora_target: str = "all-linear") -> ModelFacts:
-    """Shapes and parameter counts of ``model.path`` (a folder, builtin:NAME, or a hub id in the
-    local Hugging Face cache), from a model built on the meta device."""
-    source = _model_source(path)
-    return _facts(source, path, lora_target)
+    """Shapes and parameter counts of ``model.path`` (a folder, builtin:NAME, or a hub id: the
+    config.json r1fit ships for it, else that file alone from the hub or its cache), from a model
+    built on the meta device."""
+    from r1fit.models.load import config_folder, resolve_model_path
+
+    # builtin:NAME -> its folder (built on first use); a hub id stays one (its weights, for a
+    # config naming no dtype, and its processor may be in the Hugging Face cache)
+    return _facts(config_folder(path), resolve_model_path(path), path, lora_target)
 
 
-def _model_source(path: str) -> str:
-    from r1fit.models.load import resolve_model_path
-
-    return resolve_model_path(path)  # builtin:NAME -> its folder (built on first use)
+def run_dtype(cfg: Config, facts: ModelFacts) -> str:
+    """The dtype the run holds the weights in: ``model.dtype``, or for 'auto' the checkpoint's."""
+    return facts.config_dtype if cfg.model.dtype == "auto" else cfg.model.dtype
 
 
 @functools.lru_cache(maxsize=16)
-def _facts(source: str, path: str, lora_target: str) -> ModelFacts:
+def _facts(source: str, checkpoint: str, path: str, lora_target: str) -> ModelFacts:
+    """``source``: the folder of the config.json; ``checkpoint``: the folder or hub id
+    from_pretrained loads the weights from."""
     import torch
     from torch import nn
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from r1fit.models.load import ModelConfigError, language_model_lora_regex, vision_tower
+    from r1fit.models.load import (
+        ModelConfigError,
+        checkpoint_dtype,
+        language_model_lora_regex,
+        vision_tower,
+    )
 
     regex = re.compile(language_model_lora_regex(lora_target))
     try:
         config = AutoConfig.from_pretrained(source, local_files_only=True)
     except (OSError, ValueError) as err:
-        raise ModelConfigError(
-            f"cannot plan for {path!r}: not a local folder, and its config.json is not in the "
-            "Hugging Face cache; point model.path at a folder holding config.json (the planner "
-            "reads no weights)") from err
+        raise ModelConfigError(f"cannot plan for {path!r}: cannot read {source}/config.json: "
+                               f"{' '.join(str(err).split())}") from err
+    dtype, dtype_from = checkpoint_dtype(config, checkpoint)
     try:
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -168,9 +180,9 @@ def _facts(source: str, path: str, lora_target: str) -> ModelFacts:
     layer_sizes = [_numel(unit.parameters()) for unit in layers]
     block_sizes = [_numel(unit.parameters()) for unit in blocks]
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
     return ModelFacts(
-        name=path, config_dtype=str(dtype).replace("torch.", ""),
+        name=path, config_dtype=str(dtype).removeprefix("torch."), config_dtype_from=dtype_from,
+        hub_config="" if source == checkpoint else os.path.join(source, "config.json"),
         params=_numel(params), param_tensors=len(params),
         vision_params=_numel(vision_params),
         vision_param_tensors=len(vision_params),
@@ -183,7 +195,7 @@ def _facts(source: str, path: str, lora_target: str) -> ModelFacts:
         layer_lora_in_plus_out=lora_layer_0, vision_block_params=max(block_sizes, default=0),
         root_params=_numel(params) - sum(layer_sizes) - sum(block_sizes),
         root_vision_params=_numel(vision_params) - sum(block_sizes),
-        processor=_processor(source))
+        processor=_processor(checkpoint))
 
 
 def _fsdp_units(model: Any, visual: Any) -> tuple[list[Any], list[Any]]:
@@ -232,7 +244,7 @@ def vision_dims(config: Any, visual: Any) -> VisionDims | None:
         gated_mlp=block is None or hasattr(getattr(block, "mlp", None), "gate_proj"))
 
 
-def _processor(source: str) -> Any:
+def _processor(checkpoint: str) -> Any:
     """The model's processor when its files are at hand (builtins, full model folders, the HF
     cache); None for a bare config.json."""
     from transformers import AutoProcessor
@@ -240,7 +252,7 @@ def _processor(source: str) -> Any:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return AutoProcessor.from_pretrained(source, local_files_only=True)
+            return AutoProcessor.from_pretrained(checkpoint, local_files_only=True)
     except Exception:  # noqa: BLE001 - any failure means "no processor": fall back to estimates
         return None
 
@@ -249,12 +261,13 @@ def prompt_shape(cfg: Config, facts: ModelFacts) -> PromptShape:
     """Tokens of the longest prompt the run will see: system prompt + question + images.
 
     With the model's processor, prompts are encoded for real (builtin:shapes: its own questions
-    and images; JSONL: a blank image at ``data.max_pixels`` and ``QUESTION_TOKENS`` question
-    tokens). Without one, the same is estimated from Qwen's 28 px per token.
+    and images; other data, whose rows are not read: a blank image at ``data.max_pixels`` and
+    ``QUESTION_TOKENS`` question tokens). Without one, the same is estimated from Qwen's 28 px per
+    token.
     """
     d = cfg.data
     images = d.max_images if facts.vision is not None else 0
-    shapes = d.train.startswith("builtin:")
+    shapes = d.train == "builtin:shapes"
     if facts.processor is not None:
         try:
             return _encoded_prompt(cfg, facts.processor, images, shapes)

@@ -37,11 +37,14 @@ def render_blocks(plan: Plan, cfg: Config) -> list[Any]:
     def auto(key: str) -> str:
         return " (auto)" if key in d["auto"] else ""
 
+    dtype = d["dtype"]
+    if d["dtype_from"] != "model.dtype":  # 'auto': the checkpoint's, like from_pretrained
+        dtype += f": model.dtype=auto, from {d['dtype_from']}"
     gpus = d["gpus"]
     where = (f"per GPU, FSDP over {gpus} GPUs" if gpus > 1 else f"one {d['device_type']} device")
     per_gpu = f", {d['rows_per_gpu']} per GPU" if gpus > 1 else ""
     blocks: list[Any] = [
-        (f"r1fit plan: {cfg.model.path} ({d['params'] / 1e9:.2f}B parameters, {d['dtype']}), "
+        (f"r1fit plan: {cfg.model.path} ({d['params'] / 1e9:.2f}B parameters, {dtype}), "
          f"{mode}, {where}"),
         (f"  {d['rows_per_step']} rows per step ({cfg.train.prompts_per_step} prompts x "
          f"{cfg.algo.num_generations}{per_gpu}); prompt {d['prompt_tokens']} tokens "
