@@ -77,8 +77,11 @@ class LoraConfig:
 class ModelConfig:
     path: str = opt("builtin:tiny", "Model to train: a local Hugging Face folder, a hub id such as "
                     "'Qwen/Qwen2.5-VL-3B-Instruct', or 'builtin:tiny' / 'builtin:small-realvocab'.")
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = opt(
-        "float32", "Weight dtype; 'auto' takes the checkpoint's dtype.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
+        "auto", "Weight dtype. 'auto': the checkpoint's own, as transformers' from_pretrained does "
+        "(config.json's dtype or torch_dtype: bfloat16 for Qwen2-VL and Qwen2.5-VL, float32 for "
+        "the built-in models); r1fit plan prints the one it planned with. 'float32', 'bfloat16' "
+        "or 'float16' convert the weights on load.")
     lora: LoraConfig = opt(LoraConfig(), "LoRA settings.")
     freeze_vision: bool = opt(False, "Keep the vision tower frozen (full fine-tuning only; LoRA never "
                               "adapts it).")
@@ -117,7 +120,8 @@ class DataConfig:
               "one per data.train source (VLM-R1's --image_folders). null: each file's own folder.")
     eval_image_folder: str | tuple[str, ...] | None = opt(
         None, "data.image_folder for the data.eval sources.")
-    problem_key: str | None = opt(None, "Column of the question ('columns' rows; null: 'problem').")
+    problem_key: str | None = opt(None, "Column of the question ('columns' rows; null: 'problem', "
+                                  "else 'prompt').")
     answer_key: str | None = opt(None, "Column of the reference answer ('columns' rows; null: "
                                  "'solution', else 'answer').")
     image_key: str | None = opt(None, "Column of the image(s): paths, bytes or {bytes, path} "
@@ -294,7 +298,8 @@ class ReportConfig:
     to: tuple[Literal["tensorboard", "wandb", "trackio", "mlflow"], ...] = opt(
         [], "Metric trackers that receive every metrics row besides metrics.jsonl (rank 0 only; "
         "each needs its extra: pip install -e '.[tensorboard]' and so on). Offline works: W&B "
-        "with WANDB_MODE=offline, mlflow with a file store, trackio and TensorBoard locally.")
+        "with WANDB_MODE=offline, mlflow with a local SQLite store, trackio and TensorBoard "
+        "locally.")
     project: str = opt("r1fit", "Project (W&B, trackio) or experiment (mlflow) name.")
     run_name: str | None = opt(None, "Run name in the trackers (null: the output folder's name).")
     samples_every: int = opt(0, "Every N GRPO steps, send a table of the step's completions (with "

@@ -11,13 +11,13 @@ log = logging.getLogger("r1fit")
 
 
 @contextmanager
-def progress_bar(title: str, total: int, completed: int = 0) -> Iterator[Callable[[str], None]]:
-    """Yields ``advance(status)``, to be called once per step; ``completed`` steps were done
+def progress_bar(title: str, total: int, completed: int = 0) -> Iterator[Callable[..., None]]:
+    """Yields ``advance(status="")``, to be called once per step; ``completed`` steps were done
     before (a resumed run)."""
     from r1fit.distributed.context import world
 
     if not world().main:  # one bar, rank 0's
-        yield lambda status: None
+        yield lambda status="": None
         return
     if sys.stderr.isatty():
         from rich.progress import (
@@ -33,12 +33,12 @@ def progress_bar(title: str, total: int, completed: int = 0) -> Iterator[Callabl
                    TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[status]}"))
         with Progress(*columns, transient=False) as progress:
             task = progress.add_task(title, total=total, completed=completed, status="")
-            yield lambda status: progress.update(task, advance=1, status=status)
+            yield lambda status="": progress.update(task, advance=1, status=status)
         return
     done = completed
     every = max(1, total // 20)
 
-    def advance(status: str) -> None:
+    def advance(status: str = "") -> None:
         nonlocal done
         done += 1
         if done % every == 0 or done == total:

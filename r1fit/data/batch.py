@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from r1fit.data.errors import BadRowError
+from r1fit.data.rows import IMAGE_TOKEN
 from r1fit.data.sample import Sample
 
 
@@ -30,13 +32,30 @@ class Prompt:
         return int(self.input_ids.shape[0])
 
 
-def chat_messages(sample: Sample, system_prompt: str) -> list[dict[str, Any]]:
-    """The Qwen-style chat messages of a sample: system text, then the user's images and question."""
-    user = [{"type": "image"} for _ in sample.images] + [{"type": "text", "text": sample.problem}]
+def _content(text: str) -> list[dict[str, Any]]:
+    """A turn's text as chat-template content: an image part at each ``<image>`` placeholder."""
+    parts: list[dict[str, Any]] = []
+    for i, piece in enumerate(text.split(IMAGE_TOKEN)):
+        if i:
+            parts.append({"type": "image"})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
+
+
+def chat_messages(sample: Sample, system_prompt: str, *, answer: bool = False
+                  ) -> list[dict[str, Any]]:
+    """The chat messages of a sample: the system text (the row's own system turn wins over
+    ``system_prompt``), then its turns up to the answer (``answer=True``: the answer too), each
+    image where its placeholder is. A sample without turns is its images, then its question."""
+    turns = list(sample.turns) or [("user", IMAGE_TOKEN * len(sample.images) + sample.problem),
+                                   ("assistant", sample.solution)]
+    if not answer:
+        turns = turns[:-1]
     messages: list[dict[str, Any]] = []
-    if system_prompt:
+    if system_prompt and not any(role == "system" for role, _ in turns):
         messages.append({"role": "system", "content": [{"type": "text", "text": system_prompt}]})
-    messages.append({"role": "user", "content": user})
+    messages.extend({"role": role, "content": _content(text)} for role, text in turns)
     return messages
 
 
@@ -60,6 +79,54 @@ def encode_prompts(processor: Any, samples: Sequence[Sample], system_prompt: str
                 image_inputs[key] = value
         prompts.append(Prompt(input_ids, token_inputs, image_inputs, sample))
     return prompts
+
+
+def _rendered(processor: Any, sample: Sample, turns: Sequence[tuple[str, str]],
+              system_prompt: str, generation_prompt: bool) -> str:
+    shown = Sample(sample.images, sample.problem, sample.solution, sample.source,
+                   turns=tuple(turns) + ((("assistant", ""),) if generation_prompt else ()))
+    return processor.apply_chat_template(chat_messages(shown, system_prompt,
+                                                       answer=not generation_prompt),
+                                         tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def conversation_target(processor: Any, sample: Sample, system_prompt: str, answer: str
+                        ) -> tuple[Sample, torch.Tensor, torch.Tensor] | None:
+    """For SFT on a row with several assistant turns: ``(prompt sample, completion ids, mask)``
+    where the prompt runs to the first assistant turn after the row's last image, the completion
+    is the rest of the conversation (its last turn replaced by ``answer``) and the mask is 1 on
+    the assistant turns. ``None`` for a row with one answer to learn (prompt + answer as usual).
+
+    The chat template renders the conversation turn by turn and each piece is tokenized on its
+    own; a template whose rendering of a shorter conversation is not a prefix of the longer one
+    makes the row bad (``BadRowError``)."""
+    turns = list(sample.turns)
+    if not turns:
+        return None
+    last_image = max((i for i, (_, text) in enumerate(turns) if IMAGE_TOKEN in text), default=-1)
+    first = next(i for i, (role, _) in enumerate(turns) if role == "assistant" and i > last_image)
+    learned = [i for i in range(first, len(turns)) if turns[i][0] == "assistant"]
+    if len(learned) == 1:
+        return None
+    turns[-1] = ("assistant", answer)
+    tokenizer = processor.tokenizer
+    ids: list[int] = []
+    mask: list[float] = []
+    done = _rendered(processor, sample, turns[:first], system_prompt, True)
+    for index in learned:
+        before = _rendered(processor, sample, turns[:index], system_prompt, True)
+        after = _rendered(processor, sample, turns[:index + 1], system_prompt, False)
+        if not (before.startswith(done) and after.startswith(before)):
+            raise BadRowError(f"{sample.source}: the chat template does not render this "
+                              "conversation turn by turn; SFT cannot tell its assistant turns")
+        for text, scored in ((before[len(done):], 0.0), (after[len(before):], 1.0)):
+            piece = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+            ids.extend(piece)
+            mask.extend([scored] * len(piece))
+        done = after
+    prompt = Sample(sample.images, sample.problem, sample.solution, sample.source,
+                    turns=tuple(turns[:first + 1]), reward_method=sample.reward_method)
+    return prompt, torch.tensor(ids, dtype=torch.long), torch.tensor(mask)
 
 
 def split_too_long(prompts: Sequence[Prompt], max_tokens: int | None
@@ -97,8 +164,10 @@ class Batch:
 
 
 def collate(prompts: Sequence[Prompt], completions: Sequence[torch.Tensor] | None,
-            pad_id: int) -> Batch:
-    """Left-pad the prompts to a common length and right-pad the completions after them."""
+            pad_id: int, masks: Sequence[torch.Tensor | None] | None = None) -> Batch:
+    """Left-pad the prompts to a common length and right-pad the completions after them.
+    ``masks[i]`` (1 = scored) replaces the all-ones mask of completion ``i`` where given (SFT
+    on multi-turn rows scores the assistant turns only)."""
     rows = len(prompts)
     prompt_len = max(p.length for p in prompts)
     comps = list(completions) if completions is not None else [torch.zeros(0, dtype=torch.long)] * rows
@@ -124,7 +193,8 @@ def collate(prompts: Sequence[Prompt], completions: Sequence[torch.Tensor] | Non
         input_ids[i, prompt_len:prompt_len + n] = comp
         attention[i, prompt_len:prompt_len + n] = 1
         completion_ids[i, :n] = comp
-        completion_mask[i, :n] = 1.0
+        mask = masks[i] if masks is not None else None
+        completion_mask[i, :n] = 1.0 if mask is None else mask.to(torch.float32)
     inputs: dict[str, torch.Tensor] = {"input_ids": input_ids, "attention_mask": attention, **extras}
     image_keys = dict.fromkeys(k for p in prompts for k in p.image_inputs)
     for key in image_keys:

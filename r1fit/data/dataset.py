@@ -1,6 +1,6 @@
 """One entry point for prompt data (``load_dataset``) and the resumable index stream (``PromptSampler``).
 
-A ``PromptDataset`` wraps a source (a JSONL file or a built-in task) and applies the pixel budget to
+A ``PromptDataset`` wraps a source (data files and datasets, or a built-in task) and applies the pixel budget to
 every image it returns, so the rest of the code never sees an image outside ``[min_pixels,
 max_pixels]``. ``PromptSampler`` decides which prompts come next and is saved in checkpoints, so a
 resumed run sees exactly the prompts an uninterrupted run would have seen.
@@ -9,16 +9,17 @@ resumed run sees exactly the prompts an uninterrupted run would have seen.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from r1fit.data.errors import BadRowError, DataError
 from r1fit.data.images import check_pixel_budget, fit_pixel_budget
-from r1fit.data.jsonl import JsonlSource
+from r1fit.data.rows import FormatOptions
 from r1fit.data.sample import Sample
 from r1fit.data.shapes import SPLITS, ShapesSource, ShapesSpec
+from r1fit.data.source import RowSource, TableSpec
 
 BUILTIN_PREFIX = "builtin:"
 BUILTINS = ("shapes",)
@@ -42,7 +43,7 @@ class PromptDataset(Sequence[Sample]):
     """A sequence of ``Sample`` with images fitted to the pixel budget.
 
     Attributes:
-        name: the JSONL path as given, or ``"builtin:shapes/<split>"``.
+        name: the sources as given, or ``"builtin:shapes/<split>"``.
         total_rows: rows read from the source (for a built-in task: its size).
         bad_rows: rows skipped at load time. Rows whose images fail only when decoded are not counted
             here: ``__getitem__`` raises ``BadRowError`` for them and ``fetch`` reports them.
@@ -102,7 +103,7 @@ class PromptDataset(Sequence[Sample]):
 
 
 def load_dataset(
-    spec: str | os.PathLike[str],
+    spec: str | os.PathLike[str] | Sequence[str],
     *,
     split: str,
     min_pixels: int,
@@ -112,20 +113,30 @@ def load_dataset(
     seed: int,
     size: int | None = None,
     shapes: ShapesSpec | None = None,
+    options: FormatOptions | None = None,
+    image_folders: Sequence[str] = (),
+    reward_methods: Sequence[str] = ("default",),
+    check_method: Callable[[str], None] | None = None,
 ) -> PromptDataset:
-    """Open a JSONL file or a built-in task as a ``PromptDataset``.
+    """Open data sources or a built-in task as a ``PromptDataset``.
 
     Args:
-        spec: path to a JSONL file, or ``"builtin:shapes"``.
-        split: ``"train"`` or ``"eval"``. Selects the built-in split; a JSONL file is one split already
-            (pass the eval file separately), so there it is only checked.
+        spec: ``"builtin:shapes"``, or one source or a list of them (JSONL, JSON list, parquet,
+            a ``save_to_disk`` folder, a hub id; see :mod:`r1fit.data.tables`), concatenated.
+        split: ``"train"`` or ``"eval"``. Selects the built-in split, and the split a dataset with
+            several takes by default (``train`` / ``test``).
         min_pixels, max_pixels: pixel budget of every returned image.
         max_images: rows with more images are bad rows.
         max_bad_fraction: ``DataError`` when more than this fraction of rows is bad.
-        seed: built-in tasks draw their items from it (ignored for JSONL).
-        size: number of items; built-in default 5000 (train) / 200 (eval); for JSONL, use only the
+        seed: built-in tasks draw their items from it (ignored for files).
+        size: number of items; built-in default 5000 (train) / 200 (eval); for files, use only the
             first ``size`` good rows (default: all).
         shapes: parameters of ``builtin:shapes`` (default ``ShapesSpec()``).
+        options: the row format (default: detected).
+        image_folders: none, one for every source, or one per source.
+        reward_methods: one accuracy method for every source, or one per source.
+        check_method: raises ``ValueError`` for an accuracy method that cannot score (its rows
+            are then bad).
     """
     if split not in SPLITS:
         raise DataError(f"split must be one of {list(SPLITS)}, got {split!r}")
@@ -133,9 +144,10 @@ def load_dataset(
         raise DataError(f"dataset size must be a positive integer, got {size!r}")
     check_pixel_budget(min_pixels, max_pixels)
 
-    text = os.fspath(spec)
+    specs = [os.fspath(spec)] if isinstance(spec, str | os.PathLike) else list(spec)
     source: _Source
-    if text.startswith(BUILTIN_PREFIX):
+    if len(specs) == 1 and specs[0].startswith(BUILTIN_PREFIX):
+        text = specs[0]
         task = text[len(BUILTIN_PREFIX):]
         if task not in BUILTINS:
             raise DataError(f"unknown built-in dataset {text!r}; available: {[BUILTIN_PREFIX + b for b in BUILTINS]}")
@@ -146,8 +158,28 @@ def load_dataset(
             split=split, size=size if size is not None else DEFAULT_SIZES[split], seed=seed,
         )
     else:
-        source = JsonlSource(text, max_images=max_images, max_bad_fraction=max_bad_fraction, size=size)
+        if any(s.startswith(BUILTIN_PREFIX) for s in specs):
+            raise DataError(f"a built-in task cannot be mixed with other sources: {specs}")
+        folders = _per_source(list(image_folders), specs, "image folders")
+        methods = _per_source(list(reward_methods), specs, "reward methods")
+        tables = [TableSpec(s, f, m) for s, f, m in zip(specs, folders, methods, strict=True)]
+        source = RowSource(tables, options=options or FormatOptions(), max_images=max_images,
+                           max_bad_fraction=max_bad_fraction, size=size,
+                           default_split="train" if split == "train" else "test",
+                           check_method=check_method)
     return PromptDataset(source, min_pixels=min_pixels, max_pixels=max_pixels)
+
+
+def _per_source(values: list[Any], specs: list[str], what: str) -> list[Any]:
+    """``values`` spread over the sources: none (each None), one (for all) or one per source."""
+    if not values:
+        return [None] * len(specs)
+    if len(values) == 1:
+        return values * len(specs)
+    if len(values) != len(specs):
+        raise DataError(f"{len(values)} {what} for {len(specs)} sources: give one, or one per "
+                        "source")
+    return values
 
 
 class PromptSampler:

@@ -8,6 +8,7 @@ bound keeps tiny images from collapsing to a single token.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from pathlib import Path
@@ -91,35 +92,44 @@ def fit_pixel_budget(img: Image.Image, min_pixels: int, max_pixels: int) -> Imag
     return rgb.resize((new_w, new_h), resample=resample)
 
 
-def verify_image(path: str | os.PathLike[str]) -> None:
-    """Cheap integrity check without decoding pixels: the file exists and ``Image.verify()`` passes.
+def verify_image(image: str | os.PathLike[str] | bytes | Image.Image) -> None:
+    """Cheap integrity check without decoding pixels: the file exists (or the bytes are there) and
+    ``Image.verify()`` passes. An image a dataset already decoded passes as it is.
 
     Raises ``BadRowError`` with a one-line reason. ``verify()`` checks headers and, for PNG, chunk
     checksums; it cannot see every corruption, so decoding can still fail later (see ``load_image``).
     """
-    _open(path, "verify", "corrupt image")
+    if not isinstance(image, Image.Image):
+        _open(image, "verify", "corrupt image")
 
 
-def load_image(path: str | os.PathLike[str]) -> Image.Image:
-    """Open and fully decode an image file (``Image.open`` + ``load()``), raising ``BadRowError``.
+def load_image(image: str | os.PathLike[str] | bytes | Image.Image) -> Image.Image:
+    """Open and fully decode an image file or encoded bytes (``Image.open`` + ``load()``), raising
+    ``BadRowError``; an already decoded image is returned as it is.
 
     Decoding eagerly surfaces truncated/corrupt files here, with the path in the message, instead of
     deep inside the processor. The returned image is in its file mode; ``fit_pixel_budget`` makes it RGB.
     """
-    return _open(path, "load", "cannot decode image")
+    if isinstance(image, Image.Image):
+        return image
+    return _open(image, "load", "cannot decode image")
 
 
-def _open(path: str | os.PathLike[str], how: str, failure: str) -> Image.Image:
-    """``Image.open(path)`` then its ``verify()`` or ``load()``; ``BadRowError`` naming the path."""
-    path = Path(path)
-    if not path.is_file():
-        raise BadRowError(f"image not found: {path}")
+def _open(image: str | os.PathLike[str] | bytes, how: str, failure: str) -> Image.Image:
+    """``Image.open`` of a file or of encoded bytes, then its ``verify()`` or ``load()``;
+    ``BadRowError`` naming the path (or saying the bytes are embedded)."""
+    if isinstance(image, bytes):
+        source, name = io.BytesIO(image), f"(embedded, {len(image)} bytes)"
+    else:
+        source = name = Path(image)
+        if not source.is_file():
+            raise BadRowError(f"image not found: {source}")
     try:
-        with Image.open(path) as img:
+        with Image.open(source) as img:
             getattr(img, how)()
             # the context manager closes the file; loaded pixels stay in memory
             return img
     # PIL plugins raise many types on corrupt input (OSError, SyntaxError, struct.error, IndexError,
     # DecompressionBombError...); any of them means "this file is unusable".
     except Exception as exc:  # noqa: BLE001
-        raise BadRowError(f"{failure} {path}: {one_line(exc)}") from exc
+        raise BadRowError(f"{failure} {name}: {one_line(exc)}") from exc

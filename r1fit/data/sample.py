@@ -1,4 +1,4 @@
-"""The unit every data source yields: images + a prompt + the reference answer."""
+"""The unit every data source yields: images + a conversation + the reference answer."""
 
 from __future__ import annotations
 
@@ -17,9 +17,15 @@ class Sample:
         solution: the reference answer the reward compares against.
         source: where the sample came from, for error messages and logs:
             ``"path/to/file.jsonl:LINE"`` or ``"builtin:shapes/train#123"``.
+        turns: the row's whole conversation ``(role, text)``, its last turn the answer, one
+            ``<image>`` placeholder per image (see :mod:`r1fit.data.rows`); empty: the prompt is
+            the images followed by ``problem``.
+        reward_method: the accuracy method that scores answers to it (``data.reward_method``).
     """
 
     images: list[Image.Image]
     problem: str
     solution: str
     source: str
+    turns: tuple[tuple[str, str], ...] = ()
+    reward_method: str = "default"

@@ -25,10 +25,12 @@ def score_rollout(rollout: Rollout, scorer: RewardScorer, processor: Any,
     samples = [p.sample for p in rollout.rows]
     errors_before = scorer.total_errors
     rewards = scorer.score(texts, [s.solution for s in samples],
-                           [{"problem": s.problem} for s in samples])
+                           [{"problem": s.problem, "reward_method": s.reward_method}
+                            for s in samples])
     # the logged accuracy: the reward component when configured, else scored here
     correct = (rewards.components["accuracy"] if "accuracy" in rewards.components else
-               torch.tensor([accuracy(t, s.solution, problem=s.problem)
+               torch.tensor([accuracy(t, s.solution, problem=s.problem,
+                                      reward_method=s.reward_method)
                              for t, s in zip(texts, samples)]))
     rollout.rewards = all_gather_rows(rewards.total)
     rollout.components = {k: all_gather_rows(v) for k, v in rewards.components.items()}

@@ -53,7 +53,8 @@ def evaluate(run: Run, engine: HFRollouts | VllmRollouts | None = None) -> dict[
             completions = engine.greedy(prompts)
             for prompt, text in zip(prompts, decode_completions(run.processor, completions)):
                 sample = prompt.sample
-                correct += accuracy(text, sample.solution, problem=sample.problem)
+                correct += accuracy(text, sample.solution, problem=sample.problem,
+                                    reward_method=sample.reward_method)
                 formatted += format_reward(text, sample.solution, problem=sample.problem)
             scored += len(prompts)
     correct, formatted, scored, bad = all_sum([correct, formatted, scored, bad])

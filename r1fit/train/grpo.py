@@ -31,8 +31,8 @@ from r1fit.memory.guard import OOMGuard
 from r1fit.memory.telemetry import reset_peak, step_memory, warn_if_fragmented
 from r1fit.models.load import Reference
 from r1fit.models.logprobs import completion_logprobs
+from r1fit.progress import progress_bar
 from r1fit.report.metrics import timed
-from r1fit.report.progress import progress_bar
 from r1fit.rewards.registry import RewardScorer
 from r1fit.rng import RngState
 from r1fit.rollout.generate import SamplingSettings, generate_rollout
@@ -107,6 +107,7 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
                 return rollout, updates
 
             rollout, updates = guard.run_step(attempt, restore=[rng, scorer])
+            run.trackers.log_samples(rollout, run.processor)  # every report.samples_every steps
             row = {"step": step, **step_metrics(rollout, updates, times),
                    "learning_rate": scheduler.get_last_lr()[0], **step_memory(run.device),
                    "bad_rows": bad_rows.count, "reward_errors": scorer.total_errors,

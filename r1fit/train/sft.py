@@ -17,14 +17,15 @@ import torch
 
 from r1fit.checkpoint.state import OptimizerState, PythonRandomState, SchedulerState
 from r1fit.config import Config
-from r1fit.data.batch import collate
+from r1fit.data.batch import Prompt, collate, conversation_target, encode_prompts
 from r1fit.data.build import BadRowCounter
 from r1fit.data.dataset import PromptSampler
+from r1fit.data.errors import BadRowError, DataError
 from r1fit.data.sample import Sample
 from r1fit.distributed.context import all_sum
 from r1fit.memory.telemetry import reset_peak, step_memory
 from r1fit.models.logprobs import completion_logprobs
-from r1fit.report.progress import progress_bar
+from r1fit.progress import progress_bar
 from r1fit.rewards.answer import extract_answer
 from r1fit.rng import RngState
 from r1fit.train.evaluate import evaluate
@@ -52,6 +53,34 @@ def build_targets(samples: list[Sample], think: str, rng: random.Random | None) 
     if rng is not None:
         solutions = [rng.choice(solutions) for _ in samples]
     return [target_text(sol, think) for sol in solutions]
+
+
+def sft_rows(run: Run, prompts: list[Prompt], answers: list[str], end_of_turn: int
+             ) -> tuple[list[Prompt], list[torch.Tensor], list[torch.Tensor | None]]:
+    """Prompts, completion tokens and masks (None: every token) of one SFT batch. A row with one
+    answer to learn is its prompt and the answer followed by the end-of-turn token; a row with
+    several assistant turns is its conversation up to the first of them and the rest, scored on
+    the assistant turns only (:func:`conversation_target`)."""
+    tokenizer = run.processor.tokenizer
+    out_prompts, targets, masks = [], [], []
+    for prompt, answer in zip(prompts, answers):
+        try:
+            turns = conversation_target(run.processor, prompt.sample, run.cfg.data.system_prompt,
+                                        answer)
+        except BadRowError as exc:  # the template's doing: every multi-turn row would fail
+            raise DataError(f"SFT on multi-turn rows: {exc}") from None
+        if turns is None:
+            out_prompts.append(prompt)
+            targets.append(torch.tensor(tokenizer(answer, add_special_tokens=False)["input_ids"]
+                                        + [end_of_turn], dtype=torch.long))
+            masks.append(None)
+            continue
+        sample, ids, mask = turns
+        # the prompt is a prefix of the row's prompt, so never longer than one that was accepted
+        out_prompts.extend(encode_prompts(run.processor, [sample], run.cfg.data.system_prompt))
+        targets.append(ids)
+        masks.append(mask)
+    return out_prompts, targets, masks
 
 
 def supervised_steps(run: Run, steps: int, *, format_only: bool) -> list[dict[str, Any]]:
@@ -82,22 +111,24 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool) -> list[dict[st
             started = time.perf_counter()
             reset_peak(run.device)
             prompts = run.fetch(sampler, bad_rows, cfg.sft.batch_size)
-            targets = [torch.tensor(processor.tokenizer(t, add_special_tokens=False)["input_ids"]
-                                    + [end_of_turn], dtype=torch.long)
-                       for t in build_targets([p.sample for p in prompts], cfg.sft.think, rng)]
-            total_tokens = sum(int(t.shape[0]) for t in targets)
+            prompts, targets, masks = sft_rows(run, prompts,
+                                               build_targets([p.sample for p in prompts],
+                                                             cfg.sft.think, rng), end_of_turn)
+            total_tokens = sum(int(t.shape[0]) if m is None else int(m.sum())
+                               for t, m in zip(targets, masks))
             # over several processes each rank takes its share of the batch's rows
             share = run.world.share(len(prompts), "rows per step (sft.batch_size)")
-            prompts, targets = prompts[share], targets[share]
+            prompts, targets, masks = prompts[share], targets[share], masks[share]
 
             def accumulate() -> float:
                 """Gradients of the batch, micro_batch rows at a time (redone smaller on OOM)."""
                 optimizer.zero_grad(set_to_none=True)
                 loss_sum = 0.0
                 with guard.phase("micro_batch"):
-                    for _, mb_prompts, mb_targets in micro_batches(prompts, targets,
-                                                                   run.sizes.micro_batch):
-                        batch = collate(mb_prompts, mb_targets, run.ids.pad).to(run.device)
+                    for piece, mb_prompts, mb_targets in micro_batches(prompts, targets,
+                                                                       run.sizes.micro_batch):
+                        batch = collate(mb_prompts, mb_targets, run.ids.pad,
+                                        masks[piece]).to(run.device)
                         logp = completion_logprobs(run.policy, batch,
                                                    chunk_size=cfg.memory.logits_chunk)
                         # this micro-batch's share of the batch's token-mean cross-entropy

@@ -58,3 +58,57 @@ def test_split_too_long_keeps_short_prompts_and_names_long_ones():
     assert errors == ["train.jsonl:7: the prompt has 5 tokens, more than "
                       "data.max_prompt_tokens=4"]
     assert split_too_long([short, long_], max_tokens=None) == ([short, long_], [])
+
+
+def test_collate_takes_a_completion_mask_where_given():
+    batch = collate([prompt([5], [0], 1), prompt([6], [0], 1)],
+                    [torch.tensor([11, 12, 13]), torch.tensor([14, 15])], PAD,
+                    [torch.tensor([1.0, 0.0, 1.0]), None])
+    assert batch.completion_mask.tolist() == [[1, 0, 1], [1, 1, 0]]
+
+
+def test_chat_messages_put_images_at_their_placeholders_and_keep_the_rows_system_turn():
+    from r1fit.data.batch import chat_messages
+
+    turns = (("system", "Be brief."), ("user", "<image>left, <image>right: same?"),
+             ("assistant", "no"))
+    sample = Sample(images=[], problem="left, right: same?", solution="no", source="t",
+                    turns=turns)
+    assert chat_messages(sample, "ignored: the row has its own") == [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "left, "},
+                                     {"type": "image"}, {"type": "text", "text": "right: same?"}]}]
+    # a sample without turns: its images, then its question, after the system prompt
+    plain = Sample(images=[object(), object()], problem="q?", solution="a", source="t")
+    assert chat_messages(plain, "sys") == [
+        {"role": "system", "content": [{"type": "text", "text": "sys"}]},
+        {"role": "user", "content": [{"type": "image"}, {"type": "image"},
+                                     {"type": "text", "text": "q?"}]}]
+
+
+def test_multi_turn_sft_target_scores_the_assistant_turns_only(tiny_dir):
+    from transformers import AutoProcessor
+
+    from r1fit.data.batch import conversation_target, encode_prompts
+
+    processor = AutoProcessor.from_pretrained(tiny_dir)
+    turns = (("user", "Is there a square?"), ("assistant", "Yes."),
+             ("user", "What colour?"), ("assistant", "red"))
+    sample = Sample(images=[], problem="What colour?", solution="red", source="t", turns=turns)
+    prompt_sample, ids, mask = conversation_target(processor, sample, "", "<answer>red</answer>")
+    assert prompt_sample.turns == turns[:2]  # the prompt runs to the first assistant turn
+    decode = processor.tokenizer.decode
+    scored = decode(ids[mask.bool()].tolist())
+    context = decode(ids[~mask.bool()].tolist())
+    assert scored == "Yes.<|im_end|>\n<answer>red</answer><|im_end|>\n"
+    assert context == "<|im_start|>user\nWhat colour?<|im_end|>\n<|im_start|>assistant\n"
+    # prompt + completion is the whole conversation as the chat template renders it
+    whole = processor.apply_chat_template(
+        [{"role": r, "content": [{"type": "text", "text": t}]}
+         for r, t in turns[:-1] + (("assistant", "<answer>red</answer>"),)], tokenize=False)
+    (encoded,) = encode_prompts(processor, [prompt_sample], "")
+    assert decode(encoded.input_ids.tolist() + ids.tolist()) == whole
+    # one answer to learn: the usual prompt + answer
+    single = Sample(images=[], problem="q", solution="a", source="t",
+                    turns=(("user", "q"), ("assistant", "a")))
+    assert conversation_target(processor, single, "", "a") is None

@@ -1,4 +1,5 @@
-"""JSONL reader: good rows, every kind of bad row, counts, warnings and the bad-fraction error."""
+"""Row sources (a JSONL file here): good rows, every kind of bad row, counts, warnings and the
+bad-fraction error."""
 
 from __future__ import annotations
 
@@ -11,13 +12,19 @@ import pytest
 from PIL import Image
 
 from r1fit.data.errors import BadRowError, DataError
-from r1fit.data.jsonl import MAX_ROW_WARNINGS, JsonlSource
+from r1fit.data.rows import FormatOptions
+from r1fit.data.source import MAX_ROW_WARNINGS, RowSource, TableSpec
 
 
 def _png(path: Path, size: tuple[int, int] = (40, 30), color: tuple[int, int, int] = (255, 0, 0)) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.new("RGB", size, color).save(path)
     return path
+
+
+def JsonlSource(path: Path, **kwargs: object) -> RowSource:  # noqa: N802 - reads as a class
+    """One JSONL file as a row source, formats detected."""
+    return RowSource([TableSpec(str(path))], options=FormatOptions(), **kwargs)
 
 
 def _write_lines(path: Path, lines: list[str]) -> Path:
@@ -52,7 +59,7 @@ def mixed(tmp_path: Path) -> tuple[Path, dict[int, str]]:
         json.dumps(["not", "an", "object"]),                                                  # 8 not an object
         row(image="imgs/red.png", solution="red"),                                            # 9 no problem
         row(image="imgs/red.png", problem="q", solution="  "),                                # 10 empty solution
-        row(image="imgs/red.png", problem="q", solution=3),                                   # 11 non-string
+        row(image="imgs/red.png", problem="q", solution=[3]),                                 # 11 non-string
         row(image="imgs/missing.png", problem="q", solution="a"),                             # 12 missing image
         row(image="imgs/trunc.png", problem="q", solution="a"),                               # 13 corrupt image
         row(image=["imgs/red.png"] * 3, problem="q", solution="a"),                           # 14 too many images
@@ -63,11 +70,11 @@ def mixed(tmp_path: Path) -> tuple[Path, dict[int, str]]:
         8: "not a JSON object",
         9: "missing 'problem'",
         10: "'solution' is empty",
-        11: "'solution' must be a string, got int",
+        11: "'solution' must be a string, got list",
         12: "image not found: ",
         13: "corrupt image ",
         14: "has 3 images, more than data.max_images=2",
-        15: "'image' must be a path or a list of paths",
+        15: "'image'[0] must be a path, image bytes or a {bytes, path} record",
     }
     return _write_lines(data / "train.jsonl", lines), reasons
 
@@ -78,7 +85,7 @@ def test_good_and_bad_rows_counted_and_warned(mixed, caplog, tmp_path, monkeypat
     with caplog.at_level(logging.WARNING, logger="r1fit.data"):
         src = JsonlSource(path, max_images=2, max_bad_fraction=0.7)
     assert (src.total_rows, src.bad_rows, len(src)) == (14, 9, 5)
-    assert [r.line for r in src.rows] == [1, 2, 3, 4, 5]
+    assert [src.tables[0].where(r.index) for r in src.rows] == [f"{path}:{i}" for i in range(1, 6)]
 
     warnings = [r.getMessage() for r in caplog.records if r.name == "r1fit.data"]
     assert len(warnings) == 9
@@ -123,8 +130,9 @@ def test_missing_and_empty_files(tmp_path) -> None:
     for name in ("empty.jsonl", "blank.jsonl"):
         with pytest.raises(DataError, match=re.escape(f"{tmp_path / name}: no rows (empty file)")):
             JsonlSource(tmp_path / name, max_images=1, max_bad_fraction=0.1)
+    (tmp_path / "folder.jsonl").mkdir()
     with pytest.raises(DataError, match="not a file"):
-        JsonlSource(tmp_path, max_images=1, max_bad_fraction=0.1)
+        JsonlSource(tmp_path / "folder.jsonl", max_images=1, max_bad_fraction=0.1)
 
 
 def test_all_rows_bad_is_an_error_even_when_allowed(tmp_path) -> None:

@@ -138,7 +138,8 @@ def test_too_many_bad_rows_stop_with_one_line(use_tiny_cache, tmp_path, capsys):
     # the data is checked before the model loads: skip warnings, then one error line, no traceback
     lines = err.splitlines()
     assert lines[-1].startswith("r1fit: error:") and "train.jsonl" in lines[-1]
-    assert all(line.startswith("WARNING r1fit.data: skipping") for line in lines[:-1])
+    assert all(line.startswith(("WARNING r1fit.data: skipping", "INFO r1fit.data: data: "))
+               for line in lines[:-1])
     assert "Traceback" not in err
 
 
@@ -176,7 +177,7 @@ def test_eval_rows_that_fail_to_decode_are_counted_not_scored(use_tiny_cache, tm
                                                               monkeypatch):
     """An image that passed the load-time check but fails when decoded (e.g. deleted or truncated
     in between) is skipped with a warning, counted, and left out of the averages."""
-    import r1fit.data.jsonl as jsonl
+    import r1fit.data.source as jsonl
     from r1fit.data.errors import BadRowError
 
     for name in ("red", "gone"):

@@ -1,0 +1,184 @@
+"""Where rows come from: a JSONL file, a JSON list, parquet, a saved ``datasets`` folder, a hub id.
+
+Each opens as a :class:`Table`: numbered raw rows (dicts) and a name for each row in messages
+(``file.jsonl:LINE``, ``file.json row N``, ``name[split] row N``). Parquet, dataset folders and hub
+ids go through Hugging Face ``datasets`` (memory-mapped Arrow: rows are read when asked for, so a
+large dataset is never held in Python objects); its ``Image`` columns are read undecoded, as
+``{bytes, path}`` records, and decoded one sample at a time.
+
+``SOURCE@split`` picks a split (EasyR1's syntax); without it a split ``train`` (training) or
+``test`` (evaluation) is taken when the dataset has several.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from r1fit.data.errors import BadRowError, DataError
+from r1fit.errors import one_line
+
+log = logging.getLogger("r1fit.data")
+
+
+class Table:
+    """Raw rows of one source."""
+
+    name: str
+    #: folder that relative image paths of this source start from (None: none; they must be
+    #: absolute or data.image_folder set)
+    folder: Path | None
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def row(self, index: int) -> Any:
+        """Row ``index`` as parsed (``BadRowError`` when it cannot be parsed at all)."""
+        raise NotImplementedError
+
+    def where(self, index: int) -> str:
+        """Row ``index``'s name in messages."""
+        raise NotImplementedError
+
+
+class JsonlTable(Table):
+    """One JSON object per line; blank lines are skipped, the others keep their line numbers."""
+
+    def __init__(self, path: Path, name: str) -> None:
+        self.name, self.folder = name, path.parent
+        self._lines: list[int] = []
+        self._rows: list[Any] = []
+        with path.open("rb") as handle:
+            for line_no, raw in enumerate(handle, start=1):
+                if not raw.strip():
+                    continue
+                self._lines.append(line_no)
+                try:
+                    # utf-8-sig tolerates a byte-order mark on the first line (Windows editors)
+                    self._rows.append(json.loads(raw.decode("utf-8-sig")))
+                except UnicodeDecodeError as exc:
+                    self._rows.append(BadRowError(f"not valid UTF-8 ({exc.reason} at byte "
+                                                  f"{exc.start})"))
+                except json.JSONDecodeError as exc:
+                    self._rows.append(BadRowError(f"bad JSON: {exc.msg} at column {exc.colno}"))
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def row(self, index: int) -> Any:
+        value = self._rows[index]
+        if isinstance(value, BadRowError):
+            raise value
+        return value
+
+    def where(self, index: int) -> str:
+        return f"{self.name}:{self._lines[index]}"
+
+
+class ListTable(Table):
+    """Rows held by a sequence: a JSON file's list of rows (LLaVA's and MiniCPM-V's fine-tuning
+    files) or a ``datasets.Dataset`` (parquet/Arrow files, a ``save_to_disk`` folder, a hub
+    dataset), which reads each row from its memory-mapped Arrow table when asked."""
+
+    def __init__(self, rows: Any, name: str, folder: Path | None) -> None:
+        self.name, self.folder, self._rows = name, folder, rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def row(self, index: int) -> Any:
+        return self._rows[index]
+
+    def where(self, index: int) -> str:
+        return f"{self.name} row {index + 1}"
+
+
+def _json_list(path: Path, name: str) -> ListTable:
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8-sig"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"{name}: not a JSON file ({one_line(exc)})") from None
+    if not isinstance(rows, list):
+        raise DataError(f"{name}: a .json source must hold a list of rows, got "
+                        f"{type(rows).__name__} (one object per line is .jsonl)")
+    return ListTable(rows, name, path.parent)
+
+
+def _undecoded_images(dataset: Any) -> Any:
+    """``dataset`` with its image columns read as ``{bytes, path}`` records (decoded later, one
+    sample at a time, by r1fit's own checked loader)."""
+    import datasets
+
+    for column, feature in dataset.features.items():
+        if isinstance(feature, datasets.Image):
+            dataset = dataset.cast_column(column, datasets.Image(decode=False))
+        elif isinstance(getattr(feature, "feature", None), datasets.Image):  # a list of images
+            dataset = dataset.cast_column(column, type(feature)(datasets.Image(decode=False)))
+    return dataset
+
+
+def _pick_split(found: Any, name: str, split: str | None, default: str) -> tuple[Any, str]:
+    """One split of a ``DatasetDict`` (or the dataset itself)."""
+    import datasets
+
+    if not isinstance(found, datasets.DatasetDict):
+        return found, split or ""
+    names = list(found)
+    choice = split or (default if default in names else names[0] if len(names) == 1 else None)
+    if choice not in names:
+        raise DataError(f"{name}: {'no split ' + repr(split) if split else 'several splits'} "
+                        f"(has {names}); name one as {name}@<split>")
+    return found[choice], choice
+
+
+def _load_hf(spec: str, path: Path, split: str | None, default_split: str) -> ListTable:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{spec}: reading parquet, Arrow and hub datasets needs the datasets "
+                        "package: pip install datasets") from None
+    datasets.disable_progress_bars()
+    try:
+        if path.is_file() and path.suffix in (".parquet", ".arrow"):
+            kind = "parquet" if path.suffix == ".parquet" else "arrow"
+            found = datasets.load_dataset(kind, data_files=str(path), split="train")
+            return ListTable(_undecoded_images(found), spec, path.parent)
+        if path.is_dir() and ((path / "dataset_info.json").is_file() or
+                              (path / "dataset_dict.json").is_file() or
+                              (path / "state.json").is_file()):
+            found, chosen = _pick_split(datasets.load_from_disk(str(path)), spec, split,
+                                        default_split)
+            return ListTable(_undecoded_images(found), f"{spec}[{chosen}]" if chosen else spec,
+                             path)
+        # a folder of data files, or a hub id (the network is needed for the latter)
+        found, chosen = _pick_split(datasets.load_dataset(str(path)),
+                                    spec, split, default_split)
+        return ListTable(_undecoded_images(found), f"{spec}[{chosen}]",
+                         path if path.is_dir() else None)
+    except DataError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - datasets raises many types; each means "cannot read"
+        raise DataError(f"{spec}: cannot load it with datasets ({one_line(exc, 300)})") from None
+
+
+def open_table(spec: str, *, default_split: str) -> Table:
+    """The table ``spec`` names: a ``.jsonl``/``.json`` file, a ``.parquet``/``.arrow`` file, a
+    ``save_to_disk`` folder, a folder of data files or a hub id; ``SPEC@split`` picks a split."""
+    text, _, split = spec.partition("@") if "@" in spec and not Path(spec).exists() else (spec, "", "")
+    path = Path(text).expanduser()
+    if path.suffix in (".jsonl", ".json"):
+        if not path.exists():
+            raise DataError(f"{spec}: file not found")
+        if not path.is_file():
+            raise DataError(f"{spec}: not a file")
+        if split:
+            raise DataError(f"{spec}: a {path.suffix} file has no splits")
+        return JsonlTable(path, text) if path.suffix == ".jsonl" else _json_list(path, text)
+    if path.suffix in (".parquet", ".arrow") and not path.exists():
+        raise DataError(f"{spec}: file not found")
+    if not path.exists() and (text.startswith((".", "/", "~")) or text.count("/") != 1):
+        raise DataError(f"{spec}: not found (neither a file or folder here nor a hub id "
+                        "'owner/name')")
+    return _load_hf(spec, path, split or None, default_split)

@@ -1,0 +1,102 @@
+"""2-step GRPO (its SFT warm-up included) and 2-step SFT on each data format people bring:
+VLM-R1's JSONL (two files, their own image folders and accuracy methods), EasyR1's parquet with
+embedded image bytes, and LLaVA's JSON list of multi-turn conversations."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from r1fit.cli import main
+from r1fit.report.metrics import read_metrics
+
+RUN = ["train.prompts_per_step=2", "algo.num_generations=4", "algo.max_new_tokens=8",
+       "sft.batch_size=4", "data.eval_size=4", "memory.micro_batch=4",
+       "memory.generation_batch=8", "data.max_pixels=3136", "eval.every=0",
+       "checkpoint.every=0", "sft.format_warmup_steps=2", "train.max_steps=2", "algo.beta=0"]
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220)}
+
+
+def png(colour: str) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (56, 56), COLOURS[colour]).save(out, format="PNG")
+    return out.getvalue()
+
+
+def vlm_r1(tmp: Path) -> list[str]:
+    """Two JSONL files in VLM-R1's layout, each with its image folder; rows name their method."""
+    args = []
+    for name in ("a", "b"):
+        folder = tmp / f"imgs_{name}"
+        folder.mkdir()
+        lines = []
+        for i, colour in enumerate(COLOURS):
+            (folder / f"{colour}.png").write_bytes(png(colour))
+            choice = "ABC"[i]
+            lines.append(json.dumps({
+                "id": f"{name}{i}", "image": f"{colour}.png",
+                "conversations": [{"from": "human", "value": "<image>Colour? A. red B. green "
+                                                              "C. blue"},
+                                  {"from": "gpt", "value": f"<answer>{choice}</answer>"}],
+                "accu_reward_method": "mcq" if name == "a" else "default"}))
+        (tmp / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    args += [f"data.train=[{tmp / 'a.jsonl'},{tmp / 'b.jsonl'}]",
+             f"data.image_folder=[{tmp / 'imgs_a'},{tmp / 'imgs_b'}]",
+             f"data.eval={tmp / 'b.jsonl'}", f"data.eval_image_folder={tmp / 'imgs_b'}"]
+    return args
+
+
+def easyr1(tmp: Path) -> list[str]:
+    datasets = pytest.importorskip("datasets", reason="the datasets package reads parquet")
+    features = datasets.Features({"images": datasets.Sequence(datasets.Image()),
+                                  "problem": datasets.Value("string"),
+                                  "answer": datasets.Value("string")})
+    table = datasets.Dataset.from_dict(
+        {"images": [[{"bytes": png(c), "path": None}] for c in COLOURS],
+         "problem": ["<image>What colour is the square?"] * 3, "answer": list(COLOURS)},
+        features=features)
+    table.to_parquet(str(tmp / "train.parquet"))
+    return [f"data.train={tmp / 'train.parquet'}", f"data.eval={tmp / 'train.parquet'}"]
+
+
+def llava(tmp: Path) -> list[str]:
+    """LLaVA's JSON list: multi-turn conversations, the image in the first turn."""
+    rows = []
+    for colour in COLOURS:
+        (tmp / f"{colour}.png").write_bytes(png(colour))
+        rows.append({"id": colour, "image": f"{colour}.png", "conversations": [
+            {"from": "human", "value": "<image>\nIs there a square?"},
+            {"from": "gpt", "value": "Yes."},
+            {"from": "human", "value": "What colour is it?"},
+            {"from": "gpt", "value": colour}]})
+    (tmp / "llava.json").write_text(json.dumps(rows))
+    return [f"data.train={tmp / 'llava.json'}", f"data.eval={tmp / 'llava.json'}"]
+
+
+FORMATS = {"vlm-r1": vlm_r1, "easyr1": easyr1, "llava": llava}
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_grpo_and_sft_on_each_format(name, use_tiny_cache, tmp_path, capsys):
+    data = FORMATS[name](tmp_path)
+    out = tmp_path / "grpo"
+    assert main(["train", f"train.output_dir={out}", *RUN, *data]) == 0
+    rows = read_metrics(out / "metrics.jsonl")
+    steps = [r for r in rows if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(math.isfinite(r["loss"]) and r["bad_rows"] == 0 for r in steps)
+    warmup = [r for r in rows if "warmup/loss" in r]
+    assert len(warmup) == 2 and all(math.isfinite(r["warmup/loss"]) for r in warmup)
+    evals = [r for r in rows if "eval/accuracy" in r]
+    assert [r["eval/size"] for r in evals] == [3, 3]
+
+    out = tmp_path / "sft"
+    assert main(["sft", f"train.output_dir={out}", *RUN, *data, "sft.steps=2"]) == 0
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in rows)
