@@ -1,4 +1,4 @@
-"""``r1fit train | sft | plan | config | inspect | export``: parse, build, run.
+"""``r1fit train | sft | plan | config | inspect | export | report``: parse, build, run.
 
     r1fit train                      # the built-in demo (tiny model, builtin:shapes)
     r1fit train my.yaml algo.num_generations=8 model.lora.r=16
@@ -8,6 +8,7 @@
     r1fit config [my.yaml ...]       # print the resolved config; --reference for every key
     r1fit inspect runs/demo          # its checkpoints, newest first; or one checkpoint's files
     r1fit export runs/demo/checkpoint-40 my-model [--merge-lora]   # a plain Hugging Face folder
+    r1fit report runs/demo [--out FILE]   # one HTML file: plots, alarms, sampled rollouts
 """
 
 from __future__ import annotations
@@ -96,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", metavar="OUT", type=Path, help="a new (or empty) folder")
     p.add_argument("--merge-lora", action="store_true",
                    help="merge a LoRA adapter into the run's base model: a standalone model")
+    text = "write a run's report: one HTML file (plots, alarms, sampled rollouts) that opens from disk"
+    p = sub.add_parser("report", help=text, description=text)
+    p.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="a run's output folder")
+    p.add_argument("--out", metavar="FILE", type=Path,
+                   help="where to write it (default: RUN_DIR/report.html)")
     ns = parser.parse_args(argv)
 
     # imported late: `r1fit config` and `--help` should not pay for importing torch/transformers
@@ -137,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
             from r1fit.checkpoint.export import export
 
             print(export(ns.checkpoint, ns.out, merge_lora=ns.merge_lora).summary(ns.checkpoint))
+            return 0
+        if ns.command == "report":
+            from r1fit.report.html import write_report
+
+            print(write_report(ns.run_dir, ns.out))
             return 0
         cfg = _config(ns.args)
         from r1fit.memory.telemetry import configure_cuda_allocator

@@ -305,6 +305,12 @@ class ReportConfig:
     samples_every: int = opt(0, "Every N GRPO steps, send a table of the step's completions (with "
                              "their images, rewards and advantages) to the trackers (0 = never).",
                              ge=0)
+    rollouts_every: int = opt(10, "Every N GRPO steps, rank 0 saves its completions of the step "
+                              "(prompt, completion, rewards, advantage, the prompt's images as "
+                              "small PNGs) to <output_dir>/rollouts/ for the run report's "
+                              "rollout browser (0 = never).", ge=0)
+    every: int = opt(0, "Also rewrite <output_dir>/report.html every N GRPO steps (0 = only at the "
+                     "end of training; `r1fit report RUN_DIR` writes it at any time).", ge=0)
 
 
 @dataclass(frozen=True)

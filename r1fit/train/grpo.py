@@ -15,6 +15,7 @@ the k3 estimator, added to the loss (``algo.beta``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from r1fit.memory.telemetry import reset_peak, step_memory, warn_if_fragmented
 from r1fit.models.load import Reference
 from r1fit.models.logprobs import completion_logprobs
 from r1fit.progress import progress_bar
+from r1fit.report.html import LiveReport
 from r1fit.report.metrics import timed
 from r1fit.rewards.registry import RewardScorer
 from r1fit.rng import RngState
@@ -78,6 +80,7 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
         run.metrics.write(row)
         log.info("eval before GRPO: %s", row)
 
+    report = LiveReport(cfg.report, run.out, main=run.world.main)  # rank 0: rollouts, alarms, page
     step = start
     with progress_bar("GRPO", cfg.train.max_steps, completed=start) as advance:
         for step in range(start + 1, cfg.train.max_steps + 1):
@@ -108,7 +111,8 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
 
             rollout, updates = guard.run_step(attempt, restore=[rng, scorer])
             run.trackers.log_samples(rollout, run.processor)  # every report.samples_every steps
-            row = {"step": step, **step_metrics(rollout, updates, times),
+            report.save_rollout(rollout, run.processor)  # every report.rollouts_every steps
+            row = {"step": step, **step_metrics(rollout, updates, times, run.ids.eos),
                    "learning_rate": scheduler.get_last_lr()[0], **step_memory(run.device),
                    "bad_rows": bad_rows.count, "reward_errors": scorer.total_errors,
                    "oom_retries": guard.retries, "micro_batch": run.sizes.micro_batch,
@@ -123,6 +127,7 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
                 else:
                     loop.since_best += 1
             run.metrics.write(row)
+            report.after_step(row)  # alarms (each warned once); the page every report.every steps
             warn_if_fragmented(run.device, cfg.memory.fragmentation_warning_gib, step)
             advance(f"reward {row['reward_mean']:.2f} acc {row['accuracy']:.2f}")
             stop = bool(cfg.train.early_stop_patience and
@@ -133,6 +138,7 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
                          "evaluations", step, loop.best, loop.since_best)
                 break
     summary = run.finish(steps=step)
+    report.finish()
     engine.close()  # last: vLLM's shutdown takes down the process groups it joined
     return summary
 
@@ -157,11 +163,15 @@ def build_reference(run: Run) -> Reference | None:
 
 
 def step_metrics(rollout: Rollout, updates: list[dict[str, float | None]],
-                 times: dict[str, float]) -> dict[str, Any]:
+                 times: dict[str, float], eos: Sequence[int]) -> dict[str, Any]:
     """A step's rollout and update figures for its metrics row (the update figures averaged over
-    its ``num_iterations`` updates)."""
+    its ``num_iterations`` updates). A completion is clipped when it does not end with one of the
+    ``eos`` ids: generation stopped at ``algo.max_new_tokens`` (completions are cut after their
+    first end-of-sequence token, which they keep)."""
     assert rollout.rewards is not None
     seconds = sum(times.values())
+    clipped = sum(1 for c in rollout.completions if c.numel() == 0 or int(c[-1]) not in eos)
+    groups = rollout.rewards.view(-1, rollout.num_generations)  # every row of the step
     return {**{k: None if updates[0][k] is None else sum(u[k] for u in updates) / len(updates)
                for k in updates[0]},
             "reward_mean": rollout.rewards.mean().item(),
@@ -169,6 +179,9 @@ def step_metrics(rollout: Rollout, updates: list[dict[str, float | None]],
             **{f"reward/{k}": v.mean().item() for k, v in rollout.components.items()},
             "accuracy": sum(rollout.correct) / len(rollout.correct),
             "completion_len_mean": rollout.total_tokens / rollout.total_rows,
+            "completion_clipped_fraction": all_sum([clipped])[0] / rollout.total_rows,
+            "zero_variance_groups":
+                (groups.amax(dim=1) == groups.amin(dim=1)).float().mean().item(),
             "engine_logp_diff": rollout.engine_logp_diff,
             **times, "tokens_per_second": rollout.total_tokens / max(seconds, 1e-9)}
 

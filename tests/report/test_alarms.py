@@ -1,0 +1,96 @@
+"""Each alarm fires on hand-built rows showing its trouble, none on the shapes of a healthy run; the
+step metrics the alarms read (clipped completions, zero-variance groups) on a hand-built rollout."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from r1fit.report.alarms import ALARMS, AlarmWatch, check_alarms
+from r1fit.rollout.record import Rollout
+from r1fit.train.grpo import step_metrics
+
+
+def healthy(steps: int = 40) -> list[dict]:
+    """A healthy run: noisy lengths that shrink a little, then settle; a few clipped completions;
+    some zero-variance groups; format and accuracy both rising; no reward errors."""
+    rows: list[dict] = [{"warmup/step": 1, "warmup/loss": 2.0}, {"step": 0, "eval/accuracy": 0.2}]
+    for s in range(1, steps + 1):
+        wobble = math.sin(s * 1.7)
+        rows.append({"step": s, "reward_mean": 0.3 + s / 100, "completion_len_mean":
+                     120 - min(s, 20) * 2 + 8 * wobble, "completion_clipped_fraction":
+                     0.1 + 0.05 * wobble, "zero_variance_groups": 0.25 + 0.1 * wobble,
+                     "reward/format": min(1.0, 0.5 + s / 50), "accuracy": 0.2 + s / 100,
+                     "reward_errors": 0})
+    return rows
+
+
+def with_values(rows: list[dict], key: str, value) -> list[dict]:
+    """``rows`` with ``key`` of step ``s`` set to ``value(s)`` (GRPO step rows only)."""
+    return [{**r, key: value(r["step"])} if "reward_mean" in r else r for r in rows]
+
+
+def test_no_alarm_on_a_healthy_run():
+    rows = healthy()
+    for end in range(1, len(rows) + 1):  # nor at any point along it
+        assert check_alarms(rows[:end]) == {}, end
+    assert check_alarms([]) == {}
+
+
+@pytest.mark.parametrize("name, rows", [
+    ("length_collapse", with_values(healthy(), "completion_len_mean",
+                                    lambda s: 150.0 if s < 25 else 12.0)),
+    ("all_clipped", with_values(healthy(), "completion_clipped_fraction",
+                                lambda s: 1.0 if s > 30 else 0.2)),
+    ("zero_variance", with_values(healthy(), "zero_variance_groups",
+                                  lambda s: 0.9 if s > 35 else 0.3)),
+    ("format_without_accuracy", with_values(with_values(
+        healthy(), "reward/format", lambda s: 0.2 + s / 50), "accuracy", lambda s: 0.6 - s / 80)),
+    ("reward_errors", with_values(healthy(), "reward_errors", lambda s: 0 if s < 39 else 3)),
+])
+def test_each_alarm_fires_on_its_trouble_and_only_it(name, rows):
+    fired = check_alarms(rows)
+    assert list(fired) == [name], fired
+    assert ALARMS[name](rows) == fired[name]
+
+
+def test_length_collapse_needs_enough_steps_and_a_real_drop():
+    rows = [{"step": s, "reward_mean": 0, "completion_len_mean": v}
+            for s, v in enumerate([100, 100, 100, 100, 100, 40, 35, 31], 1)]
+    assert "length_collapse" not in check_alarms(rows)  # 35 > 30% of 100
+    rows[-3:] = [{**r, "completion_len_mean": 20} for r in rows[-3:]]
+    assert "length_collapse" in check_alarms(rows)
+    assert "length_collapse" not in check_alarms(rows[:7])  # too few steps
+
+
+def test_watch_warns_once_when_an_alarm_first_fires(tmp_path, caplog):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "reward_mean": 0.5, "reward_errors": 0}\n')
+    watch = AlarmWatch(metrics)  # a resumed run's earlier rows count
+    assert len(watch.rows) == 1
+    with caplog.at_level(logging.WARNING, logger="r1fit.report"):
+        watch.add({"step": 2, "reward_mean": 0.5, "reward_errors": 0})
+        assert caplog.records == []
+        for step in (3, 4, 5):
+            watch.add({"step": step, "reward_mean": 0.5, "reward_errors": 2})
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and warnings[0].startswith("alarm at step 3: 2 reward calls raised")
+
+
+def test_step_metrics_clipped_completions_and_zero_variance_groups():
+    eos = [9, 10]
+    rollout = Rollout(step=1, prompts=[object(), object(), object()], num_generations=2,
+                      share=slice(0, 6))
+    # ends with EOS (9 or 10) = finished; else stopped by max_new_tokens = clipped
+    rollout.completions = [torch.tensor(t) for t in
+                           ([1, 2, 9], [1, 2, 3], [4, 10], [5, 5, 5], [9], [7, 7, 10])]
+    rollout.total_tokens = 15
+    rollout.rewards = torch.tensor([1.0, 1.0, 0.0, 0.5, 0.0, 0.0])  # groups 0 and 2 all-equal
+    rollout.correct = [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    row = step_metrics(rollout, [{"loss": 0.5}], {"seconds_generate": 1.0}, eos)
+    assert row["completion_clipped_fraction"] == pytest.approx(2 / 6)
+    assert row["zero_variance_groups"] == pytest.approx(2 / 3)
+    assert row["completion_len_mean"] == pytest.approx(15 / 6)

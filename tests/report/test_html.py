@@ -1,0 +1,182 @@
+"""The run report: plots, alarms and the rollout browser from a synthetic run folder; a real 2-step
+run that saves rollouts and reports them; the page in headless Chromium (not blank, no console
+error)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from PIL import Image
+
+from r1fit.cli import main
+from r1fit.report.html import LiveReport, build_report, write_report
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+def synthetic_run(folder: Path, *, trouble: bool = False) -> Path:
+    """A run folder: a warm-up, an evaluation at step 0, 12 GRPO steps (with reward errors when
+    ``trouble``), one saved step of rollouts (2 prompts x 3 completions) with its images."""
+    folder.mkdir()
+    rows = [{"warmup/step": 1, "warmup/loss": 2.0}, {"warmup/step": 2, "warmup/loss": 1.5},
+            {"step": 0, "eval/accuracy": 0.1, "eval/format": 0.5}]
+    for s in range(1, 13):
+        rows.append({"step": s, "loss": 0.1, "reward_mean": 0.2 + s / 20, "reward_std": 0.3,
+                     "reward/accuracy": s / 20, "reward/format": 0.8, "accuracy": s / 20,
+                     "kl": None if s == 1 else 0.01 * s, "clip_fraction": 0.02,
+                     "grad_norm": 1.0 + s % 3, "completion_len_mean": 60 + s,
+                     "completion_clipped_fraction": 0.1, "zero_variance_groups": 0.25,
+                     "seconds_generate": 2.0, "seconds_score": 0.1, "seconds_update": 1.5,
+                     "tokens_per_second": 300 + s, "learning_rate": 1e-5,
+                     "peak_memory_bytes": 2**30 + s * 2**20, "reward_errors": 4 if trouble else 0,
+                     **({"eval/accuracy": 0.4} if s % 6 == 0 else {})})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "log.txt").write_text("2026-01-01 INFO r1fit.memory: auto-fit for 80.00 GiB on "
+                                    "cuda: memory.micro_batch=4 (planned peak 1.50 GiB)\n")
+    saved = folder / "rollouts"
+    saved.mkdir()
+    lines = []
+    for group, colour in enumerate(["red", "blue"]):
+        image = f"step_000010_g{group:03d}_0.png"
+        Image.new("RGB", (48, 32), colour).save(saved / image)
+        for k in range(3):
+            lines.append({"step": 10, "row": group * 3 + k, "group": group,
+                          "prompt": f"What colour is shape {group}?",
+                          "completion": f"<answer>{colour if k else 'green'} & more</answer>",
+                          "reward": 1.5 if k else 0.5, "advantage": 0.7 if k else -1.4,
+                          "components": {"accuracy": float(k > 0), "format": 1.0},
+                          "images": [image]})
+    (saved / "step_000010.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return folder
+
+
+def figures(page: str) -> list[str]:
+    return re.findall(r"<figcaption>(.*?)</figcaption>", page)
+
+
+def test_report_has_plots_rollouts_and_no_alarm_on_a_healthy_run(tmp_path):
+    run = synthetic_run(tmp_path / "run")
+    page = build_report(run)
+    assert figures(page) == [
+        "reward", "accuracy", "loss", "kl", "completion length (tokens)",
+        "completions clipped at algo.max_new_tokens (fraction)", "zero-variance groups (fraction)",
+        "clip_fraction", "grad_norm", "learning_rate", "tokens_per_second", "seconds per step",
+        "peak memory", "warm-up (SFT) loss"]
+    assert page.count("<svg") == len(figures(page))
+    assert "planner&#x27;s prediction: 1.50 GiB" in page
+    assert "no alarm" in page and 'class="alarm"' not in page
+    # the rollout browser: each prompt's image once, by a path relative to the page, and its rows
+    assert page.count('<img src="rollouts/step_000010_g000_0.png"') == 1
+    assert page.count('<img src="rollouts/step_000010_g001_0.png"') == 1
+    assert page.count('<tr><td class="n" data-v=') == 6
+    assert "&lt;answer&gt;green &amp; more&lt;/answer&gt;" in page  # escaped
+    assert '<th>accuracy</th><th>format</th><th>advantage</th>' in page
+    assert 'data-v="-1.4"' in page
+    assert "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
+    assert "https://" not in page  # nothing from the network
+
+
+def test_missing_keys_leave_plots_out_and_an_unrecorded_prediction_says_so(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward_mean": 0.5,
+                                                   "peak_memory_bytes": 1000}) + "\n")
+    page = build_report(run)
+    assert figures(page) == ["reward", "peak memory"]
+    assert "prediction: not recorded" in page
+    assert "No rollouts saved" in page
+
+
+def test_alarms_are_shown_at_the_top(tmp_path):
+    page = build_report(synthetic_run(tmp_path / "run", trouble=True))
+    assert page.count('class="alarm"') == 1 and "<b>reward_errors</b>: 4 reward calls" in page
+    assert page.index('class="alarm"') < page.index("<figure>")
+
+
+def test_cli_writes_the_report_and_refuses_a_folder_without_metrics(tmp_path, capsys):
+    run = synthetic_run(tmp_path / "run")
+    assert main(["report", str(run)]) == 0
+    assert (run / "report.html").is_file()
+    out = tmp_path / "elsewhere" / "page.html"
+    assert main(["report", str(run), "--out", str(out)]) == 0
+    assert '<img src="../run/rollouts/step_000010_g000_0.png"' in out.read_text()
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "elsewhere")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("r1fit: error: ") and "has no metrics.jsonl" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_two_step_run_saves_rollouts_and_reports_them(use_tiny_cache, tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", f"train.output_dir={out}", "train.max_steps=2",
+                 "train.prompts_per_step=2", "algo.num_generations=3", "algo.max_new_tokens=6",
+                 "sft.format_warmup_steps=1", "sft.batch_size=2", "data.eval_size=2",
+                 "eval.before_train=false", "memory.micro_batch=6",
+                 "memory.generation_batch=6", "data.shapes.train_size=20",
+                 "data.shapes.image_size=56", "data.max_pixels=3136",
+                 "report.rollouts_every=1", "report.every=1"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert 0 <= r["completion_clipped_fraction"] <= 1 and 0 <= r["zero_variance_groups"] <= 1
+    for step in (1, 2):
+        saved = [json.loads(line) for line in
+                 (out / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        assert [r["row"] for r in saved] == list(range(6))
+        assert [r["group"] for r in saved] == [0, 0, 0, 1, 1, 1]
+        assert set(saved[0]["components"]) == {"accuracy", "format"}
+        images = sorted(p.name for p in (out / "rollouts").glob(f"step_{step:06d}_*.png"))
+        assert images == [f"step_{step:06d}_g000_0.png", f"step_{step:06d}_g001_0.png"]
+        assert saved[0]["images"] == [images[0]] and saved[5]["images"] == [images[1]]
+    assert (out / "report.html").is_file()  # written by training
+    (out / "report.html").unlink()
+    assert main(["report", str(out)]) == 0
+    page = (out / "report.html").read_text()
+    assert page.count("<summary>step ") == 2 and page.count('<tr><td class="n" data-v=') == 12
+    assert page.count('<img src="rollouts/step_') == 4
+    assert {"reward", "completions clipped at algo.max_new_tokens (fraction)",
+            "warm-up (SFT) loss"} <= set(figures(page))
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="no /usr/bin/chromium (apt-get install chromium)")
+def test_page_renders_in_headless_chromium_without_console_errors(tmp_path):
+    run = synthetic_run(tmp_path / "run", trouble=True)
+    page = write_report(run)
+    shot = tmp_path / "shot.png"
+    args = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+            "--no-first-run", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr",
+            "--v=0", "--window-size=1200,900", f"--screenshot={shot}", page.resolve().as_uri()]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert shot.is_file(), done.stderr[-2000:]
+    colours = Image.open(shot).convert("RGB").getcolors(maxcolors=1 << 20)
+    assert colours is not None and len(colours) > 20  # text, plots and images, not a blank page
+    console = [line for line in done.stderr.splitlines()
+               if "CONSOLE" in line or "Uncaught" in line]
+    assert console == []
+    shutil.rmtree(tmp_path / "profile", ignore_errors=True)
+
+
+def test_training_rewrites_the_page_every_n_steps_on_rank_0_only(tmp_path):
+    run = synthetic_run(tmp_path / "run")
+    other = LiveReport(SimpleNamespace(rollouts_every=1, every=1), run, main=False)
+    other.after_step({"step": 13, "reward_mean": 0.9})
+    other.finish()
+    assert not (run / "report.html").exists()
+    live = LiveReport(SimpleNamespace(rollouts_every=0, every=2), run, main=True)
+    assert live.watch is not None and len(live.watch.rows) == 15  # the rows so far
+    live.after_step({"step": 13, "reward_mean": 0.9})
+    assert not (run / "report.html").exists()
+    live.after_step({"step": 14, "reward_mean": 0.9})
+    assert (run / "report.html").is_file()
+    (run / "report.html").unlink()
+    live.finish()
+    assert (run / "report.html").is_file()
