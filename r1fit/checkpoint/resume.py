@@ -33,7 +33,7 @@ from r1fit.checkpoint.manager import (
     verify,
 )
 from r1fit.errors import one_line
-from r1fit.models.load import checkpoint_dtype, resolve_model_path
+from r1fit.models.load import loaded_dtype
 
 log = logging.getLogger("r1fit.checkpoint")
 
@@ -160,15 +160,10 @@ def _same_dtype(model: str, saved: Any, now: Any) -> bool:
     is stored in that dtype (what 'auto' loads)."""
     if "auto" not in (saved, now) or saved == now:
         return False
-    from transformers import AutoConfig
-
-    explicit = now if saved == "auto" else saved
     try:
-        folder = resolve_model_path(model)
-        dtype, _ = checkpoint_dtype(AutoConfig.from_pretrained(folder), folder)
+        return loaded_dtype(model, saved) == loaded_dtype(model, now)
     except Exception:  # noqa: BLE001 - unknown: keep treating it as a change
         return False
-    return str(dtype).removeprefix("torch.") == explicit
 
 
 def _continue_metrics(point: Path, out: Path, lines: int) -> None:

@@ -116,6 +116,17 @@ def shipped_config(repo_id: str) -> str | None:
     return _shipped_configs().get(repo_id.lower())
 
 
+def loaded_dtype(path: str, dtype: str) -> torch.dtype:
+    """The dtype model ``path`` is loaded in under ``model.dtype=dtype`` (``auto``: its
+    checkpoint's, read from the config and at most a weights header, as the planner does)."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    from transformers import AutoConfig
+
+    return checkpoint_dtype(AutoConfig.from_pretrained(config_folder(path)),
+                            resolve_model_path(path))[0]
+
+
 def checkpoint_dtype(config: Any, model: str) -> tuple[torch.dtype, str]:
     """The dtype ``from_pretrained(model, dtype="auto")`` loads the weights in, and where it is
     read, without reading the weights: ``(dtype, source)``.

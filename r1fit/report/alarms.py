@@ -53,17 +53,23 @@ def length_collapse(rows: Rows) -> str | None:
     return None
 
 
+def recent(rows: Rows, key: str) -> list[float] | None:
+    """``key`` over the last ``RECENT`` GRPO steps, or None before there are that many."""
+    values = series(grpo_rows(rows), key)[-RECENT:]
+    return values if len(values) == RECENT else None
+
+
 def all_clipped(rows: Rows) -> str | None:
-    clipped = series(grpo_rows(rows), "completion_clipped_fraction")[-RECENT:]
-    if len(clipped) == RECENT and min(clipped) >= CLIPPED:
+    clipped = recent(rows, "completion_clipped_fraction")
+    if clipped is not None and min(clipped) >= CLIPPED:
         return (f"every completion of the last {RECENT} steps hit algo.max_new_tokens without "
                 "ending: raise it, or the rewards see cut-off answers")
     return None
 
 
 def zero_variance(rows: Rows) -> str | None:
-    fractions = series(grpo_rows(rows), "zero_variance_groups")[-RECENT:]
-    if len(fractions) == RECENT and mean(fractions) >= ZERO_VARIANCE:
+    fractions = recent(rows, "zero_variance_groups")
+    if fractions is not None and mean(fractions) >= ZERO_VARIANCE:
         return (f"{mean(fractions):.0%} of the groups of the last {RECENT} steps have all-equal "
                 "rewards (zero advantage, nothing to learn): the task may be too easy or too hard")
     return None

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from r1fit.report.metrics import plain
+from r1fit.report.metrics import plain, read_metrics
 from r1fit.report.sinks import sample_rows
 from r1fit.rollout.record import Rollout
 
@@ -52,8 +52,7 @@ def read_rollouts(folder: Path) -> dict[int, list[dict[str, Any]]]:
     """Step -> its saved rows, oldest step first (empty when nothing was saved)."""
     steps = {}
     for path in sorted(folder.glob("step_*.jsonl")):
-        with path.open(encoding="utf-8") as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+        rows = read_metrics(path)  # JSON lines, as metrics.jsonl
         if rows:
             steps[int(rows[0]["step"])] = rows
     return steps

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import struct
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -187,8 +189,16 @@ def test_trackio_local_store_rows_samples_and_resume(tmp_path, monkeypatch):
     from trackio.utils import TRACKIO_DIR
 
     if TRACKIO_DIR != tmp_path / "trackio":
-        pytest.skip("trackio was imported before this test could point TRACKIO_DIR at a temporary "
-                    "folder")
+        # trackio was imported earlier in this session: run this test in a fresh interpreter,
+        # where it can point TRACKIO_DIR at its own folder first
+        assert "R1FIT_TRACKIO_CHILD" not in os.environ, "trackio is imported before the test runs"
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+             f"{__file__}::test_trackio_local_store_rows_samples_and_resume"],
+            env={**os.environ, "R1FIT_TRACKIO_CHILD": "1"}, capture_output=True, text=True,
+            timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+        return
     write_run(tmp_path, "trackio")
     logs = SQLiteStorage.get_logs("r1fit-test", "run-a")
     assert [log["step"] for log in logs] == [1, 2, 0, 1, 2, 2]
