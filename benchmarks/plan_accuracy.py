@@ -10,7 +10,8 @@ the measurement runs ``r1fit train`` for 2 GRPO steps in a fresh child process w
 ``memory.cpu_peak=tensors`` (the probe: peak bytes of live tensors, r1fit/memory/probe.py) and takes
 the largest per-step ``peak_memory_bytes``. The grid varies num_generations, micro_batch,
 max_new_tokens, max_pixels, LoRA vs full fine-tuning, gradient checkpointing and the KL reference
-on builtin:tiny and builtin:small-realvocab. Target: every |plan - probe| / probe <= 15%
+on builtin:tiny and builtin:small-realvocab, and covers the other built-in architectures
+(builtin:tiny-gemma3, builtin:tiny-qwen3vl). Target: every |plan - probe| / probe <= 15%
 (``--tolerance``). Exit status: 0 when met, 1 when a configuration misses it, 2 on a failed run.
 """
 
@@ -33,6 +34,7 @@ COMMON = ["train.max_steps=2", "sft.format_warmup_steps=0", "eval.every=0", "dat
           "checkpoint.every=0", "train.prompts_per_step=1", "memory.cpu_peak=tensors",
           "data.shapes.image_size=56", "data.max_pixels=3136"]
 TINY, SMALL = "model.path=builtin:tiny", "model.path=builtin:small-realvocab"
+GEMMA3, QWEN3VL = "model.path=builtin:tiny-gemma3", "model.path=builtin:tiny-qwen3vl"
 # name -> overrides (on top of COMMON); each differs from a neighbour in one or two settings
 GRID: dict[str, list[str]] = {
     "tiny-full-g4": [TINY, "algo.num_generations=4", "memory.micro_batch=2",
@@ -73,6 +75,27 @@ GRID: dict[str, list[str]] = {
     "small-lora-r16-kl-chunk512": [SMALL, "model.lora.r=16", "algo.num_generations=8",
                                    "memory.micro_batch=4", "algo.max_new_tokens=32",
                                    "algo.beta=0.04", "memory.logits_chunk=512"],
+    # other architectures: Gemma 3 (SigLIP on fixed 64 px images, 4 norms and q/k norms per
+    # layer, sliding-window and global layers), Qwen3-VL
+    "gemma3-full-g8": [GEMMA3, "algo.num_generations=8", "memory.micro_batch=4",
+                       "algo.max_new_tokens=16", "algo.beta=0"],
+    "gemma3-full-no-ckpt": [GEMMA3, "algo.num_generations=8", "memory.micro_batch=4",
+                            "algo.max_new_tokens=48", "algo.beta=0",
+                            "memory.gradient_checkpointing=false"],
+    "gemma3-bf16-no-ckpt": [GEMMA3, "algo.num_generations=8", "memory.micro_batch=4",
+                            "algo.max_new_tokens=48", "algo.beta=0", "model.dtype=bfloat16",
+                            "memory.gradient_checkpointing=false"],
+    "gemma3-full-kl-mu2": [GEMMA3, "algo.num_generations=8", "memory.micro_batch=3",
+                           "algo.max_new_tokens=20", "algo.beta=0.04", "algo.num_iterations=2"],
+    "gemma3-lora-kl": [GEMMA3, "model.lora.r=8", "algo.num_generations=8", "memory.micro_batch=4",
+                       "algo.max_new_tokens=32", "algo.beta=0.04"],
+    # the full fine-tuning of Qwen3-VL's tower: its 2x16x16 patch embedding's backward workspace
+    # on CPU (r1fit/memory/planner/kernels.py) is a large part of a tiny model's step
+    "qwen3vl-full-g8": [QWEN3VL, "algo.num_generations=8", "memory.micro_batch=4",
+                        "algo.max_new_tokens=16", "algo.beta=0", "data.shapes.image_size=64",
+                        "data.max_pixels=4096"],
+    "qwen3vl-lora-kl": [QWEN3VL, "model.lora.r=8", "algo.num_generations=8",
+                        "memory.micro_batch=4", "algo.max_new_tokens=32", "algo.beta=0.04"],
 }
 MIB = 2**20
 

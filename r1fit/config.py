@@ -92,10 +92,14 @@ class ModelConfig:
 @dataclass(frozen=True)
 class ShapesConfig:
     kinds: tuple[str, ...] = opt(["color"], "Question kinds of builtin:shapes: any of color, count, "
-                           "position.")
+                           "position, box (the [x1,y1,x2,y2] box of a named shape, in pixels of "
+                           "the image; its accuracy method is iou).")
     image_size: int = opt(112, "Side of the square builtin:shapes images in pixels (112 px = 16 "
-                          "image tokens; the tiny demo model learns far faster than at 56 px).",
-                          ge=28)
+                          "image tokens; the tiny demo model learns far faster than at 56 px). "
+                          "With box questions its square must lie within data.min_pixels.."
+                          "max_pixels, so the image is not resized and the boxes are in the "
+                          "frame the model sees (keep it a multiple of 28 for Qwen2/2.5-VL "
+                          "processors).", ge=28)
     max_distractors: int = opt(0, "Most extra shapes drawn besides the asked-about one.", ge=0)
     train_size: int = opt(5000, "Number of builtin:shapes training questions.", ge=1)
 
@@ -158,21 +162,107 @@ class AlgoConfig:
     num_generations: int = opt(8, "Completions sampled per prompt (the GRPO group size, G).", ge=2)
     num_iterations: int = opt(1, "Optimizer updates per rollout batch (mu); > 1 reuses the rollout "
                               "with PPO clipping against the old log-probs.", ge=1)
-    beta: float = opt(0.05, "Weight of the k3 KL penalty to the reference model (the model GRPO "
-                      "starts from); 0 loads no reference at all. In the demo it keeps the policy "
+    beta: float = opt(0.05, "Weight of the KL penalty to the reference model (the model GRPO "
+                      "starts from): k3 per token in the loss, or k1 per completion in the reward "
+                      "with kl_in_reward; 0 loads no reference at all. In the demo it keeps the policy "
                       "exploring: at 0 its answers turn deterministic at 50% accuracy, at 0.05 it "
                       "reaches 75%.", ge=0)
-    epsilon: float = opt(0.2, "PPO clip range below 1 (and above, unless epsilon_high is set).", gt=0)
+    kl_in_reward: bool = opt(False, "Subtract beta x the completion's k1 KL (sum over its tokens of "
+                             "log pi - log pi_ref) from its reward before the advantages, instead of "
+                             "a KL term in the loss (REINFORCE++, verl's use_kl_in_reward). Needs "
+                             "beta > 0; costs one no-grad forward per step when num_iterations is 1.")
+    advantage_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp",
+                                 "reinforce_pp_baseline"] = opt(
+        "grpo", "How rewards become advantages: grpo (reward minus group mean, over group std), "
+        "dr_grpo (no std division), rloo (reward minus the mean of the other G-1 of its group), "
+        "reinforce_pp (REINFORCE++: reward normalised by the whole step's mean and std), "
+        "reinforce_pp_baseline (group mean subtracted, then normalised by the whole step's std).")
+    scale_rewards: bool = opt(True, "Older spelling of the grpo/dr_grpo choice: false with "
+                              "advantage_estimator=grpo means dr_grpo; false with rloo or "
+                              "reinforce_pp* is an error.")
+    epsilon: float = opt(0.2, "PPO clip range below 1 (and above, unless epsilon_high is set), for "
+                         "importance_sampling_level=token.", gt=0)
     epsilon_high: float | None = opt(0.28, "PPO clip range above 1 (DAPO clip-higher); null means "
                                      "epsilon.", gt=0)
+    importance_sampling_level: Literal["token", "sequence", "sequence_token"] = opt(
+        "token", "Importance ratio of the clipped loss: token (PPO/GRPO), sequence (GSPO: "
+        "exp of the mean token log-ratio of the completion, clipped per completion with "
+        "gspo_epsilon/gspo_epsilon_high) or sequence_token (GSPO-token: the sequence ratio's value "
+        "with each token's own gradient). Matters only off-policy (num_iterations > 1).")
+    gspo_epsilon: float = opt(3e-4, "Clip range below 1 of the sequence-level ratio "
+                              "(importance_sampling_level=sequence or sequence_token; GSPO paper's "
+                              "3e-4). epsilon/epsilon_high are not used there.", gt=0)
+    gspo_epsilon_high: float | None = opt(4e-4, "Clip range above 1 of the sequence-level ratio "
+                                          "(GSPO paper's 4e-4); null means gspo_epsilon.", gt=0)
     max_new_tokens: int = opt(24, "Longest completion in tokens.", ge=1)
+    overlong_buffer: int = opt(0, "DAPO's soft overlong punishment: a completion longer than "
+                               "max_new_tokens - overlong_buffer tokens gets a penalty growing "
+                               "linearly to -overlong_penalty at max_new_tokens, added to its "
+                               "reward and logged as reward/overlong (0 = off).", ge=0)
+    overlong_penalty: float = opt(1.0, "Penalty of a completion of max_new_tokens tokens under "
+                                  "overlong_buffer (DAPO's factor).", ge=0)
+    mask_truncated: bool = opt(False, "DAPO's overlong filtering: completions cut at "
+                               "max_new_tokens (no end-of-sequence token) are left out of the loss "
+                               "and its token/sequence counts (they still count in the group's "
+                               "advantages).")
     temperature: float = opt(1.0, "Sampling temperature (log-probs use the same temperature).",
                              gt=0)
     top_p: float = opt(1.0, "Nucleus sampling mass.", gt=0, le=1)
+    dynamic_sampling: bool = opt(
+        False, "DAPO's dynamic sampling: drop the groups whose rewards are all equal (no policy "
+        "gradient) and draw further batches of train.prompts_per_step prompts (generate + score) "
+        "until the step has prompts_per_step groups whose rewards differ (the first ones drawn are "
+        "kept) or max_resample_batches batches were drawn. Then it trains on those it has (under "
+        "torchrun as many as split evenly), and skips the update (a warning, no optimizer or "
+        "learning-rate step) when there are none. The step's reward, accuracy and "
+        "zero_variance_groups figures are over every group drawn.")
+    max_resample_batches: int = opt(
+        4, "With dynamic_sampling: the most prompt batches one step draws, the first included "
+        "(each costs a generation; sample_batches logs how many were drawn).", ge=1)
     loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = opt(
         "token_mean", "How token losses become one number: token_mean (DAPO), seq_mean_token_mean "
-        "(GRPO), seq_mean_token_sum_norm (Dr. GRPO).")
-    scale_rewards: bool = opt(True, "Divide advantages by the group's reward std (off = Dr. GRPO).")
+        "(GRPO, and GSPO's own), seq_mean_token_sum_norm (Dr. GRPO).")
+    entropy_coef: float = opt(0.0, "Entropy bonus: the loss minus this x the policy's per-token "
+                              "entropy, aggregated like the loss (0 = off; the entropy is logged "
+                              "either way).", ge=0)
+    tis_cap: float | None = opt(2.0, "Truncated importance sampling against the rollout engine's "
+                                "log-probs (rollout.engine=vllm): each token's loss is weighted by "
+                                "min(pi_trainer / pi_engine, tis_cap) (TRL's and verl's default cap "
+                                "2). No effect with the hf engine; 0 or null = off.", ge=0)
+
+    def clip_range(self) -> tuple[float, float]:
+        """(below, above) clip ranges of the importance ratio: gspo_epsilon/gspo_epsilon_high for
+        a sequence-level ratio, epsilon/epsilon_high for a token-level one."""
+        if self.importance_sampling_level == "token":
+            return self.epsilon, self.epsilon_high or self.epsilon
+        return self.gspo_epsilon, self.gspo_epsilon_high or self.gspo_epsilon
+
+    def estimator(self) -> str:
+        """The advantage estimator in use (``scale_rewards=false`` turns grpo into dr_grpo)."""
+        if self.advantage_estimator == "grpo" and not self.scale_rewards:
+            return "dr_grpo"
+        return self.advantage_estimator
+
+    def check(self) -> None:
+        """Raise :class:`ConfigError` (one line, naming the keys) for settings that contradict each
+        other."""
+        if not self.scale_rewards and self.advantage_estimator not in ("grpo", "dr_grpo"):
+            raise ConfigError(f"algo.scale_rewards=false (Dr. GRPO) contradicts "
+                              f"algo.advantage_estimator={self.advantage_estimator}; drop "
+                              "scale_rewards or use advantage_estimator=dr_grpo")
+        if self.kl_in_reward and self.beta == 0:
+            raise ConfigError("algo.kl_in_reward=true subtracts algo.beta x KL from the reward, but "
+                              "algo.beta is 0; set algo.beta > 0 (e.g. 0.001)")
+        for key in ("epsilon", "gspo_epsilon"):
+            if getattr(self, key) >= 1:
+                raise ConfigError(f"algo.{key}: got {getattr(self, key)!r}, expected a number < 1 "
+                                  "(the ratio is clipped at 1 - epsilon)")
+        if self.overlong_buffer > self.max_new_tokens:
+            raise ConfigError(f"algo.overlong_buffer ({self.overlong_buffer}) must be <= "
+                              f"algo.max_new_tokens ({self.max_new_tokens})")
+        if self.tis_cap and self.tis_cap < 1:
+            raise ConfigError(f"algo.tis_cap: got {self.tis_cap!r}, expected 0, null (off) or a "
+                              "number >= 1 (a cap below 1 would shrink every weight)")
 
 
 @dataclass(frozen=True)
@@ -225,6 +315,13 @@ class MemoryConfig:
     generation_batch: int | Literal["auto"] = opt(
         64, "Sequences generated together (KV cache on). 'auto': as for micro_batch.", ge=1)
     gradient_checkpointing: bool = opt(True, "Recompute layer activations in the backward pass.")
+    share_prefix: bool | Literal["auto"] = opt(
+        False, "Score a group's completions with its prompt (image tokens and vision tower "
+        "included) run once per micro-batch, the completions attending to it, instead of once "
+        "per completion (r1fit/models/prefix.py). 'auto': on when the first micro-batch's "
+        "log-probs equal the per-row path's (true for Qwen2-VL, Qwen2.5-VL and Qwen3-VL; not for "
+        "a model with bidirectional image attention such as Gemma 3), else off, logged once. Off "
+        "by default until `r1fit plan` models it (the plan is of the per-row path).")
     logits_chunk: int = opt(1024, "Tokens per chunk of the LM head; the full [tokens x vocab] logits "
                             "are never materialised.", ge=1)
     budget: str = opt("", "Memory the run may use, e.g. '20GiB'. CPU: a cap on the process's "
@@ -502,6 +599,7 @@ def _nest(path: list[str], value: Any) -> dict[str, Any]:
 
 
 def _check_consistency(cfg: Config) -> None:
+    cfg.algo.check()
     if cfg.data.min_pixels > cfg.data.max_pixels:
         raise ConfigError(f"data.min_pixels ({cfg.data.min_pixels}) must be <= data.max_pixels "
                           f"({cfg.data.max_pixels})")
@@ -518,10 +616,18 @@ def _check_consistency(cfg: Config) -> None:
     if not cfg.checkpoint.resume.strip():
         raise ConfigError("checkpoint.resume: got an empty value, expected 'auto', 'never' or a "
                           "checkpoint folder")
-    bad = [k for k in cfg.data.shapes.kinds if k not in ("color", "count", "position")]
-    if bad or not cfg.data.shapes.kinds:
-        raise ConfigError(f"data.shapes.kinds: got {list(cfg.data.shapes.kinds)!r}, expected a non-empty "
-                          "list of color, count, position")
+    shapes = cfg.data.shapes
+    bad = [k for k in shapes.kinds if k not in ("color", "count", "position", "box")]
+    if bad or not shapes.kinds:
+        raise ConfigError(f"data.shapes.kinds: got {list(shapes.kinds)!r}, expected a non-empty "
+                          "list of color, count, position, box")
+    if "box" in shapes.kinds and not (cfg.data.min_pixels <= shapes.image_size ** 2
+                                      <= cfg.data.max_pixels):
+        # a resized image would put the shapes elsewhere than the boxes the answers are scored by
+        raise ConfigError(f"data.shapes.image_size: {shapes.image_size} px squared is outside "
+                          f"data.min_pixels..max_pixels ({cfg.data.min_pixels}..{cfg.data.max_pixels}"
+                          "): box answers are pixels of the image as drawn, which must not be "
+                          "resized")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -43,36 +43,63 @@ def realvocab_cache(tiny_cache: Path) -> Path:
     return tiny_cache
 
 
-@pytest.fixture
-def float64_tiny(tiny_dir: Path):
-    """``make(lora_r=0) -> (model, processor, rows, completions)``: builtin:tiny in float64 with
-    gradient checkpointing, and 3 builtin:shapes prompts x 2 rows with random completions of
-    different lengths (so padding and masks matter), for exactness tests of log-probs and
-    gradients."""
+def float64_setup(folder: Path, *, lora_r: int = 0, checkpointing: bool = True,
+                  max_pixels: int = 3136, indices: tuple[int, ...] = (0, 1, 2)):
+    """``(model, processor, prompts)``: the model in ``folder`` in float64 (with gradient
+    checkpointing when asked), and builtin:shapes prompts ``indices`` with float64 pixels, for
+    exactness tests of log-probs and gradients."""
     import torch
 
     from r1fit.data.batch import encode_prompts
     from r1fit.data.dataset import load_dataset
     from r1fit.models.load import load_policy
 
+    model, processor = load_policy(str(folder), lora_r=lora_r, lora_alpha=16, lora_dropout=0.0,
+                                   lora_target="all-linear", freeze_vision=False, dtype="float32",
+                                   device=torch.device("cpu"), gradient_checkpointing=checkpointing)
+    data = load_dataset("builtin:shapes", split="train", min_pixels=784, max_pixels=max_pixels,
+                        max_images=1, max_bad_fraction=0.0, seed=0, size=16)
+    prompts = encode_prompts(processor, [data[i] for i in indices], "Think, then answer.")
+    for p in prompts:  # pixels in float64 like the model under test
+        p.image_inputs["pixel_values"] = p.image_inputs["pixel_values"].double()
+    return model.double(), processor, prompts
+
+
+def random_completions(vocab: int, lengths: list[int]):
+    """Completions of random ordinary tokens (no specials), of the given lengths."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(10, vocab - 30, (n,), generator=gen) for n in lengths]
+
+
+@pytest.fixture
+def float64_tiny(tiny_dir: Path):
+    """``make(lora_r=0) -> (model, processor, rows, completions)``: builtin:tiny in float64 with
+    gradient checkpointing, and 3 builtin:shapes prompts x 2 rows with random completions of
+    different lengths (so padding and masks matter), for exactness tests of log-probs and
+    gradients."""
+
     def make(lora_r: int = 0):
-        model, processor = load_policy(str(tiny_dir), lora_r=lora_r, lora_alpha=16,
-                                       lora_dropout=0.0, lora_target="all-linear",
-                                       freeze_vision=False, dtype="float32",
-                                       device=torch.device("cpu"), gradient_checkpointing=True)
-        data = load_dataset("builtin:shapes", split="train", min_pixels=784, max_pixels=3136,
-                            max_images=1, max_bad_fraction=0.0, seed=0, size=16)
-        prompts = encode_prompts(processor, [data[i] for i in range(3)], "Think, then answer.")
-        for p in prompts:  # pixels in float64 like the model under test
-            p.image_inputs["pixel_values"] = p.image_inputs["pixel_values"].double()
+        model, processor, prompts = float64_setup(tiny_dir, lora_r=lora_r)
         rows = [p for p in prompts for _ in range(2)]
-        gen = torch.Generator().manual_seed(0)
-        vocab = len(processor.tokenizer)
-        completions = [torch.randint(10, vocab - 30, (3 + (i * 5) % 7,), generator=gen)
-                       for i in range(len(rows))]
-        return model.double(), processor, rows, completions
+        completions = random_completions(len(processor.tokenizer),
+                                         [3 + (i * 5) % 7 for i in range(len(rows))])
+        return model, processor, rows, completions
 
     return make
+
+
+@pytest.fixture
+def float64_model():
+    """:func:`float64_setup`, for tests of other models than builtin:tiny."""
+    return float64_setup
+
+
+@pytest.fixture
+def completions_for():
+    """:func:`random_completions`."""
+    return random_completions
 
 
 @pytest.fixture(scope="session")

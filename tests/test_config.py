@@ -43,12 +43,51 @@ def test_yaml_then_overrides(tmp_path):
     ("rewards.accuracy=abc", "rewards.accuracy: got 'abc', expected a number"),
     ("data.shapes.kinds=size", "data.shapes.kinds: got ['size']"),
     ("nonsense", "override 'nonsense' is not key=value"),
+    ("algo.advantage_estimator=ppo", "algo.advantage_estimator: got 'ppo', expected one of 'grpo', 'dr_grpo', "
+                                     "'rloo', 'reinforce_pp', 'reinforce_pp_baseline'"),
+    ("algo.importance_sampling_level=seq", "algo.importance_sampling_level: got 'seq', expected one of 'token'"),
+    ("algo.gspo_epsilon=0", "algo.gspo_epsilon: got 0.0, expected a number > 0"),
+    ("algo.gspo_epsilon=1.5", "algo.gspo_epsilon: got 1.5, expected a number < 1"),
+    ("algo.epsilon=1", "algo.epsilon: got 1.0, expected a number < 1"),
+    ("algo.overlong_buffer=-1", "algo.overlong_buffer: got -1, expected a number >= 0"),
+    ("algo.overlong_buffer=25", "algo.overlong_buffer (25) must be <= algo.max_new_tokens (24)"),
+    ("algo.overlong_penalty=-1", "algo.overlong_penalty: got -1.0, expected a number >= 0"),
+    ("algo.entropy_coef=-0.01", "algo.entropy_coef: got -0.01, expected a number >= 0"),
+    ("algo.tis_cap=-1", "algo.tis_cap: got -1.0, expected a number >= 0"),
+    ("algo.tis_cap=0.5", "algo.tis_cap: got 0.5, expected 0, null (off) or a number >= 1"),
+    ("algo.mask_truncated=sometimes", "algo.mask_truncated: got 'sometimes', expected true or false"),
 ])
 def test_errors_name_the_key(override, message):
     with pytest.raises(ConfigError) as info:
         load_config(None, [override])
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algo.advantage_estimator=rloo", "algo.scale_rewards=false"],
+     "algo.scale_rewards=false (Dr. GRPO) contradicts algo.advantage_estimator=rloo"),
+    (["algo.kl_in_reward=true", "algo.beta=0"], "algo.kl_in_reward=true subtracts algo.beta x KL from the "
+                                                "reward, but algo.beta is 0"),
+])
+def test_contradicting_algorithm_settings_are_one_line(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_algorithm_choices():
+    assert load_config().algo.estimator() == "grpo"
+    assert load_config(None, ["algo.scale_rewards=false"]).algo.estimator() == "dr_grpo"
+    assert load_config(None, ["algo.advantage_estimator=reinforce_pp"]).algo.estimator() == "reinforce_pp"
+    assert load_config().algo.clip_range() == (0.2, 0.28)
+    # a sequence-level ratio is clipped with GSPO's own ranges, not epsilon/epsilon_high
+    gspo = load_config(None, ["algo.importance_sampling_level=sequence"]).algo
+    assert gspo.clip_range() == (3e-4, 4e-4)
+    assert load_config(None, ["algo.importance_sampling_level=sequence_token",
+                              "algo.gspo_epsilon_high=null"]).algo.clip_range() == (3e-4, 3e-4)
+    for off in ("0", "null"):
+        assert not load_config(None, [f"algo.tis_cap={off}"]).algo.tis_cap
 
 
 def test_min_pixels_above_max(tmp_path):

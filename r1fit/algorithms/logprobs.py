@@ -4,6 +4,8 @@ With Qwen's 151,936-token vocabulary the logits of a GRPO micro-batch dominate m
 1,000 completion tokens cost 0.6 GB, and autograd keeps them plus the log-softmax for backward).
 ``chunked_token_logprobs`` applies the LM head to ``chunk_size`` tokens at a time and recomputes each
 chunk's logits in backward, so only one chunk's logits are alive at any moment.
+``chunked_logprobs_and_entropy`` also returns each token's entropy of the (temperature-scaled)
+distribution, from the same chunks, with its exact gradient (for an entropy bonus).
 """
 
 from __future__ import annotations
@@ -55,15 +57,41 @@ def chunked_token_logprobs(
     under LoRA) gets no gradient buffer. ``weight``'s gradient accumulates in its own dtype. Not twice
     differentiable.
     """
+    return _chunked(hidden, weight, targets, bias, chunk_size, temperature, with_entropy=False)[0]
+
+
+def chunked_logprobs_and_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    bias: Tensor | None = None,
+    chunk_size: int = 1024,
+    temperature: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """``chunked_token_logprobs`` plus each token's entropy ``H = -sum_v p_v log p_v`` of
+    ``p = softmax(logits / temperature)``, both ``[...]``, from the same chunks of logits.
+
+    The entropy costs one more elementwise pass per chunk in forward and, only when a loss uses it
+    (an entropy bonus), one more ``[chunk x V]`` float buffer in backward; its gradient is exact:
+    ``dH/dz_v = -p_v (log p_v + H)`` for ``z = logits / temperature``.
+    """
+    logp, entropy = _chunked(hidden, weight, targets, bias, chunk_size, temperature, with_entropy=True)
+    return logp, entropy
+
+
+def _chunked(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, chunk_size: int,
+             temperature: float, *, with_entropy: bool) -> tuple[Tensor, ...]:
+    """Check the inputs, run ``_ChunkedLogprobs`` on the flattened tokens, restore the leading dims."""
     _check_inputs(hidden, weight, targets, bias, chunk_size=chunk_size, temperature=temperature)
-    flat = _ChunkedLogprobs.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1).long(), chunk_size, temperature
-    )
-    return flat.view(targets.shape)
+    out = _ChunkedLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
+                                 targets.reshape(-1).long(), chunk_size, temperature, with_entropy)
+    return tuple(t.view(targets.shape) for t in (out if with_entropy else (out,)))
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
-    """Forward/backward of chunked target log-probs; backward recomputes each chunk's logits."""
+    """Forward/backward of chunked target log-probs (and, with ``with_entropy``, entropies); backward
+    recomputes each chunk's logits."""
 
     @staticmethod
     def forward(
@@ -74,36 +102,58 @@ class _ChunkedLogprobs(torch.autograd.Function):
         targets: Tensor,
         chunk_size: int,
         temperature: float,
-    ) -> Tensor:
+        with_entropy: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         out = torch.empty(hidden.shape[0], dtype=_compute_dtype(hidden), device=hidden.device)
         lse = torch.empty_like(out)
+        entropy = torch.empty_like(out) if with_entropy else None
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             logits = _chunk_logits(hidden[rows], weight, bias, temperature)
             lse[rows] = torch.logsumexp(logits, dim=-1)
             out[rows] = logits.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1) - lse[rows]
+            if entropy is not None:
+                # in place in the logits buffer (no second name, so `del` frees it): p = exp(z - lse),
+                # then -p log p (torch.special.entr)
+                logits.sub_(lse[rows].unsqueeze(-1)).exp_()
+                entropy[rows] = torch.special.entr(logits, out=logits).sum(dim=-1)
             del logits  # free this chunk before the next one is allocated
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        # an unused output (the entropy when no loss term uses it) gets None, not a zero gradient
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.chunk_size, ctx.temperature = chunk_size, temperature
-        return out
+        return out if entropy is None else (out, entropy)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: FunctionCtx, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
+    def backward(ctx: FunctionCtx, grad_out: Tensor | None,
+                 grad_entropy: Tensor | None = None) -> tuple[Tensor | None, ...]:
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros_like(weight) if need_weight else None
         grad_bias = torch.zeros_like(bias) if need_bias else None
+        if grad_out is None:  # only the entropy is used
+            grad_out = torch.zeros_like(lse)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
             h = hidden[rows]
-            # d logp[target] / d logits = onehot(target) - softmax, scaled by 1/T for the temperature.
-            # Built in place in the recomputed logits buffer so one [chunk x V] float tensor is live.
+            # Built in place in the recomputed logits buffer so one [chunk x V] float tensor is live
+            # (two with an entropy gradient). With z = logits / T, p = softmax(z), g = grad_out and
+            # e = grad_entropy: d logp[target] / dz = onehot(target) - p, dH/dz = -p (log p + H), so
+            # d loss / dz = g onehot - p (g + e (log p + H)), and d z / d logits = 1/T (folded into
+            # the per-row g and e, so it costs no pass over the chunk).
             grad_logits = _chunk_logits(h, weight, bias, ctx.temperature)
-            grad_logits.sub_(lse[rows].unsqueeze(-1)).exp_().neg_()
-            grad_logits.scatter_add_(-1, targets[rows].unsqueeze(-1), torch.ones_like(lse[rows]).unsqueeze(-1))
-            grad_logits.mul_((grad_out[rows] / ctx.temperature).unsqueeze(-1))
+            g = (grad_out[rows] / ctx.temperature).unsqueeze(-1)
+            if grad_entropy is None:
+                grad_logits.sub_(lse[rows].unsqueeze(-1)).exp_().mul_(g).neg_()
+            else:
+                e = (grad_entropy[rows] / ctx.temperature).unsqueeze(-1)
+                grad_logits.sub_(lse[rows].unsqueeze(-1))  # log p
+                probs = grad_logits.exp()
+                grad_logits.add_(entropy[rows].unsqueeze(-1)).mul_(e).add_(g).mul_(probs).neg_()
+                del probs
+            grad_logits.scatter_add_(-1, targets[rows].unsqueeze(-1), g)
             grad_logits = grad_logits.to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_logits @ weight
@@ -112,7 +162,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if grad_bias is not None:
                 grad_bias.add_(grad_logits.sum(dim=0))
             del grad_logits
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:

@@ -3,11 +3,17 @@
 Shapes: ``logp``, ``old_logp``, ``ref_logp`` and ``mask`` are ``[B, T]`` (completion tokens of ``B``
 sequences, right-padded); ``advantages`` is ``[B]`` (one per sequence) or ``[B, T]``.
 
+The importance ratio is per token (PPO, GRPO) or per sequence (GSPO, Zheng et al. 2025: the geometric
+mean of the sequence's token ratios, clipped as a whole), see ``importance_log_ratio``. Optional
+per-token extras: truncated importance-sampling weights for a rollout engine whose log-probs differ from
+the trainer's (TIS), and an entropy bonus.
+
 Micro-batching: the training step splits a batch into micro-batches and accumulates gradients. Every
 aggregation here therefore takes the *whole batch's* normalisers (``total_tokens``, ``total_seqs``,
 ``max_new_tokens``) and returns this micro-batch's *contribution* to the whole-batch mean, so that
 summing the losses (and gradients) of all micro-batches gives exactly the whole-batch value. Dividing
-each micro-batch by its own token count instead would weight a short micro-batch's tokens more.
+each micro-batch by its own token count instead would weight a short micro-batch's tokens more. A
+sequence is never split between micro-batches, so a sequence-level ratio sees all of its tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +28,33 @@ from r1fit.algorithms.kl import kl_k3
 Aggregation = Callable[..., Tensor]
 
 
+IMPORTANCE_LEVELS = ("token", "sequence", "sequence_token")
+
+
+def importance_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor | None, level: str) -> Tensor:
+    """``[B, T]`` log of the importance ratio that each token's clipped term uses.
+
+    ``token``: ``logp - old_logp`` (PPO, GRPO). ``sequence``: GSPO's ``log s_i``, the mean of
+    ``logp - old_logp`` over the valid tokens of sequence ``i`` (``mask``), the same for each of its
+    tokens; its gradient reaches every token of the sequence through the mean. ``sequence_token``:
+    GSPO-token's ``log s_i,t = sg[log s_i] + logp_t - sg[logp_t]``, valued ``log s_i`` with the gradient
+    of ``logp_t`` alone (``sg`` = stop-gradient). A sequence without valid tokens gets ratio 1.
+    """
+    if level not in IMPORTANCE_LEVELS:
+        raise ValueError(f"unknown importance sampling level {level!r}; allowed: {list(IMPORTANCE_LEVELS)}")
+    delta = logp - old_logp
+    if level == "token":
+        return delta
+    if mask is None:
+        raise ValueError(f"importance sampling level {level!r} needs the mask of valid tokens")
+    valid = mask.bool()
+    summed = torch.where(valid, delta, torch.zeros((), dtype=delta.dtype, device=delta.device)).sum(-1, keepdim=True)
+    seq = summed / valid.sum(dim=-1, keepdim=True).clamp(min=1)
+    if level == "sequence":
+        return seq.expand_as(delta)
+    return seq.detach() + logp - logp.detach()
+
+
 def token_policy_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -31,25 +64,63 @@ def token_policy_loss(
     epsilon_high: float | None = None,
     beta: float = 0.0,
     ref_logp: Tensor | None = None,
+    mask: Tensor | None = None,
+    importance_level: str = "token",
+    tis_weights: Tensor | None = None,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
-    """Per-token loss ``-min(r*A, clip(r, 1-eps, 1+eps_high)*A) + beta*k3`` and a bool "clipped" mask.
+    """Per-token loss ``-w*min(r*A, clip(r, 1-eps, 1+eps_high)*A) + beta*k3 - c*H`` and a bool "clipped" mask.
 
-    ``r = exp(logp - old_logp)``. ``epsilon_high`` defaults to ``epsilon``; a larger value is DAPO's
-    "clip-higher", which lets low-probability tokens grow further. A token counts as clipped when the
-    clipped branch is strictly the one chosen, i.e. its gradient is zero: ``r < 1-eps`` with ``A < 0`` or
-    ``r > 1+eps_high`` with ``A > 0``. The KL term is added only when ``beta > 0``.
+    ``r = exp(importance_log_ratio(logp, old_logp, mask, importance_level))``: per token by default,
+    per sequence for GSPO (``mask`` required). ``epsilon_high`` defaults to ``epsilon``; a larger value
+    is DAPO's "clip-higher", which lets low-probability tokens grow further. A token counts as clipped
+    when the clipped branch is strictly the one chosen, i.e. its gradient is zero: ``r < 1-eps`` with
+    ``A < 0`` or ``r > 1+eps_high`` with ``A > 0`` (at the sequence level a whole sequence is clipped or
+    not). ``w = tis_weights`` (detached; TIS) scales the clipped surrogate only, not the KL or entropy
+    terms, as in TRL and verl. The KL term is added only when ``beta > 0``; the entropy bonus
+    (``H = entropy``, per token) only when ``entropy_coef = c > 0``.
     """
     epsilon_high = _check_clip(epsilon, epsilon_high, beta, ref_logp)
+    if entropy_coef < 0:
+        raise ValueError(f"entropy_coef must be >= 0, got {entropy_coef}")
+    if entropy_coef > 0 and entropy is None:
+        raise ValueError(f"entropy_coef={entropy_coef} > 0 needs the per-token entropy, got None")
+    for name, tensor in (("tis_weights", tis_weights), ("entropy", entropy)):
+        if tensor is not None and tensor.shape != logp.shape:
+            raise ValueError(f"{name} shape {tuple(tensor.shape)} does not match logp shape {tuple(logp.shape)}")
     adv = advantages.unsqueeze(-1) if advantages.ndim == logp.ndim - 1 else advantages
-    ratio = torch.exp(logp - old_logp)
+    ratio = torch.exp(importance_log_ratio(logp, old_logp, mask, importance_level))
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * adv
     # min of the two is PPO's pessimistic bound: clipping removes the incentive, never the penalty.
     loss = -torch.minimum(unclipped, clipped)
     is_clipped = ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + epsilon_high) & (adv > 0))
+    if tis_weights is not None:
+        loss = loss * tis_weights.detach()
     if beta > 0:
         loss = loss + beta * kl_k3(logp, ref_logp)
+    if entropy_coef > 0:
+        loss = loss - entropy_coef * entropy
     return loss, is_clipped
+
+
+def truncated_importance_weights(trainer_logp: Tensor, engine_logp: Tensor, cap: float) -> Tensor:
+    """TIS weights ``min(exp(trainer_logp - engine_logp), cap)`` per token, detached.
+
+    The rollout engine (vLLM) sampled the tokens with its own log-probs; the trainer's differ a little
+    (kernels, precision), so the update is slightly off-policy. Reweighting by ``pi_trainer /
+    pi_engine``, truncated at ``cap`` to bound the variance, corrects for it (Yao et al. 2025, "Your
+    efficient RL framework secretly brings you off-policy RL training"; TRL's
+    ``vllm_importance_sampling_correction``, verl's TIS). ``trainer_logp`` is the old policy's (the one
+    that generated the rollout), so the weights are constants of the update.
+    """
+    if trainer_logp.shape != engine_logp.shape:
+        raise ValueError(f"engine_logp shape {tuple(engine_logp.shape)} does not match trainer_logp shape "
+                         f"{tuple(trainer_logp.shape)}")
+    if not cap > 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    return torch.exp(trainer_logp.detach() - engine_logp.detach()).clamp(max=cap)
 
 
 def _token_mean(token_loss: Tensor, mask: Tensor, *, total_tokens: int, total_seqs: int, max_new_tokens: int) -> Tensor:
@@ -95,9 +166,10 @@ def aggregate(
 ) -> Tensor:
     """Reduce a ``[B, T]`` per-token loss to this micro-batch's contribution to the whole-batch loss.
 
-    ``mode`` is a key of ``AGGREGATIONS``. ``total_tokens`` (valid tokens) and ``total_seqs`` (sequences)
-    count the whole batch across all micro-batches; ``max_new_tokens`` is the generation limit. Summed
-    over the micro-batches of a batch, the returned values equal the value for the whole batch at once.
+    ``mode`` is a key of ``AGGREGATIONS``. ``total_tokens`` (valid tokens) and ``total_seqs`` (sequences
+    with valid tokens) count the whole batch across all micro-batches; ``max_new_tokens`` is the
+    generation limit. Summed over the micro-batches of a batch, the returned values equal the value
+    for the whole batch at once.
     """
     if mode not in AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {mode!r}; allowed: {sorted(AGGREGATIONS)}")
@@ -108,8 +180,10 @@ def aggregate(
     for name, value in (("total_tokens", total_tokens), ("total_seqs", total_seqs), ("max_new_tokens", max_new_tokens)):
         if int(value) != value or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value}")
-    if token_loss.shape[0] > total_seqs:
-        raise ValueError(f"micro-batch has {token_loss.shape[0]} sequences but total_seqs={total_seqs}")
+    # rows without valid tokens (padding rows, or completions masked out of the loss) contribute 0
+    counted = int(mask.bool().any(dim=-1).sum())
+    if counted > total_seqs:
+        raise ValueError(f"micro-batch has {counted} sequences but total_seqs={total_seqs}")
     return AGGREGATIONS[mode](
         token_loss, mask.bool(), total_tokens=total_tokens, total_seqs=total_seqs, max_new_tokens=max_new_tokens
     )
@@ -129,6 +203,10 @@ def grpo_loss(
     total_tokens: int,
     total_seqs: int,
     max_new_tokens: int,
+    importance_level: str = "token",
+    tis_weights: Tensor | None = None,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO loss of one micro-batch (its contribution to the whole-batch loss) and detached stats.
 
@@ -136,9 +214,12 @@ def grpo_loss(
     stands in, so the ratio is 1 in value while its gradient is the policy gradient ``A * grad(logp)``.
     ``ref_logp`` is required when ``beta > 0``; when given with ``beta == 0`` it is used for the stat only.
 
+    ``importance_level``, ``tis_weights``, ``entropy`` and ``entropy_coef`` as in ``token_policy_loss``.
+
     Stats (each a contribution to the whole-batch value, summed over micro-batches like the loss, and
     token-weighted like ``token_mean``): ``clip_fraction`` = fraction of valid tokens whose clipped
-    branch was chosen; ``kl`` = mean k3 per valid token (present only when ``ref_logp`` is given).
+    branch was chosen; ``kl`` = mean k3 per valid token (present only when ``ref_logp`` is given);
+    ``tis_weight`` = mean TIS weight per valid token (only when ``tis_weights`` are given).
     """
     if logp.ndim != 2:
         raise ValueError(f"logp must be 2-D [B, T], got shape {tuple(logp.shape)}")
@@ -152,7 +233,9 @@ def grpo_loss(
                          f"got {tuple(advantages.shape)}")
 
     token_loss, clipped = token_policy_loss(
-        logp, old_logp, advantages, epsilon=epsilon, epsilon_high=epsilon_high, beta=beta, ref_logp=ref_logp
+        logp, old_logp, advantages, epsilon=epsilon, epsilon_high=epsilon_high, beta=beta, ref_logp=ref_logp,
+        mask=mask, importance_level=importance_level, tis_weights=tis_weights, entropy=entropy,
+        entropy_coef=entropy_coef,
     )
     norms = {"total_tokens": total_tokens, "total_seqs": total_seqs, "max_new_tokens": max_new_tokens}
     loss = aggregate(token_loss, mask, aggregation, **norms)
@@ -160,6 +243,8 @@ def grpo_loss(
         stats = {"clip_fraction": aggregate(clipped.to(token_loss.dtype), mask, "token_mean", **norms)}
         if ref_logp is not None:
             stats["kl"] = aggregate(kl_k3(logp, ref_logp), mask, "token_mean", **norms)
+        if tis_weights is not None:
+            stats["tis_weight"] = aggregate(tis_weights.to(token_loss.dtype), mask, "token_mean", **norms)
     return loss, stats
 
 

@@ -23,7 +23,8 @@ class Prompt:
     """One prompt, processed once per step and shared by all its completions."""
 
     input_ids: torch.Tensor  # [L] long
-    token_inputs: dict[str, torch.Tensor]  # per-token extras such as mm_token_type_ids, each [L]
+    # per-token extras such as mm_token_type_ids (Qwen) or token_type_ids (Gemma 3), each [L]
+    token_inputs: dict[str, torch.Tensor]
     image_inputs: dict[str, torch.Tensor]  # per-image tensors (pixel_values, image_grid_thw), cat on dim 0
     sample: Sample
 
@@ -66,7 +67,8 @@ def encode_prompts(processor: Any, samples: Sequence[Sample], system_prompt: str
     for sample in samples:
         text = processor.apply_chat_template(chat_messages(sample, system_prompt), tokenize=False,
                                              add_generation_prompt=True)
-        enc = processor(text=[text], images=list(sample.images) or None, return_tensors="pt")
+        enc = processor(text=[text], images=list(sample.images) or None, return_tensors="pt",
+                        **_template_specials(processor, text))
         input_ids = enc["input_ids"][0]
         length = input_ids.shape[0]
         token_inputs, image_inputs = {}, {}
@@ -79,6 +81,14 @@ def encode_prompts(processor: Any, samples: Sequence[Sample], system_prompt: str
                 image_inputs[key] = value
         prompts.append(Prompt(input_ids, token_inputs, image_inputs, sample))
     return prompts
+
+
+def _template_specials(processor: Any, text: str) -> dict[str, bool]:
+    """``add_special_tokens=False`` for a rendered chat that already starts with the tokenizer's
+    bos (Gemma 3's template writes ``<bos>``; a tokenizer that adds one would double it), as
+    transformers' own ``apply_chat_template(tokenize=True)`` decides; else the processor's default."""
+    bos = processor.tokenizer.bos_token
+    return {"add_special_tokens": False} if bos is not None and text.startswith(bos) else {}
 
 
 def _rendered(processor: Any, sample: Sample, turns: Sequence[tuple[str, str]],
@@ -185,7 +195,8 @@ def collate(prompts: Sequence[Prompt], completions: Sequence[torch.Tensor] | Non
         start = prompt_len - prompt.length
         input_ids[i, start:prompt_len] = prompt.input_ids
         attention[i, start:prompt_len] = 1
-        # completion tokens are text: their per-token extras (mm_token_type_ids) stay 0
+        # completion tokens are text: their per-token extras (mm_token_type_ids, token_type_ids:
+        # 1 on image tokens) stay 0
         for key in token_keys:
             if key in prompt.token_inputs:
                 extras[key][i, start:prompt_len] = prompt.token_inputs[key]

@@ -3,7 +3,9 @@
 Qwen2-VL / Qwen2.5-VL cut images into 14 px patches and merge 2x2 patches into one token, so one token
 covers 28x28 pixels and the number of image tokens grows with ``width * height``. Capping the pixel
 count here (before the processor) bounds the sequence length, hence memory, of every sample; the lower
-bound keeps tiny images from collapsing to a single token.
+bound keeps tiny images from collapsing to a single token. A processor with a fixed-size vision tower
+(Gemma 3's SigLIP) then resizes every image to its own size, and the tokens per image are its
+config's (``mm_tokens_per_image``): the budget only bounds the image that is decoded and resized.
 """
 
 from __future__ import annotations

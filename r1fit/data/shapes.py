@@ -6,16 +6,29 @@ background, with one question about it:
 - ``color``:    "What colour is the circle? Answer with one word."              -> "red"
 - ``count``:    "How many shapes are there? Answer with a number."              -> "2"
 - ``position``: "Is the red shape on the left or the right? Answer with one word." -> "left"
+- ``box``:      "Give the box of the red circle as [x1,y1,x2,y2] in pixels of this 112x112 image."
+                -> "[31,40,72,81]" (grounding, VLM-R1's REC; scored by IoU: the row's accuracy
+                method is ``iou``)
+
+A box is in pixels of the image as drawn (``image_size`` square, origin at the top-left corner,
+x to the right, y down), corners on pixel edges: ``x1, y1`` are the first column and row the shape
+covers, ``x2, y2`` one past the last (PIL's ``getbbox``). That is the frame of the image the model
+sees only when nothing resizes it: ``data.shapes.image_size`` squared must lie within the pixel
+budget (``data.min_pixels..max_pixels``, checked by the config) and, for Qwen2/2.5-VL processors,
+be a multiple of 28 px (112 is), else the processor rounds it.
 
 Design choices, learned the hard way on this project:
 
-- Shapes are LARGE (radius about 0.3 x the image side when alone) with at most a few distractors: a
-  1.4M-parameter random-init vision tower learned nothing when shapes were small among 4 distractors,
-  and learned colour questions with big shapes and <= 2 distractors.
+- Shapes are LARGE (radius about 0.3 x the image side when alone; 0.2 for box questions, whose
+  answer must depend on where the shape is) with at most a few distractors: a 1.4M-parameter
+  random-init vision tower learned nothing when shapes were small among 4 distractors, and learned
+  colour questions with big shapes and <= 2 distractors.
 - The image alone decides the answer: the asked-about shape is unique (only one circle for colour
-  questions, only one red shape for position questions) and shapes never touch, so they can be counted.
+  questions, only one red shape for position questions, only one red circle for box questions) and
+  shapes never touch, so they can be counted.
 - Answers are exactly balanced: item ``i`` asks kind ``kinds[i % K]`` and its answer cycles through that
-  kind's answer space, so chance accuracy is ``1 / len(answer_space[kind])``.
+  kind's answer space, so chance accuracy is ``1 / len(answer_space[kind])``; box questions cycle
+  through the shape asked about.
 - Determinism: item ``(seed, split, index)`` is drawn from its own RNG stream, so it never depends on
   the dataset size or on other items.
 - Train and eval are disjoint by construction: every item has a key (question + every rendered
@@ -38,13 +51,18 @@ from PIL import Image, ImageColor, ImageDraw
 from r1fit.data.errors import DataError
 from r1fit.data.sample import Sample
 
-KINDS: tuple[str, ...] = ("color", "count", "position")
+# Kinds whose answer is a word or a number from a fixed list (answer_space), and all kinds.
+QUESTION_KINDS: tuple[str, ...] = ("color", "count", "position")
+KINDS: tuple[str, ...] = (*QUESTION_KINDS, "box")
 SHAPE_NAMES: tuple[str, ...] = ("circle", "square", "triangle")
 DEFAULT_COLORS: tuple[str, ...] = ("red", "green", "blue", "yellow")
 SPLITS: tuple[str, ...] = ("train", "eval")
 
 # Radius of a lone shape as a fraction of the image side ("draw them large", see module docstring).
 RADIUS_FRACTION = 0.3
+# A lone shape of a box question is smaller, so where it is matters: with 0.3 the best constant
+# box already scores a mean IoU of ~0.47, with 0.2 ~0.22 (and a random other row's box ~0.15).
+BOX_RADIUS_FRACTION = 0.2
 # With several shapes each gets a column; its radius is at most this fraction of the column width,
 # which leaves a gap of background between neighbours.
 COLUMN_RADIUS_FRACTION = 0.42
@@ -65,14 +83,17 @@ def answer_space(
 ) -> dict[str, list[str]]:
     """Possible answers per question kind, in the order items cycle through them.
 
-    ``kinds`` defaults to all of ``KINDS``; counts run from 1 to ``1 + max_distractors``.
+    ``kinds`` defaults to ``QUESTION_KINDS``; counts run from 1 to ``1 + max_distractors``. A
+    ``box`` answer is a box, not one of a list: its entry is the shapes whose box is asked, which
+    its items cycle through instead.
     """
     spaces = {
         "color": list(colors),
         "count": [str(n) for n in range(1, max_distractors + 2)],
         "position": ["left", "right"],
+        "box": list(SHAPE_NAMES),
     }
-    chosen = KINDS if kinds is None else tuple(kinds)
+    chosen = QUESTION_KINDS if kinds is None else tuple(kinds)
     unknown = [k for k in chosen if k not in spaces]
     if unknown:
         raise DataError(f"unknown shapes kind(s) {unknown}; choose from {list(KINDS)}")
@@ -91,8 +112,8 @@ class ShapesSpec:
 
     image_size: int = 56
     """Side of the square image in pixels."""
-    kinds: tuple[str, ...] = KINDS
-    """Question kinds to ask, any of "color", "count", "position"; items cycle through them."""
+    kinds: tuple[str, ...] = QUESTION_KINDS
+    """Question kinds to ask, any of "color", "count", "position", "box"; items cycle through them."""
     colors: tuple[str, ...] = DEFAULT_COLORS
     """Shape colours (PIL colour names, single words: they are the answers to colour questions)."""
     max_distractors: int = 1
@@ -187,13 +208,15 @@ def _column_bounds(size: int, columns: int) -> list[int]:
     return [round(k * size / columns) for k in range(columns + 1)]
 
 
-def _place(rng: random.Random, size: int, left: int, right: int, columns: int) -> tuple[int, int, int]:
-    """Random centre and radius of a shape inside the column ``[left, right)``.
+def _place(rng: random.Random, size: int, left: int, right: int, columns: int,
+           lone: float = RADIUS_FRACTION) -> tuple[int, int, int]:
+    """Random centre and radius of a shape inside the column ``[left, right)``; a lone shape's
+    radius is about ``lone`` x ``size``.
 
     One pixel of background is kept on each side of the column, so shapes in adjacent columns never
     touch (they stay separate blobs, which makes counting well defined).
     """
-    limit = RADIUS_FRACTION * size if columns == 1 else COLUMN_RADIUS_FRACTION * (right - left)
+    limit = lone * size if columns == 1 else COLUMN_RADIUS_FRACTION * (right - left)
     r_hi = max(3, min(math.floor(limit), (right - left - 3) // 2))
     r = rng.randint(max(3, math.ceil(0.8 * r_hi)), r_hi)
     cx = rng.randint(left + 1 + r, right - 2 - r)
@@ -236,14 +259,28 @@ def _draw_scene(spec: ShapesSpec, kind: str, answer: str, rng: random.Random) ->
         colors = [target_color] + [rng.choice(other_colors) for _ in range(count - 1)]
         slots = [target_slot] + rng.sample([k for k in range(columns) if k != target_slot], count - 1)
         problem = f"Is the {target_color} shape on the left or the right? Answer with one word."
+    elif kind == "box":
+        count = 1 + rng.randint(0, spec.max_distractors)
+        columns = count
+        target = (rng.choice(spec.colors), answer)  # answer: the asked-about shape's name
+        # Distractors differ in colour or shape (or both), so "the red circle" names one shape.
+        others = [(c, n) for c in spec.colors for n in SHAPE_NAMES if (c, n) != target]
+        pairs = [target] + [rng.choice(others) for _ in range(count - 1)]
+        colors, names = [c for c, _ in pairs], [n for _, n in pairs]
+        slots = rng.sample(range(columns), count)
+        problem = (f"Give the box of the {target[0]} {target[1]} as [x1,y1,x2,y2] in pixels of "
+                   f"this {size}x{size} image.")
     else:  # ShapesSpec validation makes this unreachable; keep the error explicit anyway.
         raise DataError(f"unknown shapes kind {kind!r}")
 
     bounds = _column_bounds(size, columns)
     shapes = []
+    lone = BOX_RADIUS_FRACTION if kind == "box" else RADIUS_FRACTION
     for name, color, slot in zip(names, colors, slots):
-        cx, cy, r = _place(rng, size, bounds[slot], bounds[slot + 1], columns)
+        cx, cy, r = _place(rng, size, bounds[slot], bounds[slot + 1], columns, lone)
         shapes.append(Shape(name=name, color=color, cx=cx, cy=cy, r=r))
+    if kind == "box":  # the answer is where the asked-about shape (the first) was drawn
+        answer = "[{},{},{},{}]".format(*shape_box(shapes[0], size))
     return ShapesItem(
         kind=kind, problem=problem, answer=answer, shapes=tuple(shapes),
         image_size=size, background=spec.background,
@@ -271,21 +308,35 @@ def make_item(spec: ShapesSpec, *, seed: int, split: str, index: int) -> ShapesI
     )
 
 
+def _draw_shape(draw: ImageDraw.ImageDraw, s: Shape, fill: tuple[int, int, int] | int) -> None:
+    """Draw one shape (no anti-aliasing)."""
+    if s.name == "circle":
+        draw.ellipse([s.cx - s.r, s.cy - s.r, s.cx + s.r, s.cy + s.r], fill=fill)
+    elif s.name == "square":
+        # A square inscribed-ish in the circle, so the three shapes have similar visual weight.
+        h = max(2, round(0.85 * s.r))
+        draw.rectangle([s.cx - h, s.cy - h, s.cx + h, s.cy + h], fill=fill)
+    else:  # triangle pointing up, inscribed in the circle; its centroid is the centre
+        dx = 0.866 * s.r
+        draw.polygon([(s.cx, s.cy - s.r), (s.cx - dx, s.cy + s.r / 2), (s.cx + dx, s.cy + s.r / 2)], fill=fill)
+
+
+def shape_box(shape: Shape, size: int) -> tuple[int, int, int, int]:
+    """``(x1, y1, x2, y2)``: the pixels ``shape`` covers when drawn, ``x2``/``y2`` one past the
+    last (drawn alone on a mask by the same code as :func:`render_item`, so it is exact)."""
+    mask = Image.new("L", (size, size), 0)
+    _draw_shape(ImageDraw.Draw(mask), shape, 255)
+    box = mask.getbbox()
+    assert box is not None, "shapes are drawn inside the image"
+    return box
+
+
 def render_item(item: ShapesItem, spec: ShapesSpec) -> Image.Image:
     """Draw ``item`` as an RGB image (no anti-aliasing: every pixel is exactly a spec colour)."""
     img = Image.new("RGB", (item.image_size, item.image_size), spec.rgb(item.background))
     draw = ImageDraw.Draw(img)
     for s in item.shapes:
-        fill = spec.rgb(s.color)
-        if s.name == "circle":
-            draw.ellipse([s.cx - s.r, s.cy - s.r, s.cx + s.r, s.cy + s.r], fill=fill)
-        elif s.name == "square":
-            # A square inscribed-ish in the circle, so the three shapes have similar visual weight.
-            h = max(2, round(0.85 * s.r))
-            draw.rectangle([s.cx - h, s.cy - h, s.cx + h, s.cy + h], fill=fill)
-        else:  # triangle pointing up, inscribed in the circle; its centroid is the centre
-            dx = 0.866 * s.r
-            draw.polygon([(s.cx, s.cy - s.r), (s.cx - dx, s.cy + s.r / 2), (s.cx + dx, s.cy + s.r / 2)], fill=fill)
+        _draw_shape(draw, s, spec.rgb(s.color))
     return img
 
 
@@ -309,11 +360,13 @@ class ShapesSource:
         return len(self.items)
 
     def sample(self, index: int) -> Sample:
-        """Render item ``index`` into a ``Sample`` (answer as the solution)."""
+        """Render item ``index`` into a ``Sample`` (answer as the solution; a box question's
+        accuracy method is ``iou``)."""
         item = self.items[index]
         return Sample(
             images=[render_item(item, self.spec)],
             problem=item.problem,
             solution=item.answer,
             source=f"{self.name}#{index % len(self.items)}",
+            reward_method="iou" if item.kind == "box" else "default",
         )

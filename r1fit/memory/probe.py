@@ -54,6 +54,11 @@ class TensorProbe:
     def active(self) -> bool:
         return self._profiler is not None
 
+    @property
+    def before_bytes(self) -> int:
+        """Live tensor bytes when the window started."""
+        return self._before
+
     def start(self) -> None:
         self.stop()
         gc.collect()

@@ -1,7 +1,11 @@
-"""Built-in random-weight Qwen2.5-VL models, created offline on first use and cached on disk.
+"""Built-in random-weight VLMs, created offline on first use and cached on disk.
 
-`builtin:tiny` and `builtin:small-realvocab` are real `Qwen2_5_VLForConditionalGeneration`
-checkpoints with real Qwen2-VL processors, written with `save_pretrained` into
+`builtin:tiny`, `builtin:tiny-hd32` and `builtin:small-realvocab` are real
+`Qwen2_5_VLForConditionalGeneration` checkpoints with real Qwen2.5-VL processors;
+`builtin:tiny-qwen3vl` is a real `Qwen3VLForConditionalGeneration` (interleaved M-RoPE,
+DeepStack, 16 px patches) with a Qwen3-VL processor; `builtin:tiny-gemma3` is a real
+`Gemma3ForConditionalGeneration` (SigLIP tower on fixed 64 px images, sliding-window and global
+attention layers) with a Gemma 3 processor and tokenizer. Each is written with `save_pretrained` into
 `$R1FIT_CACHE/models/<name>-v<BUILDER_VERSION>/`. Callers load them back through the exact
 `from_pretrained` path a hub checkpoint takes, so tests exercise the same code as real training.
 
@@ -17,22 +21,43 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Gemma3ImageProcessor,
+    Gemma3Processor,
+    GemmaTokenizer,
     GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    ProcessorMixin,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2_5_VLProcessor,
     Qwen2Tokenizer,
     Qwen2VLImageProcessor,
     Qwen2VLVideoProcessor,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLProcessor,
+    Qwen3VLVideoProcessor,
 )
 
 from r1fit.models.errors import ModelConfigError
-from r1fit.models.tokenizer import QWEN2VL_CHAT_TEMPLATE, build_tokenizer
+from r1fit.models.tokenizer import (
+    GEMMA3_CHAT_TEMPLATE,
+    QWEN2VL_CHAT_TEMPLATE,
+    QWEN3VL_CHAT_TEMPLATE,
+    build_gemma3_tokenizer,
+    build_tokenizer,
+)
 
 #: Bump when anything that changes the written files changes; old cache folders are then ignored.
 BUILDER_VERSION = 1
@@ -45,6 +70,9 @@ BUILTIN_PREFIX = "builtin:"
 # at most 64 merged tokens per image).
 DEFAULT_MIN_PIXELS = 28 * 28 * 4
 DEFAULT_MAX_PIXELS = 28 * 28 * 64
+# The same budget for Qwen3-VL, whose merged token covers 32x32 px: 64 px -> 4 tokens, at most 64.
+QWEN3VL_MIN_PIXELS = 32 * 32 * 4
+QWEN3VL_MAX_PIXELS = 32 * 32 * 64
 
 
 @dataclass(frozen=True)
@@ -66,6 +94,15 @@ class BuiltinSpec:
     vision_intermediate: int
     tie_word_embeddings: bool
     vocab_size: int | None = None
+    #: the architecture: "qwen2_5_vl", "qwen3_vl" or "gemma3" (a key of `FAMILIES`)
+    family: str = "qwen2_5_vl"
+    #: fixed-size vision towers (Gemma 3's SigLIP): the side every image is resized to, its patch
+    #: size, and the image tokens the tower's output is pooled to
+    image_size: int | None = None
+    patch_size: int | None = None
+    image_tokens: int | None = None
+    #: window of the sliding-window attention layers (Gemma 3: one global layer after five of them)
+    sliding_window: int | None = None
 
 
 BUILTINS: dict[str, BuiltinSpec] = {
@@ -119,6 +156,47 @@ BUILTINS: dict[str, BuiltinSpec] = {
         vision_intermediate=256,
         tie_word_embeddings=False,
         vocab_size=151_936,
+    ),
+    "tiny-qwen3vl": BuiltinSpec(
+        name="tiny-qwen3vl",
+        description="Qwen3-VL architecture at tiny's size (interleaved M-RoPE, DeepStack features "
+        "from the first vision block, 16 px patches); for architecture coverage",
+        seed=1234,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        mrope_section=(2, 3, 3),  # sums to head_dim / 2 = 8 (Qwen3-VL: 24, 20, 20 of 64)
+        vision_hidden=64,
+        vision_depth=2,
+        vision_heads=4,
+        vision_intermediate=128,
+        tie_word_embeddings=True,
+        family="qwen3_vl",
+    ),
+    "tiny-gemma3": BuiltinSpec(
+        name="tiny-gemma3",
+        description="Gemma 3 architecture at tiny's size (SigLIP tower on 64 px images pooled to 4 "
+        "tokens, a sliding-window then a global attention layer, bidirectional attention over "
+        "image tokens); for architecture coverage",
+        seed=1234,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        mrope_section=(0, 0, 0),  # no M-RoPE: Gemma 3 uses 1-D positions
+        vision_hidden=64,
+        vision_depth=2,
+        vision_heads=4,
+        vision_intermediate=128,
+        tie_word_embeddings=True,
+        family="gemma3",
+        image_size=64,
+        patch_size=16,
+        image_tokens=4,
+        sliding_window=32,
     ),
 }
 
@@ -182,11 +260,12 @@ def build_builtin(name: str, dest: str | os.PathLike[str]) -> None:
     """Write built-in `name` (model, generation config, processor, tokenizer, marker) into `dest`."""
     spec = _spec(name)
     dest = Path(dest)
-    model, tokenizer = create_model(name)
+    model, processor = create_model(name)
     model.save_pretrained(dest, safe_serialization=True)
-    make_processor(tokenizer).save_pretrained(dest)
+    processor.save_pretrained(dest)
     marker = {
         "name": spec.name,
+        "family": spec.family,
         "builder_version": BUILDER_VERSION,
         "seed": spec.seed,
         "description": spec.description,
@@ -195,27 +274,24 @@ def build_builtin(name: str, dest: str | os.PathLike[str]) -> None:
     (dest / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
 
 
-def create_model(name: str) -> tuple[Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer]:
-    """Create built-in `name` in memory (float32, deterministic weights) with its tokenizer.
+def create_model(name: str) -> tuple[PreTrainedModel, ProcessorMixin]:
+    """Create built-in `name` in memory (float32, deterministic weights) with its processor.
 
     `build_builtin` saves exactly this; tests compare it with what `from_pretrained` loads back.
     """
     spec = _spec(name)
-    tokenizer = build_tokenizer()
-    config = _make_config(spec, tokenizer)
+    family = FAMILIES[spec.family]
+    tokenizer = family.tokenizer()
+    config = family.config(spec, tokenizer)
     # Seed the global RNG that transformers' weight init draws from, so every build of a given
     # BUILDER_VERSION has bit-identical weights.
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream untouched
         torch.manual_seed(spec.seed)
-        model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32).eval()
-    ids = _token_ids(tokenizer)
-    # Mirrors Qwen2.5-VL-Instruct's generation_config.json: stop on <|im_end|> or <|endoftext|>.
-    model.generation_config = GenerationConfig(
-        bos_token_id=ids["endoftext"],
-        eos_token_id=[ids["im_end"], ids["endoftext"]],
-        pad_token_id=ids["endoftext"],
-    )
-    return model, tokenizer
+        model = family.model_class(config).to(torch.float32).eval()
+        if family.init_weights is not None:
+            family.init_weights(model)
+    model.generation_config = family.generation(tokenizer)
+    return model, family.processor(tokenizer)
 
 
 def make_processor(
@@ -229,6 +305,22 @@ def make_processor(
         # transformers v5 requires a video processor for Qwen2.5-VL even when no video is used.
         video_processor=Qwen2VLVideoProcessor(size=size, patch_size=14, temporal_patch_size=2, merge_size=2),
         chat_template=QWEN2VL_CHAT_TEMPLATE,
+    )
+
+
+def make_qwen3vl_processor(tokenizer: Qwen2Tokenizer) -> Qwen3VLProcessor:
+    """A Qwen3-VL processor around `tokenizer`: Qwen3-VL's preprocessor settings (16 px patches,
+    2x2 merge, mean/std 0.5) with the same small pixel budget as the Qwen2.5-VL built-ins, rounded
+    to its 32 px tokens."""
+    size = {"shortest_edge": QWEN3VL_MIN_PIXELS, "longest_edge": QWEN3VL_MAX_PIXELS}
+    half = [0.5, 0.5, 0.5]
+    return Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(size=size, patch_size=16, temporal_patch_size=2, merge_size=2,
+                                              image_mean=half, image_std=half),
+        tokenizer=tokenizer,
+        video_processor=Qwen3VLVideoProcessor(size=size, patch_size=16, temporal_patch_size=2, merge_size=2,
+                                              image_mean=half, image_std=half),
+        chat_template=QWEN3VL_CHAT_TEMPLATE,
     )
 
 
@@ -254,12 +346,20 @@ def _token_ids(tokenizer: Qwen2Tokenizer) -> dict[str, int]:
     return {key: tokenizer.convert_tokens_to_ids(tok) for key, tok in tokens.items()}
 
 
-def _make_config(spec: BuiltinSpec, tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLConfig:
+def _qwen_generation(tokenizer: Qwen2Tokenizer) -> GenerationConfig:
+    """Mirrors Qwen-VL-Instruct's generation_config.json: stop on <|im_end|> or <|endoftext|>."""
+    ids = _token_ids(tokenizer)
+    return GenerationConfig(bos_token_id=ids["endoftext"], eos_token_id=[ids["im_end"], ids["endoftext"]],
+                            pad_token_id=ids["endoftext"])
+
+
+def _text_config(spec: BuiltinSpec, tokenizer: Qwen2Tokenizer, rope: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config keys shared by the Qwen families."""
     ids = _token_ids(tokenizer)
     vocab_size = spec.vocab_size if spec.vocab_size is not None else len(tokenizer)
     if vocab_size < len(tokenizer):
         raise ModelConfigError(f"built-in {spec.name}: vocab_size {vocab_size} < tokenizer size {len(tokenizer)}")
-    text_config = {
+    return {
         "vocab_size": vocab_size,
         "hidden_size": spec.hidden_size,
         "intermediate_size": spec.intermediate_size,
@@ -268,16 +368,21 @@ def _make_config(spec: BuiltinSpec, tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLConf
         "num_key_value_heads": spec.num_kv_heads,
         "max_position_embeddings": 32768,
         "rms_norm_eps": 1e-6,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 1_000_000.0,
-            "mrope_section": list(spec.mrope_section),
-        },
+        "rope_parameters": {"rope_type": "default", "mrope_section": list(spec.mrope_section), **rope},
         # As in Qwen's config.json: bos is <|endoftext|> although the tokenizer adds no bos.
         "bos_token_id": ids["endoftext"],
         "eos_token_id": ids["im_end"],
         "pad_token_id": ids["endoftext"],
     }
+
+
+def _token_config(tokenizer: Qwen2Tokenizer) -> dict[str, int]:
+    ids = _token_ids(tokenizer)
+    return {"image_token_id": ids["image"], "video_token_id": ids["video"],
+            "vision_start_token_id": ids["vision_start"], "vision_end_token_id": ids["vision_end"]}
+
+
+def _qwen2_5_vl_config(spec: BuiltinSpec, tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLConfig:
     vision_config = {
         "depth": spec.vision_depth,
         "hidden_size": spec.vision_hidden,
@@ -294,11 +399,138 @@ def _make_config(spec: BuiltinSpec, tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLConf
         "tokens_per_second": 2,
     }
     return Qwen2_5_VLConfig(
+        text_config=_text_config(spec, tokenizer, {"rope_theta": 1_000_000.0}),
+        vision_config=vision_config,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        **_token_config(tokenizer),
+    )
+
+
+def _qwen3_vl_config(spec: BuiltinSpec, tokenizer: Qwen2Tokenizer) -> Qwen3VLConfig:
+    # Qwen3-VL-4B-Instruct: rope_theta 5e6, interleaved M-RoPE, head_dim set explicitly,
+    # DeepStack features taken from vision blocks (5, 11, 17) of 24 into the first LM layers.
+    text_config = _text_config(spec, tokenizer, {"rope_theta": 5_000_000.0, "mrope_interleaved": True})
+    text_config["head_dim"] = spec.hidden_size // spec.num_heads
+    vision_config = {
+        "depth": spec.vision_depth,
+        "hidden_size": spec.vision_hidden,
+        "intermediate_size": spec.vision_intermediate,
+        "num_heads": spec.vision_heads,
+        "out_hidden_size": spec.hidden_size,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        # learned position embeddings on an 8x8 grid (Qwen3-VL: 48x48), interpolated per image
+        "num_position_embeddings": 64,
+        "deepstack_visual_indexes": [0],
+    }
+    return Qwen3VLConfig(
         text_config=text_config,
         vision_config=vision_config,
-        image_token_id=ids["image"],
-        video_token_id=ids["video"],
-        vision_start_token_id=ids["vision_start"],
-        vision_end_token_id=ids["vision_end"],
         tie_word_embeddings=spec.tie_word_embeddings,
+        **_token_config(tokenizer),
     )
+
+
+def _gemma3_ids(tokenizer: GemmaTokenizer) -> dict[str, int]:
+    tokens = {"pad": "<pad>", "eos": "<eos>", "bos": "<bos>", "end_of_turn": "<end_of_turn>",
+              "boi": tokenizer.boi_token, "eoi": tokenizer.eoi_token, "image": tokenizer.image_token}
+    return {key: tokenizer.convert_tokens_to_ids(tok) for key, tok in tokens.items()}
+
+
+def _gemma3_config(spec: BuiltinSpec, tokenizer: GemmaTokenizer) -> Gemma3Config:
+    """gemma-3-4b-it's config at tiny size: head_dim and query_pre_attn_scalar set explicitly (256
+    there), global rope theta 1e6 and local 1e4, the sliding-window layer pattern kept (five
+    sliding layers then a global one there; here one then one), eos = <eos> and <end_of_turn>, no
+    softcaps; a SigLIP tower whose output is average-pooled to `image_tokens` per image."""
+    ids = _gemma3_ids(tokenizer)
+    head_dim = spec.hidden_size // spec.num_heads
+    text_config = {
+        "vocab_size": spec.vocab_size if spec.vocab_size is not None else len(tokenizer),
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": head_dim,
+        "sliding_window": spec.sliding_window,
+        "layer_types": ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(spec.num_layers)],
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "bos_token_id": ids["bos"],
+        "eos_token_id": [ids["eos"], ids["end_of_turn"]],
+        "pad_token_id": ids["pad"],
+    }
+    vision_config = {
+        "model_type": "siglip_vision_model",
+        "hidden_size": spec.vision_hidden,
+        "intermediate_size": spec.vision_intermediate,
+        "num_hidden_layers": spec.vision_depth,
+        "num_attention_heads": spec.vision_heads,
+        "image_size": spec.image_size,
+        "patch_size": spec.patch_size,
+        "layer_norm_eps": 1e-6,
+        "vision_use_head": False,
+    }
+    return Gemma3Config(text_config=text_config, vision_config=vision_config,
+                        mm_tokens_per_image=spec.image_tokens, boi_token_index=ids["boi"],
+                        eoi_token_index=ids["eoi"], image_token_index=ids["image"],
+                        tie_word_embeddings=spec.tie_word_embeddings)
+
+
+def make_gemma3_processor(tokenizer: GemmaTokenizer) -> Gemma3Processor:
+    """A Gemma 3 processor around `tokenizer`: gemma-3's preprocessor settings (every image resized
+    to the tower's square side, mean/std 0.5, no pan-and-scan) at tiny-gemma3's 64 px and 4 tokens
+    per image."""
+    spec = BUILTINS["tiny-gemma3"]
+    half = [0.5, 0.5, 0.5]
+    image_processor = Gemma3ImageProcessor(size={"height": spec.image_size, "width": spec.image_size},
+                                           image_mean=half, image_std=half, do_pan_and_scan=False)
+    return Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                           chat_template=GEMMA3_CHAT_TEMPLATE, image_seq_length=spec.image_tokens)
+
+
+def _gemma3_generation(tokenizer: GemmaTokenizer) -> GenerationConfig:
+    """Mirrors gemma-3-4b-it's generation_config.json: stop on <eos> or <end_of_turn>, sample with
+    top_k 64 and top_p 0.95 (r1fit overrides both), a hybrid sliding/global cache."""
+    ids = _gemma3_ids(tokenizer)
+    return GenerationConfig(bos_token_id=ids["bos"], eos_token_id=[ids["eos"], ids["end_of_turn"]],
+                            pad_token_id=ids["pad"], do_sample=True, top_k=64, top_p=0.95,
+                            cache_implementation="hybrid")
+
+
+def _gemma3_init(model: PreTrainedModel) -> None:
+    # transformers initialises the image projection to zeros (a real checkpoint has it trained),
+    # which would hide every image from a random-weight model: draw it like the other weights
+    projector = model.model.multi_modal_projector.mm_input_projection_weight
+    torch.nn.init.normal_(projector, std=model.config.initializer_range)
+
+
+@dataclass(frozen=True)
+class Family:
+    """How a built-in of one architecture is made: its tokenizer, config, model class, processor
+    and generation config (each a function of the tokenizer, whose ids the others use)."""
+
+    tokenizer: Callable[[], PreTrainedTokenizerBase]
+    config: Callable[[BuiltinSpec, Any], PretrainedConfig]
+    model_class: type[PreTrainedModel]
+    processor: Callable[[Any], ProcessorMixin]
+    generation: Callable[[Any], GenerationConfig]
+    #: redraws weights the model class initialises to a constant the real checkpoint has trained
+    #: (under the spec's seed)
+    init_weights: Callable[[PreTrainedModel], None] | None = None
+
+
+FAMILIES: dict[str, Family] = {
+    "qwen2_5_vl": Family(build_tokenizer, _qwen2_5_vl_config, Qwen2_5_VLForConditionalGeneration,
+                         make_processor, _qwen_generation),
+    "qwen3_vl": Family(build_tokenizer, _qwen3_vl_config, Qwen3VLForConditionalGeneration,
+                       make_qwen3vl_processor, _qwen_generation),
+    "gemma3": Family(build_gemma3_tokenizer, _gemma3_config, Gemma3ForConditionalGeneration,
+                     make_gemma3_processor, _gemma3_generation, init_weights=_gemma3_init),
+}

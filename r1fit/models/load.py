@@ -2,7 +2,9 @@
 
 Everything goes through `AutoModelForImageTextToText.from_pretrained` / `AutoProcessor.from_pretrained`,
 for hub ids, local folders and the `builtin:` models alike, so the built-in test models run the
-same code paths as a real Qwen2-VL / Qwen2.5-VL checkpoint.
+same code paths as a real checkpoint (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma 3). What an
+architecture needs is read from its config, tokenizer, generation config and chat template (image
+token, end of turn, stop tokens, vision tower, FSDP units), never from its name.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from r1fit.errors import one_line
 from r1fit.models.builtin import BUILTIN_PREFIX, ensure_builtin
 from r1fit.models.errors import ModelConfigError
 
-#: Linear layers of a Qwen2 decoder layer that LoRA may adapt.
+#: Linear layers of a decoder layer that LoRA may adapt (Qwen2/2.5/3-VL and Gemma 3 name them alike).
 LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -232,8 +234,9 @@ def load_policy(
 def language_model_lora_regex(lora_target: str | Sequence[str]) -> str:
     """peft `target_modules` regex matching the chosen projections inside the language model only.
 
-    A regex rather than a name list because Qwen2.5-VL's vision blocks also have `gate_proj`,
-    `up_proj` and `down_proj`; matching on `language_model.layers.N` keeps LoRA off the vision tower.
+    A regex rather than a name list because vision towers reuse the names (Qwen2.5-VL's blocks
+    have `gate_proj`, `up_proj` and `down_proj`, Gemma 3's SigLIP layers `q_proj`, `k_proj` and
+    `v_proj`); matching on `language_model.layers.N` keeps LoRA off the vision tower.
     """
     if isinstance(lora_target, str):
         names = (
@@ -330,9 +333,11 @@ def lm_backbone_and_head(model: nn.Module) -> tuple[Callable[..., torch.Tensor],
     `backbone(**inputs)` runs the vision tower + language model WITHOUT the LM head and returns
     the final, already RMS-normed hidden states [B, T, H]; `backbone(...) @ head.weight.T` equals
     the model's own logits. `inputs` are the model's forward kwargs (input_ids, attention_mask,
-    pixel_values, image_grid_thw, mm_token_type_ids, ...). It calls the inner
-    `Qwen2_5_VLModel`, whose LoRA layers are injected in place, so it follows the wrapper's state:
-    adapters on, or off inside `disable_adapter()`.
+    pixel_values, image_grid_thw, mm_token_type_ids or token_type_ids, ...). It calls the inner
+    model (`Qwen2_5_VLModel`, `Gemma3Model`, ...), whose LoRA layers are injected in place, so it
+    follows the wrapper's state: adapters on, or off inside `disable_adapter()`. A model whose
+    forward transforms the head's output (a final logit softcap) is refused when it is loaded
+    (:func:`check_logits_are_the_head`).
     """
     base = unwrap(model)
     inner = getattr(base, "model", None)
@@ -352,6 +357,52 @@ def lm_backbone_and_head(model: nn.Module) -> tuple[Callable[..., torch.Tensor],
     return backbone, head
 
 
+def logit_softcap(config: Any) -> float | None:
+    """The final logit softcap a config declares (``final_logit_softcapping``, on the config or its
+    text config: Gemma 2, PaliGemma 2, Gemma 3n), or None."""
+    for part in (config, getattr(config, "text_config", None)):
+        value = getattr(part, "final_logit_softcapping", None) if part is not None else None
+        if value is not None:
+            return float(value)
+    return None
+
+
+def check_logits_are_the_head(model: PreTrainedModel, path: str) -> None:
+    """Raise ``ModelConfigError`` when the model's logits are not its LM head's output.
+
+    r1fit's log-probs are ``log_softmax(hidden @ lm_head.weight.T)`` computed in chunks
+    (:func:`lm_backbone_and_head`); a forward that transforms the head's output, as a final logit
+    softcap ``c * tanh(logits / c)`` does, would sample from another distribution than the one
+    trained. Only a config that declares a softcap is checked, with a two-token forward: whether the
+    forward applies it depends on the model class (transformers 5's PaliGemma and Gemma 3n do,
+    Gemma 3's ``Gemma3ForConditionalGeneration`` does not), not on the config alone.
+    """
+    cap = logit_softcap(model.config)
+    if cap is None or next(model.parameters()).device.type == "meta":
+        return
+    placeholders = {getattr(model.config, attr, None) for _, attr in PLACEHOLDER_TOKENS}
+    tokens = [i for i in range(len(placeholders) + 2) if i not in placeholders][:2]
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([tokens], device=device)
+    backbone, head = lm_backbone_and_head(model)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=input_ids, use_cache=False).logits.float()
+            ours = head(backbone(input_ids=input_ids)).float()
+    finally:
+        model.train(was_training)
+    if torch.allclose(logits, ours, rtol=1e-4, atol=1e-5):
+        return  # the forward ignores the declared cap, and so do r1fit's log-probs
+    capped = torch.allclose(logits, cap * torch.tanh(ours / cap), rtol=1e-4, atol=1e-5)
+    how = (f"returns {cap:g} * tanh(head output / {cap:g}) (final_logit_softcapping={cap:g})"
+           if capped else "transforms its LM head's output")
+    raise ModelConfigError(
+        f"the forward of model {path!r} {how}; r1fit's chunked log-probs are the LM head's output "
+        "and apply no softcap yet, so they would not be the log-probs the model samples from")
+
+
 def context_length(model: nn.Module) -> int | None:
     """The longest sequence the language model takes (``max_position_embeddings`` of its text
     config), or None when the config does not say."""
@@ -363,32 +414,78 @@ def context_length(model: nn.Module) -> int | None:
     return None
 
 
-def special_token_ids(model: nn.Module, processor: ProcessorMixin) -> dict[str, int]:
-    """Ids generation and masking need: image/video pads and vision delimiters (from the model
-    config, which is what the model itself uses), plus eos and pad (from the tokenizer).
+#: Model-config attributes naming the placeholder tokens a model replaces with vision features,
+#: keyed as ``special_token_ids`` returns them. Generation must never sample one: the next forward
+#: would find more placeholders than features and fail.
+PLACEHOLDER_TOKENS = (("image_pad", "image_token_id"), ("video_pad", "video_token_id"))
+#: Model-config attributes naming the tokens around an image: Qwen-VL's vision start/end, Gemma 3's
+#: (and PaliGemma's) begin/end of image. The first one a config declares wins.
+DELIMITER_TOKENS = (("vision_start", ("vision_start_token_id", "boi_token_id")),
+                    ("vision_end", ("vision_end_token_id", "eoi_token_id")))
 
-    Keys: `image_pad`, `video_pad`, `vision_start`, `vision_end`, `eos`, `pad`. Generation should
-    never sample `image_pad` / `video_pad`.
+
+def special_token_ids(model: nn.Module, processor: ProcessorMixin) -> dict[str, int]:
+    """Ids generation, SFT and masking need, each read from where the model itself reads it.
+
+    From the model config: ``image_pad`` (required: the image placeholder token), and when the
+    config declares them ``video_pad``, ``vision_start``, ``vision_end`` (``PLACEHOLDER_TOKENS``,
+    ``DELIMITER_TOKENS``). From the tokenizer: ``eos`` and ``pad`` (eos when it has none). From the
+    chat template: ``end_of_turn``, the token that ends an assistant turn (Qwen: ``<|im_end|>``,
+    the tokenizer's eos; Gemma 3: ``<end_of_turn>``, while its eos is ``<eos>``).
     """
     config = unwrap(model).config
     tokenizer = getattr(processor, "tokenizer", processor)
     ids: dict[str, int] = {}
-    for key, attr in (
-        ("image_pad", "image_token_id"),
-        ("video_pad", "video_token_id"),
-        ("vision_start", "vision_start_token_id"),
-        ("vision_end", "vision_end_token_id"),
-    ):
+    for key, attr in PLACEHOLDER_TOKENS:
         value = getattr(config, attr, None)
-        if value is None:
-            raise ModelConfigError(f"model config ({type(config).__name__}) has no {attr}; not a Qwen2-VL-style model")
-        ids[key] = int(value)
+        if value is not None:
+            ids[key] = int(value)
+    if "image_pad" not in ids:
+        raise ModelConfigError(f"model config ({type(config).__name__}) has no image_token_id; "
+                               "not a vision-language model r1fit can feed images to")
+    for key, attrs in DELIMITER_TOKENS:
+        value = next((getattr(config, a) for a in attrs if getattr(config, a, None) is not None), None)
+        if value is not None:
+            ids[key] = int(value)
     if tokenizer.eos_token_id is None:
         raise ModelConfigError("the tokenizer has no eos token")
     ids["eos"] = int(tokenizer.eos_token_id)
     # Qwen-Instruct tokenizers pad with <|endoftext|>; fall back to eos if a tokenizer has no pad.
     ids["pad"] = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    ids["end_of_turn"] = end_of_turn_id(processor)
     return ids
+
+
+def end_of_turn_id(processor: Any) -> int:
+    """The token the chat template puts right after an assistant turn's text (what SFT appends to
+    an answer and generation stops at), found by rendering a two-turn chat; the tokenizer's eos
+    when the processor has no chat template."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    marker = "r1fit-end-of-turn-probe"
+    chat = [{"role": "user", "content": [{"type": "text", "text": "?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": marker}]}]
+    try:
+        text = processor.apply_chat_template(chat, tokenize=False)
+    except (ValueError, TypeError) as err:  # no chat template (or one that rejects this chat)
+        if tokenizer.eos_token_id is None:
+            raise ModelConfigError(f"no end-of-turn token: {one_line(err)}") from err
+        return int(tokenizer.eos_token_id)
+    after = text[text.rfind(marker) + len(marker):]
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+    if not ids:
+        raise ModelConfigError("the chat template ends an assistant turn with nothing; no end-of-turn "
+                               "token to learn or stop at")
+    return int(ids[0])
+
+
+def stop_token_ids(model: nn.Module, processor: ProcessorMixin) -> list[int]:
+    """Tokens a completion ends at: the tokenizer's eos, the chat template's end of turn, then
+    every eos of the model's generation config (Qwen-VL-Instruct: ``<|im_end|>`` and
+    ``<|endoftext|>``; Gemma 3: ``<eos>`` and ``<end_of_turn>``), without repeats."""
+    ids = special_token_ids(model, processor)
+    declared = getattr(unwrap(model).generation_config, "eos_token_id", None)
+    declared = [] if declared is None else [declared] if isinstance(declared, int) else list(declared)
+    return list(dict.fromkeys(int(i) for i in [ids["eos"], ids["end_of_turn"], *declared]))
 
 
 def _from_pretrained(
@@ -418,6 +515,7 @@ def _from_pretrained(
         raise ModelConfigError(bad_weights_message(folder, path, err)) from err
     except (OSError, ValueError, KeyError, ImportError) as err:
         raise ModelConfigError(f"cannot load model {path!r}: {one_line(err)}") from err
+    check_logits_are_the_head(model, path)
     return model
 
 

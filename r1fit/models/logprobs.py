@@ -2,7 +2,8 @@
 
 The backbone runs without the LM head; only the hidden states that predict completion tokens go
 through the head, ``memory.logits_chunk`` tokens at a time, so the [tokens x vocab] logits never
-exist in full (see :func:`r1fit.algorithms.logprobs.chunked_token_logprobs`).
+exist in full (see :func:`r1fit.algorithms.logprobs.chunked_token_logprobs`); the per-token entropy
+of the policy comes from the same chunks when asked for (:func:`completion_logprobs_and_entropy`).
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from r1fit.algorithms.logprobs import chunked_token_logprobs
+from r1fit.algorithms.logprobs import chunked_logprobs_and_entropy, chunked_token_logprobs
 from r1fit.data.batch import Batch
 from r1fit.models.load import lm_backbone_and_head
+from r1fit.models.prefix import PackedGroups
 
 
 class CompletionLogProbs(nn.Module):
@@ -29,18 +31,26 @@ class CompletionLogProbs(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, batch: Batch, chunk_size: int, temperature: float = 1.0) -> torch.Tensor:
+    def forward(self, batch: Batch | PackedGroups, chunk_size: int, temperature: float = 1.0,
+                entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs [B, Tc] of the completion tokens; with ``entropy``, also the entropy [B, Tc] of
+        the policy's distribution at each of them (both 0 where masked). ``batch``: rows collated
+        one per completion, or groups packed with their prompt once (:mod:`r1fit.models.prefix`)."""
         backbone, head = lm_backbone_and_head(self.model)
         hidden = backbone(**batch.inputs)
-        width = batch.completion_ids.shape[1]
-        # the hidden state at column t predicts the token at column t + 1
-        predicting = hidden[:, batch.prompt_len - 1: batch.prompt_len - 1 + width]
+        if isinstance(batch, PackedGroups):
+            predicting = batch.predicting(hidden)
+        else:
+            width = batch.completion_ids.shape[1]
+            # the hidden state at column t predicts the token at column t + 1
+            predicting = hidden[:, batch.prompt_len - 1: batch.prompt_len - 1 + width]
         mask = batch.completion_mask.bool()
-        token_logp = chunked_token_logprobs(predicting[mask], head.weight,
-                                            batch.completion_ids[mask], bias=head.bias,
-                                            chunk_size=chunk_size, temperature=temperature)
-        out = torch.zeros(mask.shape, dtype=token_logp.dtype, device=token_logp.device)
-        return out.masked_scatter(mask, token_logp)
+        args = (predicting[mask], head.weight, batch.completion_ids[mask])
+        options = dict(bias=head.bias, chunk_size=chunk_size, temperature=temperature)
+        if not entropy:
+            return _unpack(mask, chunked_token_logprobs(*args, **options))
+        token_logp, token_entropy = chunked_logprobs_and_entropy(*args, **options)
+        return _unpack(mask, token_logp), _unpack(mask, token_entropy)
 
     def generate(self, **kwargs: Any) -> torch.Tensor:
         """The model's ``generate``, through the root so that FSDP initialises and gathers the
@@ -48,9 +58,24 @@ class CompletionLogProbs(nn.Module):
         return self.model.generate(**kwargs)
 
 
-def completion_logprobs(model: Any, batch: Batch, *, chunk_size: int,
+def completion_logprobs(model: Any, batch: Batch | PackedGroups, *, chunk_size: int,
                         temperature: float = 1.0) -> torch.Tensor:
     """Log-probs [B, Tc] (float32) of the completion tokens of ``batch``; 0 where masked.
     ``model``: a :class:`CompletionLogProbs` (the FSDP root when sharded) or a plain model."""
     module = model if isinstance(model, CompletionLogProbs) else CompletionLogProbs(model)
     return module(batch, chunk_size, temperature)
+
+
+def completion_logprobs_and_entropy(model: Any, batch: Batch | PackedGroups, *, chunk_size: int,
+                                    temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies [B, Tc] (float32) of the completion tokens of ``batch``, from one pass
+    through the LM head; 0 where masked. Both carry gradients (see
+    :func:`r1fit.algorithms.logprobs.chunked_logprobs_and_entropy`)."""
+    module = model if isinstance(model, CompletionLogProbs) else CompletionLogProbs(model)
+    return module(batch, chunk_size, temperature, True)
+
+
+def _unpack(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The values of the masked positions back in a [B, Tc] tensor, 0 elsewhere."""
+    out = torch.zeros(mask.shape, dtype=values.dtype, device=values.device)
+    return out.masked_scatter(mask, values)

@@ -1,11 +1,19 @@
-"""A small, locally trained Qwen2-VL-style tokenizer for the built-in models.
+"""Small, locally trained tokenizers for the built-in models: Qwen2-VL style and Gemma 3 style.
 
-The Hugging Face hub is unreachable here, so the built-in models cannot borrow Qwen's 151k-token
-tokenizer. Instead we train a byte-level BPE (same pre-tokenizer regex, normaliser and decoder as
-Qwen2) on a small built-in English corpus, then append Qwen2-VL's special tokens and its real chat
-template. The result is loaded by transformers as the same `Qwen2Tokenizer` class a real Qwen2-VL
-checkpoint uses, so everything downstream (processor, chat template, image-pad expansion) runs the
-real code paths; only the token ids differ (ours are small, Qwen's start at 151643).
+The Hugging Face hub is unreachable here, so the built-in models cannot borrow Qwen's 151k-token or
+Gemma's 262k-token tokenizer. Instead we train a BPE on a small built-in English corpus with the
+real tokenizer's pipeline, then add the model's special tokens and its chat template:
+
+- Qwen2-VL: byte-level BPE (same pre-tokenizer regex, normaliser and decoder as Qwen2), Qwen2-VL's
+  special tokens and real chat template, loaded as `Qwen2Tokenizer`;
+- Gemma 3: SentencePiece-style BPE (spaces as "▁", byte fallback to `<0xNN>` tokens, no
+  pre-tokenizer) with Gemma 3's special tokens at the front of the vocabulary and its chat
+  template, loaded as `GemmaTokenizer`, with the `boi_token` / `eoi_token` / `image_token` names
+  `Gemma3Processor` reads.
+
+Each loads back through transformers as the class a real checkpoint uses, so everything downstream
+(processor, chat template, image-token expansion) runs the real code paths; only the token ids
+differ.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import itertools
 import json
 
 from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
-from transformers import Qwen2Tokenizer
+from transformers import GemmaTokenizer, Qwen2Tokenizer
 
 # Qwen2's pre-tokenisation regex (copied from transformers' tokenization_qwen2.py) so our BPE splits
 # text exactly where Qwen's does.
@@ -66,6 +74,81 @@ QWEN2VL_CHAT_TEMPLATE = (
     "<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+#: Qwen3-VL-Instruct's chat template without its tool-calling parts (a row never has tools): no
+#: default system prompt, the system text taken from text parts, image/video placeholders in user
+#: turns, text parts only in assistant turns. Renders what the real template renders for such rows.
+QWEN3VL_CHAT_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].content is string %}{{- messages[0].content }}"
+    "{%- else %}{%- for content in messages[0].content %}{%- if 'text' in content %}"
+    "{{- content.text }}{%- endif %}{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- set image_count = namespace(value=0) %}{%- set video_count = namespace(value=0) %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' %}{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.content is string %}{{- message.content }}"
+    "{%- else %}{%- for content in message.content %}"
+    "{%- if content.type == 'image' or 'image' in content or 'image_url' in content %}"
+    "{%- set image_count.value = image_count.value + 1 %}"
+    "{%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif content.type == 'video' or 'video' in content %}"
+    "{%- set video_count.value = video_count.value + 1 %}"
+    "{%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{%- elif 'text' in content %}{{- content.text }}{%- endif %}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.content is string %}{{- message.content }}"
+    "{%- else %}{%- for content_item in message.content %}{%- if 'text' in content_item %}"
+    "{{- content_item.text }}{%- endif %}{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+#: Gemma 3's special tokens, in the order of its vocabulary (pad, eos, bos, unk and mask are ids 0-4
+#: there too; the turn and image tokens are 105, 106, 255999, 256000 and 262144 there).
+GEMMA3_SPECIAL_TOKENS: tuple[str, ...] = (
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<mask>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<start_of_image>",
+    "<end_of_image>",
+    "<image_soft_token>",
+)
+
+#: Gemma 3's chat template (gemma-3-*-it), written out here: `<bos>` first; a system turn is folded
+#: into the first user turn (its text, then a blank line), as Gemma has no system role; roles must
+#: alternate; the assistant's role is `model`; text parts are trimmed; an image part is
+#: `<start_of_image>`, which the processor expands into the image's soft tokens. Gemma 3 has no tool
+#: calls, so this renders what the real template renders for every r1fit row.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- if messages[0]['content'] is string -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}"
+    "{%- else -%}{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}"
+    "{%- endif -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- else -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}"
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
 )
 
 _SHAPES = ("circle", "square", "triangle", "rectangle", "star", "diamond", "ellipse", "hexagon", "shape", "object")
@@ -141,8 +224,18 @@ def training_corpus() -> list[str]:
     return lines
 
 
-def _train_bpe(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """Train Qwen2-style byte-level BPE on `training_corpus()`; return (vocab, merges)."""
+def _train_bpe(tok: Tokenizer, trainer: trainers.BpeTrainer) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Train `tok` (a BPE model with its normaliser and pre-tokenizer set) on `training_corpus()`;
+    return (vocab, merges)."""
+    # The tokenizers BPE trainer is deterministic for a fixed corpus (checked across processes).
+    tok.train_from_iterator(training_corpus(), trainer=trainer)
+    # The Python API exposes the vocab but not the merges; the serialised model has both.
+    merges = [(a, b) for a, b in json.loads(tok.to_str())["model"]["merges"]]
+    return tok.get_vocab(), merges
+
+
+def _qwen_bpe(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Qwen2-style byte-level BPE trained on `training_corpus()`: (vocab, merges)."""
     tok = Tokenizer(
         models.BPE(
             unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False
@@ -163,11 +256,22 @@ def _train_bpe(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
     )
-    # The tokenizers BPE trainer is deterministic for a fixed corpus (checked across processes).
-    tok.train_from_iterator(training_corpus(), trainer=trainer)
-    # The Python API exposes the vocab but not the merges; the serialised model has both.
-    merges = [(a, b) for a, b in json.loads(tok.to_str())["model"]["merges"]]
-    return tok.get_vocab(), merges
+    return _train_bpe(tok, trainer)
+
+
+def _gemma_bpe(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Gemma-style BPE trained on `training_corpus()`: (vocab, merges). The vocabulary starts with
+    `GEMMA3_SPECIAL_TOKENS`, then the 256 byte-fallback tokens `<0x00>`..`<0xFF>`."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "▁")  # as GemmaTokenizer
+    # GemmaTokenizer has no pre-tokenizer; training splits before each "▁" so that, as in
+    # SentencePiece, no merge crosses a word start: applied to unsplit text the merges then cut
+    # exactly where they would on the split text.
+    tok.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, show_progress=False,
+                                  special_tokens=[*GEMMA3_SPECIAL_TOKENS, *byte_tokens])
+    return _train_bpe(tok, trainer)
 
 
 def build_tokenizer(bpe_vocab_size: int = BPE_VOCAB_SIZE) -> Qwen2Tokenizer:
@@ -177,7 +281,7 @@ def build_tokenizer(bpe_vocab_size: int = BPE_VOCAB_SIZE) -> Qwen2Tokenizer:
     then `<think>`, `</think>`, `<answer>`, `</answer>`. eos is `<|im_end|>`, pad `<|endoftext|>`,
     no bos and no unk (byte-level BPE never needs one), as in Qwen2-VL-Instruct.
     """
-    vocab, merges = _train_bpe(bpe_vocab_size)
+    vocab, merges = _qwen_bpe(bpe_vocab_size)
     tokenizer = Qwen2Tokenizer(
         vocab=vocab,
         merges=merges,
@@ -200,4 +304,35 @@ def build_tokenizer(bpe_vocab_size: int = BPE_VOCAB_SIZE) -> Qwen2Tokenizer:
     tokenizer.add_special_tokens({"extra_special_tokens": list(QWEN2VL_SPECIAL_TOKENS[1:])})
     tokenizer.eos_token = "<|im_end|>"
     tokenizer.pad_token = "<|endoftext|>"
+    return tokenizer
+
+
+def build_gemma3_tokenizer(bpe_vocab_size: int = BPE_VOCAB_SIZE) -> GemmaTokenizer:
+    """Build the built-in Gemma 3 tokenizer: Gemma-style BPE + Gemma 3's specials + atomic
+    reasoning tags.
+
+    Ids: `GEMMA3_SPECIAL_TOKENS` first (pad 0, eos 1, bos 2, unk 3, mask 4, then the turn and image
+    tokens), the 256 byte-fallback tokens, then the trained BPE (up to `bpe_vocab_size` ids in all).
+    The reasoning tags are added (atomic, not special) after it, or where the BPE already learnt
+    them whole (with no pre-tokenizer, `</think>`, `<answer>` and `</answer>` are merges). eos is
+    `<eos>` (a turn ends with `<end_of_turn>`, which the generation config stops at), bos `<bos>`
+    (added when tokenizing, and written by the chat template), pad `<pad>`, as in Gemma 3.
+    `boi_token`, `eoi_token` and `image_token` name the image tokens for `Gemma3Processor`.
+    """
+    vocab, merges = _gemma_bpe(bpe_vocab_size)
+    tokenizer = GemmaTokenizer(
+        vocab=vocab,
+        merges=merges,
+        add_bos_token=True,
+        boi_token="<start_of_image>",
+        eoi_token="<end_of_image>",
+        image_token="<image_soft_token>",
+        chat_template=GEMMA3_CHAT_TEMPLATE,
+        model_max_length=32768,
+        clean_up_tokenization_spaces=False,
+    )
+    # already in the vocabulary: this marks them special and atomic, at their ids
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in GEMMA3_SPECIAL_TOKENS[5:]],
+                         special_tokens=True)
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in REASONING_TOKENS])
     return tokenizer

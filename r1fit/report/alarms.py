@@ -1,13 +1,13 @@
 """Alarms over a run's metrics rows: each a pure function of the rows so far that returns a
 one-line message when the run looks unhealthy, else None. The run report shows them at the top;
-during training :class:`AlarmWatch` logs each one once, when it first fires.
-
-Left out: entropy collapse, which needs a per-step entropy metric that r1fit does not log yet.
+during training :class:`AlarmWatch` logs each one once, when it first fires. An alarm whose metric
+the run did not log (an older run without ``entropy``, an SFT run) stays silent.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,8 @@ CLIPPED = 0.99       # "every completion" hits max_new_tokens, allowing for roun
 ZERO_VARIANCE = 0.8  # groups whose rewards are all equal teach nothing
 TREND_WINDOW = 20    # format up while accuracy down: over the last rows, first half vs second
 TREND = 0.1          # ... each moving by at least this much
+ENTROPY_FRACTION = 0.1  # entropy collapse: below this fraction of the early entropy
+ENTROPY_FLOOR = 0.01    # ... or below this many nats per token, whatever it started at
 
 
 def grpo_rows(rows: Rows) -> list[dict[str, Any]]:
@@ -51,6 +53,24 @@ def length_collapse(rows: Rows) -> str | None:
         return (f"length collapse: completions average {now:.1f} tokens over the last {RECENT} "
                 f"steps, under {LENGTH_FRACTION:.0%} of the first {EARLY} steps' {early:.1f}")
     return None
+
+
+def entropy_collapse(rows: Rows) -> str | None:
+    """The policy's token-mean entropy over the last ``RECENT`` steps under ``ENTROPY_FRACTION``
+    of the first ``EARLY`` steps', or under ``ENTROPY_FLOOR`` nats per token whatever it started
+    at (medians of each, so one odd step neither raises the alarm nor hides it)."""
+    entropy = series(grpo_rows(rows), "entropy")
+    if len(entropy) < EARLY + RECENT:
+        return None
+    early, now = statistics.median(entropy[:EARLY]), statistics.median(entropy[-RECENT:])
+    relative = now < ENTROPY_FRACTION * early
+    if not relative and now >= ENTROPY_FLOOR:
+        return None
+    below = (f"under {ENTROPY_FRACTION:.0%} of the first {EARLY} steps' {early:.3g}" if relative
+             else f"under {ENTROPY_FLOOR} (the first {EARLY} steps': {early:.3g})")
+    return (f"entropy collapse: {now:.3g} nats per token over the last {RECENT} steps (median), "
+            f"{below}: the samples of a prompt barely differ, so its group teaches little (raise "
+            "algo.beta or algo.epsilon_high, or lower the learning rate)")
 
 
 def recent(rows: Rows, key: str) -> list[float] | None:
@@ -101,6 +121,7 @@ def reward_errors(rows: Rows) -> str | None:
 
 ALARMS: dict[str, Callable[[Rows], str | None]] = {
     "length_collapse": length_collapse,
+    "entropy_collapse": entropy_collapse,
     "all_clipped": all_clipped,
     "zero_variance": zero_variance,
     "format_without_accuracy": format_without_accuracy,

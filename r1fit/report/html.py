@@ -4,8 +4,9 @@ rollout tables. Alarms first (:mod:`r1fit.report.alarms`), then plots of ``metri
 step (a plot whose keys the run never logged is left out), then the rollouts saved every
 ``report.rollouts_every`` steps (:mod:`r1fit.report.rollouts`), their images by relative path.
 
-``r1fit report RUN_DIR`` writes it; training rewrites it at its end and every ``report.every``
-steps (:class:`LiveReport`).
+``r1fit report RUN_DIR`` writes it; training (GRPO or SFT) rewrites it at its end and every
+``report.every`` steps (:class:`LiveReport`). An SFT run's page has its loss, grad norm, speed,
+memory and evaluations: the GRPO plots, alarms and rollouts need keys it does not log.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from r1fit.errors import R1fitError
-from r1fit.report.alarms import AlarmWatch, check_alarms, series
+from r1fit.report.alarms import AlarmWatch, check_alarms, grpo_rows
 from r1fit.report.metrics import plain, read_metrics
 from r1fit.report.rollouts import read_rollouts, save_rollout
 from r1fit.rollout.record import Rollout
@@ -123,9 +124,10 @@ def plots(rows: Sequence[dict[str, Any]], run_dir: Path) -> list[str]:
     components = sorted(k for k in keys if k.startswith("reward/"))
     specs: list[tuple[str, list[str]]] = [
         ("reward", ["reward_mean", *components]),
-        ("accuracy", ["accuracy", "eval/accuracy"]),
+        ("accuracy", ["accuracy", "eval/accuracy", "eval/iou"]),
         ("loss", ["loss"]),
         ("kl", ["kl"]),
+        ("entropy (nats per token)", ["entropy"]),
         ("completion length (tokens)", ["completion_len_mean"]),
         ("completions clipped at algo.max_new_tokens (fraction)", ["completion_clipped_fraction"]),
         ("zero-variance groups (fraction)", ["zero_variance_groups"]),
@@ -151,6 +153,17 @@ def plots(rows: Sequence[dict[str, Any]], run_dir: Path) -> list[str]:
     if warmup:
         out.append(figure("warm-up (SFT) loss", warmup))
     return out
+
+
+def steps_done(rows: Sequence[dict[str, Any]]) -> str:
+    """"12 GRPO steps (last step 12)", or an SFT run's "3 SFT steps (last step 3)": SFT rows have a
+    step and a loss but no reward (the warm-up's have ``warmup/`` keys)."""
+    grpo = grpo_rows(rows)
+    done, kind = (grpo, "GRPO") if grpo else ([r for r in rows if "step" in r and "loss" in r],
+                                              "SFT")
+    if not done:
+        return "0 steps"
+    return f"{len(done)} {kind} steps (last step {done[-1]['step']})"
 
 
 def cell(value: Any) -> str:
@@ -238,7 +251,6 @@ def build_report(run_dir: Path, out: Path | None = None) -> str:
         raise NotARun(f"{run_dir} has no metrics.jsonl: not a run's output folder")
     out = Path(out) if out is not None else run_dir / "report.html"
     rows = read_metrics(metrics)
-    steps = series([r for r in rows if "reward_mean" in r], "step")
     alarms = check_alarms(rows)
     alarm_html = ("".join(f'<div class="alarm"><b>{html.escape(name)}</b>: '
                           f'{html.escape(message)}</div>' for name, message in alarms.items())
@@ -247,7 +259,8 @@ def build_report(run_dir: Path, out: Path | None = None) -> str:
     saved = read_rollouts(folder) if folder.is_dir() else {}
     browser = ("\n".join(rollout_section(step, srows, folder, out, open_=i == len(saved) - 1)
                          for i, (step, srows) in enumerate(saved.items()))
-               or "<p>No rollouts saved (report.rollouts_every=0, or no GRPO step yet).</p>")
+               or "<p>No rollouts saved (report.rollouts_every=0, no GRPO step yet, or an SFT "
+                  "run).</p>")
     summary_file = run_dir / "summary.json"
     summary = (f"<pre>{html.escape(summary_file.read_text())}</pre>"
                if summary_file.is_file() else "<p>No summary.json (the run has not finished).</p>")
@@ -256,8 +269,8 @@ def build_report(run_dir: Path, out: Path | None = None) -> str:
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>{CSS}</style></head><body>
 <h1>{html.escape(title)}</h1>
-<p>{html.escape(str(run_dir.resolve()))}: {len(steps)} GRPO steps
-{f"(last step {steps[-1]:.0f})" if steps else ""}, {len(rows)} metrics rows.</p>
+<p>{html.escape(str(run_dir.resolve()))}: {html.escape(steps_done(rows))}, {len(rows)} metrics
+rows.</p>
 <h2>Alarms</h2>
 {alarm_html}
 <h2>Metrics</h2>

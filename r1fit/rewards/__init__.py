@@ -44,6 +44,8 @@ row's method, ``info["reward_method"]`` (``data.reward_method``, or the row's ow
 - ``numeric``: the same number ("3.0" == "3", "1,000" == "1000"); 0/1.
 - ``math``: as ``default``, but math-verify must be installed (``pip install -e '.[math]'``).
 - ``fuzzy``: partial credit, the similarity ratio in [0, 1] of the normalised answers.
+- ``iou``: partial credit, the IoU of the answers' first ``[x1, y1, x2, y2]`` boxes (as the ``iou``
+  reward); ``builtin:shapes`` box questions use it.
 
 :func:`check_method` validates a name (VLM-R1's ``map`` and ``llm`` are not built in: its message
 says what to use instead); :func:`score_by_method` scores one completion by a named method. How
@@ -53,7 +55,7 @@ they depart from VLM-R1 is listed in :mod:`r1fit.rewards.methods`.
 from r1fit.rewards.accuracy import accuracy
 from r1fit.rewards.answer import extract_answer, normalize
 from r1fit.rewards.format import format_reward
-from r1fit.rewards.iou import box_iou, iou, iou_hit, parse_box
+from r1fit.rewards.iou import answers_iou, box_iou, iou, iou_hit, parse_box
 from r1fit.rewards.methods import METHODS, check_method, math_equivalent, score_by_method
 from r1fit.rewards.registry import (
     BUILTIN_REWARDS,
@@ -74,6 +76,7 @@ __all__ = [
     "RewardResult",
     "RewardScorer",
     "accuracy",
+    "answers_iou",
     "box_iou",
     "check_method",
     "extract_answer",

@@ -3,7 +3,8 @@
 The completion's ``<answer>`` and the solution each hold a box ``[x1, y1, x2, y2]`` (corners,
 any units as long as both sides agree; often inside JSON such as ``{"bbox_2d": [...]}``).
 :func:`iou` is the continuous intersection-over-union; :func:`iou_hit` is VLM-R1's binary
-variant, 1.0 when IoU >= 0.5 (the usual REC "Acc@0.5").
+variant, 1.0 when IoU >= 0.5 (the usual REC "Acc@0.5"). The ``iou`` accuracy method
+(:mod:`r1fit.rewards.methods`) scores the same IoU through :func:`answers_iou`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from r1fit.rewards.answer import extract_answer
 
-__all__ = ["IOU_HIT_THRESHOLD", "box_iou", "iou", "iou_hit", "parse_box"]
+__all__ = ["IOU_HIT_THRESHOLD", "answers_iou", "box_iou", "iou", "iou_hit", "parse_box"]
 
 IOU_HIT_THRESHOLD = 0.5
 
@@ -48,16 +49,11 @@ def box_iou(a: Box, b: Box) -> float:
     return intersection / union
 
 
-def _boxes(completion: str, solution: str) -> tuple[Box, Box] | None:
-    """Predicted and gold boxes, or None if either is missing or degenerate."""
-    answer = extract_answer(completion)
-    if answer is None:
-        return None
-    predicted = parse_box(answer)
-    gold = parse_box(extract_answer(solution, untagged_is_answer=True) or "")
-    if predicted is None or gold is None:
-        return None
-    return predicted, gold
+def answers_iou(prediction: str, gold: str) -> float:
+    """IoU of the first box in each of two extracted answers; 0.0 when either has none (or a
+    degenerate one)."""
+    predicted, expected = parse_box(prediction), parse_box(gold)
+    return 0.0 if predicted is None or expected is None else box_iou(predicted, expected)
 
 
 def iou(completion: str, solution: str, **info: Any) -> float:
@@ -65,8 +61,10 @@ def iou(completion: str, solution: str, **info: Any) -> float:
 
     0.0 when the completion has no ``<answer>`` tag, or when either box is unparsable or degenerate.
     """
-    boxes = _boxes(completion, solution)
-    return 0.0 if boxes is None else box_iou(*boxes)
+    answer = extract_answer(completion)
+    if answer is None:
+        return 0.0
+    return answers_iou(answer, extract_answer(solution, untagged_is_answer=True) or "")
 
 
 def iou_hit(completion: str, solution: str, **info: Any) -> float:

@@ -12,6 +12,10 @@ completion's LAST ``<answer>...</answer>`` with the solution's answer (tagged or
 - ``math``: ``default`` that requires math-verify: the run refuses to start without it, where
   ``default`` would quietly compare text only.
 - ``fuzzy``: partial credit, the Indel similarity ratio in [0, 1] of the normalised answers.
+- ``iou``: partial credit, the IoU in [0, 1] of the first ``[x1, y1, x2, y2]`` box of each answer
+  (0 when either has none): the same score as the ``iou`` reward, so for box rows ``accuracy``
+  and ``eval/accuracy`` are mean IoUs (VLM-R1 calls this task REC; its Acc@0.5 is the
+  ``iou_hit`` reward).
 
 Departures from VLM-R1 (``grpo_jsonl.py``), on purpose:
 
@@ -48,6 +52,7 @@ from rapidfuzz import fuzz
 
 from r1fit.errors import R1fitError
 from r1fit.rewards.answer import extract_answer, normalize
+from r1fit.rewards.iou import answers_iou
 
 __all__ = [
     "MATH_VERIFY_TIMEOUT_S",
@@ -231,6 +236,7 @@ METHODS: dict[str, Callable[[str, str], float]] = {
     "numeric": _same(read_number),
     "math": _default,  # the same comparison; check_method() makes sure math-verify is there
     "fuzzy": _fuzzy,
+    "iou": answers_iou,
 }
 """Accuracy method name -> ``fn(prediction, gold) -> float`` over the extracted answers."""
 

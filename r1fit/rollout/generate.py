@@ -21,7 +21,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from r1fit.data.batch import Prompt, collate, cut_after_eos
 from r1fit.distributed.context import all_sum
-from r1fit.models.load import special_token_ids
+from r1fit.models.load import PLACEHOLDER_TOKENS, special_token_ids, stop_token_ids
 from r1fit.rollout.record import Rollout
 
 
@@ -35,7 +35,7 @@ class SamplingSettings:
 
 @dataclass
 class TokenIds:
-    """Token ids generation needs, read from the model's config and tokenizer."""
+    """Token ids generation needs, read from the model's config, tokenizer and generation config."""
 
     pad: int
     eos: list[int]
@@ -44,16 +44,12 @@ class TokenIds:
     @classmethod
     def of(cls, model: Any, processor: Any) -> TokenIds:
         special = special_token_ids(model, processor)
-        # a completion ends at <|im_end|> or, if the model emits it, at <|endoftext|> (Qwen's
-        # generation_config stops at both)
-        eos = [special["eos"]]
-        tokenizer = processor.tokenizer
-        end_of_text = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-        if isinstance(end_of_text, int) and end_of_text != tokenizer.unk_token_id \
-                and end_of_text not in eos:
-            eos.append(end_of_text)
-        return cls(pad=special["pad"], eos=eos,
-                   blocked=[special["image_pad"], special["video_pad"]])
+        # Only the placeholders the model fills with vision features are blocked: one more would
+        # make the next forward fail. Delimiters (<|vision_start|>, <start_of_image>) stay
+        # sampleable, as in Hugging Face's generate; they are harmless to the forward, and
+        # blocking them would change every rollout's distribution.
+        return cls(pad=special["pad"], eos=stop_token_ids(model, processor),
+                   blocked=[special[key] for key, _ in PLACEHOLDER_TOKENS if key in special])
 
 
 def generation_config(settings: SamplingSettings, ids: TokenIds) -> GenerationConfig:

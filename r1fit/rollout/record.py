@@ -4,7 +4,10 @@ Built stage by stage, each adding its fields: generation
 (:func:`r1fit.rollout.generate.generate_rollout`), scoring (:func:`r1fit.rollout.score.score_rollout`),
 old-policy and reference log-probs (:func:`r1fit.train.forward.add_logprobs`); the update reads it.
 Over several processes each holds the whole step's prompts and rewards (groups must be whole for
-advantages) but generates and trains on its own share of the rows only.
+advantages) but generates and trains on its own share of the rows only. With dynamic sampling a step
+draws several batches, each a record of its own (``row_offset`` numbers its rows after the earlier
+batches', so every row drawn in a step samples from its own stream), and trains on a record put
+together from the kept groups (:class:`r1fit.rollout.dynamic.StepDraws`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class Rollout:
     prompts: list[Prompt]  # the step's prompts, every process's, each once
     num_generations: int
     share: slice           # this process's rows of the step's ``len(prompts) x G``
+    row_offset: int = 0    # rows drawn in the step before this record's (dynamic sampling)
     # generation: this process's rows
     completions: list[torch.Tensor] = field(default_factory=list)
     total_tokens: int = 0  # completion tokens of the whole step (every process)
@@ -52,5 +56,7 @@ class Rollout:
 
     @property
     def first_row(self) -> int:
-        """This process's first row, as an index into the whole step's rows."""
-        return int(self.share.start or 0)
+        """This process's first row, numbered among every row the step drew (which seeds its
+        sampling); with ``row_offset`` 0 (every record but the later batches of a dynamic-sampling
+        step) also its index into ``rewards``."""
+        return self.row_offset + int(self.share.start or 0)

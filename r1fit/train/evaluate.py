@@ -1,4 +1,5 @@
-"""Held-out evaluation: greedy answers to the eval set, scored for accuracy and format."""
+"""Held-out evaluation: greedy answers to the eval set, scored for accuracy and format (and
+mean IoU of the rows scored by boxes)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ log = logging.getLogger("r1fit")
 def evaluate(run: Run, engine: HFRollouts | VllmRollouts | None = None) -> dict[str, Any]:
     """Greedy decoding on ``run.eval_set``: accuracy and format rate, on the run's rollout
     ``engine`` when given (a vLLM engine is synced with the policy first), else with
-    ``generate`` on the policy.
+    ``generate`` on the policy. When some rows are scored by the ``iou`` accuracy method (box
+    answers, e.g. ``builtin:shapes`` box questions), ``eval/iou`` is their mean IoU (their
+    accuracy is their IoU: on an eval set of box rows only, it equals ``eval/accuracy``).
 
     Rows whose image fails to decode, or whose prompt is longer than ``data.max_prompt_tokens``,
     are skipped with a warning, counted in ``eval/bad_rows`` and left out of the averages
@@ -35,8 +38,8 @@ def evaluate(run: Run, engine: HFRollouts | VllmRollouts | None = None) -> dict[
     reset_peak(run.device)  # eval/peak_memory_bytes is the evaluation's own peak
     if engine is None:
         engine = HFRollouts(run, SamplingSettings(max_new_tokens=cfg.algo.max_new_tokens))
-    correct = formatted = 0.0
-    scored = bad = 0
+    correct = formatted = iou_sum = 0.0
+    scored = bad = iou_rows = 0
     starts = list(range(0, len(dataset), cfg.eval.batch))[run.world.rank::run.world.size]
     # every rank enters ready() (it gathers FSDP weights), also one with no batch of its own;
     # a weight sync here is the evaluation's, not a step's
@@ -53,11 +56,16 @@ def evaluate(run: Run, engine: HFRollouts | VllmRollouts | None = None) -> dict[
             completions = engine.greedy(prompts)
             for prompt, text in zip(prompts, decode_completions(run.processor, completions)):
                 sample = prompt.sample
-                correct += accuracy(text, sample.solution, problem=sample.problem,
-                                    reward_method=sample.reward_method)
+                score = accuracy(text, sample.solution, problem=sample.problem,
+                                 reward_method=sample.reward_method)
+                correct += score
+                if sample.reward_method == "iou":
+                    iou_sum, iou_rows = iou_sum + score, iou_rows + 1
                 formatted += format_reward(text, sample.solution, problem=sample.problem)
             scored += len(prompts)
-    correct, formatted, scored, bad = all_sum([correct, formatted, scored, bad])
+    correct, formatted, scored, bad, iou_sum, iou_rows = all_sum(
+        [correct, formatted, scored, bad, iou_sum, iou_rows])
     n = max(1, scored)
-    return {"eval/accuracy": correct / n, "eval/format": formatted / n, "eval/size": int(scored),
+    return {"eval/accuracy": correct / n, "eval/format": formatted / n,
+            **({"eval/iou": iou_sum / iou_rows} if iou_rows else {}), "eval/size": int(scored),
             "eval/bad_rows": int(bad), **step_memory(run.device, "eval/")}

@@ -21,28 +21,29 @@ from typing import Any
 import torch
 
 from r1fit.algorithms.advantages import get_advantage_estimator
-from r1fit.algorithms.losses import grpo_loss
+from r1fit.algorithms.losses import aggregate, grpo_loss, truncated_importance_weights
 from r1fit.checkpoint.state import Counters, OptimizerState, SchedulerState
-from r1fit.data.batch import collate
 from r1fit.data.build import BadRowCounter
 from r1fit.data.dataset import PromptSampler
 from r1fit.distributed.context import all_sum
 from r1fit.distributed.loading import load_frozen_copy
+from r1fit.memory.flops import MfuMeter
 from r1fit.memory.guard import OOMGuard
 from r1fit.memory.telemetry import reset_peak, step_memory, warn_if_fragmented
 from r1fit.models.load import Reference
-from r1fit.models.logprobs import completion_logprobs
+from r1fit.models.logprobs import completion_logprobs_and_entropy
 from r1fit.progress import progress_bar
 from r1fit.report.html import LiveReport
 from r1fit.report.metrics import timed
 from r1fit.rewards.registry import RewardScorer
 from r1fit.rng import RngState
+from r1fit.rollout.dynamic import StepDraws
 from r1fit.rollout.generate import SamplingSettings, generate_rollout
 from r1fit.rollout.record import Rollout
-from r1fit.rollout.score import score_rollout
+from r1fit.rollout.score import AdvantageSettings, finished_rows, kl_in_reward, loss_counts, score_rollout
 from r1fit.train.engines import rollout_engine
 from r1fit.train.evaluate import evaluate
-from r1fit.train.forward import add_logprobs, micro_batches
+from r1fit.train.forward import add_logprobs, logprobs_in_micro_batches, micro_batches
 from r1fit.train.optim import build_optimizer, build_scheduler, clip_and_step
 from r1fit.train.run import Run, start_run
 from r1fit.train.sft import supervised_steps
@@ -74,49 +75,73 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
     guard = run.guard(optimizer)
     settings = SamplingSettings(algo.max_new_tokens, algo.temperature, algo.top_p)
     engine = rollout_engine(run, settings)
-    advantage = get_advantage_estimator("grpo" if algo.scale_rewards else "dr_grpo")
+    advantage = AdvantageSettings.of(algo)  # algo.advantage_estimator, overlong shaping
     if run.eval_set is not None and cfg.eval.before_train and start == 0:
         row = {"step": 0, **evaluate(run, engine)}
         run.metrics.write(row)
         log.info("eval before GRPO: %s", row)
 
     report = LiveReport(cfg.report, run.out, main=run.world.main)  # rank 0: rollouts, alarms, page
+    meter = MfuMeter(run.model, run.device, next(run.model.parameters()).dtype)  # flops, mfu
     step = start
     with progress_bar("GRPO", cfg.train.max_steps, completed=start) as advance:
         for step in range(start + 1, cfg.train.max_steps + 1):
             times: dict[str, float] = {}
             reset_peak(run.device)  # peak_memory_bytes is this step's peak
-            prompts = run.fetch(sampler, bad_rows, cfg.train.prompts_per_step)
-            # over several processes each rank generates, scores and trains on its share of the
-            # rows; rewards are gathered so advantages see whole groups
-            share = run.world.share(len(prompts) * algo.num_generations,
+            # over several processes each rank generates and scores its share of a batch's rows;
+            # rewards are gathered so advantages see whole groups
+            share = run.world.share(cfg.train.prompts_per_step * algo.num_generations,
                                     "rows per step (prompts_per_step x num_generations)")
 
-            def attempt() -> tuple[Rollout, list[dict[str, float | None]]]:
-                """The four stages; the OOM guard redoes them with smaller chunks if memory runs
-                out."""
-                rollout = Rollout(step, prompts, algo.num_generations, share)
-                with engine.ready(times), timed(times, "seconds_generate"), \
-                        guard.phase("generation"):
-                    generate_rollout(rollout, engine.generate, seed=cfg.train.seed)
-                with timed(times, "seconds_score"):
-                    score_rollout(rollout, scorer, run.processor, advantage)
+            def attempt() -> tuple[StepDraws, Rollout | None, list[dict[str, float | None]]]:
+                """The four stages: draw batches (fetch, generate, score) until the step has its
+                groups (one batch without dynamic sampling), then log-probs and updates on the
+                kept ones. The OOM guard redoes it all with smaller chunks if memory runs out,
+                from the same prompts: the sampler is put back too."""
+                draws = StepDraws(step, algo.num_generations,
+                                  only_informative=algo.dynamic_sampling)
+                while not draws.done(cfg.train.prompts_per_step, algo.max_resample_batches):
+                    prompts = run.fetch(sampler, bad_rows, cfg.train.prompts_per_step)
+                    batch = Rollout(step, prompts, algo.num_generations, share,
+                                    row_offset=draws.rows)
+                    with engine.ready(times), timed(times, "seconds_generate"), \
+                            guard.phase("generation"):
+                        generate_rollout(batch, engine.generate, seed=cfg.train.seed)
+                    with timed(times, "seconds_score"):
+                        score_rollout(batch, scorer, run.processor, advantage)
+                    draws.add(batch)
+                # the kept groups, their rows split evenly over the processes again
+                rollout = draws.kept(cfg.train.prompts_per_step, advantage.estimator)
+                if rollout is None:  # no group with differing rewards: nothing to learn from
+                    return draws, None, []
                 with timed(times, "seconds_update"):
                     with guard.phase("micro_batch"):
                         add_logprobs(rollout, run, reference, old=algo.num_iterations > 1)
                     updates = [policy_update(run, rollout, optimizer, scheduler, guard, first=i == 0)
                                for i in range(algo.num_iterations)]
                     engine.updated()
-                return rollout, updates
+                return draws, rollout, updates
 
-            rollout, updates = guard.run_step(attempt, restore=[rng, scorer])
-            run.trackers.log_samples(rollout, run.processor)  # every report.samples_every steps
-            report.save_rollout(rollout, run.processor)  # every report.rollouts_every steps
-            row = {"step": step, **step_metrics(rollout, updates, times, run.ids.eos),
+            draws, rollout, updates = guard.run_step(
+                attempt, restore=[rng, scorer, sampler, bad_rows])
+            if rollout is None:
+                log.warning("step %d: all %d groups of the %d batches drawn have all-equal rewards "
+                            "(algo.max_resample_batches); no update this step", step,
+                            len(draws.prompts), draws.batches)
+            # the rollout figures (rewards, accuracy, zero_variance_groups...) are over every row
+            # drawn, the update's over the kept ones
+            drawn = draws.drawn(rollout, advantage.estimator)
+            run.trackers.log_samples(drawn, run.processor)  # every report.samples_every steps
+            report.save_rollout(drawn, run.processor)  # every report.rollouts_every steps
+            row = {"step": step, **step_metrics(drawn, updates, times, run.ids.eos),
+                   "sample_batches": draws.batches,
+                   "kept_groups": 0 if rollout is None else len(rollout.prompts),
                    "learning_rate": scheduler.get_last_lr()[0], **step_memory(run.device),
                    "bad_rows": bad_rows.count, "reward_errors": scorer.total_errors,
                    "oom_retries": guard.retries, "micro_batch": run.sizes.micro_batch,
-                   "generation_batch": run.sizes.generation_batch}
+                   "generation_batch": run.sizes.generation_batch,
+                   **flops_metrics(meter, run, drawn, rollout, reference is not None,
+                                   sum(times.values()))}
             # evaluations go into the step's own line (the last step always evaluates), so every
             # step appears exactly once in metrics.jsonl
             if run.eval_set is not None and (step == cfg.train.max_steps or
@@ -162,18 +187,36 @@ def build_reference(run: Run) -> Reference | None:
     return Reference(frozen_root, adapter_view=False)
 
 
+def flops_metrics(meter: MfuMeter, run: Run, drawn: Rollout, kept: Rollout | None,
+                  with_reference: bool, seconds: float) -> dict[str, float]:
+    """The step's model FLOPs (every process's: generating every row drawn, then the log-prob
+    passes and updates of the kept ones, the way ``memory.share_prefix`` runs them) and the MFU
+    they make over its ``seconds`` on ``world.size`` devices (r1fit/memory/flops.py)."""
+    algo = run.cfg.algo
+    local = meter.generation(drawn.rows, drawn.completions)
+    if kept is not None:
+        passes = (int(algo.num_iterations > 1) + int(with_reference)
+                  + int(algo.kl_in_reward and algo.num_iterations == 1))
+        local += meter.training(kept.rows, kept.completions, log_prob_passes=passes,
+                                updates=algo.num_iterations, micro_batch=run.sizes.micro_batch,
+                                shared=bool(run.prefix.on))
+    total = all_sum([float(local)])[0]
+    return {"flops": total, "mfu": meter.mfu(total, seconds, run.world.size)}
+
+
 def step_metrics(rollout: Rollout, updates: list[dict[str, float | None]],
                  times: dict[str, float], eos: Sequence[int]) -> dict[str, Any]:
     """A step's rollout and update figures for its metrics row (the update figures averaged over
-    its ``num_iterations`` updates). A completion is clipped when it does not end with one of the
-    ``eos`` ids: generation stopped at ``algo.max_new_tokens`` (completions are cut after their
-    first end-of-sequence token, which they keep)."""
+    its ``num_iterations`` updates, or over those that measured it). A completion is clipped when
+    it does not end with one of the ``eos`` ids: generation stopped at ``algo.max_new_tokens``
+    (completions are cut after their first end-of-sequence token, which they keep)."""
     assert rollout.rewards is not None
     seconds = sum(times.values())
-    clipped = sum(1 for c in rollout.completions if c.numel() == 0 or int(c[-1]) not in eos)
+    clipped = int((~finished_rows(rollout.completions, eos)).sum())
     groups = rollout.rewards.view(-1, rollout.num_generations)  # every row of the step
-    return {**{k: None if updates[0][k] is None else sum(u[k] for u in updates) / len(updates)
-               for k in updates[0]},
+    measured = {k: [u[k] for u in updates if u.get(k) is not None]
+                for k in dict.fromkeys(k for u in updates for k in u)}
+    return {**{k: sum(v) / len(v) if v else None for k, v in measured.items()},
             "reward_mean": rollout.rewards.mean().item(),
             "reward_std": rollout.rewards.std().item(),
             **{f"reward/{k}": v.mean().item() for k, v in rollout.components.items()},
@@ -191,7 +234,22 @@ def policy_update(run: Run, rollout: Rollout, optimizer: torch.optim.Optimizer, 
     """One optimizer update over this process's rows: accumulate (under the OOM guard), clip,
     step. The logged sums are over every process (each one's are its shares of the step). The
     ``first`` update of a rollout, whose policy is the one that generated it, also measures how
-    far the engine's log-probs are from the trainer's (``rollout.engine_logp_diff``)."""
+    far the engine's log-probs are from the trainer's (``rollout.engine_logp_diff``) and, with
+    ``algo.kl_in_reward``, recomputes the advantages from the rewards minus the KL to the
+    reference (logged as ``kl_in_reward``, the step's mean completion KL): the reference
+    log-probs exist only from the log-prob stage on, after scoring."""
+    algo = run.cfg.algo
+    kl_reward = None
+    if first and algo.kl_in_reward:
+        with guard.phase("micro_batch"):
+            policy_logp = rollout.old_logp if rollout.old_logp is not None else \
+                logprobs_in_micro_batches(
+                    run.policy, rollout.rows, rollout.completions, micro_batch=run.sizes.micro_batch,
+                    chunk_size=run.cfg.memory.logits_chunk, temperature=algo.temperature,
+                    pad_id=run.ids.pad, device=run.device, sharing=run.prefix)
+        kl_reward = kl_in_reward(rollout, policy_logp, algo.beta,
+                                 get_advantage_estimator(algo.estimator()))
+
     def accumulate() -> dict[str, float | None]:
         optimizer.zero_grad(set_to_none=True)
         return accumulate_policy_gradients(run, rollout, compare_engine=first)
@@ -199,6 +257,8 @@ def policy_update(run: Run, rollout: Rollout, optimizer: torch.optim.Optimizer, 
     sums = guard.run_update(accumulate)
     keys = [k for k, v in sums.items() if v is not None]
     sums.update(zip(keys, all_sum([sums[k] for k in keys])))
+    if kl_reward is not None:
+        sums["kl_in_reward"] = kl_reward  # already over every process
     engine_diff = sums.pop("engine_logp_abs_diff", None)
     if engine_diff is not None:
         rollout.engine_logp_diff = engine_diff / max(rollout.total_tokens, 1)
@@ -213,36 +273,59 @@ def accumulate_policy_gradients(run: Run, rollout: Rollout, *,
 
     The loss of each micro-batch is its share of the whole-batch loss (the token and sequence
     counts of the whole step, every process's rows), so the accumulated gradient, summed over
-    processes, equals the gradient of the unsplit batch. With ``compare_engine`` and engine
-    log-probs in the rollout, also the sum of ``|trainer - engine|`` log-probs of its tokens.
+    processes, equals the gradient of the unsplit batch. With ``algo.mask_truncated`` truncated
+    completions are out of the loss and of those counts. With engine log-probs in the rollout
+    (vLLM) and ``algo.tis_cap``, each token's policy loss is weighted by TIS; with
+    ``compare_engine``, also the sum of ``|trainer - engine|`` log-probs of its tokens. The
+    policy's entropy is summed over every completion token (the ``entropy`` metric), and is a
+    loss term with ``algo.entropy_coef``.
     """
     algo, device = run.cfg.algo, run.device
     assert rollout.advantages is not None
-    totals = dict(total_tokens=rollout.total_tokens, total_seqs=rollout.total_rows,
+    keep = finished_rows(rollout.completions, run.ids.eos) if algo.mask_truncated else None
+    tokens, seqs = loss_counts(rollout, keep)
+    # max(1, ...): when every completion is masked out the loss is 0, not 0 / 0
+    totals = dict(total_tokens=max(tokens, 1), total_seqs=max(seqs, 1),
                   max_new_tokens=algo.max_new_tokens)
+    all_tokens = dict(totals, total_tokens=rollout.total_tokens, total_seqs=rollout.total_rows)
+    epsilon, epsilon_high = algo.clip_range()
+    tis = bool(algo.tis_cap) and rollout.engine_logp is not None
     sums: dict[str, float | None] = {"loss": 0.0, "clip_fraction": 0.0,
-                                     "kl": 0.0 if rollout.ref_logp is not None else None}
+                                     "kl": 0.0 if rollout.ref_logp is not None else None,
+                                     "entropy": 0.0, **({"tis_weight": 0.0} if tis else {})}
     if compare_engine and rollout.engine_logp is not None:
         sums["engine_logp_abs_diff"] = 0.0
     for piece, prompts, comps in micro_batches(rollout.rows, rollout.completions,
                                                run.sizes.micro_batch):
-        batch = collate(prompts, comps, run.ids.pad).to(device)
-        logp = completion_logprobs(run.policy, batch, chunk_size=run.cfg.memory.logits_chunk,
-                                   temperature=algo.temperature)
+        batch = run.prefix.inputs(run.policy, prompts, comps, pad_id=run.ids.pad, device=device,
+                                  chunk_size=run.cfg.memory.logits_chunk)
+        logp, entropy = completion_logprobs_and_entropy(
+            run.policy, batch, chunk_size=run.cfg.memory.logits_chunk,
+            temperature=algo.temperature)
         width = logp.shape[1]
         old = rollout.old_logp[piece, :width].to(device) if rollout.old_logp is not None else None
         ref = rollout.ref_logp[piece, :width].to(device) if rollout.ref_logp is not None else None
-        loss, stats = grpo_loss(logp, old, ref, rollout.advantages[piece].to(device),
-                                batch.completion_mask, epsilon=algo.epsilon,
-                                epsilon_high=algo.epsilon_high or algo.epsilon, beta=algo.beta,
-                                aggregation=algo.loss_aggregation, **totals)
+        engine = (rollout.engine_logp[piece, :width].to(device)
+                  if rollout.engine_logp is not None else None)
+        mask = batch.completion_mask
+        if keep is not None:
+            mask = mask * keep[piece].to(device, mask.dtype).unsqueeze(1)
+        loss, stats = grpo_loss(
+            logp, old, ref, rollout.advantages[piece].to(device), mask, epsilon=epsilon,
+            epsilon_high=epsilon_high, beta=0.0 if algo.kl_in_reward else algo.beta,
+            aggregation=algo.loss_aggregation, importance_level=algo.importance_sampling_level,
+            tis_weights=truncated_importance_weights(logp.detach() if old is None else old,
+                                                     engine, algo.tis_cap) if tis else None,
+            entropy=entropy if algo.entropy_coef else None, entropy_coef=algo.entropy_coef,
+            **totals)
         loss.backward()
         if sums.get("engine_logp_abs_diff") is not None:
-            engine = rollout.engine_logp[piece, :width].to(device)
             sums["engine_logp_abs_diff"] += float(
                 ((logp.detach() - engine).abs() * batch.completion_mask).sum())
         sums["loss"] += loss.item()
-        sums["clip_fraction"] += float(stats["clip_fraction"])
-        if "kl" in stats:  # only with a reference model (beta > 0); else logged as null
-            sums["kl"] += float(stats["kl"])
+        sums["entropy"] += float(aggregate(entropy.detach(), batch.completion_mask, "token_mean",
+                                           **all_tokens))
+        for key in ("clip_fraction", "kl", "tis_weight"):
+            if key in stats:  # kl only with a reference model (beta > 0); else logged as null
+                sums[key] += float(stats[key])
     return sums

@@ -36,6 +36,7 @@ from r1fit.report.sinks import Trackers, open_trackers, require_trackers
 from r1fit.report.summary import write_summary
 from r1fit.rng import seed_everything
 from r1fit.rollout.generate import TokenIds
+from r1fit.train.forward import PrefixSharing
 
 log = logging.getLogger("r1fit")
 
@@ -63,6 +64,7 @@ class Run:
     rss_before_load_bytes: int  # what memory.budget is measured from on CPU
     rss_after_load_bytes: int
     started: float  # perf_counter() when the run started
+    prefix: PrefixSharing  # memory.share_prefix: how micro-batches reach the model
 
     def encode(self, samples: list[Sample]) -> tuple[list[Prompt], list[str]]:
         """Prompts of ``samples`` and one message per sample refused as too long."""
@@ -146,4 +148,5 @@ def start_run(cfg: Config, kind: str) -> Run:
                train_set, eval_set, sizes, max_prompt_tokens,
                MetricsWriter(out / "metrics.jsonl", active=w.main, trackers=trackers), trackers,
                checkpoints,
-               rss_before_load, current_rss_bytes(), started)
+               rss_before_load, current_rss_bytes(), started,
+               PrefixSharing(cfg.memory.share_prefix))

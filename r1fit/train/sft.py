@@ -24,8 +24,10 @@ from r1fit.data.errors import BadRowError, DataError
 from r1fit.data.sample import Sample
 from r1fit.distributed.context import all_sum
 from r1fit.memory.telemetry import reset_peak, step_memory
+from r1fit.models.load import special_token_ids
 from r1fit.models.logprobs import completion_logprobs
 from r1fit.progress import progress_bar
+from r1fit.report.html import LiveReport
 from r1fit.rewards.answer import extract_answer
 from r1fit.rng import RngState
 from r1fit.train.evaluate import evaluate
@@ -83,11 +85,13 @@ def sft_rows(run: Run, prompts: list[Prompt], answers: list[str], end_of_turn: i
     return out_prompts, targets, masks
 
 
-def supervised_steps(run: Run, steps: int, *, format_only: bool) -> list[dict[str, Any]]:
+def supervised_steps(run: Run, steps: int, *, format_only: bool,
+                     report: LiveReport | None = None) -> list[dict[str, Any]]:
     """``steps`` SFT updates on the training set with their own AdamW and schedule; one metrics
     row per step. ``format_only`` learns the answer format with random answers (the warm-up before
     GRPO, logged with a ``warmup/`` prefix); otherwise each row's solution, and the last step's row
-    holds the final evaluation."""
+    holds the final evaluation. ``report`` (``r1fit sft``'s; the warm-up has none, its rows go on
+    GRPO's page) sees each row: the page every ``report.every`` steps."""
     cfg, processor = run.cfg, run.processor
     phase, prefix = ("warmup", "warmup/") if format_only else ("sft", "")
     sampler = PromptSampler(len(run.train_set), seed=cfg.train.seed + 1)
@@ -103,7 +107,7 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool) -> list[dict[st
         state["targets_rng"] = PythonRandomState(rng)
     start = run.checkpoints.restore(phase, state)
     guard = run.guard(optimizer)
-    end_of_turn = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    end_of_turn = special_token_ids(run.model, processor)["end_of_turn"]  # from the chat template
     rows_out = []
     run.model.train()
     with progress_bar("SFT warm-up" if format_only else "SFT", steps, completed=start) as advance:
@@ -148,6 +152,8 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool) -> list[dict[st
             if not format_only and step == steps and run.eval_set is not None:
                 row.update(evaluate(run))
             run.metrics.write(row)
+            if report is not None:
+                report.after_step(row)
             rows_out.append(row)
             advance(f"loss {loss_sum:.3f}")
             run.save(phase, step, state, row, last=step == steps)
@@ -159,5 +165,8 @@ def train_sft(cfg: Config) -> dict[str, Any]:
     run = start_run(cfg, "sft")
     if run.eval_set is not None and cfg.eval.before_train and run.checkpoints.resume is None:
         run.metrics.write({"step": 0, **evaluate(run)})
-    supervised_steps(run, cfg.sft.steps, format_only=False)
-    return run.finish(steps=cfg.sft.steps)
+    report = LiveReport(cfg.report, run.out, main=run.world.main)  # rank 0: the page
+    supervised_steps(run, cfg.sft.steps, format_only=False, report=report)
+    summary = run.finish(steps=cfg.sft.steps)
+    report.finish()  # after the summary, which the page shows
+    return summary

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from r1fit.algorithms.kl import kl_k3
+from r1fit.algorithms.kl import kl_k1, kl_k3, sequence_kl_k1
 
 
 def test_k3_hand_computed():
@@ -43,3 +43,14 @@ def test_k3_gradient_flows_to_logp():
 def test_shape_mismatch_raises():
     with pytest.raises(ValueError, match="ref_logp shape"):
         kl_k3(torch.zeros(2, 3), torch.zeros(3))
+
+
+def test_k1_and_its_sequence_sum_by_hand():
+    # k1 = logp - ref: log 0.5 - log 0.25 = ln 2 = 0.693147; log 0.25 - log 0.5 = -ln 2 (k1 can be < 0).
+    logp = torch.tensor([[math.log(0.5), math.log(0.25), 0.0]], dtype=torch.float64)
+    ref = torch.tensor([[math.log(0.25), math.log(0.5), 123.0]], dtype=torch.float64)
+    torch.testing.assert_close(kl_k1(logp[:, :2], ref[:, :2]),
+                               torch.tensor([[math.log(2), -math.log(2)]], dtype=torch.float64))
+    # The sequence sum over its two valid tokens is ln 2 - ln 2 = 0; the padded third never counts.
+    assert sequence_kl_k1(logp, ref, torch.tensor([[1, 1, 0]])).item() == pytest.approx(0.0, abs=1e-12)
+    assert sequence_kl_k1(logp, ref, torch.tensor([[1, 0, 0]])).item() == pytest.approx(math.log(2), abs=1e-12)

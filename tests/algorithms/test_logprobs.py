@@ -6,7 +6,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from r1fit.algorithms.logprobs import chunked_token_logprobs, full_token_logprobs
+from r1fit.algorithms.logprobs import (
+    chunked_logprobs_and_entropy,
+    chunked_token_logprobs,
+    full_token_logprobs,
+)
 
 F64 = torch.float64
 
@@ -103,6 +107,79 @@ def test_no_grad_forward_works_for_old_and_reference_logprobs():
     torch.testing.assert_close(out, full_token_logprobs(hidden, weight, targets).detach())
 
 
+# ---------------------------------------------------------------- entropy
+
+
+def dense_entropy(hidden, weight, bias, temperature):
+    """The obvious definition on the full logits: H = -sum_v p_v log p_v, p = softmax(logits / T)."""
+    logits = (hidden @ weight.T + (0 if bias is None else bias)) / temperature
+    p = torch.softmax(logits, dim=-1)
+    return -(p * torch.log(p)).sum(dim=-1)
+
+
+def test_entropy_hand_example():
+    # Logits [0, ln 3] -> p = [1/4, 3/4]: H = -(1/4 ln 1/4 + 3/4 ln 3/4) = 0.25 * 1.386294 + 0.75 * 0.287682
+    # = 0.562335. Temperature 2: p = [1, sqrt 3] / (1 + sqrt 3) = [0.366025, 0.633975], H = 0.656807.
+    weight = torch.tensor([[0.0, 0.0], [math.log(3), 0.0]], dtype=F64)
+    hidden = torch.tensor([[1.0, 0.0]], dtype=F64)
+    _, entropy = chunked_logprobs_and_entropy(hidden, weight, torch.tensor([1]), chunk_size=1)
+    assert entropy.item() == pytest.approx(0.562335, abs=1e-6)
+    assert entropy.item() == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), abs=1e-12)
+    _, hot = chunked_logprobs_and_entropy(hidden, weight, torch.tensor([1]), chunk_size=1, temperature=2.0)
+    p = 1 / (1 + math.sqrt(3))
+    assert hot.item() == pytest.approx(-(p * math.log(p) + (1 - p) * math.log(1 - p)), abs=1e-12)
+    assert hot.item() == pytest.approx(0.656807, abs=1e-6)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 64])
+@pytest.mark.parametrize("use_bias", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("uses", ["both", "entropy", "logp"])
+def test_chunked_entropy_matches_dense_values_and_grads(chunk_size, use_bias, temperature, uses):
+    """Values and exact gradients (float64) of a loss using the log-probs, the entropies or both,
+    against the dense definition (full softmax, autograd)."""
+    hidden, weight, bias, targets, upstream = _inputs()
+    bias = bias if use_bias else None
+    up_entropy = torch.randn(upstream.shape, generator=torch.Generator().manual_seed(5), dtype=F64)
+    leaves = [t for t in (hidden, weight, bias) if t is not None]
+
+    def loss_of(logp, entropy):
+        parts = {"logp": (logp * upstream).sum(), "entropy": (entropy * up_entropy).sum()}
+        return parts["logp"] + parts["entropy"] if uses == "both" else parts[uses]
+
+    logp, entropy = chunked_logprobs_and_entropy(hidden, weight, targets, bias=bias, chunk_size=chunk_size,
+                                                 temperature=temperature)
+    grads = torch.autograd.grad(loss_of(logp, entropy), leaves)
+    ref_logp = full_token_logprobs(hidden, weight, targets, bias=bias, temperature=temperature)
+    ref_entropy = dense_entropy(hidden, weight, bias, temperature)
+    ref_grads = torch.autograd.grad(loss_of(ref_logp, ref_entropy), leaves)
+    torch.testing.assert_close(logp, ref_logp, atol=1e-12, rtol=0)
+    torch.testing.assert_close(entropy, ref_entropy, atol=1e-12, rtol=0)
+    for grad, ref_grad in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, ref_grad, atol=1e-12, rtol=0)
+
+
+def test_entropy_gradcheck_against_finite_differences():
+    hidden, weight, bias, targets, _ = _inputs(n=5, hidden_size=3, vocab=6)
+
+    def both(h, w, b):
+        logp, entropy = chunked_logprobs_and_entropy(h, w, targets, bias=b, chunk_size=2, temperature=0.9)
+        return logp, entropy
+
+    assert torch.autograd.gradcheck(both, (hidden, weight, bias))
+
+
+def test_entropy_leading_dims_and_no_grad():
+    hidden, weight, bias, targets, _ = _inputs(n=12)
+    logp, entropy = chunked_logprobs_and_entropy(hidden.view(3, 4, -1), weight, targets.view(3, 4), bias=bias,
+                                                 chunk_size=5)
+    assert logp.shape == entropy.shape == (3, 4)
+    torch.testing.assert_close(entropy.reshape(-1), dense_entropy(hidden, weight, bias, 1.0))
+    with torch.no_grad():
+        _, no_grad_entropy = chunked_logprobs_and_entropy(hidden, weight, targets, bias=bias, chunk_size=5)
+    assert not no_grad_entropy.requires_grad
+
+
 # ---------------------------------------------------------------- memory
 
 N, V, H, CHUNK = 2048, 50_000, 16, 128
@@ -172,6 +249,27 @@ def test_saved_for_backward_is_far_below_full_logits():
     # The hook really sees what autograd keeps: the reference on 256 tokens saves >= its 256 x V logits.
     full_saved = _saved_bytes(lambda: full_token_logprobs(hidden[:256], weight, targets[:256]))
     assert full_saved >= 256 * V * 4
+
+
+def test_entropy_bonus_keeps_memory_at_chunks_of_logits():
+    # An entropy bonus needs one more [chunk x V] buffer in backward (the probabilities beside the
+    # log-probs): two chunks (51.2 MB) + the weight's gradient (3.2 MB) + [N x H] gradients, measured
+    # 57.9 MB; never the [N x V] logits (409.6 MB). Without a bonus the entropy costs no more memory.
+    hidden, weight, targets = _big_inputs()
+    chunk_logits_bytes = CHUNK * V * 4
+    weight_grad_bytes = V * H * 4
+    with LiveBytes() as tracker:
+        logp, entropy = chunked_logprobs_and_entropy(hidden, weight, targets, chunk_size=CHUNK)
+        (logp.sum() - 0.01 * entropy.sum()).backward()
+    assert tracker.peak < 2.5 * chunk_logits_bytes + weight_grad_bytes
+    assert (N, V) not in tracker.shapes
+    hidden.grad = weight.grad = None
+    with LiveBytes() as tracker:
+        logp, entropy = chunked_logprobs_and_entropy(hidden, weight, targets, chunk_size=CHUNK)
+        logp.sum().backward()  # the entropy only logged
+    assert tracker.peak < 2 * chunk_logits_bytes + weight_grad_bytes
+    saved = _saved_bytes(lambda: chunked_logprobs_and_entropy(hidden, weight, targets, chunk_size=CHUNK))
+    assert saved < FULL_LOGITS_BYTES / 50
 
 
 def test_peak_live_memory_in_forward_and_backward_is_one_chunk_of_logits():

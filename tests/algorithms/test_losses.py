@@ -3,7 +3,15 @@ import math
 import pytest
 import torch
 
-from r1fit.algorithms.losses import AGGREGATIONS, aggregate, grpo_loss, token_policy_loss
+from r1fit.algorithms.losses import (
+    AGGREGATIONS,
+    IMPORTANCE_LEVELS,
+    aggregate,
+    grpo_loss,
+    importance_log_ratio,
+    token_policy_loss,
+    truncated_importance_weights,
+)
 
 F64 = torch.float64
 ALL_AGGREGATIONS = sorted(AGGREGATIONS)
@@ -138,21 +146,31 @@ def test_old_logp_none_gives_ratio_one_and_policy_gradient():
 
 
 def reference_grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, epsilon, epsilon_high, beta, aggregation,
-                        max_new_tokens):
+                        max_new_tokens, level="token", tis=None, entropy=None, entropy_coef=0.0):
     """Obvious loop over sequences and tokens, scalar by scalar, over the whole batch."""
     seq_sums, seq_lens = [], []
     for b in range(logp.shape[0]):
+        valid = [t for t in range(logp.shape[1]) if mask[b, t]]
+        # GSPO: s_b = exp(mean over the sequence's valid tokens of (logp - old_logp))
+        seq_log_ratio = sum(logp[b, t] - old_logp[b, t] for t in valid) / max(len(valid), 1)
         total, count = 0.0, 0
-        for t in range(logp.shape[1]):
-            if not mask[b, t]:
-                continue
-            ratio = torch.exp(logp[b, t] - old_logp[b, t])
-            a = advantages[b]
+        for t in valid:
+            if level == "token":
+                ratio = torch.exp(logp[b, t] - old_logp[b, t])
+            elif level == "sequence":
+                ratio = torch.exp(seq_log_ratio)
+            else:  # GSPO-token: sg[s_b] * exp(logp - sg[logp])
+                ratio = torch.exp(seq_log_ratio.detach()) * torch.exp(logp[b, t] - logp[b, t].detach())
+            a = advantages[b, t] if advantages.ndim == 2 else advantages[b]
             clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
             token = -torch.minimum(ratio * a, clipped_ratio * a)
+            if tis is not None:
+                token = token * tis[b, t]
             if beta > 0:
                 d = ref_logp[b, t] - logp[b, t]
                 token = token + beta * (torch.exp(d) - d - 1)
+            if entropy_coef > 0:
+                token = token - entropy_coef * entropy[b, t]
             total, count = total + token, count + 1
         seq_sums.append(total)
         seq_lens.append(count)
@@ -202,7 +220,8 @@ def _policy(weight: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor) -
 @pytest.mark.parametrize("aggregation", ALL_AGGREGATIONS)
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("use_old", [False, True])
-def test_micro_batches_sum_to_whole_batch(aggregation, beta, use_old):
+@pytest.mark.parametrize("level", IMPORTANCE_LEVELS)
+def test_micro_batches_sum_to_whole_batch(aggregation, beta, use_old, level):
     g = torch.Generator().manual_seed(3)
     batch, length, hidden_size, vocab = 6, 7, 4, 11
     weight = torch.randn(hidden_size, vocab, generator=g, dtype=F64, requires_grad=True)
@@ -216,6 +235,7 @@ def test_micro_batches_sum_to_whole_batch(aggregation, beta, use_old):
     kwargs = {
         "epsilon": 0.2, "epsilon_high": 0.28, "beta": beta, "aggregation": aggregation,
         "total_tokens": int(mask.sum()), "total_seqs": batch, "max_new_tokens": length,
+        "importance_level": level,
     }
 
     def run(rows: slice) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -237,6 +257,175 @@ def test_micro_batches_sum_to_whole_batch(aggregation, beta, use_old):
         for key, value in full_stats.items():
             torch.testing.assert_close(total_stats[key], value, atol=1e-6, rtol=0)
     assert full_grad.abs().max() > 1e-3  # not a vacuous all-zero gradient
+
+
+# ---------------------------------------------------------------- GSPO (sequence-level ratio), by hand
+
+SEQ = {"epsilon": 0.2, "epsilon_high": 0.28, "aggregation": "seq_mean_token_mean", "total_tokens": 2,
+       "total_seqs": 1, "max_new_tokens": 3}
+
+
+def test_gspo_sequence_ratio_is_the_geometric_mean_of_token_ratios():
+    # Token ratios 1.5 and 1.0 (third token padded, ratio 100, must not count):
+    # s = exp((ln 1.5 + ln 1) / 2) = sqrt(1.5) = 1.2247449, inside [0.8, 1.28]; A = 1.
+    # Every token's loss is -s; seq_mean_token_mean of one sequence: loss = -1.2247449.
+    # d loss / d logp_t = d(-s)/d logp_t = -s * (1/2) = -0.6123724 on both valid tokens, 0 on padding.
+    logp, old = _logp_with_ratios([1.5, 1.0, 100.0])
+    mask = torch.tensor([[1, 1, 0]])
+    log_ratio = importance_log_ratio(logp, old, mask, "sequence")
+    torch.testing.assert_close(log_ratio.detach(), torch.full((1, 3), math.log(1.5) / 2, dtype=F64))
+    loss, stats = grpo_loss(logp, old, None, torch.tensor([1.0], dtype=F64), mask, importance_level="sequence",
+                            **SEQ)
+    s = math.sqrt(1.5)
+    assert loss.item() == pytest.approx(-s, abs=1e-12)
+    assert stats["clip_fraction"].item() == 0.0
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-s / 2, -s / 2, 0.0]], dtype=F64))
+
+
+def test_gspo_clips_the_whole_sequence():
+    # Token ratios 2.0 and 1.125: s = exp((ln 2 + ln 1.125) / 2) = sqrt(2.25) = 1.5 > 1.28 with A = 1:
+    # loss = -1.28 on both tokens, zero gradient, and both tokens count as clipped (clip_fraction 1),
+    # although token 1 alone (ratio 1.125) would not be clipped at the token level.
+    logp, old = _logp_with_ratios([2.0, 1.125])
+    adv = torch.tensor([1.0], dtype=F64)
+    mask = torch.tensor([[1, 1]])
+    loss, stats = grpo_loss(logp, old, None, adv, mask, importance_level="sequence", **SEQ)
+    assert loss.item() == pytest.approx(-1.28, abs=1e-12)
+    assert stats["clip_fraction"].item() == pytest.approx(1.0)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.zeros(1, 2, dtype=F64))
+    _, token_clipped = token_policy_loss(logp, old, adv, epsilon=0.2, epsilon_high=0.28)
+    assert token_clipped.tolist() == [[True, False]]
+
+
+def test_gspo_token_has_the_sequence_value_and_per_token_gradients():
+    # Token ratios 1.5 and 1.0: s = sqrt(1.5) = 1.2247449 for both levels. Per-token advantages [1, -1]:
+    # GSPO-token: loss_t = -A_t * s_t with s_t = sg[s] exp(logp_t - sg[logp_t]) (value s), so
+    #   loss = mean(-s, +s) = 0 and d loss / d logp_t = -A_t * s / 2 = [-0.6123724, +0.6123724].
+    # GSPO: loss = mean_t(-A_t * s) = -s * mean(A) = 0 and the gradient is -mean(A) * ds/dlogp = 0.
+    adv = torch.tensor([[1.0, -1.0]], dtype=F64)
+    mask = torch.tensor([[1, 1]])
+    s = math.sqrt(1.5)
+    grads = {}
+    for level in ("sequence_token", "sequence"):
+        logp, old = _logp_with_ratios([1.5, 1.0])
+        loss, _ = grpo_loss(logp, old, None, adv, mask, importance_level=level, **SEQ)
+        assert loss.item() == pytest.approx(0.0, abs=1e-12)
+        loss.backward()
+        grads[level] = logp.grad
+    torch.testing.assert_close(grads["sequence_token"], torch.tensor([[-s / 2, s / 2]], dtype=F64))
+    torch.testing.assert_close(grads["sequence"], torch.zeros(1, 2, dtype=F64))
+
+
+def test_gspo_and_gspo_token_gradients_agree_for_one_advantage_per_sequence():
+    # With A_i,t = A_i (GRPO's advantages) the GSPO paper's two objectives have the same gradient.
+    logp, old, _, adv, mask = _random_batch(seed=5)
+    grads = []
+    for level in ("sequence", "sequence_token"):
+        loss, _ = grpo_loss(logp, old, None, adv, mask, importance_level=level, epsilon=0.2, epsilon_high=0.28,
+                            aggregation="seq_mean_token_mean", total_tokens=int(mask.sum()), total_seqs=6,
+                            max_new_tokens=5)
+        grads.append(torch.autograd.grad(loss, logp)[0])
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("level", ["sequence", "sequence_token"])
+@pytest.mark.parametrize("aggregation", ALL_AGGREGATIONS)
+@pytest.mark.parametrize("per_token_adv", [False, True])
+def test_sequence_levels_match_reference_loop(level, aggregation, per_token_adv):
+    logp, old, ref, adv, mask = _random_batch(seed=11)
+    # GSPO's own clip ranges, widened so that some sequences are clipped and some are not
+    old = logp.detach() + (old - logp.detach()) * 0.1
+    if per_token_adv:
+        adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(4), dtype=F64)
+    settings = {"epsilon": 0.01, "epsilon_high": 0.012, "beta": 0.04, "aggregation": aggregation}
+    loss, stats = grpo_loss(logp, old, ref, adv, mask, **settings, importance_level=level,
+                            total_tokens=int(mask.sum()), total_seqs=6, max_new_tokens=5)
+    (grad,) = torch.autograd.grad(loss, logp)
+    expected = reference_grpo_loss(logp, old, ref, adv, mask, **settings, max_new_tokens=5, level=level)
+    (expected_grad,) = torch.autograd.grad(expected, logp)
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(grad, expected_grad)
+    assert 0 < stats["clip_fraction"].item() < 1  # some sequences clipped, some not
+
+
+# ---------------------------------------------------------------- TIS and entropy bonus, by hand
+
+
+def test_truncated_importance_weights_by_hand():
+    # trainer p = 0.5, engine p = 0.25 -> ratio 2, truncated at cap 1.5; 0.9 / 0.9 -> 1; 0.2 / 0.4 -> 0.5.
+    trainer = torch.tensor([[math.log(0.5), math.log(0.9), math.log(0.2)]], dtype=F64, requires_grad=True)
+    engine = torch.tensor([[math.log(0.25), math.log(0.9), math.log(0.4)]], dtype=F64)
+    w = truncated_importance_weights(trainer, engine, 1.5)
+    torch.testing.assert_close(w, torch.tensor([[1.5, 1.0, 0.5]], dtype=F64))
+    assert not w.requires_grad
+
+
+def test_tis_weights_scale_the_policy_term_only():
+    # Ratio 1 (old_logp None), A = 1, token_mean over 2 tokens, weights [1.5, 0.5]:
+    # policy loss = -(1.5 + 0.5) / 2 = -1, gradient -w_t / 2 = [-0.75, -0.25].
+    # beta = 0.1 with ref = logp - ln 2 on both tokens: k3 = e^{-ln 2} + ln 2 - 1 = 0.193147 per token,
+    # unweighted: loss = -1 + 0.1 * 0.193147 = -0.980685; stats tis_weight = (1.5 + 0.5) / 2 = 1.
+    logp = torch.tensor([[-1.0, -2.0]], dtype=F64, requires_grad=True)
+    weights = torch.tensor([[1.5, 0.5]], dtype=F64)
+    kwargs = {"epsilon": 0.2, "aggregation": "token_mean", "total_tokens": 2, "total_seqs": 1, "max_new_tokens": 2}
+    loss, stats = grpo_loss(logp, None, None, torch.tensor([1.0], dtype=F64), torch.ones(1, 2), tis_weights=weights,
+                            **kwargs)
+    assert loss.item() == pytest.approx(-1.0, abs=1e-12)
+    assert stats["tis_weight"].item() == pytest.approx(1.0, abs=1e-12)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.75, -0.25]], dtype=F64))
+    ref = logp.detach() - math.log(2)
+    with_kl, _ = grpo_loss(logp, None, ref, torch.tensor([1.0], dtype=F64), torch.ones(1, 2), tis_weights=weights,
+                           beta=0.1, **kwargs)
+    assert with_kl.item() == pytest.approx(-1 + 0.1 * (0.5 + math.log(2) - 1), abs=1e-12)
+
+
+def test_tis_weights_of_one_change_nothing():
+    # What the loop sees with the HF engine's on-policy samples (trainer = engine): weights exactly 1.
+    logp, old, ref, adv, mask = _random_batch(seed=2)
+    kwargs = {"epsilon": 0.2, "epsilon_high": 0.28, "beta": 0.04, "aggregation": "token_mean",
+              "total_tokens": int(mask.sum()), "total_seqs": 6, "max_new_tokens": 5}
+    ones = truncated_importance_weights(old, old, 2.0)
+    assert torch.equal(ones, torch.ones_like(old))
+    plain, _ = grpo_loss(logp, old, ref, adv, mask, **kwargs)
+    weighted, _ = grpo_loss(logp, old, ref, adv, mask, tis_weights=ones, **kwargs)
+    assert torch.equal(plain, weighted)
+    assert torch.equal(torch.autograd.grad(plain, logp)[0], torch.autograd.grad(weighted, logp)[0])
+
+
+def test_entropy_bonus_by_hand():
+    # Ratio 1, A = 0 (no policy gradient), entropies [2, 1] on the two valid tokens, coef 0.1,
+    # token_mean over 2 tokens: loss = -0.1 * (2 + 1) / 2 = -0.15; d loss / d H_t = -0.1 / 2 = -0.05.
+    logp = torch.zeros(1, 3, dtype=F64, requires_grad=True)
+    entropy = torch.tensor([[2.0, 1.0, 9.0]], dtype=F64, requires_grad=True)
+    loss, _ = grpo_loss(logp, None, None, torch.tensor([0.0], dtype=F64), torch.tensor([[1, 1, 0]]), epsilon=0.2,
+                        aggregation="token_mean", total_tokens=2, total_seqs=1, max_new_tokens=3, entropy=entropy,
+                        entropy_coef=0.1)
+    assert loss.item() == pytest.approx(-0.15, abs=1e-12)
+    loss.backward()
+    torch.testing.assert_close(entropy.grad, torch.tensor([[-0.05, -0.05, 0.0]], dtype=F64))
+
+
+@pytest.mark.parametrize("aggregation", ALL_AGGREGATIONS)
+@pytest.mark.parametrize("level", IMPORTANCE_LEVELS)
+def test_tis_and_entropy_match_reference_loop(aggregation, level):
+    logp, old, ref, adv, mask = _random_batch(seed=9)
+    g = torch.Generator().manual_seed(8)
+    tis = truncated_importance_weights(old, old + (torch.rand(old.shape, generator=g, dtype=F64) - 0.5), 1.2)
+    entropy = (torch.rand(logp.shape, generator=g, dtype=F64) * 3).requires_grad_()
+    settings = {"epsilon": 0.2, "epsilon_high": 0.28, "beta": 0.04, "aggregation": aggregation}
+    loss, _ = grpo_loss(logp, old, ref, adv, mask, **settings, importance_level=level, tis_weights=tis,
+                        entropy=entropy, entropy_coef=0.03, total_tokens=int(mask.sum()), total_seqs=6,
+                        max_new_tokens=5)
+    grads = torch.autograd.grad(loss, (logp, entropy))
+    expected = reference_grpo_loss(logp, old, ref, adv, mask, **settings, max_new_tokens=5, level=level, tis=tis,
+                                   entropy=entropy, entropy_coef=0.03)
+    expected_grads = torch.autograd.grad(expected, (logp, entropy))
+    torch.testing.assert_close(loss, expected)
+    for a, b in zip(grads, expected_grads):
+        torch.testing.assert_close(a, b)
 
 
 # ---------------------------------------------------------------- validation
@@ -270,6 +459,10 @@ def _call(**overrides):
         ({"mask": torch.ones(2, 4)}, "mask shape"),
         ({"old_logp": torch.zeros(3)}, "old_logp shape"),
         ({"advantages": torch.zeros(3)}, "advantages must be"),
+        ({"importance_level": "seq"}, "unknown importance sampling level 'seq'"),
+        ({"entropy_coef": -0.1}, "entropy_coef must be >= 0"),
+        ({"entropy_coef": 0.1}, "needs the per-token entropy"),
+        ({"tis_weights": torch.ones(2, 4)}, "tis_weights shape"),
     ],
 )
 def test_bad_settings_raise_value_error(overrides, message):

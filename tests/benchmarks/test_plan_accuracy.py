@@ -25,3 +25,13 @@ def test_a_failed_run_names_the_configuration_and_r1fits_own_line():
     assert str(info.value).startswith("bad-key: r1fit train: unknown key 'algo.no_such_key'; "
                                       "allowed here: num_generations")
     assert "\n" not in str(info.value)
+
+
+def test_the_grid_covers_every_built_in_architecture():
+    """Each family of r1fit/models/builtin.py FAMILIES has a built-in in the grid, so a new
+    architecture's plan is checked against the probe too."""
+    from r1fit.models.builtin import BUILTINS, FAMILIES
+
+    planned = {override.split(":", 1)[1] for overrides in pa.GRID.values() for override in overrides
+               if override.startswith("model.path=builtin:")}
+    assert {BUILTINS[name].family for name in planned} == set(FAMILIES)

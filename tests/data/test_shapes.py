@@ -7,9 +7,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from r1fit.config import ConfigError, load_config
 from r1fit.data.errors import DataError
 from r1fit.data.shapes import (
     RADIUS_FRACTION,
+    SHAPE_NAMES,
     ShapesItem,
     ShapesSource,
     ShapesSpec,
@@ -18,11 +20,13 @@ from r1fit.data.shapes import (
     render_item,
     split_of,
 )
+from r1fit.rewards.iou import box_iou, parse_box
 
 SPECS = [
     ShapesSpec(),
     ShapesSpec(image_size=84, max_distractors=2, colors=["red", "blue", "orange"], background="black"),
     ShapesSpec(image_size=28, max_distractors=0, kinds=["position", "color"]),
+    ShapesSpec(image_size=112, max_distractors=2, kinds=["box", "color"]),
 ]
 
 
@@ -70,7 +74,9 @@ def test_answers_balanced_per_kind(spec: ShapesSpec) -> None:
     kinds = Counter(it.kind for it in items)
     assert set(kinds) == set(spec.kinds) and max(kinds.values()) - min(kinds.values()) <= 1
     for kind, answers in space.items():
-        counts = Counter(it.answer for it in items if it.kind == kind)
+        # a box question's answer is a box: its items are balanced over the shape they name
+        counts = Counter(it.shapes[0].name if kind == "box" else it.answer
+                         for it in items if it.kind == kind)
         assert set(counts) == set(answers)
         assert max(counts.values()) - min(counts.values()) <= 1
 
@@ -82,6 +88,7 @@ def test_answer_space() -> None:
         "position": ["left", "right"],
     }
     assert answer_space(["count"], max_distractors=2) == {"count": ["1", "2", "3"]}
+    assert answer_space(["box"]) == {"box": ["circle", "square", "triangle"]}
     assert ShapesSpec(kinds=["color"], colors=["red", "blue"]).answer_space() == {"color": ["red", "blue"]}
     with pytest.raises(DataError, match="unknown shapes kind"):
         answer_space(["size"])
@@ -118,6 +125,8 @@ def _check_visible(item: ShapesItem, spec: ShapesSpec) -> None:
         assert tuple(pixels[named[0].cy, named[0].cx]) == spec.rgb(item.answer)
     elif item.kind == "count":
         assert _components(~background) == int(item.answer)
+    elif item.kind == "box":
+        _check_box(item, spec, pixels)
     else:
         color = item.problem.split("the ")[1].split(" shape")[0]
         xs = np.nonzero(np.all(pixels == spec.rgb(color), axis=-1))[1]
@@ -125,6 +134,25 @@ def _check_visible(item: ShapesItem, spec: ShapesSpec) -> None:
         assert (xs.max() < size / 2) if item.answer == "left" else (xs.min() >= size / 2)
     # every shape is drawn fully inside the image, on its own
     assert _components(~background) == len(item.shapes)
+
+
+def _check_box(item: ShapesItem, spec: ShapesSpec, pixels: np.ndarray) -> None:
+    """The answer is the tight box of the one shape the question names, in pixels of the image."""
+    color, name = item.problem.split("box of the ")[1].split(" as ")[0].split(" ")
+    assert sum((s.color, s.name) == (color, name) for s in item.shapes) == 1
+    assert (item.shapes[0].color, item.shapes[0].name) == (color, name)
+    box = parse_box(item.answer)
+    assert box is not None and item.answer == "[{},{},{},{}]".format(*map(int, box))
+    x1, y1, x2, y2 = map(int, box)
+    assert 0 <= x1 < x2 <= item.image_size and 0 <= y1 < y2 <= item.image_size
+    # the shape's colour fills the box to its four edges, and no pixel of that shape (shapes
+    # never touch: whatever of that colour is connected to the box's inside) lies outside it
+    inside = np.all(pixels[y1:y2, x1:x2] == spec.rgb(color), axis=-1)
+    assert inside[0].any() and inside[-1].any() and inside[:, 0].any() and inside[:, -1].any()
+    padded = np.pad(pixels.astype(np.int16), ((1, 1), (1, 1), (0, 0)), constant_values=-1)
+    ring = np.all(padded[y1:y2 + 2, x1:x2 + 2] == spec.rgb(color), axis=-1)
+    ring[1:-1, 1:-1] = False
+    assert not ring.any()
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -144,6 +172,38 @@ def test_shapes_are_large() -> None:
     assert min(lone) >= 0.8 * RADIUS_FRACTION * spec.image_size - 1  # radius ~0.3 x side (13-16 px at 56)
     assert min(pair) >= 0.15 * spec.image_size  # two side by side still span about a third of the side each
     assert all(len(it.shapes) <= 2 for it in items)  # max_distractors=1
+
+
+def test_box_rows_lone_shapes_and_a_hand_checked_item() -> None:
+    spec = ShapesSpec(image_size=112, kinds=["box"], max_distractors=0)
+    source = ShapesSource(spec, split="eval", size=30, seed=0)
+    sample = source.sample(0)
+    assert sample.reward_method == "iou"  # its accuracy (and eval/accuracy) is the IoU
+    assert sample.problem.startswith("Give the box of the ")
+    assert sample.problem.endswith(" as [x1,y1,x2,y2] in pixels of this 112x112 image.")
+    assert sample.images[0].size == (112, 112)
+    for item in source.items:
+        _check_box(item, spec, np.asarray(render_item(item, spec)))
+        if item.shapes[0].name == "circle":  # drawn over [cx - r, cx + r] inclusive
+            s = item.shapes[0]
+            assert parse_box(item.answer) == (s.cx - s.r, s.cy - s.r, s.cx + s.r + 1,
+                                              s.cy + s.r + 1)
+    assert {it.shapes[0].name for it in source.items} == set(SHAPE_NAMES)
+    # boxes are where the shape happens to be: the best constant box scores little (the reason
+    # lone box shapes are smaller than the other kinds')
+    boxes = [parse_box(it.answer) for it in ShapesSource(spec, split="train", size=600,
+                                                        seed=0).items]
+    mean = tuple(float(np.mean([b[k] for b in boxes])) for k in range(4))
+    assert np.mean([box_iou(b, mean) for b in boxes]) < 0.3
+
+
+def test_box_kind_needs_an_image_the_pixel_budget_keeps() -> None:
+    cfg = load_config(None, ["data.shapes.kinds=[box]", "data.shapes.image_size=112"])
+    assert cfg.data.shapes.kinds == ("box",)
+    with pytest.raises(ConfigError, match="data.shapes.image_size: 140 px squared is outside"):
+        load_config(None, ["data.shapes.kinds=[box]", "data.shapes.image_size=140"])
+    # the other kinds do not care: a resized image still shows the same colours and counts
+    load_config(None, ["data.shapes.kinds=[color]", "data.shapes.image_size=140"])
 
 
 def test_problem_text_format() -> None:

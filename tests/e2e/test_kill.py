@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from r1fit.report.metrics import read_metrics
+
 ARGS = ["train.prompts_per_step=2", "algo.num_generations=4", "algo.max_new_tokens=8",
         "sft.batch_size=4", "data.eval_size=4", "memory.micro_batch=3",
         "memory.generation_batch=5", "data.shapes.train_size=50", "data.shapes.image_size=56",
@@ -22,6 +24,14 @@ ARGS = ["train.prompts_per_step=2", "algo.num_generations=4", "algo.max_new_toke
         "train.max_steps=6", "sft.format_warmup_steps=2", "checkpoint.every=1",
         "checkpoint.keep=2", "eval.every=3", "algo.beta=0.05", "algo.num_iterations=2"]
 NO_CHECKPOINT = "holds a run with no complete checkpoint"
+# dynamic sampling with a reward that is 0 for every completion of a red or green question (those
+# groups have zero variance) and the completion's length otherwise: steps draw 1 to 3 batches
+DYNAMIC = ["algo.dynamic_sampling=true", "algo.max_resample_batches=3", "rewards.accuracy=0",
+           "rewards.format=0", "rewards.lenreward:length=0", "rewards.halfreward:reward=1.0"]
+HALF_REWARD = """
+def reward(completion, solution, **info):
+    return 0.0 if solution in ("red", "green") else len(completion) / 10
+"""
 
 
 def start(out: Path, plugins: Path, *extra: str) -> subprocess.Popen:
@@ -64,17 +74,49 @@ def kill_when(proc: subprocess.Popen, ready, sig: int = signal.SIGKILL) -> bool:
     return False
 
 
-def test_sigkill_at_random_moments_and_during_saves(use_tiny_cache, reward_plugin, same_run,
-                                                    tmp_path):
-    straight = tmp_path / "straight"
-    proc = start(straight, reward_plugin)
+def run_straight(out: Path, plugins: Path, *extra: str) -> float:
+    """Run to the end uninterrupted; returns the seconds from the model being loaded to the end."""
+    proc = start(out, plugins, *extra)
     while not loaded(proc):
         assert proc.poll() is None, stderr(proc)[-2000:]
         time.sleep(0.01)
     began = time.perf_counter()
     proc.wait(timeout=600)
     assert proc.returncode == 0, stderr(proc)[-2000:]
-    training = time.perf_counter() - began  # from the model being loaded to the end
+    return time.perf_counter() - began
+
+
+def kill_at_random_rows(out: Path, plugins: Path, straight: Path, training: float,
+                        *extra: str) -> None:
+    """Three attempts, each killed at a random point of its own run (R1FIT_KILL_SEED picks them),
+    then finish. A point is "once metrics.jsonl has k rows, plus a random fraction of a row's
+    time" (``training`` seconds over the ``straight`` run's rows): measured in rows, not seconds,
+    so a machine faster or slower than during the straight run still kills inside the training
+    (a time-based moment once outlived a run that ran faster than the straight one had)."""
+    rng = random.Random(int(os.environ.get("R1FIT_KILL_SEED", "0")))
+    rows = len((straight / "metrics.jsonl").read_text().splitlines())  # warm-up, eval, steps
+    per_row = training / rows
+    # each attempt resumes with less left to do, so the points move towards the end
+    for attempt, (low, high) in enumerate([(1, rows - 4), (2, rows - 2), (3, rows - 1)]):
+        k, seconds = rng.randint(low, high), rng.uniform(0.0, 0.5) * per_row
+        proc = start(out, plugins, *extra)
+        killed = kill_when(proc, after_rows(proc, out, k, seconds))
+        if not killed and proc.returncode == 2 and NO_CHECKPOINT in stderr(proc):
+            # the previous kill came after the first metrics row but before any checkpoint
+            proc = start(out, plugins, *extra, "train.overwrite=true")
+            killed = kill_when(proc, after_rows(proc, out, k, seconds))
+        saved = sorted(p.name for p in out.glob("checkpoint-*"))
+        print(f"kill at row {k} + {seconds:.2f} s (of {rows} rows, {training:.1f} s in all): "
+              f"killed={killed}, on disk: {saved}")
+        assert killed or proc.returncode == 0, stderr(proc)[-2000:]
+        assert killed or attempt > 0  # the first kill lands inside the training
+    finish(out, plugins, *extra)
+
+
+def test_sigkill_at_random_moments_and_during_saves(use_tiny_cache, reward_plugin, same_run,
+                                                    tmp_path):
+    straight = tmp_path / "straight"
+    training = run_straight(straight, reward_plugin)
 
     # 1. during a save: the moment a checkpoint-*.partial folder appears (twice in a row)
     during_save = tmp_path / "during_save"
@@ -94,33 +136,25 @@ def test_sigkill_at_random_moments_and_during_saves(use_tiny_cache, reward_plugi
     finish(stopped, reward_plugin)
     same_run(straight, stopped)
 
-    # 3. at random moments of the training (after start-up: model loaded): three attempts, each
-    # killed at a random point of its own run (R1FIT_KILL_SEED picks them), then finish. A point
-    # is "once metrics.jsonl has k rows, plus a random fraction of a row's time": measured in
-    # rows, not seconds, so a machine faster or slower than during the straight run still kills
-    # inside the training (a time-based moment once outlived a run that ran faster than the
-    # straight one had)
-    seed = int(os.environ.get("R1FIT_KILL_SEED", "0"))
-    rng = random.Random(seed)
+    # 3. at random moments of the training (after start-up: model loaded)
     anywhere = tmp_path / "anywhere"
-    rows = len((straight / "metrics.jsonl").read_text().splitlines())  # warm-up, eval, steps
-    per_row = training / rows
-    # each attempt resumes with less left to do, so the points move towards the end
-    for attempt, (low, high) in enumerate([(1, rows - 4), (2, rows - 2), (3, rows - 1)]):
-        k, extra = rng.randint(low, high), rng.uniform(0.0, 0.5) * per_row
-        proc = start(anywhere, reward_plugin)
-        killed = kill_when(proc, after_rows(proc, anywhere, k, extra))
-        if not killed and proc.returncode == 2 and NO_CHECKPOINT in stderr(proc):
-            # the previous kill came after the first metrics row but before any checkpoint
-            proc = start(anywhere, reward_plugin, "train.overwrite=true")
-            killed = kill_when(proc, after_rows(proc, anywhere, k, extra))
-        saved = sorted(p.name for p in anywhere.glob("checkpoint-*"))
-        print(f"kill at row {k} + {extra:.2f} s (of {rows} rows, {training:.1f} s in all): "
-              f"killed={killed}, on disk: {saved}")
-        assert killed or proc.returncode == 0, stderr(proc)[-2000:]
-        assert killed or attempt > 0  # the first kill lands inside the training
-    finish(anywhere, reward_plugin)
+    kill_at_random_rows(anywhere, reward_plugin, straight, training)
     same_run(straight, anywhere)
+
+
+def test_sigkill_and_resume_with_dynamic_sampling(use_tiny_cache, reward_plugin, same_run,
+                                                  tmp_path):
+    """The prompt batches a step draws vary (the sampler's position is saved with them), and so do
+    the kept groups: killed at random moments and resumed, the run equals an uninterrupted one."""
+    (reward_plugin / "halfreward.py").write_text(HALF_REWARD)
+    straight = tmp_path / "straight"
+    training = run_straight(straight, reward_plugin, *DYNAMIC)
+    steps = [r for r in read_metrics(straight / "metrics.jsonl") if "reward_mean" in r]
+    assert any(r["sample_batches"] > 1 for r in steps[2:])  # the resumed steps redraw too
+    assert any(0 < r["kept_groups"] for r in steps)
+    killed = tmp_path / "killed"
+    kill_at_random_rows(killed, reward_plugin, straight, training, *DYNAMIC)
+    same_run(straight, killed)
 
 
 @pytest.mark.vllm

@@ -23,7 +23,7 @@ ARGS = ["model.path=builtin:small-realvocab", "model.lora.r=8", "train.max_steps
         "algo.max_new_tokens=64", "algo.beta=0", "memory.logits_chunk=4096", "eval.every=0",
         "data.eval=null", "data.shapes.image_size=56", "data.max_pixels=3136",
         "checkpoint.every=0", "rewards.format=1.0", "rewards.accuracy=1.0"]
-VOLATILE = ("seconds", "tokens_per_second", "peak_", "oom_retries")
+VOLATILE = ("seconds", "tokens_per_second", "peak_", "oom_retries", "mfu")
 
 
 @pytest.fixture

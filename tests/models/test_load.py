@@ -22,8 +22,10 @@ from r1fit.models.load import (
     load_policy,
     resolve_model_path,
     special_token_ids,
+    stop_token_ids,
     unwrap,
 )
+from r1fit.rollout.generate import TokenIds
 
 from .conftest import image_prompt
 
@@ -272,8 +274,14 @@ def test_special_token_ids(tiny_dir: Path) -> None:
         "vision_end": tok.convert_tokens_to_ids("<|vision_end|>"),
         "eos": tok.convert_tokens_to_ids("<|im_end|>"),
         "pad": tok.convert_tokens_to_ids("<|endoftext|>"),
+        "end_of_turn": tok.convert_tokens_to_ids("<|im_end|>"),  # what the template ends turns with
     }
     assert ids["image_pad"] == unwrap(model).config.image_token_id
+    # a completion stops at <|im_end|> or <|endoftext|> (Qwen's generation_config), and only the
+    # image and video placeholders are never sampled
+    assert stop_token_ids(model, processor) == [ids["eos"], ids["pad"]]
+    assert TokenIds.of(model, processor) == TokenIds(pad=ids["pad"], eos=[ids["eos"], ids["pad"]],
+                                                     blocked=[ids["image_pad"], ids["video_pad"]])
 
 
 # ---- reference --------------------------------------------------------------------------------

@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import logging
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from r1fit.report.alarms import ALARMS, AlarmWatch, check_alarms
+from r1fit.report.html import LiveReport
 from r1fit.rollout.record import Rollout
 from r1fit.train.grpo import step_metrics
 
 
 def healthy(steps: int = 40) -> list[dict]:
     """A healthy run: noisy lengths that shrink a little, then settle; a few clipped completions;
-    some zero-variance groups; format and accuracy both rising; no reward errors."""
+    some zero-variance groups; format and accuracy both rising; entropy halving; no reward
+    errors."""
     rows: list[dict] = [{"warmup/step": 1, "warmup/loss": 2.0}, {"step": 0, "eval/accuracy": 0.2}]
     for s in range(1, steps + 1):
         wobble = math.sin(s * 1.7)
@@ -24,7 +27,7 @@ def healthy(steps: int = 40) -> list[dict]:
                      120 - min(s, 20) * 2 + 8 * wobble, "completion_clipped_fraction":
                      0.1 + 0.05 * wobble, "zero_variance_groups": 0.25 + 0.1 * wobble,
                      "reward/format": min(1.0, 0.5 + s / 50), "accuracy": 0.2 + s / 100,
-                     "reward_errors": 0})
+                     "entropy": 0.8 - s / 100 + 0.05 * wobble, "reward_errors": 0})
     return rows
 
 
@@ -50,6 +53,7 @@ def test_no_alarm_on_a_healthy_run():
     ("format_without_accuracy", with_values(with_values(
         healthy(), "reward/format", lambda s: 0.2 + s / 50), "accuracy", lambda s: 0.6 - s / 80)),
     ("reward_errors", with_values(healthy(), "reward_errors", lambda s: 0 if s < 39 else 3)),
+    ("entropy_collapse", with_values(healthy(), "entropy", lambda s: 0.8 if s < 30 else 0.05)),
 ])
 def test_each_alarm_fires_on_its_trouble_and_only_it(name, rows):
     fired = check_alarms(rows)
@@ -66,6 +70,39 @@ def test_length_collapse_needs_enough_steps_and_a_real_drop():
     assert "length_collapse" not in check_alarms(rows[:7])  # too few steps
 
 
+def entropy_rows(values: list[float | None]) -> list[dict]:
+    return [{"step": s, "reward_mean": 0.5, "entropy": v} for s, v in enumerate(values, 1)]
+
+
+def test_entropy_collapse_under_a_tenth_of_the_start_or_an_absolute_floor():
+    # medians: first 5 steps 1.0, last 3 steps 0.11 -> 11% of the start, no alarm
+    rows = entropy_rows([1.0, 1.2, 0.9, 1.0, 3.0, 0.5, 0.11, 0.11, 0.2])
+    assert "entropy_collapse" not in check_alarms(rows)
+    rows[-1]["entropy"] = 0.09  # last 3: 0.11, 0.11, 0.09 -> median 0.11 still
+    assert "entropy_collapse" not in check_alarms(rows)
+    rows[-2]["entropy"] = 0.08  # last 3: 0.11, 0.08, 0.09 -> median 0.09 < 10% of 1.0
+    message = check_alarms(rows)["entropy_collapse"]
+    assert message.startswith("entropy collapse: 0.09 nats per token over the last 3 steps "
+                              "(median), under 10% of the first 5 steps' 1")
+    assert "entropy_collapse" not in check_alarms(rows[:7])  # too few steps to tell
+    # one odd step moves neither level: the medians ignore it
+    assert "entropy_collapse" not in check_alarms(entropy_rows([1.0] * 6 + [0.001, 1.0]))
+    assert "entropy_collapse" not in check_alarms(entropy_rows([0.001] + [1.0] * 7))
+    # a policy that starts (nearly) deterministic is below the floor, whatever its start
+    flat = check_alarms(entropy_rows([0.009] * 8))["entropy_collapse"]
+    assert "under 0.01 (the first 5 steps': 0.009)" in flat
+    assert "entropy_collapse" not in check_alarms(entropy_rows([0.011] * 8))
+
+
+def test_entropy_collapse_is_silent_without_entropy():
+    # runs logged before the entropy metric existed, and steps where it is null
+    assert "entropy_collapse" not in check_alarms(
+        [{"step": s, "reward_mean": 0.5} for s in range(1, 30)])
+    assert "entropy_collapse" not in check_alarms(entropy_rows([None] * 10 + [0.0] * 3))
+    # an SFT run's rows (no reward) are not GRPO steps
+    assert check_alarms([{"step": s, "loss": 1.0, "entropy": 0.0} for s in range(1, 30)]) == {}
+
+
 def test_watch_warns_once_when_an_alarm_first_fires(tmp_path, caplog):
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text('{"step": 1, "reward_mean": 0.5, "reward_errors": 0}\n')
@@ -78,6 +115,16 @@ def test_watch_warns_once_when_an_alarm_first_fires(tmp_path, caplog):
             watch.add({"step": step, "reward_mean": 0.5, "reward_errors": 2})
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and warnings[0].startswith("alarm at step 3: 2 reward calls raised")
+
+
+def test_live_report_warns_of_entropy_collapse_once(tmp_path, caplog):
+    live = LiveReport(SimpleNamespace(rollouts_every=0, every=0), tmp_path, main=True)
+    with caplog.at_level(logging.WARNING, logger="r1fit.report"):
+        for row in entropy_rows([1.0] * 5 + [0.5, 0.05, 0.04, 0.03, 0.02, 0.01]):
+            live.after_step(row)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1
+    assert warnings[0].startswith("alarm at step 8: entropy collapse: 0.05 nats per token")
 
 
 def test_step_metrics_clipped_completions_and_zero_variance_groups():

@@ -82,6 +82,33 @@ def test_report_has_plots_rollouts_and_no_alarm_on_a_healthy_run(tmp_path):
     assert "https://" not in page  # nothing from the network
 
 
+def test_entropy_gets_a_plot_when_logged_and_old_runs_render_without_it(tmp_path):
+    run = synthetic_run(tmp_path / "run")  # logged before the entropy metric existed
+    assert "entropy (nats per token)" not in figures(build_report(run))
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [{**r, "entropy": 0.9 - r["step"] / 50} if "reward_mean" in r else r for r in rows]
+    rows[3]["entropy"] = None  # a step without it (non-finite values are logged as null)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    page = build_report(run)
+    assert figures(page)[3:5] == ["kl", "entropy (nats per token)"]
+    assert "no alarm" in page  # 0.88 -> 0.66: no collapse
+
+
+def test_sft_run_page_shows_what_sft_logs(tmp_path):
+    run = tmp_path / "sft"
+    run.mkdir()
+    rows = [{"step": 0, "eval/accuracy": 0.25, "eval/format": 0.0}]
+    rows += [{"step": s, "loss": 3.0 / s, "grad_norm": 2.0, "tokens_per_second": 500.0 + s,
+              "peak_memory_bytes": 2**30, "peak_reserved_bytes": None, "bad_rows": 0,
+              "oom_retries": 0, **({"eval/accuracy": 0.5, "eval/format": 1.0} if s == 4 else {})}
+             for s in range(1, 5)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    page = build_report(run)
+    assert figures(page) == ["accuracy", "loss", "grad_norm", "tokens_per_second", "peak memory"]
+    assert "4 SFT steps (last step 4), 5 metrics" in page and "no alarm" in page
+    assert "or an SFT run" in page  # no rollouts
+
+
 def test_missing_keys_leave_plots_out_and_an_unrecorded_prediction_says_so(tmp_path):
     run = tmp_path / "run"
     run.mkdir()

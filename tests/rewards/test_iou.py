@@ -2,7 +2,8 @@
 
 import pytest
 
-from r1fit.rewards.iou import box_iou, iou, iou_hit, parse_box
+from r1fit.rewards.accuracy import accuracy
+from r1fit.rewards.iou import answers_iou, box_iou, iou, iou_hit, parse_box
 
 
 def answer(box: str) -> str:
@@ -52,3 +53,21 @@ class TestIoUHit:
         assert iou_hit(answer("[0,0,4,3.9]"), "[0,0,4,4]", problem="") == 1.0
         assert iou_hit(answer("[1,1,3,3]"), "[0,0,4,4]", problem="") == 0.0
         assert iou_hit(answer("none"), "[0,0,4,4]", problem="") == 0.0
+
+
+class TestIoUAccuracyMethod:
+    def test_answers_iou(self) -> None:
+        # [0,0,3,2] (6) and [1,0,4,2] (6) share [1,0,3,2] (4): 4 / (6 + 6 - 4) = 0.5
+        assert answers_iou("[0,0,3,2]", "[1,0,4,2]") == 0.5
+        assert answers_iou("none", "[1,0,4,2]") == 0.0
+        assert answers_iou("[1,0,4,2]", "") == 0.0
+
+    @pytest.mark.parametrize("completion", [
+        answer("[0,0,3,2]"), answer("[1, 0, 4, 2]"), answer("[5,5,6,6]"), answer("no box"),
+        "[1,0,4,2] without a tag", "<answer>[9,9,9,9]</answer> <answer>[0,0,3,2]</answer>"])
+    def test_accuracy_method_is_the_iou_reward(self, completion: str) -> None:
+        # rows of builtin:shapes box questions carry reward_method "iou": their logged accuracy
+        # (and eval/accuracy) is the same IoU the reward gives
+        solution = "[1,0,4,2]"
+        assert accuracy(completion, solution, problem="", reward_method="iou") == \
+            iou(completion, solution, problem="")

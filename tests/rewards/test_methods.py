@@ -20,7 +20,7 @@ from r1fit.rewards.methods import (
 )
 from r1fit.rewards.registry import RewardScorer
 
-KNOWN = "default, mcq, yes_no, numeric, math, fuzzy"
+KNOWN = "default, mcq, yes_no, numeric, math, fuzzy, iou"
 
 # Indel ratio = 1 - (insertions + deletions) / (len(a) + len(b)).
 # kitten -> sitting: the longest common subsequence is "ittn" (4), so 6 + 7 - 2 * 4 = 5 edits.
@@ -34,7 +34,7 @@ def tagged(answer: str) -> str:
 
 
 def test_method_names() -> None:
-    assert tuple(METHODS) == ("default", "mcq", "yes_no", "numeric", "math", "fuzzy")
+    assert tuple(METHODS) == ("default", "mcq", "yes_no", "numeric", "math", "fuzzy", "iou")
 
 
 class TestReadChoice:
@@ -140,6 +140,13 @@ class TestScoreByMethod:
             ("fuzzy", "...", "x", 0.0),  # nothing left after normalising
             ("default", "3.0", "3", 1.0),
             ("default", "kitten", "sitting", 0.0),  # no partial credit
+            # iou: [0,0,4,4] (16) and [2,0,6,4] (16) share [2,0,4,4] (8): 8 / (16 + 16 - 8)
+            ("iou", "[0,0,4,4]", "[2,0,6,4]", 1 / 3),
+            ("iou", '{"bbox_2d": [2, 0, 6, 4]}', "<answer>[2,0,6,4]</answer>", 1.0),
+            ("iou", "[0,0,4,4] then [2,0,6,4]", "[2,0,6,4]", 1 / 3),  # the first box counts
+            ("iou", "[0,0,1,1]", "[5,5,6,6]", 0.0),  # disjoint
+            ("iou", "left", "[2,0,6,4]", 0.0),  # no box
+            ("iou", "[0,0,4,4]", "red", 0.0),  # the solution has no box
         ],
     )
     def test_cases(self, method: str, answer: str, solution: str, expected: float) -> None:
@@ -154,7 +161,7 @@ class TestScoreByMethod:
 
     # One right answer per method, so the untagged case below shows the tag is what is missing.
     RIGHT = {"default": "3", "mcq": "B", "yes_no": "yes", "numeric": "1000", "math": "2",
-             "fuzzy": "paris"}
+             "fuzzy": "paris", "iou": "[1,2,3,4]"}
 
     @pytest.mark.parametrize("method", list(METHODS))
     def test_answer_tag_required(self, method: str) -> None:

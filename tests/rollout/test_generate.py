@@ -12,7 +12,7 @@ from transformers.generation.logits_process import TopPLogitsWarper
 
 from r1fit.data.batch import encode_prompts
 from r1fit.data.dataset import load_dataset
-from r1fit.models.load import load_policy, special_token_ids
+from r1fit.models.load import load_policy
 from r1fit.rollout.generate import (
     SamplingSettings,
     SeededSampler,
@@ -34,9 +34,7 @@ def tiny(tiny_dir):
     model, processor = load_policy(str(tiny_dir), lora_r=0, lora_alpha=16, lora_dropout=0.0,
                                    lora_target="all-linear", freeze_vision=False, dtype="float32",
                                    device=CPU, gradient_checkpointing=False)
-    special = special_token_ids(model, processor)
-    ids = TokenIds(pad=special["pad"], eos=[special["eos"]],
-                   blocked=[special["image_pad"], special["video_pad"]])
+    ids = TokenIds.of(model, processor)
     data = load_dataset("builtin:shapes", split="train", min_pixels=784, max_pixels=3136,
                         max_images=1, max_bad_fraction=0.0, seed=0, size=16)
     prompts = encode_prompts(processor, [data[i] for i in (0, 2, 1, 5)], "Think, then answer.")

@@ -75,6 +75,7 @@ from r1fit.memory.planner.formulas import (
     vision_forward_bytes,
     vision_other_saved_per_patch,
 )
+from r1fit.memory.planner.kernels import conv_backward_workspace_per_channel
 from r1fit.units import format_bytes, parse_bytes
 
 #: Headroom kept free of the budget: a plan "fits" when its peak is at most (1 - margin) x budget,
@@ -276,6 +277,10 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
                      eager=cfg.model.attn_implementation == "eager",
                      vision_trains=f.vision is not None and not lora
                      and not cfg.model.freeze_vision)
+    if step.vision_trains and not cuda and f.vision is not None and f.vision.patch_conv:
+        channels, kernel = f.vision.patch_conv
+        step = replace(step, patch_embed_workspace=f.vision.hidden
+                       * conv_backward_workspace_per_channel(channels, kernel, b))
     # the step keeps every prompt's pixel values (each GPU encodes all of the step's prompts), and
     # the old/reference log-probs of its rows [rows x completion]
     step_inputs = step.pixels(cfg.train.prompts_per_step) + 2 * s.rows * step.completion * F32
@@ -459,6 +464,8 @@ class StepShape:
     completion: int  # tokens of a completion
     eager: bool  # eager attention, which keeps its scores
     vision_trains: bool
+    #: the patch embedding's backward workspace beyond its gradient (CPU; see planner/kernels.py)
+    patch_embed_workspace: int = 0
 
     @property
     def lora(self) -> bool:
@@ -527,7 +534,7 @@ def lm_activations(step: StepShape, rows: int) -> Activations:
     tokens = rows * T
     layer = layer_saved_per_token(t, b, lora_targets=f.lora_targets if step.lora else None,
                                   lora_r=step.lora_r, mask_len=T, eager_len=T if step.eager else 0)
-    outside = (2 * b * t.head_dim  # rotary cos/sin, alive for every layer
+    outside = (2 * b * t.head_dim * t.rotary_sets  # rotary cos/sin, alive for every layer
                + F32 * H + F32 + (b * H if not step.lora else 0))  # the final norm
     mask = rows * T * T  # the boolean padding mask, shared by the layers
     shared = _head_input(step, rows) + mask
@@ -609,8 +616,9 @@ def update_bytes(step: StepShape, s: Sizes, states: States, fsdp: FsdpBuffers,
         before + vision_peak + (fsdp.reduce_scatter + fsdp.head_grad if step.vision_trains else 0),
         before + vision_saved + kept - rebuilt + logits_chunk,  # head: a chunk, or backward's start
         before + vision_saved + kept + layer_backward_bytes(step, s, fsdp),  # a layer's backward
-        # the end of backward
-        states.gradients + step.pixels(m) + backward_end_bytes(step, s, fsdp))
+        # the end of backward: the patch embedding's, the tower's first op, is the last
+        states.gradients + step.pixels(m) + backward_end_bytes(step, s, fsdp)
+        + step.patch_embed_workspace)
     return Update(peak=peak, activations=activations, logits_chunk=logits_chunk, vision=vision)
 
 
@@ -640,7 +648,10 @@ def _advice(plan: Plan, facts: ModelFacts, cfg: Config, prompt: PromptShape, siz
             switches.append({"model.freeze_vision": True})
         if cfg.algo.beta > 0:  # no reference copy (offloading it is not implemented)
             switches.append({"algo.beta": 0})
-    if prompt.patches and cfg.data.max_pixels >= 4 * 28 * 28:
+    # fewer pixels mean fewer image tokens, except on a fixed-size tower (Gemma 3's SigLIP), which
+    # resizes every image to its own size
+    fixed = facts.vision is not None and facts.vision.image_size is not None
+    if prompt.patches and not fixed and cfg.data.max_pixels >= 4 * 28 * 28:
         pixels = max(28 * 28, cfg.data.max_pixels // 4)
         switches.append({"data.max_pixels": pixels})
         if cfg.data.min_pixels > pixels:  # else the config is invalid (min_pixels > max_pixels)

@@ -10,7 +10,7 @@ import math
 import os
 import re
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from r1fit.config import Config
@@ -40,6 +40,9 @@ class TextDims:
     kv_heads: int
     head_dim: int
     vocab: int
+    hidden_norms: int = 2  # norms of the hidden state per decoder layer (Gemma 3: 4)
+    head_norms: bool = False  # per-head q and k norms (Qwen3, Gemma 3)
+    rotary_sets: int = 1  # rotary cos/sin tables (Gemma 3: one for sliding, one for global layers)
 
     @property
     def q_dim(self) -> int:
@@ -52,7 +55,9 @@ class TextDims:
 
 @dataclass(frozen=True)
 class VisionDims:
-    """The vision tower's shape (Qwen2-VL / Qwen2.5-VL layout)."""
+    """The vision tower's shape, from its config and first block: a Qwen-VL-style tower (images
+    at their own size, ``merge`` x ``merge`` patches per LM token) or a fixed-size one (Gemma 3's
+    SigLIP: every image resized to ``image_size``, its patches pooled to ``tokens_per_image``)."""
 
     hidden: int
     intermediate: int
@@ -60,8 +65,18 @@ class VisionDims:
     heads: int
     pixels_per_patch: int  # channels x temporal patch x patch x patch (1176 for Qwen)
     merge: int  # spatial merge: merge x merge patches become one LM token
-    rms_norm: bool  # Qwen2.5-VL: RMSNorm; Qwen2-VL: LayerNorm
-    gated_mlp: bool  # Qwen2.5-VL: SiLU-gated MLP (3 linears); Qwen2-VL: fc1 -> GELU -> fc2
+    rms_norm: bool  # Qwen2.5-VL: RMSNorm; Qwen2-VL, SigLIP: LayerNorm
+    gated_mlp: bool  # Qwen2.5-VL: SiLU-gated MLP (3 linears); Qwen2-VL, SigLIP: fc1 -> GELU -> fc2
+    patch: int = 14  # side of a patch in pixels
+    image_size: int | None = None  # fixed-size towers: the side every image is resized to
+    tokens_per_image: int | None = None  # fixed-size towers: LM tokens per image
+    #: the patch embedding's convolution: (in channels, kernel size), () when the tower has none
+    patch_conv: tuple[int, tuple[int, ...]] | tuple[()] = ()
+
+    @property
+    def patches_per_image(self) -> int | None:
+        """A fixed-size tower's patches per image (None: they grow with the image)."""
+        return (self.image_size // self.patch) ** 2 if self.image_size else None
 
 
 @dataclass(frozen=True)
@@ -94,6 +109,7 @@ class ModelFacts:
     root_params: int
     root_vision_params: int  # of which the vision tower's (patch embedding, merger)
     processor: Any = field(default=None, compare=False, repr=False)
+    image_token_id: int | None = None  # the placeholder the processor repeats once per image token
     config_dtype_from: str = "config.json"  # where config_dtype was read
     hub_config: str = ""  # for a hub id: the config.json read (r1fit's shipped copy, or the hub's)
 
@@ -159,10 +175,11 @@ def _facts(source: str, checkpoint: str, path: str, lora_target: str) -> ModelFa
                     kv_heads=getattr(text_cfg, "num_key_value_heads", None) or heads,
                     head_dim=getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // heads,
                     vocab=text_cfg.vocab_size)
+    layers, blocks = _fsdp_units(model, visual := vision_tower(model))
+    text = replace(text, **_layer_norms(layers[0] if layers else None, text),
+                   rotary_sets=len(set(getattr(text_cfg, "layer_types", None) or [None])))
     params = list(model.parameters())  # unique: a tied head is counted once
-    visual = vision_tower(model)
     vision_params = list(visual.parameters()) if visual is not None else []
-    layers, blocks = _fsdp_units(model, visual)
     in_layer_0 = {id(m) for m in layers[0].modules()} if layers else set()
     lora_linears: list[tuple[int, int]] = []
     lora_layer_0 = 0
@@ -195,7 +212,19 @@ def _facts(source: str, checkpoint: str, path: str, lora_target: str) -> ModelFa
         layer_lora_in_plus_out=lora_layer_0, vision_block_params=max(block_sizes, default=0),
         root_params=_numel(params) - sum(layer_sizes) - sum(block_sizes),
         root_vision_params=_numel(vision_params) - sum(block_sizes),
-        processor=_processor(checkpoint))
+        processor=_processor(checkpoint), image_token_id=getattr(config, "image_token_id", None))
+
+
+def _layer_norms(layer: Any, text: TextDims) -> dict[str, Any]:
+    """How many norms of the hidden state a decoder layer has, and whether it norms q and k per
+    head, counted on the (meta) layer: norm modules whose weight spans the hidden size, resp. the
+    head size."""
+    if layer is None:
+        return {}
+    widths = [m.weight.shape[0] for m in layer.modules()
+              if "Norm" in type(m).__name__ and getattr(m, "weight", None) is not None]
+    return {"hidden_norms": sum(w == text.hidden for w in widths) or 2,
+            "head_norms": any(w == text.head_dim for w in widths)}
 
 
 def _fsdp_units(model: Any, visual: Any) -> tuple[list[Any], list[Any]]:
@@ -225,6 +254,8 @@ def shard_elements(shapes: Any, n: int) -> int:
 
 
 def vision_dims(config: Any, visual: Any) -> VisionDims | None:
+    """The vision tower's shape, read from its config (Qwen-VL and SigLIP names alike) and from
+    its first block (the first of its longest ``ModuleList``) for the norm and MLP kinds."""
     vc = getattr(config, "vision_config", None)
     if vc is None or visual is None:
         return None
@@ -232,16 +263,41 @@ def vision_dims(config: Any, visual: Any) -> VisionDims | None:
     hidden = getattr(vc, "embed_dim", None) or vc.hidden_size
     intermediate = (getattr(vc, "intermediate_size", None)
                     or int(hidden * getattr(vc, "mlp_ratio", 4)))
-    block = visual.blocks[0] if hasattr(visual, "blocks") else None
+    block = _first_block(visual)
     patch = getattr(vc, "patch_size", 14)
+    channels = (getattr(vc, "in_channels", None) or getattr(vc, "in_chans", None)
+                or getattr(vc, "num_channels", 3))
+    # a tower that takes every image at one size and pools its patches to a fixed number of LM
+    # tokens (Gemma 3: SigLIP at image_size, mm_tokens_per_image); Qwen-VL towers have neither
+    tokens_per_image = getattr(config, "mm_tokens_per_image", None)
+    image_size = getattr(vc, "image_size", None) if tokens_per_image else None
     return VisionDims(
-        hidden=hidden, intermediate=intermediate, depth=getattr(vc, "depth", 0),
-        heads=getattr(vc, "num_heads", 16),
-        pixels_per_patch=(getattr(vc, "in_channels", None) or getattr(vc, "in_chans", 3))
-        * getattr(vc, "temporal_patch_size", 2) * patch * patch,
-        merge=getattr(vc, "spatial_merge_size", 2),
-        rms_norm=block is None or "RMSNorm" in type(getattr(block, "norm1", None)).__name__,
-        gated_mlp=block is None or hasattr(getattr(block, "mlp", None), "gate_proj"))
+        hidden=hidden, intermediate=intermediate,
+        depth=getattr(vc, "depth", None) or getattr(vc, "num_hidden_layers", 0),
+        heads=getattr(vc, "num_heads", None) or getattr(vc, "num_attention_heads", 16),
+        pixels_per_patch=channels * getattr(vc, "temporal_patch_size", 1) * patch * patch,
+        merge=getattr(vc, "spatial_merge_size", 1),
+        rms_norm=block is None or any("RMSNorm" in type(m).__name__ for m in block.modules()),
+        gated_mlp=block is None or any(n.endswith("gate_proj") for n, _ in block.named_modules()),
+        patch=patch, image_size=image_size, tokens_per_image=tokens_per_image,
+        patch_conv=_patch_conv(visual))
+
+
+def _patch_conv(visual: Any) -> tuple[int, tuple[int, ...]] | tuple[()]:
+    """(in channels, kernel size) of the tower's first convolution, its patch embedding."""
+    from torch import nn
+
+    conv = next((m for m in visual.modules() if isinstance(m, nn.Conv2d | nn.Conv3d)), None)
+    return () if conv is None else (int(conv.in_channels), tuple(int(k) for k in conv.kernel_size))
+
+
+def _first_block(visual: Any) -> Any:
+    """The first block of the tower: element 0 of its longest ``ModuleList`` (Qwen-VL's
+    ``blocks``, SigLIP's ``encoder.layers``), or None."""
+    from torch import nn
+
+    lists = [m for m in visual.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    return max(lists, key=len)[0] if lists else None
 
 
 def _processor(checkpoint: str) -> Any:
@@ -262,27 +318,32 @@ def prompt_shape(cfg: Config, facts: ModelFacts) -> PromptShape:
 
     With the model's processor, prompts are encoded for real (builtin:shapes: its own questions
     and images; other data, whose rows are not read: a blank image at ``data.max_pixels`` and
-    ``QUESTION_TOKENS`` question tokens). Without one, the same is estimated from Qwen's 28 px per
-    token.
+    ``QUESTION_TOKENS`` question tokens). Without one, the same is estimated from the vision
+    config: a fixed-size tower's patches and tokens per image, or one LM token per
+    ``merge x merge`` patches of the fitted image (Qwen2.5-VL: 28 x 28 px).
     """
     d = cfg.data
     images = d.max_images if facts.vision is not None else 0
     shapes = d.train == "builtin:shapes"
     if facts.processor is not None:
         try:
-            return _encoded_prompt(cfg, facts.processor, images, shapes)
+            return _encoded_prompt(cfg, facts, images, shapes)
         except Exception as err:  # noqa: BLE001 - e.g. a processor that is not Qwen-like
             log.debug("plan: encoding a prompt failed (%s); estimating instead", err)
-    side = _image_side(cfg, shapes)
-    merge = facts.vision.merge if facts.vision else 2
-    unit = 14 * merge  # one LM token covers a 28 x 28 px square
-    side = max(unit, round(side / unit) * unit)  # the processor rounds sides to whole tokens
-    tokens_per_image = (side // unit) ** 2
+    v = facts.vision
+    if v is not None and v.patches_per_image and v.tokens_per_image:  # every image at one size
+        tokens_per_image, patches_per_token = v.tokens_per_image, v.patches_per_image / v.tokens_per_image
+    else:
+        merge, patch = (v.merge, v.patch) if v is not None else (2, 14)
+        unit = patch * merge  # one LM token covers a unit x unit square (Qwen2.5-VL: 28 px)
+        side = _image_side(cfg, shapes)
+        side = max(unit, round(side / unit) * unit)  # the processor rounds sides to whole tokens
+        tokens_per_image, patches_per_token = (side // unit) ** 2, merge * merge
     system = (math.ceil(len(d.system_prompt) / CHARS_PER_TOKEN) if d.system_prompt else 0)
     text = CHAT_TEMPLATE_TOKENS + system + QUESTION_TOKENS + 2 * images  # + vision start/end
     return PromptShape(tokens=text + images * tokens_per_image,
                        image_tokens=images * tokens_per_image,
-                       patches=images * tokens_per_image * merge * merge,
+                       patches=round(images * tokens_per_image * patches_per_token),
                        how=f"estimated: {QUESTION_TOKENS} question tokens, "
                            f"{CHARS_PER_TOKEN} characters per system-prompt token")
 
@@ -295,14 +356,14 @@ def _image_side(cfg: Config, shapes: bool) -> int:
     return max(28, math.isqrt(area))
 
 
-def _encoded_prompt(cfg: Config, processor: Any, images: int, shapes: bool) -> PromptShape:
+def _encoded_prompt(cfg: Config, facts: ModelFacts, images: int, shapes: bool) -> PromptShape:
     from PIL import Image
 
     from r1fit.data.batch import encode_prompts
     from r1fit.data.images import fit_pixel_budget
     from r1fit.data.sample import Sample
 
-    d = cfg.data
+    d, processor = cfg.data, facts.processor
     if shapes:
         from r1fit.data.build import build_datasets
 
@@ -318,8 +379,20 @@ def _encoded_prompt(cfg: Config, processor: Any, images: int, shapes: bool) -> P
         how = (f"encoded by the model's processor with {images} image(s) of {image.width}x"
                f"{image.height} px and {QUESTION_TOKENS} question tokens")
     best = max(encode_prompts(processor, samples, d.system_prompt), key=lambda p: p.length)
-    grid = best.image_inputs.get("image_grid_thw")
-    patches = int(grid.prod(-1).sum()) if grid is not None else 0
-    merge = getattr(getattr(processor, "image_processor", None), "merge_size", 2)
-    return PromptShape(tokens=best.length + extra, image_tokens=patches // (merge * merge),
-                       patches=patches, how=how)
+    image_tokens = (int((best.input_ids == facts.image_token_id).sum())
+                    if facts.image_token_id is not None else 0)
+    return PromptShape(tokens=best.length + extra, image_tokens=image_tokens,
+                       patches=_patches(best.image_inputs, facts.vision), how=how)
+
+
+def _patches(image_inputs: dict[str, Any], vision: VisionDims | None) -> int:
+    """Vision-encoder patches of a prompt's processed images: Qwen-VL's ``image_grid_thw`` (one
+    row per image: t x h x w patches), else the ``[images, channels, side, side]`` pixel values
+    of a fixed-size tower cut into ``vision.patch`` px squares."""
+    grid = image_inputs.get("image_grid_thw")
+    if grid is not None:
+        return int(grid.prod(-1).sum())
+    pixels = image_inputs.get("pixel_values")
+    if pixels is None or vision is None or pixels.dim() != 4:
+        return 0
+    return int(pixels.shape[0]) * (int(pixels.shape[2]) // vision.patch) * (int(pixels.shape[3]) // vision.patch)

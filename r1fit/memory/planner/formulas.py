@@ -44,13 +44,19 @@ def layer_saved_per_token(t: TextDims, b: int, *, lora_targets: tuple[str, ...] 
     attn = b * (2 * t.q_dim + 2 * kv + mask_len) + F32 * t.heads
     if eager_len:  # eager attention also keeps the float32 softmax and its model-dtype copy
         attn += t.heads * eager_len * (F32 + b)
-    # each RMSNorm saves its float32 input (the input itself in float32) and 1/rms
+    # each RMSNorm saves its float32 input (the input itself in float32) and 1/rms: the layer's
+    # norms of the hidden state (Qwen: 2, before attention and MLP; Gemma 3: 4, also after them)
+    # and, with per-head q/k norms (Qwen3, Gemma 3), theirs over the q and k heads
     norm = F32 * H + F32
+    heads_norm = (F32 * (t.q_dim + t.kv_dim + t.heads + t.kv_heads)) if t.head_norms else 0
     if lora_targets is None:
-        # + the normalised value the trained norm weight multiplies, and the norm's output that
-        # q/k/v (resp. gate/up) save; MLP: gate (SiLU input), SiLU output, up, their product
-        return 2 * (norm + b * H) + 2 * b * H + attn + 4 * b * inter
-    saved = 2 * norm + attn + 3 * b * inter  # frozen norm weights save nothing; gate, act, up
+        # + the normalised value each trained norm weight multiplies, and the output of the two
+        # norms before attention and MLP that q/k/v (resp. gate/up) save; MLP: gate (activation
+        # input), activation output, up, their product
+        heads_norm += b * (t.q_dim + t.kv_dim) if t.head_norms else 0
+        return t.hidden_norms * (norm + b * H) + 2 * b * H + heads_norm + attn + 4 * b * inter
+    # frozen norm weights save nothing; gate, act, up
+    saved = t.hidden_norms * norm + heads_norm + attn + 3 * b * inter
     groups = ((("q_proj", "k_proj", "v_proj"), H), (("o_proj",), t.q_dim),
               (("gate_proj", "up_proj"), H), (("down_proj",), inter))
     for names, width in groups:
@@ -136,7 +142,7 @@ def vision_forward_bytes(v: VisionDims | None, b: int, patches: int) -> int:
 def lm_forward_bytes(t: TextDims, b: int, rows: int, length: int, eager: bool) -> int:
     """The decoder layers' largest moment without autograd, over ``rows`` x ``length`` tokens."""
     per_token = (layer_forward_temp_per_token(t, b) + b * t.hidden  # inputs_embeds stays referenced
-                 + 2 * b * t.head_dim)  # rotary cos/sin shared by the layers
+                 + 2 * b * t.head_dim * t.rotary_sets)  # rotary cos/sin shared by the layers
     mask = rows * length * length * (1 + b)  # the boolean mask, one layer's float copy
     scores = rows * t.heads * length * length * (F32 + b) if eager else 0  # eager attention's
     return rows * length * per_token + mask + scores

@@ -1,0 +1,164 @@
+"""Shared-prefix log-probs: a group's prompt runs once and its completions attend to it.
+
+GRPO scores ``G`` completions of one prompt. The per-row path runs ``[prompt | completion_i]`` for
+each ``i``: the prompt, its image tokens and the vision tower ``G`` times. Here a group is one
+packed sequence ``[prompt | completion_1 | ... | completion_G]`` (the idea of Prefix Grouper,
+arXiv 2506.05433) with
+
+* a 4-D attention mask: the prompt is causal; completion ``i`` sees the whole prompt and its own
+  earlier tokens, never another completion;
+* the position ids each row would have on its own, from the model's own ``get_rope_index`` when it
+  has one (Qwen's 3-D M-RoPE positions, computed per row from its image grid), else ``0 .. L-1``
+  per row: completion ``i`` starts where the prompt ends, whatever came before it in the packing;
+* the image inputs of the prompt once, so the vision tower runs once per group.
+
+:func:`r1fit.models.logprobs.completion_logprobs` takes a :class:`PackedGroups` as it takes a
+collated batch, and gives the same [completions, Tc] log-probs.
+
+The hidden state that predicts a completion's first token is the prompt's last one, shared by the
+``G`` completions. Log-probs and their gradients then equal the per-row path's up to float
+rounding: the same weights see the same tokens at the same positions under the same visibility.
+That holds for models whose attention is causal over a sequence and whose positions follow from
+``get_rope_index`` or the token index. A model that attends bidirectionally within images (Gemma
+3's ``token_type_ids``) or uses sliding windows shorter than a row is not exact this way: the
+custom mask replaces the model's own. :func:`shared_prefix_is_exact` checks a model on a batch.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from r1fit.data.batch import Prompt
+from r1fit.models.load import unwrap
+
+
+@dataclass
+class PackedGroups:
+    """Groups packed one per row: backbone inputs, and where each completion token's predicting
+    hidden state is."""
+
+    inputs: dict[str, torch.Tensor]  # input_ids, attention_mask (4-D), position_ids, extras
+    predict_at: torch.Tensor  # [rows, Tc] long: column of the hidden state predicting the token
+    completion_ids: torch.Tensor  # [rows, Tc] long, pad where masked
+    completion_mask: torch.Tensor  # [rows, Tc] float
+    row_of: torch.Tensor  # [completions] long: the packed row (group) of each completion
+
+    def predicting(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden states [completions, Tc, H] that predict each completion token, from the
+        backbone's output [rows, width, H] over the packed rows."""
+        return hidden[self.row_of.unsqueeze(1), self.predict_at]
+
+    def to(self, device: torch.device) -> PackedGroups:
+        return PackedGroups({k: v.to(device) for k, v in self.inputs.items()},
+                            self.predict_at.to(device), self.completion_ids.to(device),
+                            self.completion_mask.to(device), self.row_of.to(device))
+
+
+def _rope_index(inner: nn.Module, prompt: Prompt, completion: torch.Tensor) -> torch.Tensor:
+    """Positions of ``[prompt | completion]`` alone: [D, L] (D = 3 for M-RoPE) or [1, L]."""
+    ids = torch.cat([prompt.input_ids, completion.to(prompt.input_ids.dtype)])
+    get_rope_index = getattr(inner, "get_rope_index", None)
+    if get_rope_index is None:
+        return torch.arange(ids.shape[0]).unsqueeze(0)
+    accepted = inspect.signature(get_rope_index).parameters
+    kwargs: dict[str, Any] = {"attention_mask": torch.ones(1, ids.shape[0], dtype=torch.long)}
+    for key, value in prompt.token_inputs.items():  # per-token extras, completions are text (0)
+        if key in accepted:
+            kwargs[key] = torch.cat([value, value.new_zeros(completion.shape[0])]).unsqueeze(0)
+    for key, value in prompt.image_inputs.items():
+        if key in accepted:
+            kwargs[key] = value
+    positions, _ = get_rope_index(ids.unsqueeze(0), **kwargs)
+    return positions[:, 0] if positions.dim() == 3 else positions
+
+
+def pack_groups(model: nn.Module, prompts: Sequence[Prompt],
+                groups: Sequence[Sequence[torch.Tensor]], pad_id: int,
+                dtype: torch.dtype) -> PackedGroups:
+    """Pack each prompt with its group of completions into one row (see the module's text);
+    rows are right-padded to the longest. ``dtype``: the additive mask's (the model's)."""
+    inner = unwrap(model).model
+    lengths = [p.length + sum(int(c.shape[0]) for c in g) for p, g in zip(prompts, groups)]
+    width, rows = max(lengths), len(prompts)
+    widest = max(int(c.shape[0]) for g in groups for c in g)
+    n_completions = sum(len(g) for g in groups)
+    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    visible = torch.zeros((rows, width, width), dtype=torch.bool)
+    positions: list[torch.Tensor] = []
+    extras = {k: torch.zeros((rows, width), dtype=v.dtype)
+              for p in prompts for k, v in p.token_inputs.items()}
+    predict_at = torch.zeros((n_completions, widest), dtype=torch.long)
+    completion_ids = torch.full((n_completions, widest), pad_id, dtype=torch.long)
+    completion_mask = torch.zeros((n_completions, widest))
+    row_of = torch.zeros(n_completions, dtype=torch.long)
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    out = 0
+    for r, (prompt, group) in enumerate(zip(prompts, groups)):
+        n = prompt.length
+        input_ids[r, :n] = prompt.input_ids
+        for key, value in prompt.token_inputs.items():
+            extras[key][r, :n] = value
+        visible[r, :n, :n] = causal[:n, :n]
+        row_positions = None
+        start = n
+        for completion in group:
+            k = int(completion.shape[0])
+            alone = _rope_index(inner, prompt, completion)  # [D, n + k]
+            if row_positions is None:
+                row_positions = torch.zeros((alone.shape[0], width), dtype=alone.dtype)
+                row_positions[:, :n] = alone[:, :n]
+            row_positions[:, start:start + k] = alone[:, n:]
+            input_ids[r, start:start + k] = completion
+            visible[r, start:start + k, :n] = True
+            visible[r, start:start + k, start:start + k] = causal[:k, :k]
+            # token 0 is predicted by the prompt's last hidden state, token j by token j - 1
+            predict_at[out, :k] = torch.cat([torch.tensor([n - 1]),
+                                             torch.arange(start, start + k - 1)])
+            completion_ids[out, :k] = completion
+            completion_mask[out, :k] = 1.0
+            row_of[out] = r
+            out += 1
+            start += k
+        assert row_positions is not None, "a group without completions"
+        positions.append(row_positions)
+    # padding columns see only themselves (a softmax over nothing would be NaN); nothing sees them
+    pads = torch.arange(width).unsqueeze(0) >= torch.tensor(lengths).unsqueeze(1)
+    visible |= torch.diag_embed(pads)
+    mask = torch.zeros((rows, 1, width, width), dtype=dtype)
+    mask.masked_fill_(~visible.unsqueeze(1), torch.finfo(dtype).min)
+    position_ids = torch.stack(positions, dim=1)  # [D, rows, width]
+    if position_ids.shape[0] == 1:
+        position_ids = position_ids[0]
+    inputs: dict[str, torch.Tensor] = {"input_ids": input_ids, "attention_mask": mask,
+                                       "position_ids": position_ids, **extras}
+    for key in dict.fromkeys(k for p in prompts for k in p.image_inputs):
+        inputs[key] = torch.cat([p.image_inputs[key] for p in prompts if key in p.image_inputs])
+    return PackedGroups(inputs, predict_at, completion_ids, completion_mask, row_of)
+
+
+def shared_prefix_is_exact(model: nn.Module, prompts: Sequence[Prompt],
+                           groups: Sequence[Sequence[torch.Tensor]], pad_id: int, *,
+                           chunk_size: int, tolerance: float = 1e-4) -> bool:
+    """Whether the shared-prefix log-probs of these groups equal the per-row path's within
+    ``tolerance`` (absolute, per token): a model whose attention is not plain causal, or whose
+    positions do not follow from ``get_rope_index``, fails it."""
+    from r1fit.data.batch import collate
+    from r1fit.models.logprobs import completion_logprobs
+
+    device = next(model.parameters()).device
+    dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+    rows = [p for p, g in zip(prompts, groups) for _ in g]
+    completions = [c for g in groups for c in g]
+    with torch.no_grad():
+        per_row = completion_logprobs(model, collate(rows, completions, pad_id).to(device),
+                                      chunk_size=chunk_size)
+        packed = pack_groups(model, prompts, groups, pad_id, dtype).to(device)
+        shared = completion_logprobs(model, packed, chunk_size=chunk_size)
+    width = min(per_row.shape[1], shared.shape[1])
+    return bool((per_row[:, :width] - shared[:, :width]).abs().max() <= tolerance)
