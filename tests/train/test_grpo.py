@@ -12,7 +12,7 @@ from r1fit.config import load_config
 from r1fit.memory.sizes import ChunkSizes
 from r1fit.models.load import special_token_ids
 from r1fit.rollout.record import Rollout
-from r1fit.train.forward import logprobs_in_micro_batches
+from r1fit.train.forward import PrefixSharing, logprobs_in_micro_batches
 from r1fit.train.grpo import accumulate_policy_gradients
 
 CPU = torch.device("cpu")
@@ -43,7 +43,7 @@ def test_micro_batched_gradient_equals_unbatched(float64_tiny, aggregation, lora
                           total_tokens=sum(int(c.shape[0]) for c in completions),
                           advantages=advantages, old_logp=old, ref_logp=ref)
         run = SimpleNamespace(cfg=cfg, device=CPU, ids=SimpleNamespace(pad=pad), policy=model,
-                              sizes=ChunkSizes(micro, 64, asked={}))
+                              sizes=ChunkSizes(micro, 64, asked={}), prefix=PrefixSharing(False))
         sums = accumulate_policy_gradients(run, rollout)
         assert (sums["kl"] is None) == (ref is None)
         results[micro] = (sums["loss"], [p.grad.clone() for p in params])
