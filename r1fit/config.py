@@ -314,7 +314,12 @@ class MemoryConfig:
         "its free memory at start-up; CPU: memory.budget).", ge=1)
     generation_batch: int | Literal["auto"] = opt(
         64, "Sequences generated together (KV cache on). 'auto': as for micro_batch.", ge=1)
-    gradient_checkpointing: bool = opt(True, "Recompute layer activations in the backward pass.")
+    gradient_checkpointing: bool | Literal["auto"] = opt(
+        True, "Recompute layer activations in the backward pass (less memory, about a third more "
+        "update compute). 'auto': the planner decides at start-up for the device (CUDA: its free "
+        "memory; CPU: memory.budget, else on): off when the step fits without it (with "
+        "micro_batch=auto: when the largest micro-batch without it is at least half the one with "
+        "it), logged once. Whole model only, not per layer.")
     share_prefix: bool | Literal["auto"] = opt(
         False, "Score a group's completions with its prompt (image tokens and vision tower "
         "included) run once per micro-batch, the completions attending to it, instead of once "

@@ -103,6 +103,8 @@ class BuiltinSpec:
     image_tokens: int | None = None
     #: window of the sliding-window attention layers (Gemma 3: one global layer after five of them)
     sliding_window: int | None = None
+    #: the processor's pixel budget per image when it is not the small default (Qwen2.5-VL only)
+    max_pixels: int | None = None
 
 
 BUILTINS: dict[str, BuiltinSpec] = {
@@ -156,6 +158,26 @@ BUILTINS: dict[str, BuiltinSpec] = {
         vision_intermediate=256,
         tie_word_embeddings=False,
         vocab_size=151_936,
+    ),
+    "bench-1024": BuiltinSpec(
+        name="bench-1024",
+        description="hidden 1024, 8 layers, Qwen's 151,936-row vocabulary, untied head (0.43B "
+        "params), 448 px images = 256 image tokens; real-scale proportions for "
+        "benchmarks/throughput.py (slow: not for tests)",
+        seed=2468,
+        hidden_size=1024,
+        num_layers=8,
+        num_heads=16,
+        num_kv_heads=4,
+        intermediate_size=2816,
+        mrope_section=(8, 12, 12),  # sums to head_dim / 2 = 32 (Qwen: 16, 24, 24 of 128)
+        vision_hidden=256,
+        vision_depth=4,
+        vision_heads=4,
+        vision_intermediate=1024,
+        tie_word_embeddings=False,
+        vocab_size=151_936,
+        max_pixels=448 * 448,
     ),
     "tiny-qwen3vl": BuiltinSpec(
         name="tiny-qwen3vl",
@@ -291,7 +313,11 @@ def create_model(name: str) -> tuple[PreTrainedModel, ProcessorMixin]:
         if family.init_weights is not None:
             family.init_weights(model)
     model.generation_config = family.generation(tokenizer)
-    return model, family.processor(tokenizer)
+    if spec.max_pixels is None:
+        return model, family.processor(tokenizer)
+    if family.processor is not make_processor:
+        raise ValueError(f"builtin:{name}: max_pixels is for the qwen2_5_vl family only")
+    return model, make_processor(tokenizer, max_pixels=spec.max_pixels)
 
 
 def make_processor(

@@ -25,7 +25,7 @@ from r1fit.data.dataset import PromptDataset, PromptSampler
 from r1fit.data.sample import Sample
 from r1fit.distributed.context import World, broadcast_object, check_split, device_for, init_distributed, pick_device
 from r1fit.distributed.loading import load_policy_on_ranks
-from r1fit.memory.autofit import resolve_sizes
+from r1fit.memory.autofit import resolve_checkpointing, resolve_sizes
 from r1fit.memory.guard import OOMGuard
 from r1fit.memory.sizes import ChunkSizes
 from r1fit.memory.telemetry import current_rss_bytes, use_tensor_probe
@@ -94,7 +94,8 @@ class Run:
         save_hf_folder(self.model, self.processor, self.out / "final")
         return write_summary(self.out, self.metrics, steps=steps,
                              seconds=time.perf_counter() - self.started,
-                             extra={"rss_after_load_bytes": self.rss_after_load_bytes},
+                             extra={"rss_before_load_bytes": self.rss_before_load_bytes,
+                                    "rss_after_load_bytes": self.rss_after_load_bytes},
                              main=self.world.main)
 
 
@@ -127,11 +128,13 @@ def start_run(cfg: Config, kind: str) -> Run:
     seed_everything(cfg.train.seed)
     use_tensor_probe(cfg.memory.cpu_peak == "tensors" and device.type == "cpu")
     train_set, eval_set = build_datasets(cfg)
-    sizes = resolve_sizes(cfg, device)  # memory.*_batch=auto: the planner's answer
+    checkpointing = resolve_checkpointing(cfg, device)  # memory.gradient_checkpointing=auto
+    # memory.*_batch=auto: the planner's answer, for the checkpointing the run will use
+    sizes = resolve_sizes(cfg.with_values({"memory.gradient_checkpointing": checkpointing}), device)
     rss_before_load = current_rss_bytes()
     checkpoints = CheckpointManager(out, cfg, kind, resume)
     model, processor, policy = load_policy_on_ranks(
-        cfg.model, device, activation_checkpointing=cfg.memory.gradient_checkpointing)
+        cfg.model, device, activation_checkpointing=checkpointing)
     if checkpoints.has_model("model"):
         checkpoints.load_model("model", model)
     checkpoints.add_model("model", model, processor)

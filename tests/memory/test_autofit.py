@@ -6,8 +6,13 @@ import pytest
 import torch
 
 from r1fit.config import load_config
-from r1fit.memory.autofit import AutoFitError, resolve_sizes
-from r1fit.memory.planner import plan_memory
+from r1fit.memory.autofit import (
+    AutoFitError,
+    choose_checkpointing,
+    resolve_checkpointing,
+    resolve_sizes,
+)
+from r1fit.memory.planner import SAFETY_MARGIN, plan_memory
 
 CPU = torch.device("cpu")
 BASE = ["model.path=builtin:tiny", "algo.num_generations=8", "train.prompts_per_step=4",
@@ -48,3 +53,51 @@ def test_nothing_fits(use_tiny_cache):
     cfg = load_config(None, [*BASE, "memory.micro_batch=auto", "memory.budget=1MiB"])
     with pytest.raises(AutoFitError, match="even memory.micro_batch=1 does not fit 1.00 MiB"):
         resolve_sizes(cfg, CPU)
+
+
+def _peaks(cfg, budget):
+    """The planned peaks without and with checkpointing, and the usable bytes of ``budget``."""
+    plans = [plan_memory(cfg.with_values({"memory.gradient_checkpointing": on}),
+                         device_memory_bytes=budget, device_type="cpu") for on in (False, True)]
+    return plans[0].peak_bytes, plans[1].peak_bytes, plans[0].usable_bytes
+
+
+def test_auto_checkpointing_is_off_only_when_the_step_fits_without_it(use_tiny_cache):
+    cfg = load_config(None, [*BASE, "memory.micro_batch=8", "memory.gradient_checkpointing=auto",
+                             "memory.budget=1GiB"])
+    off_peak, on_peak, _ = _peaks(cfg, 1 << 30)
+    assert on_peak < off_peak  # what checkpointing saves on this step
+    assert choose_checkpointing(cfg, budget=1 << 30, device_type="cpu", gpus=1)[0] is False
+    assert resolve_checkpointing(cfg, CPU) is False
+    # a budget whose usable part lies between the two peaks: only checkpointing fits
+    margin_free = (off_peak + on_peak) // 2
+    budget = int(margin_free / (1 - SAFETY_MARGIN))
+    _, _, usable = _peaks(cfg, budget)
+    assert on_peak <= usable < off_peak
+    on, why = choose_checkpointing(cfg, budget=budget, device_type="cpu", gpus=1)
+    assert on is True and "planned peak without it" in why
+    tight = cfg.with_values({"memory.budget": f"{budget}B"})
+    assert resolve_checkpointing(tight, CPU) is True
+
+
+def test_auto_checkpointing_with_auto_micro_batch_compares_the_largest_fits(use_tiny_cache):
+    cfg = load_config(None, [*BASE, "memory.micro_batch=auto", "memory.gradient_checkpointing=auto"])
+    choices = []
+    # 9 MiB: only checkpointing fits a micro-batch; 12 MiB: 3 rows without it, 5 with it (more
+    # than half: off); 1 GiB: every row either way
+    for budget in (9 << 20, 12 << 20, 1 << 30):
+        off, on = (plan_memory(cfg.with_values({"memory.gradient_checkpointing": value}),
+                               device_memory_bytes=budget, device_type="cpu")
+                   for value in (False, True))
+        chosen, why = choose_checkpointing(cfg, budget=budget, device_type="cpu", gpus=1)
+        assert chosen is (off.max_micro_batch * 2 < max(on.max_micro_batch, 1))
+        assert f"without it {off.max_micro_batch}, with it {on.max_micro_batch}" in why
+        choices.append(chosen)
+    assert choices == [True, False, False]
+
+
+def test_auto_checkpointing_without_a_cpu_budget_stays_on(use_tiny_cache):
+    cfg = load_config(None, [*BASE, "memory.gradient_checkpointing=auto"])
+    assert resolve_checkpointing(cfg, CPU) is True
+    assert resolve_checkpointing(cfg.with_values({"memory.gradient_checkpointing": False}),
+                                 CPU) is False

@@ -1,0 +1,341 @@
+"""GRPO step speed, MFU and peak memory of the per-row path against the shared-prefix path (and
+shared prefix + token packing, when r1fit has ``memory.micro_batch_tokens``), at real-scale
+proportions.
+
+Command (slow: about 3 minutes per run on 2 CPU cores, 36 runs by default; builds builtin:bench-1024,
+0.43B parameters, on first use):
+
+    python benchmarks/throughput.py
+    # = --model builtin:bench-1024 --generations 8 16 --modes full lora --steps 3 --repeats 3
+    #   --max-new-tokens 128 --image-size 448 --micro-batch-per-group 1 --iterations 2
+    python benchmarks/throughput.py --quick      # builtin:tiny, G=4, full, 2 steps, 1 repeat
+
+The workload: one prompt per step (a 448 px ``builtin:shapes`` image = 256 image tokens and a
+question), G completions of ``--max-new-tokens`` tokens, ``algo.num_iterations=2`` (so each step
+runs the old-policy log-prob pass and two updates: the update phase the issue names), no KL
+reference, one micro-batch per group (``memory.micro_batch`` = G), gradient checkpointing on,
+float32 on CPU. Variants, each a fresh child process with the same seed:
+
+- ``per_row``: ``memory.share_prefix=false``, one padded row per completion (today's default);
+- ``shared``: ``memory.share_prefix=true``, the group's prompt once with its G completions after it;
+- ``packed``: shared + ``memory.micro_batch_tokens`` (only when r1fit has that key).
+
+Per run, medians over steps 2.. (step 1 pays one-off costs): ``seconds_update`` (old log-probs +
+updates), tokens/s (completion tokens per second of the whole step), ``mfu`` (r1fit's own per-step
+MFU, r1fit/memory/flops.py); and the peak memory of the run: the largest per-step
+``peak_memory_bytes`` (RSS) minus the RSS before the model loaded. The floor is what any step of
+that run must hold: weights, gradients and AdamW states (their exact bytes, from the loaded model)
+plus the planner's activations of one micro-batch of one row (``r1fit plan``'s ``activations``
+part at ``memory.micro_batch=1``, per-row path).
+
+Targets (exit 1 when one is missed): at G=8 the ``shared`` update phase takes <= 0.6x the
+``per_row`` one (``--max-update-ratio``), and every variant's peak is <= 1.25x the floor
+(``--max-floor-ratio``). MFU is printed, not targeted. Exit 2 on bad arguments or a failed run.
+Speeds move with whatever else runs on the machine; repeats interleave the variants (A B C A B C)
+so slow phases hit all alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import benchkit
+from benchkit import BenchmarkError, positive, print_result, read_result, run_child
+
+NAME = "throughput"
+MIB = 2**20
+STEP_KEY = "reward_mean"  # in GRPO step rows of metrics.jsonl only
+VARIANTS = ("per_row", "shared", "packed")
+MODES = ("full", "lora")
+
+
+@dataclass
+class RunResult:
+    """What one child run measured."""
+
+    seconds_update: list[float]  # per step, steps 2..
+    tokens_per_second: list[float]  # per step, steps 2..
+    mfu: list[float]  # per step, steps 2..
+    peak_bytes: int  # largest per-step peak RSS minus the RSS before the model loaded
+    floor_bytes: int
+    completion_len_mean: float
+
+
+@dataclass
+class Setting:
+    """All repeats of one (mode, G, variant)."""
+
+    mode: str
+    generations: int
+    variant: str
+    runs: list[RunResult] = field(default_factory=list)
+
+    def median(self, key: str) -> float:
+        return statistics.median(statistics.median(getattr(r, key)) for r in self.runs)
+
+    @property
+    def peak(self) -> float:
+        return statistics.median(r.peak_bytes for r in self.runs)
+
+    @property
+    def floor(self) -> float:
+        return statistics.median(r.floor_bytes for r in self.runs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "generations": self.generations, "variant": self.variant,
+                "seconds_update": self.median("seconds_update"),
+                "tokens_per_second": self.median("tokens_per_second"),
+                "mfu": self.median("mfu"), "peak_bytes": self.peak, "floor_bytes": self.floor,
+                "runs": [asdict(r) for r in self.runs]}
+
+
+# ----------------------------------------------------------------------------------------------
+# child: one GRPO run
+
+
+def run_overrides(args: argparse.Namespace, mode: str, generations: int, variant: str,
+                  output_dir: Path) -> list[str]:
+    """The config overrides of one measured run."""
+    size = args.image_size
+    overrides = [f"model.path={args.model}", f"algo.num_generations={generations}",
+                 f"memory.micro_batch={generations * args.micro_batch_per_group}",
+                 f"memory.generation_batch={generations}", "train.prompts_per_step=1",
+                 f"algo.max_new_tokens={args.max_new_tokens}",
+                 f"algo.num_iterations={args.iterations}", "algo.beta=0",
+                 "sft.format_warmup_steps=0", "data.eval=null", "data.shapes.train_size=64",
+                 f"data.shapes.image_size={size}", f"data.max_pixels={size * size}",
+                 f"train.max_steps={args.steps}", "train.device=cpu", "checkpoint.every=0",
+                 "report.rollouts_every=0", f"train.output_dir={output_dir}",
+                 "train.overwrite=true",
+                 f"memory.share_prefix={'false' if variant == 'per_row' else 'true'}"]
+    if mode == "lora":
+        overrides.append("model.lora.r=16")
+    if variant == "packed":
+        overrides.append(f"memory.micro_batch_tokens={args.micro_batch_tokens}")
+    return overrides
+
+
+def floor_bytes(cfg: Any) -> int:
+    """Weights + gradients + AdamW states of the run's model plus the activations of one
+    micro-batch of one row (per-row path), as the planner counts them (exact for the first three:
+    parameter counts of the model built on the meta device)."""
+    from r1fit.memory.planner import plan_memory
+
+    one_row = cfg.with_values({"memory.micro_batch": 1, "memory.share_prefix": False})
+    parts = plan_memory(one_row, device_type="cpu").parts
+    return int(sum(parts[k] for k in ("weights", "gradients", "optimizer", "activations")))
+
+
+def run_one(args: argparse.Namespace) -> int:
+    """``--one MODE G VARIANT``: train in this process, print the run's measurements."""
+    from r1fit.config import load_config
+    from r1fit.train.grpo import train_grpo
+
+    mode, generations, variant = args.one[0], int(args.one[1]), args.one[2]
+    out = Path(args.output_dir) if args.output_dir else Path(tempfile.mkdtemp(prefix="r1fit-tp-"))
+    cfg = load_config(None, run_overrides(args, mode, generations, variant, out))
+    train_grpo(cfg)
+    print_result(NAME, asdict(summarise_run(out, floor_bytes(cfg))))
+    return 0
+
+
+def summarise_run(out: Path, floor: int) -> RunResult:
+    """One run's metrics.jsonl and summary.json reduced to a :class:`RunResult`."""
+    from r1fit.report.metrics import read_metrics  # plain json; no torch
+
+    summary = json.loads((out / "summary.json").read_text())
+    if "rss_before_load_bytes" not in summary:
+        raise BenchmarkError(f"{out / 'summary.json'} has no rss_before_load_bytes; this r1fit is "
+                             "too old for this benchmark")
+    rss_before_load = int(summary["rss_before_load_bytes"])
+    steps = sorted((r for r in read_metrics(out / "metrics.jsonl") if STEP_KEY in r),
+                   key=lambda r: r["step"])
+    if len(steps) < 2:
+        raise BenchmarkError(f"{out}: {len(steps)} step rows in metrics.jsonl, need >= 2")
+    later = steps[1:]
+    return RunResult(
+        seconds_update=[float(r["seconds_update"]) for r in later],
+        tokens_per_second=[float(r["tokens_per_second"]) for r in later],
+        mfu=[float(r["mfu"]) for r in later],
+        peak_bytes=max(int(r["peak_memory_bytes"]) for r in steps) - rss_before_load,
+        floor_bytes=floor,
+        completion_len_mean=statistics.mean(float(r["completion_len_mean"]) for r in steps))
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    """``--prepare``: build the built-in model in a process of its own, and say whether this
+    r1fit has ``memory.micro_batch_tokens`` (the packed variant)."""
+    from r1fit.config import Config
+    from r1fit.models.builtin import ensure_builtin
+
+    if args.model.startswith("builtin:"):
+        ensure_builtin(args.model.split(":", 1)[1])
+    print_result(NAME, {"packing": hasattr(Config().memory, "micro_batch_tokens")})
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# parent: runs, table, targets
+
+
+def child_command(args: argparse.Namespace, *mode: str) -> list[str]:
+    """This script in a child mode, with the settings every run shares."""
+    return [sys.executable, os.path.abspath(__file__), *mode, "--model", args.model,
+            "--steps", str(args.steps), "--max-new-tokens", str(args.max_new_tokens),
+            "--image-size", str(args.image_size), "--iterations", str(args.iterations),
+            "--micro-batch-per-group", str(args.micro_batch_per_group),
+            "--micro-batch-tokens", str(args.micro_batch_tokens)]
+
+
+def measure(args: argparse.Namespace, mode: str, generations: int, variant: str) -> RunResult:
+    what = f"{mode} G={generations} {variant}"
+    with tempfile.TemporaryDirectory(prefix="r1fit-tp-") as tmp:
+        command = child_command(args, "--one", mode, str(generations), variant,
+                                "--output-dir", str(Path(tmp) / "run"))
+        stdout = run_child(command, what, NAME)
+    return RunResult(**read_result(stdout, NAME, what))
+
+
+def print_table(settings: list[Setting]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="GRPO step: per-row vs shared prefix (medians over repeats)")
+    for name in ("mode", "G", "variant", "update s", "x per_row", "tokens/s", "mfu",
+                 "peak (MiB)", "floor (MiB)", "peak / floor"):
+        table.add_column(name, justify="left" if name in ("mode", "variant") else "right")
+    base = {(s.mode, s.generations): s for s in settings if s.variant == "per_row"}
+    for s in settings:
+        ref = base.get((s.mode, s.generations))
+        ratio = s.median("seconds_update") / ref.median("seconds_update") if ref else None
+        table.add_row(s.mode, str(s.generations), s.variant, f"{s.median('seconds_update'):.2f}",
+                      "-" if ratio is None else f"{ratio:.2f}",
+                      f"{s.median('tokens_per_second'):.1f}", f"{s.median('mfu'):.4f}",
+                      f"{s.peak / MIB:,.0f}", f"{s.floor / MIB:,.0f}", f"{s.peak / s.floor:.2f}")
+    Console(width=max(140, Console().width)).print(table)
+
+
+def check_targets(settings: list[Setting], max_update_ratio: float,
+                  max_floor_ratio: float) -> tuple[bool, list[str]]:
+    """The update-phase target at G=8 (each mode) and the floor target (every setting)."""
+    verdicts, met = [], True
+    by_key = {(s.mode, s.generations, s.variant): s for s in settings}
+    for (mode, g, variant), s in by_key.items():
+        if g != 8 or variant != "shared" or (mode, g, "per_row") not in by_key:
+            continue
+        ratio = s.median("seconds_update") / by_key[(mode, g, "per_row")].median("seconds_update")
+        ok = ratio <= max_update_ratio
+        met &= ok
+        verdicts.append(f"{mode} G=8: shared update phase {ratio:.2f}x per_row (target <= "
+                        f"{max_update_ratio:.2f}) -> {'met' if ok else 'MISSED'}")
+    for s in settings:
+        ratio = s.peak / s.floor
+        ok = ratio <= max_floor_ratio
+        met &= ok
+        verdicts.append(f"{s.mode} G={s.generations} {s.variant}: peak {ratio:.2f}x the floor "
+                        f"(target <= {max_floor_ratio:.2f}) -> {'met' if ok else 'MISSED'}")
+    return met, verdicts
+
+
+def run_parent(args: argparse.Namespace) -> int:
+    prepared = read_result(run_child(child_command(args, "--prepare"), "prepare", NAME),
+                           NAME, "prepare")
+    variants = [v for v in VARIANTS if v != "packed" or prepared["packing"]]
+    if not prepared["packing"]:
+        print("note: this r1fit has no memory.micro_batch_tokens; the packed variant is left out",
+              file=sys.stderr)
+    keys = [(m, g, v) for m in args.modes for g in args.generations for v in variants]
+    settings = {k: Setting(*k) for k in keys}
+    started = time.perf_counter()
+    for repeat in range(args.repeats):
+        for key in keys:  # interleaved: every setting once per repeat
+            t0 = time.perf_counter()
+            result = measure(args, *key)
+            settings[key].runs.append(result)
+            print(f"{' '.join(map(str, key))} repeat {repeat + 1}/{args.repeats}: update "
+                  f"{statistics.median(result.seconds_update):.2f} s, "
+                  f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    ordered = [settings[k] for k in keys]
+    print_table(ordered)
+    met, verdicts = check_targets(ordered, args.max_update_ratio, args.max_floor_ratio)
+    print("\n".join(verdicts))
+    print(f"model {args.model}, {args.image_size} px image, {args.max_new_tokens} new tokens, "
+          f"{args.steps} steps, {args.repeats} repeat(s), {time.perf_counter() - started:.0f} s "
+          "in all. Speeds depend on other load on this machine.")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"command": sys.argv, "targets_met": met, "verdicts": verdicts,
+             "settings": [s.to_dict() for s in ordered]}, indent=2))
+    return 0 if met else 1
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="builtin:tiny, G=4, full only, 2 steps, 1 repeat, 112 px, 16 new tokens "
+                   "(checks that the script runs; its numbers mean little)")
+    p.add_argument("--model", default=None, help="model.path (default builtin:bench-1024)")
+    p.add_argument("--generations", type=positive, nargs="+", default=None,
+                   help="group sizes G (default 8 16)")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=None,
+                   help="full and/or lora fine-tuning (default both)")
+    p.add_argument("--steps", type=positive, default=None, help="GRPO steps per run (>= 2)")
+    p.add_argument("--repeats", type=positive, default=None, help="runs per setting (default 3)")
+    p.add_argument("--max-new-tokens", type=positive, default=None, help="default 128")
+    p.add_argument("--image-size", type=positive, default=None,
+                   help="builtin:shapes image side in px (default 448: 256 image tokens)")
+    p.add_argument("--iterations", type=positive, default=2, help="algo.num_iterations")
+    p.add_argument("--micro-batch-per-group", type=positive, default=1,
+                   help="memory.micro_batch = this x G")
+    p.add_argument("--micro-batch-tokens", type=positive, default=8192,
+                   help="memory.micro_batch_tokens of the packed variant")
+    p.add_argument("--max-update-ratio", type=float, default=0.6)
+    p.add_argument("--max-floor-ratio", type=float, default=1.25)
+    p.add_argument("--json", metavar="PATH", help="also write the table and raw numbers here")
+    p.add_argument("--one", nargs=3, metavar=("MODE", "G", "VARIANT"), help=argparse.SUPPRESS)
+    p.add_argument("--output-dir", help=argparse.SUPPRESS)
+    p.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    quick = dict(model="builtin:tiny", generations=[4], modes=["full"], steps=2, repeats=1,
+                 max_new_tokens=16, image_size=112)
+    full = dict(model="builtin:bench-1024", generations=[8, 16], modes=list(MODES), steps=3,
+                repeats=3, max_new_tokens=128, image_size=448)
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.steps < 2:
+        p.error("--steps: need >= 2 (step 1 is left out of the medians)")
+    if any(g < 2 for g in args.generations):
+        p.error(f"--generations: every G must be >= 2, got {args.generations}")
+    if args.image_size % 28:
+        p.error(f"--image-size: must be a multiple of 28 px (Qwen2.5-VL), got {args.image_size}")
+    if args.one is not None and (args.one[0] not in MODES or args.one[2] not in VARIANTS):
+        p.error(f"--one: expected MODE G VARIANT, got {args.one}")
+    return args
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.prepare:
+        return run_prepare(args)
+    return run_one(args) if args.one is not None else run_parent(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return benchkit.main(NAME, parse_args, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
