@@ -229,6 +229,23 @@ class AlgoConfig:
                                 "log-probs (rollout.engine=vllm): each token's loss is weighted by "
                                 "min(pi_trainer / pi_engine, tis_cap) (TRL's and verl's default cap "
                                 "2). No effect with the hf engine; 0 or null = off.", ge=0)
+    cov_restriction: Literal["none", "clip_cov", "kl_cov"] = opt(
+        "none", "Restrict the update of the tokens whose log-prob/advantage covariance is highest "
+        "(Cui et al. 2025, verl's clip_cov / kl_cov policy losses; scores over each micro-batch): "
+        "clip_cov takes a random clip_cov_ratio share of the valid tokens with covariance in "
+        "(clip_cov_lb, clip_cov_ub) out of the policy loss; kl_cov adds kl_cov_coef x |log pi - "
+        "log pi_old| to the top kl_cov_ratio share and clips no token (acts only with "
+        "num_iterations > 1). Token-level ratios only. Logged as cov_restricted.")
+    clip_cov_ratio: float = opt(2e-4, "Clip-Cov: share of the valid tokens restricted (verl's "
+                                "default).", gt=0, le=1)
+    clip_cov_lb: float = opt(1.0, "Clip-Cov: lower bound of the covariance window (verl's "
+                             "default).")
+    clip_cov_ub: float = opt(5.0, "Clip-Cov: upper bound of the covariance window (verl's "
+                             "default).")
+    kl_cov_ratio: float = opt(2e-4, "KL-Cov: share of the valid tokens penalised (verl's default; "
+                              "the paper used 2e-3 for its 7B runs).", gt=0, le=1)
+    kl_cov_coef: float = opt(1.0, "KL-Cov: weight of |log pi - log pi_old| on the penalised tokens "
+                             "(verl's ppo_kl_coef).", ge=0)
 
     def clip_range(self) -> tuple[float, float]:
         """(below, above) clip ranges of the importance ratio: gspo_epsilon/gspo_epsilon_high for
@@ -260,6 +277,13 @@ class AlgoConfig:
         if self.overlong_buffer > self.max_new_tokens:
             raise ConfigError(f"algo.overlong_buffer ({self.overlong_buffer}) must be <= "
                               f"algo.max_new_tokens ({self.max_new_tokens})")
+        if self.cov_restriction != "none" and self.importance_sampling_level != "token":
+            raise ConfigError(f"algo.cov_restriction={self.cov_restriction} restricts token-level "
+                              f"ratios; algo.importance_sampling_level is "
+                              f"{self.importance_sampling_level}")
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ConfigError(f"algo.clip_cov_lb ({self.clip_cov_lb}) must be < algo.clip_cov_ub "
+                              f"({self.clip_cov_ub})")
         if self.tis_cap and self.tis_cap < 1:
             raise ConfigError(f"algo.tis_cap: got {self.tis_cap!r}, expected 0, null (off) or a "
                               "number >= 1 (a cap below 1 would shrink every weight)")

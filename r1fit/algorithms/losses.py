@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from r1fit.algorithms.covariance import CovRestriction
 from r1fit.algorithms.kl import kl_k3
 
 Aggregation = Callable[..., Tensor]
@@ -69,6 +70,9 @@ def token_policy_loss(
     tis_weights: Tensor | None = None,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
+    restricted: Tensor | None = None,
+    restriction: str = "none",
+    kl_cov_coef: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
     """Per-token loss ``-w*min(r*A, clip(r, 1-eps, 1+eps_high)*A) + beta*k3 - c*H`` and a bool "clipped" mask.
 
@@ -80,6 +84,11 @@ def token_policy_loss(
     not). ``w = tis_weights`` (detached; TIS) scales the clipped surrogate only, not the KL or entropy
     terms, as in TRL and verl. The KL term is added only when ``beta > 0``; the entropy bonus
     (``H = entropy``, per token) only when ``entropy_coef = c > 0``.
+
+    ``restricted`` (bool ``[B, T]``, r1fit/algorithms/covariance.py) with ``restriction``:
+    ``clip_cov`` zeroes those tokens' clipped surrogate (value and gradient); ``kl_cov`` drops the
+    clip for every token (``-r*A``) and adds ``kl_cov_coef * |logp - old_logp|`` to the restricted
+    ones (nothing is then counted as clipped).
     """
     epsilon_high = _check_clip(epsilon, epsilon_high, beta, ref_logp)
     if entropy_coef < 0:
@@ -95,7 +104,15 @@ def token_policy_loss(
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * adv
     # min of the two is PPO's pessimistic bound: clipping removes the incentive, never the penalty.
     loss = -torch.minimum(unclipped, clipped)
-    is_clipped = ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + epsilon_high) & (adv > 0))
+    is_clipped = clip_mask(ratio, adv, epsilon, epsilon_high)
+    if restricted is not None and restriction == "clip_cov":
+        loss = loss.masked_fill(restricted, 0.0)
+    elif restricted is not None and restriction == "kl_cov":
+        penalty = kl_cov_coef * (logp - old_logp).abs()
+        loss = -unclipped + torch.where(restricted, penalty, torch.zeros_like(penalty))
+        is_clipped = torch.zeros_like(is_clipped)
+    elif restricted is not None:
+        raise ValueError(f"unknown restriction {restriction!r}; allowed: 'clip_cov', 'kl_cov'")
     if tis_weights is not None:
         loss = loss * tis_weights.detach()
     if beta > 0:
@@ -103,6 +120,12 @@ def token_policy_loss(
     if entropy_coef > 0:
         loss = loss - entropy_coef * entropy
     return loss, is_clipped
+
+
+def clip_mask(ratio: Tensor, adv: Tensor, epsilon: float, epsilon_high: float) -> Tensor:
+    """Tokens whose clipped branch is strictly chosen (zero gradient): ``r < 1-eps`` with ``A < 0``
+    or ``r > 1+eps_high`` with ``A > 0``."""
+    return ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + epsilon_high) & (adv > 0))
 
 
 def truncated_importance_weights(trainer_logp: Tensor, engine_logp: Tensor, cap: float) -> Tensor:
@@ -207,6 +230,7 @@ def grpo_loss(
     tis_weights: Tensor | None = None,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
+    cov: CovRestriction | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO loss of one micro-batch (its contribution to the whole-batch loss) and detached stats.
 
@@ -215,11 +239,14 @@ def grpo_loss(
     ``ref_logp`` is required when ``beta > 0``; when given with ``beta == 0`` it is used for the stat only.
 
     ``importance_level``, ``tis_weights``, ``entropy`` and ``entropy_coef`` as in ``token_policy_loss``.
+    ``cov``: Clip-Cov or KL-Cov (r1fit/algorithms/covariance.py), on token-level ratios only; the
+    tokens it restricts are chosen over this micro-batch.
 
     Stats (each a contribution to the whole-batch value, summed over micro-batches like the loss, and
     token-weighted like ``token_mean``): ``clip_fraction`` = fraction of valid tokens whose clipped
     branch was chosen; ``kl`` = mean k3 per valid token (present only when ``ref_logp`` is given);
-    ``tis_weight`` = mean TIS weight per valid token (only when ``tis_weights`` are given).
+    ``tis_weight`` = mean TIS weight per valid token (only when ``tis_weights`` are given);
+    ``cov_restricted`` = fraction of valid tokens ``cov`` restricted (only with ``cov``).
     """
     if logp.ndim != 2:
         raise ValueError(f"logp must be 2-D [B, T], got shape {tuple(logp.shape)}")
@@ -232,10 +259,21 @@ def grpo_loss(
         raise ValueError(f"advantages must be [B] or [B, T] for logp {tuple(logp.shape)}, "
                          f"got {tuple(advantages.shape)}")
 
+    restricted = None
+    if cov is not None:
+        if importance_level != "token":
+            raise ValueError(f"{cov.method} restricts token-level ratios; importance sampling level "
+                             f"is {importance_level!r}")
+        adv = advantages.unsqueeze(-1) if advantages.ndim == 1 else advantages
+        high = epsilon if epsilon_high is None else epsilon_high
+        with torch.no_grad():
+            clipped_now = clip_mask(torch.exp(logp - old_logp), adv, epsilon, high)
+            restricted = cov.select(logp, old_logp, advantages, mask, clipped_now)
     token_loss, clipped = token_policy_loss(
         logp, old_logp, advantages, epsilon=epsilon, epsilon_high=epsilon_high, beta=beta, ref_logp=ref_logp,
         mask=mask, importance_level=importance_level, tis_weights=tis_weights, entropy=entropy,
-        entropy_coef=entropy_coef,
+        entropy_coef=entropy_coef, restricted=restricted,
+        restriction="none" if cov is None else cov.method, kl_cov_coef=1.0 if cov is None else cov.coef,
     )
     norms = {"total_tokens": total_tokens, "total_seqs": total_seqs, "max_new_tokens": max_new_tokens}
     loss = aggregate(token_loss, mask, aggregation, **norms)
@@ -245,6 +283,8 @@ def grpo_loss(
             stats["kl"] = aggregate(kl_k3(logp, ref_logp), mask, "token_mean", **norms)
         if tis_weights is not None:
             stats["tis_weight"] = aggregate(tis_weights.to(token_loss.dtype), mask, "token_mean", **norms)
+        if restricted is not None:
+            stats["cov_restricted"] = aggregate(restricted.to(token_loss.dtype), mask, "token_mean", **norms)
     return loss, stats
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from r1fit.algorithms.advantages import get_advantage_estimator
+from r1fit.algorithms.covariance import CovRestriction, selection_generator
 from r1fit.algorithms.losses import aggregate, grpo_loss, truncated_importance_weights
 from r1fit.checkpoint.state import Counters, OptimizerState, SchedulerState
 from r1fit.data.build import BadRowCounter
@@ -117,8 +118,8 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
                 with timed(times, "seconds_update"):
                     with guard.phase("micro_batch"):
                         add_logprobs(rollout, run, reference, old=algo.num_iterations > 1)
-                    updates = [policy_update(run, rollout, optimizer, scheduler, guard, first=i == 0)
-                               for i in range(algo.num_iterations)]
+                    updates = [policy_update(run, rollout, optimizer, scheduler, guard,
+                                             iteration=i) for i in range(algo.num_iterations)]
                     engine.updated()
                 return draws, rollout, updates
 
@@ -204,6 +205,20 @@ def flops_metrics(meter: MfuMeter, run: Run, drawn: Rollout, kept: Rollout | Non
     return {"flops": total, "mfu": meter.mfu(total, seconds, run.world.size)}
 
 
+def cov_restriction(run: Run, step: int, iteration: int, row: int) -> CovRestriction | None:
+    """``algo.cov_restriction`` for the micro-batch starting at ``row`` of this process's rows in
+    update ``iteration`` of ``step`` (None when off)."""
+    algo = run.cfg.algo
+    if algo.cov_restriction == "none":
+        return None
+    clip = algo.cov_restriction == "clip_cov"
+    return CovRestriction(
+        algo.cov_restriction, algo.clip_cov_ratio if clip else algo.kl_cov_ratio,
+        lb=algo.clip_cov_lb, ub=algo.clip_cov_ub, coef=algo.kl_cov_coef,
+        generator=selection_generator(run.cfg.train.seed, step, iteration, row, run.world.rank)
+        if clip else None)
+
+
 def step_metrics(rollout: Rollout, updates: list[dict[str, float | None]],
                  times: dict[str, float], eos: Sequence[int]) -> dict[str, Any]:
     """A step's rollout and update figures for its metrics row (the update figures averaged over
@@ -230,15 +245,17 @@ def step_metrics(rollout: Rollout, updates: list[dict[str, float | None]],
 
 
 def policy_update(run: Run, rollout: Rollout, optimizer: torch.optim.Optimizer, scheduler: Any,
-                  guard: OOMGuard, *, first: bool = True) -> dict[str, float | None]:
+                  guard: OOMGuard, *, iteration: int = 0) -> dict[str, float | None]:
     """One optimizer update over this process's rows: accumulate (under the OOM guard), clip,
     step. The logged sums are over every process (each one's are its shares of the step). The
     ``first`` update of a rollout, whose policy is the one that generated it, also measures how
     far the engine's log-probs are from the trainer's (``rollout.engine_logp_diff``) and, with
     ``algo.kl_in_reward``, recomputes the advantages from the rewards minus the KL to the
     reference (logged as ``kl_in_reward``, the step's mean completion KL): the reference
-    log-probs exist only from the log-prob stage on, after scoring."""
+    log-probs exist only from the log-prob stage on, after scoring. ``iteration``: which of the
+    rollout's ``num_iterations`` updates this is (0 = ``first``)."""
     algo = run.cfg.algo
+    first = iteration == 0
     kl_reward = None
     if first and algo.kl_in_reward:
         with guard.phase("micro_batch"):
@@ -252,7 +269,8 @@ def policy_update(run: Run, rollout: Rollout, optimizer: torch.optim.Optimizer, 
 
     def accumulate() -> dict[str, float | None]:
         optimizer.zero_grad(set_to_none=True)
-        return accumulate_policy_gradients(run, rollout, compare_engine=first)
+        return accumulate_policy_gradients(run, rollout, compare_engine=first,
+                                           iteration=iteration)
 
     sums = guard.run_update(accumulate)
     keys = [k for k, v in sums.items() if v is not None]
@@ -267,8 +285,8 @@ def policy_update(run: Run, rollout: Rollout, optimizer: torch.optim.Optimizer, 
     return sums
 
 
-def accumulate_policy_gradients(run: Run, rollout: Rollout, *,
-                                compare_engine: bool = False) -> dict[str, float | None]:
+def accumulate_policy_gradients(run: Run, rollout: Rollout, *, compare_engine: bool = False,
+                                iteration: int = 0) -> dict[str, float | None]:
     """Backward of the GRPO loss over this process's rows, ``memory.micro_batch`` rows at a time.
 
     The loss of each micro-batch is its share of the whole-batch loss (the token and sequence
@@ -278,7 +296,9 @@ def accumulate_policy_gradients(run: Run, rollout: Rollout, *,
     (vLLM) and ``algo.tis_cap``, each token's policy loss is weighted by TIS; with
     ``compare_engine``, also the sum of ``|trainer - engine|`` log-probs of its tokens. The
     policy's entropy is summed over every completion token (the ``entropy`` metric), and is a
-    loss term with ``algo.entropy_coef``.
+    loss term with ``algo.entropy_coef``. With ``algo.cov_restriction`` each micro-batch's
+    Clip-Cov/KL-Cov tokens are chosen over that micro-batch, Clip-Cov's at random from a stream
+    keyed by the seed, step, ``iteration``, micro-batch and process (the same after a resume).
     """
     algo, device = run.cfg.algo, run.device
     assert rollout.advantages is not None
@@ -292,7 +312,9 @@ def accumulate_policy_gradients(run: Run, rollout: Rollout, *,
     tis = bool(algo.tis_cap) and rollout.engine_logp is not None
     sums: dict[str, float | None] = {"loss": 0.0, "clip_fraction": 0.0,
                                      "kl": 0.0 if rollout.ref_logp is not None else None,
-                                     "entropy": 0.0, **({"tis_weight": 0.0} if tis else {})}
+                                     "entropy": 0.0, **({"tis_weight": 0.0} if tis else {}),
+                                     "cov_restricted": 0.0 if algo.cov_restriction != "none"
+                                     else None}
     if compare_engine and rollout.engine_logp is not None:
         sums["engine_logp_abs_diff"] = 0.0
     for piece, prompts, comps in micro_batches(rollout.rows, rollout.completions,
@@ -317,7 +339,7 @@ def accumulate_policy_gradients(run: Run, rollout: Rollout, *,
             tis_weights=truncated_importance_weights(logp.detach() if old is None else old,
                                                      engine, algo.tis_cap) if tis else None,
             entropy=entropy if algo.entropy_coef else None, entropy_coef=algo.entropy_coef,
-            **totals)
+            cov=cov_restriction(run, rollout.step, iteration, piece.start), **totals)
         loss.backward()
         if sums.get("engine_logp_abs_diff") is not None:
             sums["engine_logp_abs_diff"] += float(
@@ -325,7 +347,7 @@ def accumulate_policy_gradients(run: Run, rollout: Rollout, *,
         sums["loss"] += loss.item()
         sums["entropy"] += float(aggregate(entropy.detach(), batch.completion_mask, "token_mean",
                                            **all_tokens))
-        for key in ("clip_fraction", "kl", "tis_weight"):
+        for key in ("clip_fraction", "kl", "tis_weight", "cov_restricted"):
             if key in stats:  # kl only with a reference model (beta > 0); else logged as null
                 sums[key] += float(stats[key])
     return sums

@@ -1,7 +1,7 @@
 """Three-step GRPO runs on builtin:tiny through the CLI, one per algorithm option, each checking that
 the option reached the real loop: GSPO's sequence clipping, the advantage estimators (on the saved
 rollouts), KL in the reward, DAPO's overlong shaping and filtering, the entropy metric and bonus, and
-TIS (a no-op with the hf engine; weights near 1 with vLLM)."""
+TIS (a no-op with the hf engine; weights near 1 with vLLM), Clip-Cov and KL-Cov."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +17,8 @@ import pytest
 import torch
 
 from r1fit.algorithms.advantages import get_advantage_estimator
-from r1fit.algorithms.losses import token_policy_loss
+from r1fit.algorithms.covariance import kl_cov_selection, token_covariance
+from r1fit.algorithms.losses import grpo_loss, token_policy_loss
 from r1fit.cli import main
 from r1fit.report.metrics import read_metrics
 from r1fit.report.rollouts import read_rollouts
@@ -177,6 +179,34 @@ def check_entropy_bonus(out: Path, rows: list[dict], calls: list[SimpleNamespace
         assert row["entropy"] == pytest.approx(total / step_calls[0].kwargs["total_tokens"], rel=1e-6)
 
 
+def check_clip_cov(out: Path, rows: list[dict], calls: list[SimpleNamespace]) -> None:
+    # every micro-batch restricted some tokens, each from its own random stream; the loss is
+    # reproducible from the stream's seed (what a resumed run relies on)
+    seeds = [c.kwargs["cov"].generator.initial_seed() for c in calls]
+    assert len(set(seeds)) == len(calls)
+    for c, seed in zip(calls, seeds):
+        assert c.kwargs["cov"].method == "clip_cov" and c.stats["cov_restricted"] > 0
+        again = replace(c.kwargs["cov"], generator=torch.Generator().manual_seed(seed))
+        loss, _ = grpo_loss(c.logp, c.old, None, c.advantages, c.mask, **{**c.kwargs, "cov": again})
+        assert loss.item() == c.loss
+    assert all(0 < r["cov_restricted"] < 1 for r in rows)
+
+
+def check_kl_cov(out: Path, rows: list[dict], calls: list[SimpleNamespace]) -> None:
+    # no token is clipped; the top 10% of each micro-batch's tokens by covariance carry the
+    # |logp - old| penalty, which is nonzero on the second update of each rollout
+    assert all(r["clip_fraction"] == 0 and r["cov_restricted"] > 0 for r in rows)
+    penalised = 0.0
+    for c in calls:
+        chosen = kl_cov_selection(token_covariance(c.logp, c.advantages, c.mask), c.mask, ratio=0.1)
+        ratio = torch.exp(c.logp - c.old)
+        penalty = (c.logp - c.old).abs() * chosen
+        expected = ((-ratio * c.advantages[:, None] + penalty) * c.mask).sum() / c.kwargs["total_tokens"]
+        assert c.loss == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
+        penalised += float(penalty.sum())
+    assert penalised > 0
+
+
 CASES = {
     "gspo": (["algo.importance_sampling_level=sequence", "algo.num_iterations=2",
               "algo.loss_aggregation=seq_mean_token_mean", "algo.beta=0"], check_gspo),
@@ -189,6 +219,10 @@ CASES = {
     "overlong": (["algo.overlong_buffer=4", "algo.overlong_penalty=0.5", "algo.beta=0"], check_overlong),
     "mask_truncated": (["algo.mask_truncated=true", "algo.beta=0"], check_mask_truncated),
     "entropy_bonus": (["algo.entropy_coef=0.01", "algo.beta=0"], check_entropy_bonus),
+    "clip_cov": (["algo.cov_restriction=clip_cov", "algo.clip_cov_ratio=0.1", "algo.clip_cov_lb=-100",
+                  "algo.clip_cov_ub=100", "algo.beta=0"], check_clip_cov),
+    "kl_cov": (["algo.cov_restriction=kl_cov", "algo.kl_cov_ratio=0.1", "algo.num_iterations=2",
+                "algo.beta=0"], check_kl_cov),
 }
 
 
