@@ -120,6 +120,18 @@ def positive(text: str) -> int:
     return value
 
 
+def floor_bytes(cfg: Any) -> int:
+    """What any GRPO step of ``cfg`` must hold at least: the weights, gradients and AdamW states
+    of its model plus the activations of one micro-batch of one row (per-row path), as the
+    planner counts them (the first three exact: parameter counts of the model built on the meta
+    device). Called in a measuring child (it imports torch)."""
+    from r1fit.memory.planner import plan_memory
+
+    one_row = cfg.with_values({"memory.micro_batch": 1, "memory.share_prefix": False})
+    parts = plan_memory(one_row, device_type="cpu").parts
+    return int(sum(parts[k] for k in ("weights", "gradients", "optimizer", "activations")))
+
+
 def load_script(name: str) -> ModuleType:
     """``benchmarks/<name>.py`` as a module (for tests of its pure parts)."""
     spec = importlib.util.spec_from_file_location(name, FOLDER / f"{name}.py")

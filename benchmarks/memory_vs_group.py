@@ -8,7 +8,10 @@ Command (a few minutes on 2 CPU cores):
     #   --model builtin:small-realvocab --repeats 1
 
 Target: peak memory over the loaded model at the largest G (16) is at most 1.10 x that at the
-smallest G (2). r1fit generates ``memory.generation_batch`` rows at a time and back-propagates
+smallest G (2). Also printed (no target here): each G's peak over the RSS before the model loaded,
+as a multiple of the floor (weights + gradients + AdamW states + one row's activations,
+``benchkit.floor_bytes``); with ``--beta`` > 0 the frozen reference copy is part of the peak and not
+of the floor. r1fit generates ``memory.generation_batch`` rows at a time and back-propagates
 ``memory.micro_batch`` rows at a time, so the group size should only change how many chunks a step
 runs, not how much memory a chunk needs. Exit status: 0 when the target is met, 1 when it is
 missed (the failing comparison is printed), 2 on bad arguments or a failed run.
@@ -51,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import benchkit
-from benchkit import BenchmarkError, positive, print_result, read_result, run_child
+from benchkit import BenchmarkError, floor_bytes, positive, print_result, read_result, run_child
 
 NAME = "memory_vs_group"
 MIB = 2**20
@@ -67,10 +70,18 @@ class RunResult:
     step_peaks_over_load: list[int]  # per step: peak RSS of that step minus RSS after load
     tokens_per_second: list[float]  # per step, steps 2..
     seconds_per_step: list[float]  # per step, steps 2..
+    loaded_bytes: int = 0  # RSS after load minus RSS before: what loading the model(s) added
+    floor_bytes: int = 0  # weights + gradients + AdamW + one row's activations (benchkit)
 
     @property
     def peak_over_load(self) -> int:
         return max(self.step_peaks_over_load)
+
+    @property
+    def floor_ratio(self) -> float:
+        """The step's peak over the RSS before the model loaded, over the floor."""
+        return (self.peak_over_load + self.loaded_bytes) / self.floor_bytes if self.floor_bytes \
+            else float("nan")
 
 
 @dataclass
@@ -98,13 +109,17 @@ class Setting:
     def seconds_per_step(self) -> float:
         return statistics.median(statistics.median(r.seconds_per_step) for r in self.runs)
 
+    @property
+    def floor_ratio(self) -> float:
+        return statistics.median(r.floor_ratio for r in self.runs)
+
     def to_dict(self) -> dict[str, Any]:
         return {"num_generations": self.num_generations, "micro_batch": self.micro_batch,
                 "generation_batch": self.generation_batch,
                 "peak_over_load_bytes": self.peak_over_load,
                 "rss_after_load_bytes": self.rss_after_load,
                 "tokens_per_second": self.tokens_per_second,
-                "seconds_per_step": self.seconds_per_step,
+                "seconds_per_step": self.seconds_per_step, "floor_ratio": self.floor_ratio,
                 "runs": [asdict(r) for r in self.runs]}
 
 
@@ -138,8 +153,11 @@ def run_one(args: argparse.Namespace) -> int:
     from r1fit.train.grpo import train_grpo
 
     out = Path(args.output_dir) if args.output_dir else Path(tempfile.mkdtemp(prefix="r1fit-mem-"))
-    train_grpo(load_config(None, run_overrides(args, args.one, out)))
-    print_result(NAME, asdict(summarise_run(out, args.one)))
+    cfg = load_config(None, run_overrides(args, args.one, out))
+    train_grpo(cfg)
+    result = summarise_run(out, args.one)
+    result.floor_bytes = floor_bytes(cfg)
+    print_result(NAME, asdict(result))
     return 0
 
 
@@ -152,13 +170,14 @@ def summarise_run(out: Path, num_generations: int) -> RunResult:
         raise BenchmarkError(f"{out / 'summary.json'} has no rss_after_load_bytes; this r1fit is "
                              "too old for this benchmark")
     base = int(summary["rss_after_load_bytes"])
+    before = int(summary.get("rss_before_load_bytes", base))
     steps = sorted((r for r in read_metrics(out / "metrics.jsonl") if STEP_KEY in r),
                    key=lambda r: r["step"])
     if len(steps) < 2:
         raise BenchmarkError(f"{out}: {len(steps)} step rows in metrics.jsonl, need >= 2")
     later = steps[1:]  # step 1 pays one-off costs (optimizer states, first-call caches)
     return RunResult(
-        num_generations=num_generations, rss_after_load_bytes=base,
+        num_generations=num_generations, rss_after_load_bytes=base, loaded_bytes=base - before,
         step_peaks_over_load=[int(r["peak_memory_bytes"]) - base for r in steps],
         tokens_per_second=[float(r["tokens_per_second"]) for r in later],
         seconds_per_step=[sum(float(r[k]) for k in ("seconds_generate", "seconds_score",
@@ -227,14 +246,15 @@ def print_table(settings: list[Setting]) -> None:
     table = Table(title="GRPO memory vs group size (peak RSS over the loaded model)")
     for name in ("G", "micro_batch", "generation_batch", "RSS after load (MiB)",
                  "peak over load (MiB)", f"x G={settings[0].num_generations}",
-                 "per-step peaks over load (MiB)", "tokens/s", "s/step"):
+                 "per-step peaks over load (MiB)", "x floor", "tokens/s", "s/step"):
         table.add_column(name, justify="left" if name.startswith("per-step") else "right")
     for s in settings:
         per_step = "; ".join(" / ".join(mib(p) for p in r.step_peaks_over_load) for r in s.runs)
         table.add_row(str(s.num_generations), str(s.micro_batch), str(s.generation_batch),
                       mib(s.rss_after_load), mib(s.peak_over_load),
                       f"{s.peak_over_load / base:.3f}" if base > 0 else "-", per_step,
-                      f"{s.tokens_per_second:.1f}", f"{s.seconds_per_step:.2f}")
+                      f"{s.floor_ratio:.2f}", f"{s.tokens_per_second:.1f}",
+                      f"{s.seconds_per_step:.2f}")
     Console(width=max(160, Console().width)).print(table)
 
 

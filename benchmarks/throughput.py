@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import benchkit
-from benchkit import BenchmarkError, positive, print_result, read_result, run_child
+from benchkit import BenchmarkError, floor_bytes, positive, print_result, read_result, run_child
 
 NAME = "throughput"
 MIB = 2**20
@@ -123,17 +123,6 @@ def run_overrides(args: argparse.Namespace, mode: str, generations: int, variant
     if variant == "packed":
         overrides.append(f"memory.micro_batch_tokens={args.micro_batch_tokens}")
     return overrides
-
-
-def floor_bytes(cfg: Any) -> int:
-    """Weights + gradients + AdamW states of the run's model plus the activations of one
-    micro-batch of one row (per-row path), as the planner counts them (exact for the first three:
-    parameter counts of the model built on the meta device)."""
-    from r1fit.memory.planner import plan_memory
-
-    one_row = cfg.with_values({"memory.micro_batch": 1, "memory.share_prefix": False})
-    parts = plan_memory(one_row, device_type="cpu").parts
-    return int(sum(parts[k] for k in ("weights", "gradients", "optimizer", "activations")))
 
 
 def run_one(args: argparse.Namespace) -> int:

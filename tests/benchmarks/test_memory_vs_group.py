@@ -116,3 +116,16 @@ def test_measure_runs_one_child_and_reads_its_result_line(tmp_path, monkeypatch)
     assert command[1].endswith("memory_vs_group.py") and command[2:4] == ["--one", "4"]
     assert {"--output-dir", "--micro-batch", "2", "--model", "builtin:tiny"} <= set(command)
     assert (what, name, env) == ("run at G=4", "memory_vs_group", {"X": "1"})
+
+
+def test_floor_ratio_counts_the_loaded_model_back_in(tmp_path):
+    out = _fake_run(tmp_path / "run", base=800 * MIB, peaks=[1500 * MIB, 1600 * MIB],
+                    tokens=[1.0, 1.0], seconds=[(1.0, 0.0, 1.0)] * 2)
+    summary = json.loads((out / "summary.json").read_text())
+    (out / "summary.json").write_text(json.dumps({**summary, "rss_before_load_bytes": 500 * MIB}))
+    result = mvg.summarise_run(out, 2)
+    assert result.loaded_bytes == 300 * MIB
+    result.floor_bytes = 880 * MIB
+    # (peak over load 800 + loaded 300) / floor 880 = 1.25
+    assert result.floor_ratio == pytest.approx(1.25)
+    assert mvg.Setting(2, 1, 2, [result]).floor_ratio == pytest.approx(1.25)
