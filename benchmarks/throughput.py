@@ -2,8 +2,8 @@
 shared prefix + token packing, when r1fit has ``memory.micro_batch_tokens``), at real-scale
 proportions.
 
-Command (slow: about 3 minutes per run on 2 CPU cores, 36 runs by default; builds builtin:bench-1024,
-0.43B parameters, on first use):
+Command (slow on a CPU: one G=8 run took 14-18 minutes on 2 busy cores, and the default grid is 36
+runs, G=16 ones longer; builds builtin:bench-1024, 0.41B parameters, on first use):
 
     python benchmarks/throughput.py
     # = --model builtin:bench-1024 --generations 8 16 --modes full lora --steps 3 --repeats 3

@@ -161,7 +161,7 @@ BUILTINS: dict[str, BuiltinSpec] = {
     ),
     "bench-1024": BuiltinSpec(
         name="bench-1024",
-        description="hidden 1024, 8 layers, Qwen's 151,936-row vocabulary, untied head (0.43B "
+        description="hidden 1024, 8 layers, Qwen's 151,936-row vocabulary, untied head (0.41B "
         "params), 448 px images = 256 image tokens; real-scale proportions for "
         "benchmarks/throughput.py (slow: not for tests)",
         seed=2468,
