@@ -62,6 +62,15 @@ def main(name: str, parse_args: Callable[[Sequence[str] | None], argparse.Namesp
     return 2
 
 
+def dispatch(args: argparse.Namespace, prepare: Callable[[argparse.Namespace], int],
+             one: Callable[[argparse.Namespace], int],
+             parent: Callable[[argparse.Namespace], int]) -> int:
+    """The mode the arguments name: a child's ``--prepare`` or ``--one``, else the parent."""
+    if args.prepare:
+        return prepare(args)
+    return one(args) if args.one is not None else parent(args)
+
+
 def child_error(stderr: str, name: str) -> str | None:
     """The message of the last one-line error script ``name`` printed in ``stderr``, or None.
     The line may start with something else: torchrun puts ``[rank1]:`` before its ranks' lines."""
@@ -130,6 +139,31 @@ def floor_bytes(cfg: Any) -> int:
     one_row = cfg.with_values({"memory.micro_batch": 1, "memory.share_prefix": False})
     parts = plan_memory(one_row, device_type="cpu").parts
     return int(sum(parts[k] for k in ("weights", "gradients", "optimizer", "activations")))
+
+
+def cpu_ticks() -> tuple[int, int] | None:
+    """(busy clock ticks of the whole machine, this process's own user + system ticks), or None
+    where /proc is missing. Busy: user, nice, system, irq, softirq and steal time (not idle or
+    iowait)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces; skip it
+    except (OSError, ValueError, IndexError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    # /proc/<pid>/stat fields 14 and 15 (utime, stime); own[0] is field 3
+    return user + nice + system + irq + softirq + steal, int(own[11]) + int(own[12])
+
+
+def other_cores(before: tuple[int, int] | None, after: tuple[int, int] | None, seconds: float,
+                ticks_per_second: float) -> float | None:
+    """Cores used on average by every process but this one between two :func:`cpu_ticks`."""
+    if before is None or after is None or seconds <= 0:
+        return None
+    others = (after[0] - before[0]) - (after[1] - before[1])
+    return max(0.0, others / ticks_per_second / seconds)
 
 
 def load_script(name: str) -> ModuleType:

@@ -74,7 +74,15 @@ from pathlib import Path
 from typing import Any
 
 import benchkit
-from benchkit import BenchmarkError, positive, print_result, read_result, run_child
+from benchkit import (
+    BenchmarkError,
+    cpu_ticks,
+    other_cores,
+    positive,
+    print_result,
+    read_result,
+    run_child,
+)
 
 NAME = "rollout_engines"
 ENGINES = ("hf", "vllm")
@@ -167,31 +175,6 @@ class Setting:
 
 # ----------------------------------------------------------------------------------------------
 # child: one engine, one G, one length
-
-
-def cpu_ticks() -> tuple[int, int] | None:
-    """(busy clock ticks of the whole machine, this process's own user + system ticks), or None
-    where /proc is missing. Busy: user, nice, system, irq, softirq and steal time (not idle or
-    iowait)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:9]]
-        with open("/proc/self/stat") as f:
-            own = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces; skip it
-    except (OSError, ValueError, IndexError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
-    # /proc/<pid>/stat fields 14 and 15 (utime, stime); own[0] is field 3
-    return user + nice + system + irq + softirq + steal, int(own[11]) + int(own[12])
-
-
-def other_cores(before: tuple[int, int] | None, after: tuple[int, int] | None, seconds: float,
-                ticks_per_second: float) -> float | None:
-    """Cores used on average by every process but this one between two :func:`cpu_ticks`."""
-    if before is None or after is None or seconds <= 0:
-        return None
-    others = (after[0] - before[0]) - (after[1] - before[1])
-    return max(0.0, others / ticks_per_second / seconds)
 
 
 def run_one(args: argparse.Namespace) -> int:

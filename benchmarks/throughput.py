@@ -317,9 +317,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.prepare:
-        return run_prepare(args)
-    return run_one(args) if args.one is not None else run_parent(args)
+    return benchkit.dispatch(args, run_prepare, run_one, run_parent)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -125,15 +125,15 @@ def main(argv: list[str] | None = None) -> int:
             cfg = _config(_model_first(ns.args))
             device_type = "cpu" if cfg.train.device == "cpu" else "cuda"
             if cfg.memory.gradient_checkpointing == "auto":  # plan what the run would choose
-                from r1fit.memory.autofit import choose_checkpointing
+                from r1fit.memory.autofit import choose_checkpointing, describe_checkpointing
                 from r1fit.memory.planner import DEFAULT_DEVICE_MEMORY
 
-                on, why = choose_checkpointing(
+                chosen, why = choose_checkpointing(
                     cfg, budget=budget or parse_bytes(cfg.memory.budget or DEFAULT_DEVICE_MEMORY),
                     device_type=device_type, gpus=ns.gpus)
-                print(f"memory.gradient_checkpointing=auto: {'on' if on else 'off'} ({why})",
-                      file=sys.stderr)
-                cfg = cfg.with_values({"memory.gradient_checkpointing": on})
+                print(f"memory.gradient_checkpointing=auto: {describe_checkpointing(chosen)} "
+                      f"({why})", file=sys.stderr)
+                cfg = cfg.with_values(chosen)
             plan = plan_memory(cfg, device_memory_bytes=budget, gpus=ns.gpus,
                                device_type=device_type)
             if ns.json:

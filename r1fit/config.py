@@ -343,14 +343,20 @@ class MemoryConfig:
         "update compute). 'auto': the planner decides at start-up for the device (CUDA: its free "
         "memory; CPU: memory.budget, else on): off when the step fits without it (with "
         "micro_batch=auto: when the largest micro-batch without it is at least half the one with "
-        "it), logged once. Whole model only, not per layer.")
+        "it); with a fixed micro_batch that does not fit without it, only every n-th layer "
+        "(memory.checkpoint_every) for the largest n that fits; logged once.")
+    checkpoint_every: int = opt(
+        1, "With gradient checkpointing on, recompute only every n-th layer (transformers' "
+        "every_n_layers: vision blocks and decoder layers counted together in module order, the "
+        "first one included); the others keep their activations, which costs memory and saves "
+        "their recompute. 1: every layer. gradient_checkpointing=auto sets it.", ge=1)
     share_prefix: bool | Literal["auto"] = opt(
-        False, "Score a group's completions with its prompt (image tokens and vision tower "
+        "auto", "Score a group's completions with its prompt (image tokens and vision tower "
         "included) run once per micro-batch, the completions attending to it, instead of once "
         "per completion (r1fit/models/prefix.py). 'auto': on when the first micro-batch's "
         "log-probs equal the per-row path's (true for Qwen2-VL, Qwen2.5-VL and Qwen3-VL; not for "
-        "a model with bidirectional image attention such as Gemma 3), else off, logged once. Off "
-        "by default until `r1fit plan` models it (the plan is of the per-row path).")
+        "a model with bidirectional image attention such as Gemma 3), else off, logged once; "
+        "`r1fit plan` plans 'auto' as the larger of the two paths.")
     logits_chunk: int = opt(1024, "Tokens per chunk of the LM head; the full [tokens x vocab] logits "
                             "are never materialised.", ge=1)
     budget: str = opt("", "Memory the run may use, e.g. '20GiB'. CPU: a cap on the process's "

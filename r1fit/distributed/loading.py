@@ -17,7 +17,8 @@ from r1fit.models.logprobs import CompletionLogProbs
 
 
 def load_on_ranks(build: Callable[[Any], tuple[Any, Any]], device: torch.device, *,
-                  activation_checkpointing: bool) -> tuple[Any, Any, Any]:
+                  activation_checkpointing: bool, checkpoint_every: int = 1
+                  ) -> tuple[Any, Any, Any]:
     """``build(device) -> (model, processor or None)`` on every process, then
     :func:`parallelize`; returns (model, processor, root to call for log-probs).
 
@@ -28,14 +29,15 @@ def load_on_ranks(build: Callable[[Any], tuple[Any, Any]], device: torch.device,
     source = build("cpu")[0] if w.distributed and w.main else None
     model, processor = build("meta" if w.distributed else device)
     root = parallelize(CompletionLogProbs(model), activation_checkpointing=activation_checkpointing,
-                       world=w, device_type=device.type)
+                       world=w, device_type=device.type, checkpoint_every=checkpoint_every)
     if w.distributed:
         materialize(root, model, source, device)
     return model, processor, root
 
 
 def load_policy_on_ranks(m: ModelConfig, device: torch.device, *,
-                         activation_checkpointing: bool) -> tuple[Any, Any, Any]:
+                         activation_checkpointing: bool, checkpoint_every: int = 1
+                         ) -> tuple[Any, Any, Any]:
     """The trainable policy of ``model.*`` (LoRA or full), its processor and its log-prob root."""
     return load_on_ranks(
         lambda where: load_policy(m.path, device=where, lora_r=m.lora.r, lora_alpha=m.lora.alpha,
@@ -43,7 +45,8 @@ def load_policy_on_ranks(m: ModelConfig, device: torch.device, *,
                                   freeze_vision=m.freeze_vision, dtype=m.dtype,
                                   gradient_checkpointing=False,
                                   attn_implementation=m.attn_implementation),
-        device, activation_checkpointing=activation_checkpointing)
+        device, activation_checkpointing=activation_checkpointing,
+        checkpoint_every=checkpoint_every)
 
 
 def load_frozen_copy(m: ModelConfig, device: torch.device,

@@ -23,23 +23,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from r1fit.distributed.context import World
-from r1fit.models.load import unwrap
+from r1fit.models.load import enable_checkpointing, unwrap
 
 log = logging.getLogger("r1fit.distributed")
-
-
-def enable_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each layer's activations in the backward pass (transformers' own switch).
-
-    Non-reentrant checkpointing back-propagates through segments whose inputs need no grad (frozen
-    embeddings under LoRA). Only active in train mode: generation runs under ``model.eval()`` and
-    keeps its KV cache."""
-    base = unwrap(model)
-    kwargs = {"use_reentrant": False}
-    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x name
-        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
@@ -53,15 +39,16 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
 
 
 def parallelize(root: nn.Module, *, activation_checkpointing: bool, world: World,
-                device_type: str) -> nn.Module:
-    """Activation checkpointing (when asked), then, over several processes, FSDP2: every unit of
+                device_type: str, checkpoint_every: int = 1) -> nn.Module:
+    """Activation checkpointing (when asked, on every ``checkpoint_every``-th layer:
+    :func:`r1fit.models.load.enable_checkpointing`), then, over several processes, FSDP2: every unit of
     :func:`shard_units`, then ``root``. Gradients are summed over ranks, not averaged: each rank's
     loss is already its share of the whole batch's loss. Returns ``root``.
 
     On CUDA parameters are gathered in bfloat16 when they are stored in float32 (full-precision
     master weights, bf16 compute) and gradients reduced in float32. On CPU nothing is cast."""
     if activation_checkpointing:
-        enable_activation_checkpointing(root)
+        enable_checkpointing(root, checkpoint_every)
     if not world.distributed:
         return root
     policy = MixedPrecisionPolicy()

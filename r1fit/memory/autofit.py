@@ -33,46 +33,83 @@ def device_budget(memory: Any, device: torch.device) -> int:
                        "(e.g. memory.budget=16GiB)")
 
 
-def resolve_checkpointing(cfg: Any, device: torch.device) -> bool:
-    """Whether the run recomputes layer activations in backward: ``memory.gradient_checkpointing``,
-    or for ``auto`` the planner's choice for this device (see :func:`choose_checkpointing`), the
-    same on every process (on if any process needs it)."""
-    setting = cfg.memory.gradient_checkpointing
-    if setting != "auto":
-        return bool(setting)
-    if not cfg.memory.budget and device.type != "cuda":
+def resolve_checkpointing(cfg: Any, device: torch.device) -> dict[str, Any]:
+    """How the run recomputes layer activations in backward, as config values
+    (``memory.gradient_checkpointing``, ``memory.checkpoint_every``): the config's, or for
+    ``auto`` the planner's choice for this device (see :func:`choose_checkpointing`), the same on
+    every process (the most checkpointing any process needs)."""
+    memory = cfg.memory
+    if memory.gradient_checkpointing != "auto":
+        return {"memory.gradient_checkpointing": bool(memory.gradient_checkpointing),
+                "memory.checkpoint_every": memory.checkpoint_every}
+    if not memory.budget and device.type != "cuda":
         log.info("memory.gradient_checkpointing=auto: on (no memory.budget on %s to plan "
                  "against)", device)
-        return True
-    on, reason = choose_checkpointing(cfg, budget=device_budget(cfg.memory, device),
-                                      device_type=device.type, gpus=world().size)
-    if world().distributed:
-        on = all_max([float(on)])[0] > 0
-    log.info("memory.gradient_checkpointing=auto: %s (%s)", "on" if on else "off", reason)
-    return on
+        return {"memory.gradient_checkpointing": True, "memory.checkpoint_every": 1}
+    chosen, reason = choose_checkpointing(cfg, budget=device_budget(memory, device),
+                                          device_type=device.type, gpus=world().size)
+    if world().distributed:  # off < every n-th layer < every layer: the most any rank needs
+        on, every = chosen["memory.gradient_checkpointing"], chosen["memory.checkpoint_every"]
+        most = all_max([1.0 / every if on else 0.0])[0]
+        chosen = {"memory.gradient_checkpointing": most > 0,
+                  "memory.checkpoint_every": round(1 / most) if most > 0 else 1}
+    log.info("memory.gradient_checkpointing=auto: %s (%s)", describe_checkpointing(chosen),
+             reason)
+    return chosen
+
+
+def describe_checkpointing(values: dict[str, Any]) -> str:
+    """'off', 'on' or 'on, every n-th layer' for the values :func:`choose_checkpointing` gives."""
+    if not values["memory.gradient_checkpointing"]:
+        return "off"
+    every = values["memory.checkpoint_every"]
+    return "on" if every == 1 else f"on, 1 layer in {every} (memory.checkpoint_every={every})"
 
 
 def choose_checkpointing(cfg: Any, *, budget: int, device_type: str, gpus: int
-                         ) -> tuple[bool, str]:
-    """The planner's choice for ``memory.gradient_checkpointing=auto`` and why. Checkpointing
-    costs one more forward of every layer in backward (about a third more update compute), so it
-    is off when the step fits without it: with a fixed ``memory.micro_batch``, when the plan
-    without it fits the budget; with ``micro_batch=auto``, when the largest micro-batch that fits
-    without it is at least half the one that fits with it (a micro-batch half as large costs less
-    than recomputing every layer; only whole-model checkpointing is chosen, not per layer)."""
-    from r1fit.memory.planner import plan_memory
+                         ) -> tuple[dict[str, Any], str]:
+    """The planner's choice for ``memory.gradient_checkpointing=auto`` and why, as config values.
+    Checkpointing costs one more forward of every checkpointed layer in backward (about a third
+    more update compute when all are), so it is off when the step fits without it. With a fixed
+    ``memory.micro_batch`` that does not fit without it, only every n-th layer recomputes, for
+    the largest n whose plan fits (transformers' every_n_layers counts vision blocks and decoder
+    layers together; n = 1 is every layer). With ``micro_batch=auto``: off when the largest
+    micro-batch that fits without it is at least half the one that fits with it on every layer
+    (a micro-batch half as large costs less than recomputing every layer), else every layer."""
+    from r1fit.memory.planner import model_facts, plan_memory
 
-    off, on = (plan_memory(cfg.with_values({"memory.gradient_checkpointing": value}),
-                           device_memory_bytes=budget, device_type=device_type, gpus=gpus)
-               for value in (False, True))
+    def plan(on: bool, every: int = 1) -> Any:
+        values = {"memory.gradient_checkpointing": on, "memory.checkpoint_every": every}
+        return plan_memory(cfg.with_values(values), device_memory_bytes=budget,
+                           device_type=device_type, gpus=gpus)
+
+    def choice(on: bool, every: int = 1) -> dict[str, Any]:
+        return {"memory.gradient_checkpointing": on, "memory.checkpoint_every": every}
+
+    off = plan(False)
     if cfg.memory.micro_batch != "auto":
         planned = (f"planned peak without it {format_bytes(off.peak_bytes)}, usable "
                    f"{format_bytes(off.usable_bytes)}")
-        return (False, planned) if off.fits else (True, planned)
+        if off.fits:
+            return choice(False), planned
+        facts = model_facts(cfg.model.path, cfg.model.lora.target)
+        layers = len(facts.checkpoint_order) or facts.text.layers
+        # the largest n that fits; n with the same layers as a larger one checkpoint more
+        for every in range(layers, 1, -1):
+            if facts.checkpointed(every) == facts.checkpointed(every + 1):
+                continue
+            candidate = plan(True, every)
+            if candidate.fits:
+                text, _ = facts.checkpointed(every)
+                return choice(True, every), (f"{planned}; 1 layer in {every} recomputing "
+                                             f"({text} of {facts.text.layers} decoder layers): "
+                                             f"peak {format_bytes(candidate.peak_bytes)}")
+        return choice(True), planned
+    on = plan(True)
     sizes = (f"largest micro_batch without it {off.max_micro_batch}, with it "
              f"{on.max_micro_batch}")
-    return (False, sizes) if off.max_micro_batch * 2 >= max(on.max_micro_batch, 1) else \
-        (True, sizes)
+    return (choice(False), sizes) if off.max_micro_batch * 2 >= max(on.max_micro_batch, 1) \
+        else (choice(True), sizes)
 
 
 def resolve_sizes(cfg: Any, device: torch.device) -> ChunkSizes:

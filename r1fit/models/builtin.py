@@ -179,6 +179,26 @@ BUILTINS: dict[str, BuiltinSpec] = {
         vocab_size=151_936,
         max_pixels=448 * 448,
     ),
+    "bench-3b-cut": BuiltinSpec(
+        name="bench-3b-cut",
+        description="Qwen2.5-VL-3B-Instruct's shapes (hidden 2048, 16 heads, 2 KV heads, MLP "
+        "11008, a 1280-wide 16-head vision tower, tied 151,936-row vocabulary) cut to 4 decoder "
+        "layers and 4 vision blocks (0.74B params); for benchmarks/plan_accuracy.py at a real "
+        "model's widths (slow: not for tests)",
+        seed=3579,
+        hidden_size=2048,
+        num_layers=4,
+        num_heads=16,
+        num_kv_heads=2,
+        intermediate_size=11008,
+        mrope_section=(16, 24, 24),  # Qwen2.5-VL-3B's, of head_dim 128
+        vision_hidden=1280,
+        vision_depth=4,
+        vision_heads=16,
+        vision_intermediate=3420,
+        tie_word_embeddings=True,
+        vocab_size=151_936,
+    ),
     "tiny-qwen3vl": BuiltinSpec(
         name="tiny-qwen3vl",
         description="Qwen3-VL architecture at tiny's size (interleaved M-RoPE, DeepStack features "

@@ -207,14 +207,7 @@ def load_policy(
     if hasattr(model.config, "text_config"):
         model.config.text_config.use_cache = False
     if gradient_checkpointing:
-        # Non-reentrant checkpointing back-propagates through segments whose inputs need no grad
-        # (frozen embeddings under LoRA); peft still adds its `enable_input_require_grads` hook.
-        # Only active in train mode: generate under model.eval() to keep the KV cache.
-        kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        enable_checkpointing(model)
 
     if lora_r > 0:
         lora_config = LoraConfig(
@@ -229,6 +222,23 @@ def load_policy(
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             model = get_peft_model(model, lora_config)
     return model, processor
+
+
+def enable_checkpointing(model: nn.Module, every: int = 1) -> None:
+    """Recompute layer activations in the backward pass (transformers' own switch), on every
+    ``every``-th layer (its ``every_n_layers``: vision blocks and decoder layers counted together
+    in module order; r1fit.memory.planner.facts.ModelFacts.checkpointed says which).
+
+    Non-reentrant checkpointing back-propagates through segments whose inputs need no grad (frozen
+    embeddings under LoRA); peft still adds its ``enable_input_require_grads`` hook. Only active
+    in train mode: generation runs under ``model.eval()`` and keeps its KV cache."""
+    base = unwrap(model)
+    kwargs = {"use_reentrant": False}
+    every_n = {"every_n_layers": every} if every != 1 else {}  # a 5.x without it: every layer
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x name
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **every_n)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, **every_n)
 
 
 def language_model_lora_regex(lora_target: str | Sequence[str]) -> str:

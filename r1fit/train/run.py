@@ -130,11 +130,12 @@ def start_run(cfg: Config, kind: str) -> Run:
     train_set, eval_set = build_datasets(cfg)
     checkpointing = resolve_checkpointing(cfg, device)  # memory.gradient_checkpointing=auto
     # memory.*_batch=auto: the planner's answer, for the checkpointing the run will use
-    sizes = resolve_sizes(cfg.with_values({"memory.gradient_checkpointing": checkpointing}), device)
+    sizes = resolve_sizes(cfg.with_values(checkpointing), device)
     rss_before_load = current_rss_bytes()
     checkpoints = CheckpointManager(out, cfg, kind, resume)
     model, processor, policy = load_policy_on_ranks(
-        cfg.model, device, activation_checkpointing=checkpointing)
+        cfg.model, device, activation_checkpointing=checkpointing["memory.gradient_checkpointing"],
+        checkpoint_every=checkpointing["memory.checkpoint_every"])
     if checkpoints.has_model("model"):
         checkpoints.load_model("model", model)
     checkpoints.add_model("model", model, processor)

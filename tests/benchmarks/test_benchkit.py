@@ -4,8 +4,10 @@ lines (children are small ``python -c`` programs)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
+import time
 
 import pytest
 from benchkit import (
@@ -13,7 +15,9 @@ from benchkit import (
     TAIL_LINES,
     BenchmarkError,
     child_error,
+    cpu_ticks,
     main,
+    other_cores,
     positive,
     print_result,
     read_result,
@@ -167,3 +171,21 @@ def test_read_result_takes_the_last_result_line_among_other_output(capsys):
 def test_read_result_rejects_a_missing_or_broken_line(stdout, message):
     with pytest.raises(BenchmarkError, match=f"^{message}"):
         read_result(stdout, "demo", "loading x")
+
+
+def test_other_cores_subtract_the_runs_own_cpu_time():
+    # the machine was busy 300 ticks in 2 s, 100 of them this process's: 1 core of others
+    assert other_cores((1000, 50), (1300, 150), 2.0, 100) == 1.0
+    assert other_cores((1000, 50), (1100, 160), 1.0, 100) == 0.0  # tick rounding, not < 0
+    assert other_cores(None, (1, 1), 1.0, 100) is None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux /proc")
+def test_cpu_ticks_see_this_process_work():
+    before = cpu_ticks()
+    started = time.process_time()
+    while time.process_time() - started < 0.3:
+        pass
+    after = cpu_ticks()
+    assert after[1] - before[1] >= 0.2 * os.sysconf("SC_CLK_TCK")
+    assert after[0] - before[0] >= after[1] - before[1] - 2  # the machine's busy time holds ours

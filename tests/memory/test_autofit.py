@@ -12,7 +12,7 @@ from r1fit.memory.autofit import (
     resolve_checkpointing,
     resolve_sizes,
 )
-from r1fit.memory.planner import SAFETY_MARGIN, plan_memory
+from r1fit.memory.planner import SAFETY_MARGIN, model_facts, plan_memory
 
 CPU = torch.device("cpu")
 BASE = ["model.path=builtin:tiny", "algo.num_generations=8", "train.prompts_per_step=4",
@@ -67,17 +67,40 @@ def test_auto_checkpointing_is_off_only_when_the_step_fits_without_it(use_tiny_c
                              "memory.budget=1GiB"])
     off_peak, on_peak, _ = _peaks(cfg, 1 << 30)
     assert on_peak < off_peak  # what checkpointing saves on this step
-    assert choose_checkpointing(cfg, budget=1 << 30, device_type="cpu", gpus=1)[0] is False
-    assert resolve_checkpointing(cfg, CPU) is False
+    off = {"memory.gradient_checkpointing": False, "memory.checkpoint_every": 1}
+    assert choose_checkpointing(cfg, budget=1 << 30, device_type="cpu", gpus=1)[0] == off
+    assert resolve_checkpointing(cfg, CPU) == off
     # a budget whose usable part lies between the two peaks: only checkpointing fits
     margin_free = (off_peak + on_peak) // 2
     budget = int(margin_free / (1 - SAFETY_MARGIN))
     _, _, usable = _peaks(cfg, budget)
     assert on_peak <= usable < off_peak
-    on, why = choose_checkpointing(cfg, budget=budget, device_type="cpu", gpus=1)
-    assert on is True and "planned peak without it" in why
+    chosen, why = choose_checkpointing(cfg, budget=budget, device_type="cpu", gpus=1)
+    assert chosen["memory.gradient_checkpointing"] is True and "planned peak without it" in why
     tight = cfg.with_values({"memory.budget": f"{budget}B"})
-    assert resolve_checkpointing(tight, CPU) is True
+    assert resolve_checkpointing(tight, CPU) == chosen
+
+
+def test_auto_checkpointing_recomputes_every_nth_layer_when_that_is_enough(use_tiny_cache):
+    """builtin:tiny's checkpointed layers in module order: 2 vision blocks, then 2 decoder layers
+    ("vvtt"). every_n_layers 3 recomputes blocks 0 and decoder layer 1 (index 3): a budget between
+    its peak and the step without checkpointing picks it; one under it picks every layer."""
+    cfg = load_config(None, [*BASE, "memory.micro_batch=8", "memory.gradient_checkpointing=auto"])
+
+    def peak(on: bool, every: int = 1) -> int:
+        values = {"memory.gradient_checkpointing": on, "memory.checkpoint_every": every}
+        return plan_memory(cfg.with_values(values), device_memory_bytes=1 << 30,
+                           device_type="cpu").peak_bytes
+
+    assert peak(True) < peak(True, 3) < peak(False)
+    assert model_facts("builtin:tiny").checkpointed(3) == (1, 1)
+    budget = int((peak(True, 3) + peak(False)) / 2 / (1 - SAFETY_MARGIN))
+    chosen, why = choose_checkpointing(cfg, budget=budget, device_type="cpu", gpus=1)
+    assert chosen == {"memory.gradient_checkpointing": True, "memory.checkpoint_every": 3}
+    assert "1 layer in 3 recomputing (1 of 2 decoder layers)" in why
+    budget = int((peak(True) + peak(True, 3)) / 2 / (1 - SAFETY_MARGIN))
+    chosen, _ = choose_checkpointing(cfg, budget=budget, device_type="cpu", gpus=1)
+    assert chosen == {"memory.gradient_checkpointing": True, "memory.checkpoint_every": 1}
 
 
 def test_auto_checkpointing_with_auto_micro_batch_compares_the_largest_fits(use_tiny_cache):
@@ -89,7 +112,9 @@ def test_auto_checkpointing_with_auto_micro_batch_compares_the_largest_fits(use_
         off, on = (plan_memory(cfg.with_values({"memory.gradient_checkpointing": value}),
                                device_memory_bytes=budget, device_type="cpu")
                    for value in (False, True))
-        chosen, why = choose_checkpointing(cfg, budget=budget, device_type="cpu", gpus=1)
+        values, why = choose_checkpointing(cfg, budget=budget, device_type="cpu", gpus=1)
+        chosen = values["memory.gradient_checkpointing"]
+        assert values["memory.checkpoint_every"] == 1  # whole-model only with micro_batch=auto
         assert chosen is (off.max_micro_batch * 2 < max(on.max_micro_batch, 1))
         assert f"without it {off.max_micro_batch}, with it {on.max_micro_batch}" in why
         choices.append(chosen)
@@ -98,6 +123,6 @@ def test_auto_checkpointing_with_auto_micro_batch_compares_the_largest_fits(use_
 
 def test_auto_checkpointing_without_a_cpu_budget_stays_on(use_tiny_cache):
     cfg = load_config(None, [*BASE, "memory.gradient_checkpointing=auto"])
-    assert resolve_checkpointing(cfg, CPU) is True
+    assert resolve_checkpointing(cfg, CPU)["memory.gradient_checkpointing"] is True
     assert resolve_checkpointing(cfg.with_values({"memory.gradient_checkpointing": False}),
-                                 CPU) is False
+                                 CPU)["memory.gradient_checkpointing"] is False

@@ -129,6 +129,28 @@ def test_doubling_micro_batch_doubles_activations(small_model):
     assert eight.parts["activations"] / four.parts["activations"] == pytest.approx(2, rel=0.02)
 
 
+def test_share_prefix_auto_is_planned_as_the_larger_path(small_model):
+    """'auto' picks its path on the first micro-batch, after the plan: the plan holds for both.
+    Here (no processor: the prompt estimate, 103 tokens, G = 8 in one micro-batch) packing saves
+    7 prompts' activations and tower; with 512-token completions its [width x width] mask (4,199
+    wide) outweighs that on this 32-wide model."""
+    def plans(*overrides: str) -> dict[str, Any]:
+        return {v: plan_memory(cfg_for(small_model, "memory.micro_batch=8",
+                                       f"memory.share_prefix={v}", *overrides),
+                               device_type="cpu") for v in ("false", "true", "auto")}
+
+    chosen = set()
+    for overrides in ((), ("algo.max_new_tokens=512",)):
+        p = plans(*overrides)
+        assert p["auto"].peak_bytes == max(p["true"].peak_bytes, p["false"].peak_bytes)
+        larger = "true" if p["true"].phases["update"] >= p["false"].phases["update"] else "false"
+        assert p["auto"].details["share_prefix"] == (
+            f"auto (planned {'on' if larger == 'true' else 'off'})")
+        assert p["true"].details["share_prefix"] == "on"
+        chosen.add(larger)
+    assert chosen == {"true", "false"}  # each case picks a different path
+
+
 def test_prompt_estimate_and_kv_cache_without_a_processor(small_model):
     plan = plan_memory(cfg_for(small_model, "memory.generation_batch=4",
                                "algo.max_new_tokens=24"), device_type="cpu")

@@ -69,7 +69,8 @@ def test_resolve_builtin_to_cache_folder(use_tiny_cache: Path, tiny_dir: Path) -
 
 
 def test_resolve_unknown_builtin_lists_names(use_tiny_cache: Path) -> None:
-    with pytest.raises(ModelConfigError, match="available: builtin:bench-1024, builtin:small-realvocab, "
+    with pytest.raises(ModelConfigError, match="available: builtin:bench-1024, builtin:bench-3b-cut, "
+                       "builtin:small-realvocab, "
                        "builtin:tiny, "):
         resolve_model_path("builtin:huge")
 
@@ -230,6 +231,35 @@ def test_lora_gradients_reach_adapters_with_checkpointing(tiny_dir: Path, image5
     model(**_batch(processor, image56)).logits.float().pow(2).mean().backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     assert all(g is not None and g.abs().sum() > 0 for g in grads.values())
+
+
+def test_checkpointing_every_nth_layer_is_what_the_planner_counts(tiny_dir: Path, image56) -> None:
+    """enable_checkpointing(model, 3) switches transformers' every_n_layers: of builtin:tiny's
+    layers in module order (2 vision blocks, 2 decoder layers) indices 0 and 3, as
+    ModelFacts.checkpointed(3) counts them; gradients are those of no checkpointing."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from r1fit.memory.planner import model_facts
+    from r1fit.models.load import enable_checkpointing
+
+    grads = []
+    for every in (None, 3):
+        model, processor = _load(tiny_dir, freeze_vision=False)
+        if every:
+            enable_checkpointing(model, every)
+        layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        on = [m.gradient_checkpointing for m in layers]
+        if every:
+            assert on == [True, False, False, True]
+            facts = model_facts(str(tiny_dir))
+            assert facts.checkpoint_order == "vvtt" and facts.checkpointed(3) == (1, 1)
+        else:
+            assert not any(on)
+        model(**_batch(processor, image56)).logits.float().pow(2).mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 # ---- backbone + head ----------------------------------------------------------------------------

@@ -158,6 +158,7 @@ class Sizes:
     micro: int
     generation: int
     checkpointing: bool
+    checkpoint_every: int = 1  # memory.checkpoint_every: only every n-th layer recomputes
 
     @property
     def micro_batches(self) -> int:
@@ -187,7 +188,8 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
     micro, generation = cfg.memory.micro_batch, cfg.memory.generation_batch
     sizes = Sizes(rows=local, gpus=gpus, micro=local if micro == "auto" else min(micro, local),
                    generation=local if generation == "auto" else min(generation, local),
-                   checkpointing=cfg.memory.gradient_checkpointing)
+                   checkpointing=cfg.memory.gradient_checkpointing,
+                   checkpoint_every=cfg.memory.checkpoint_every)
     notes = []
     if facts.hub_config:
         notes.append(f"model config: {facts.hub_config} (no weights read)")
@@ -262,7 +264,14 @@ class _Estimate:
 def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
               device_type: str, budget: int) -> _Estimate:
     """One GRPO step of ``cfg`` at the sizes ``s`` on a device of ``budget`` bytes: the parts,
-    each phase's peak, the details."""
+    each phase's peak, the details. ``memory.share_prefix=auto`` decides on the run's first
+    micro-batch which path runs, so it is planned as the larger of the two."""
+    if cfg.memory.share_prefix == "auto":
+        paths = [_estimate(f, cfg.with_values({"memory.share_prefix": on}), prompt, s,
+                           device_type, budget) for on in (False, True)]
+        chosen = max(paths, key=lambda e: (e.update_peak, e.details["share_prefix"]))
+        chosen.details["share_prefix"] = f"auto (planned {chosen.details['share_prefix']})"
+        return chosen
     dtype = run_dtype(cfg, f)
     stored = _DTYPE_BYTES.get(dtype, 4)
     fsdp, cuda = s.gpus > 1, device_type == "cuda"
@@ -276,7 +285,9 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
                      completion=cfg.algo.max_new_tokens,
                      eager=cfg.model.attn_implementation == "eager",
                      vision_trains=f.vision is not None and not lora
-                     and not cfg.model.freeze_vision)
+                     and not cfg.model.freeze_vision,
+                     share_prefix=bool(cfg.memory.share_prefix), group=cfg.algo.num_generations,
+                     rows_per_gpu=s.rows, gpus=s.gpus)
     if step.vision_trains and not cuda and f.vision is not None and f.vision.patch_conv:
         channels, kernel = f.vision.patch_conv
         step = replace(step, patch_embed_workspace=f.vision.hidden
@@ -324,6 +335,7 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
         activations_by_checkpointing={"on": update.activations.on,
                                       "off": update.activations.off},
         details={"dtype": dtype,
+                 "share_prefix": "on" if step.share_prefix else "off",
                  "dtype_from": f.config_dtype_from if cfg.model.dtype == "auto" else "model.dtype",
                  "params": f.params,
                  "trainable_params": states.gradients // (ADAPTER_BYTES if lora else b),
@@ -466,6 +478,12 @@ class StepShape:
     vision_trains: bool
     #: the patch embedding's backward workspace beyond its gradient (CPU; see planner/kernels.py)
     patch_embed_workspace: int = 0
+    #: memory.share_prefix on: a micro-batch reaches the model one packed row per group (its
+    #: prompt once, then its completions in it; r1fit/models/prefix.py)
+    share_prefix: bool = False
+    group: int = 1  # completions per prompt (algo.num_generations)
+    rows_per_gpu: int = 1  # a step's rows on one GPU, of `gpus` contiguous shares
+    gpus: int = 1
 
     @property
     def lora(self) -> bool:
@@ -483,6 +501,25 @@ class StepShape:
     def pixels(self, rows: int) -> int:
         """Bytes of the pixel values of ``rows`` prompts' images."""
         return pixel_bytes(self.facts.vision, rows * self.patches)
+
+    def packed(self, rows: int) -> tuple[int, int]:
+        """What the model runs for a micro-batch of ``rows`` completions: (sequences, tokens per
+        sequence). One row per completion; with ``share_prefix`` one per group the micro-batch
+        touches, its prompt then its completions there, padded to the widest: the largest of
+        either over the micro-batches of every GPU's contiguous share of the step's rows (a
+        micro-batch straddles two groups when its size and the group's do not divide)."""
+        if not self.share_prefix:
+            return rows, self.length
+        groups = completions = 1
+        for gpu in range(self.gpus):
+            first = gpu * self.rows_per_gpu
+            for start in range(first, first + self.rows_per_gpu, rows):
+                end = min(start + rows, first + self.rows_per_gpu)
+                touched = range(start // self.group, (end - 1) // self.group + 1)
+                groups = max(groups, len(touched))
+                completions = max(completions, *(min(end, (g + 1) * self.group)
+                                                 - max(start, g * self.group) for g in touched))
+        return groups, self.prompt.tokens + completions * self.completion
 
 
 def generation_bytes(step: StepShape, rows: int, sampling: int) -> int:
@@ -503,11 +540,12 @@ def generation_bytes(step: StepShape, rows: int, sampling: int) -> int:
 def logprobs_bytes(step: StepShape, rows: int, chunk: int) -> int:
     """Old-policy or reference log-probs of ``rows`` rows under no_grad: their largest moment."""
     t, v, b = step.facts.text, step.facts.vision, step.b
-    patches = rows * step.patches
-    head = (rows * step.length * t.hidden * b  # the backbone's output
+    sequences, width = step.packed(rows)
+    head = (sequences * width * t.hidden * b  # the backbone's output
             + _head_input(step, rows) + chunk_forward_bytes(t.vocab, chunk))
-    return step.pixels(rows) + max(vision_forward_bytes(v, b, patches),
-                                   lm_forward_bytes(t, b, rows, step.length, step.eager), head)
+    return step.pixels(sequences) + max(vision_forward_bytes(v, b, sequences * step.patches),
+                                        lm_forward_bytes(t, b, sequences, width, step.eager),
+                                        head)
 
 
 def _head_input(step: StepShape, rows: int) -> int:
@@ -527,40 +565,53 @@ class Activations:
         return self.on if checkpointing else self.off
 
 
-def lm_activations(step: StepShape, rows: int) -> Activations:
-    """The language model's saved activations for ``rows`` rows, with and without checkpointing."""
-    f, b, T = step.facts, step.b, step.length
+def lm_activations(step: StepShape, rows: int, checkpointed: int | None = None) -> Activations:
+    """The language model's saved activations for ``rows`` rows, with and without checkpointing;
+    with it, ``checkpointed`` of the decoder layers recompute (None: all) and the others keep
+    theirs."""
+    f, b = step.facts, step.b
     t, H = f.text, f.text.hidden
-    tokens = rows * T
+    sequences, T = step.packed(rows)
+    tokens = sequences * T
+    # a packed micro-batch's mask is already additive in the model's dtype: SDPA saves it as it
+    # is, with no copy of its own per layer (the KV heads are repeated all the same)
     layer = layer_saved_per_token(t, b, lora_targets=f.lora_targets if step.lora else None,
-                                  lora_r=step.lora_r, mask_len=T, eager_len=T if step.eager else 0)
+                                  lora_r=step.lora_r, mask_len=T, eager_len=T if step.eager else 0,
+                                  mask_copy=not step.share_prefix)
     outside = (2 * b * t.head_dim * t.rotary_sets  # rotary cos/sin, alive for every layer
-               + F32 * H + F32 + (b * H if not step.lora else 0))  # the final norm
-    mask = rows * T * T  # the boolean padding mask, shared by the layers
+               + F32 * H + F32 + (t.norm_product_bytes(b) * H if not step.lora else 0))  # final norm
+    # the mask shared by the layers: boolean padding, or the packing's additive [T x T] per row
+    mask = sequences * T * T * (b if step.share_prefix else 1)
     shared = _head_input(step, rows) + mask
     recompute = tokens * layer  # checkpointing: one layer's activations rebuilt in backward
-    return Activations(on=tokens * (t.layers * b * H + outside) + shared + recompute,
+    c = t.layers if checkpointed is None else min(checkpointed, t.layers)
+    recompute = recompute if c else 0
+    return Activations(on=tokens * (c * b * H + (t.layers - c) * layer + outside) + shared
+                       + recompute,
                        off=tokens * (t.layers * layer + outside) + shared, recompute=recompute)
 
 
-def vision_activations(step: StepShape, rows: int, checkpointing: bool) -> tuple[int, int]:
-    """The vision tower over ``rows`` rows' images: what it keeps for backward, and its peak."""
+def vision_activations(step: StepShape, rows: int, checkpointing: bool,
+                       checkpointed: int | None = None) -> tuple[int, int]:
+    """The vision tower over ``rows`` rows' images: what it keeps for backward, and its peak;
+    with checkpointing, ``checkpointed`` of its blocks recompute (None: all)."""
     v, b = step.facts.vision, step.b
-    n = rows * step.patches
+    n = step.packed(rows)[0] * step.patches  # a group's images once when it is packed
     if not (step.vision_trains and n):
         forward = vision_forward_bytes(v, b, n)  # transient, before the language model runs
         return forward, forward
     block = vision_block_saved_per_patch(v, b)
-    saved = n * (v.depth * (b * v.hidden if checkpointing else block)
-                 + vision_other_saved_per_patch(v, b))
-    return saved, saved + (n * block if checkpointing else 0)  # + a block recomputed
+    c = (v.depth if checkpointed is None else min(checkpointed, v.depth)) if checkpointing else 0
+    saved = n * (c * b * v.hidden + (v.depth - c) * block + vision_other_saved_per_patch(v, b))
+    return saved, saved + (n * block if c else 0)  # + a block recomputed
 
 
 def head_chunk_bytes(step: StepShape, rows: int, chunk: int) -> int:
     """The LM head's temporaries for ``rows`` rows: a chunk's logits, or its gradient buffers."""
     t, b = step.facts.text, step.b
     grad_weight = t.vocab * t.hidden * b if not step.lora else 0  # zeros_like(head.weight)
-    return max(rows * step.length * t.hidden * b  # the backbone's output, still held
+    sequences, width = step.packed(rows)
+    return max(sequences * width * t.hidden * b  # the backbone's output, still held
                + chunk_forward_bytes(t.vocab, chunk),
                grad_weight + _head_input(step, rows)  # + the gradient of hidden[mask]
                + chunk_backward_bytes(t.vocab, b, chunk))
@@ -569,11 +620,23 @@ def head_chunk_bytes(step: StepShape, rows: int, chunk: int) -> int:
 def layer_backward_bytes(step: StepShape, s: Sizes, fsdp: FsdpBuffers) -> int:
     """Gradients alive inside one decoder layer's backward, for a micro-batch."""
     t, b = step.facts.text, step.b
-    temp = s.micro * step.length * layer_backward_temp_per_token(t, b)
+    sequences, width = step.packed(s.micro)
+    temp = sequences * width * layer_backward_temp_per_token(t, b)
     if s.gpus > 1:  # the unit's own unsharded gradients, fresh each micro-batch, + reduce-scatter
         return temp + fsdp.layer_grad + fsdp.reduce_scatter + fsdp.head_grad
     accumulating = s.micro_batches > 1  # the weight's gradient is added into an existing .grad
-    return temp + (step.facts.largest_layer_weight * b if accumulating and not step.lora else 0)
+    return (temp + (step.facts.largest_layer_weight * b if accumulating and not step.lora else 0)
+            + held_head_grad(step, s))
+
+
+def held_head_grad(step: StepShape, s: Sizes) -> int:
+    """A tied LM head's gradient, held from the head's backward to the end of the backward (one
+    process, full fine-tuning): the head and the embedding share one parameter, so autograd
+    keeps the head's [vocab x hidden] contribution in the parameter's input buffer until the
+    embedding's arrives, the backward's last (under FSDP, ``FsdpBuffers.head_grad``)."""
+    t = step.facts.text
+    tied = step.facts.tied_head and not step.lora and s.gpus == 1
+    return t.vocab * t.hidden * step.b if tied else 0
 
 
 def backward_end_bytes(step: StepShape, s: Sizes, fsdp: FsdpBuffers) -> int:
@@ -582,10 +645,14 @@ def backward_end_bytes(step: StepShape, s: Sizes, fsdp: FsdpBuffers) -> int:
         # the root's post-backward: its gathered weights and gradients (the embedding's dense
         # [vocab x hidden] one included), and their reduce-scatter copy
         return fsdp.root_unit + fsdp.root_grad + fsdp.reduce_scatter
-    # the embedding's dense [vocab x hidden] gradient, added into an existing .grad
+    # the embedding's dense [vocab x hidden] gradient, beside the .grad it is added into (from
+    # the second micro-batch on) and, tied, beside the head's held contribution it is summed
+    # with first; with one micro-batch an untied one becomes the .grad
     t = step.facts.text
-    adds = s.micro_batches > 1 or step.facts.tied_head
-    return t.vocab * t.hidden * step.b if not step.lora and adds else 0
+    if step.lora or (s.micro_batches == 1 and not step.facts.tied_head):
+        return 0
+    dense = t.vocab * t.hidden * step.b
+    return dense + (held_head_grad(step, s) if s.micro_batches > 1 else 0)
 
 
 @dataclass(frozen=True)
@@ -602,22 +669,26 @@ def update_bytes(step: StepShape, s: Sizes, states: States, fsdp: FsdpBuffers,
                  chunk: int) -> Update:
     """One micro-batch's forward and backward: the largest of its moments."""
     m = s.micro
-    activations = lm_activations(step, m)
+    # what checkpointing recomputes when on (the plan reports both sides)
+    text_layers, vision_blocks = step.facts.checkpointed(s.checkpoint_every)
+    activations = lm_activations(step, m, text_layers)
     kept = activations.kept(s.checkpointing)
     rebuilt = activations.recompute if s.checkpointing else 0
-    vision, vision_peak = vision_activations(step, m, s.checkpointing)
+    vision, vision_peak = vision_activations(step, m, s.checkpointing, vision_blocks)
     logits_chunk = head_chunk_bytes(step, m, chunk)
     # from the second micro-batch on, every .grad exists
     grads_before = states.gradients if s.micro_batches > 1 else 0
-    before = grads_before + step.pixels(m) + fsdp.all_gather
+    pixels = step.pixels(step.packed(m)[0])
+    before = grads_before + pixels + fsdp.all_gather
     vision_saved = vision if step.vision_trains else 0  # kept for the tower's backward
     peak = max(
         # the vision tower (its backward, or no-grad forward)
-        before + vision_peak + (fsdp.reduce_scatter + fsdp.head_grad if step.vision_trains else 0),
+        before + vision_peak + (fsdp.reduce_scatter + fsdp.head_grad + held_head_grad(step, s)
+                                if step.vision_trains else 0),
         before + vision_saved + kept - rebuilt + logits_chunk,  # head: a chunk, or backward's start
         before + vision_saved + kept + layer_backward_bytes(step, s, fsdp),  # a layer's backward
         # the end of backward: the patch embedding's, the tower's first op, is the last
-        states.gradients + step.pixels(m) + backward_end_bytes(step, s, fsdp)
+        states.gradients + pixels + backward_end_bytes(step, s, fsdp)
         + step.patch_embed_workspace)
     return Update(peak=peak, activations=activations, logits_chunk=logits_chunk, vision=vision)
 

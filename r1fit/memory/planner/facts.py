@@ -43,6 +43,13 @@ class TextDims:
     hidden_norms: int = 2  # norms of the hidden state per decoder layer (Gemma 3: 4)
     head_norms: bool = False  # per-head q and k norms (Qwen3, Gemma 3)
     rotary_sets: int = 1  # rotary cos/sin tables (Gemma 3: one for sliding, one for global layers)
+    #: a norm multiplies its weight in float32 (Gemma 3: ``(1 + weight.float())``), so the
+    #: normalised value it saves for the weight's gradient is float32, not the model's dtype
+    norm_weight_f32: bool = False
+
+    def norm_product_bytes(self, b: int) -> int:
+        """Bytes of an element of the normalised value a trained norm weight multiplies."""
+        return 4 if self.norm_weight_f32 else b
 
     @property
     def q_dim(self) -> int:
@@ -112,6 +119,19 @@ class ModelFacts:
     image_token_id: int | None = None  # the placeholder the processor repeats once per image token
     config_dtype_from: str = "config.json"  # where config_dtype was read
     hub_config: str = ""  # for a hub id: the config.json read (r1fit's shipped copy, or the hub's)
+    #: the layers transformers' activation checkpointing switches, in module order: "t" a decoder
+    #: layer, "v" a vision block, "o" another
+    checkpoint_order: str = ""
+
+    def checkpointed(self, every: int) -> tuple[int, int]:
+        """(decoder layers, vision blocks) recomputed in backward when checkpointing is on with
+        ``every_n_layers=every``: those whose index in ``checkpoint_order`` is a multiple of it.
+        Without a recorded order (a model facts were made up for), every ``every``-th of each."""
+        if not self.checkpoint_order:
+            depth = self.vision.depth if self.vision is not None else 0
+            return -(-self.text.layers // every), -(-depth // every)
+        picked = self.checkpoint_order[::every]
+        return picked.count("t"), picked.count("v")
 
 
 @dataclass(frozen=True)
@@ -176,6 +196,7 @@ def _facts(source: str, checkpoint: str, path: str, lora_target: str) -> ModelFa
                     head_dim=getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // heads,
                     vocab=text_cfg.vocab_size)
     layers, blocks = _fsdp_units(model, visual := vision_tower(model))
+    order = _checkpoint_order(model, layers, visual)
     text = replace(text, **_layer_norms(layers[0] if layers else None, text),
                    rotary_sets=len(set(getattr(text_cfg, "layer_types", None) or [None])))
     params = list(model.parameters())  # unique: a tied head is counted once
@@ -212,7 +233,20 @@ def _facts(source: str, checkpoint: str, path: str, lora_target: str) -> ModelFa
         layer_lora_in_plus_out=lora_layer_0, vision_block_params=max(block_sizes, default=0),
         root_params=_numel(params) - sum(layer_sizes) - sum(block_sizes),
         root_vision_params=_numel(vision_params) - sum(block_sizes),
-        processor=_processor(checkpoint), image_token_id=getattr(config, "image_token_id", None))
+        processor=_processor(checkpoint), image_token_id=getattr(config, "image_token_id", None),
+        checkpoint_order=order)
+
+
+def _checkpoint_order(model: Any, layers: list[Any], visual: Any) -> str:
+    """Kinds of the model's ``GradientCheckpointingLayer`` modules in module order, the order in
+    which transformers' ``every_n_layers`` counts them: "t" decoder layer, "v" vision block,
+    "o" other."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    text = {id(m) for m in layers}
+    vision = {id(m) for m in visual.modules()} if visual is not None else set()
+    return "".join("t" if id(m) in text else "v" if id(m) in vision else "o"
+                   for m in model.modules() if isinstance(m, GradientCheckpointingLayer))
 
 
 def _layer_norms(layer: Any, text: TextDims) -> dict[str, Any]:
@@ -221,10 +255,42 @@ def _layer_norms(layer: Any, text: TextDims) -> dict[str, Any]:
     head size."""
     if layer is None:
         return {}
-    widths = [m.weight.shape[0] for m in layer.modules()
-              if "Norm" in type(m).__name__ and getattr(m, "weight", None) is not None]
-    return {"hidden_norms": sum(w == text.hidden for w in widths) or 2,
-            "head_norms": any(w == text.head_dim for w in widths)}
+    norms = [m for m in layer.modules()
+             if "Norm" in type(m).__name__ and getattr(m, "weight", None) is not None]
+    widths = [m.weight.shape[0] for m in norms]
+    hidden = [m for m in norms if m.weight.shape[0] == text.hidden]
+    return {"hidden_norms": len(hidden) or 2,
+            "head_norms": any(w == text.head_dim for w in widths),
+            "norm_weight_f32": bool(hidden) and _saves_float32_product(hidden[0])}
+
+
+def _saves_float32_product(norm: Any) -> bool:
+    """Whether ``norm`` (a meta module), run in bfloat16 with its weight trained, saves its
+    normalised value in float32: a CPU copy is run on 4 tokens under saved-tensor hooks and the
+    per-token bytes it saves compared with a float32 input copy, 1/rms and a bfloat16 product."""
+    import copy
+
+    import torch
+
+    width = norm.weight.shape[0]
+    try:
+        module = copy.deepcopy(norm).to_empty(device="cpu").to(torch.bfloat16)
+        with torch.no_grad():
+            for p in module.parameters():
+                p.fill_(0.5)
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.dim() and t.shape[0] == 4:  # per-token tensors, not the weight
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        x = torch.randn(4, width, dtype=torch.bfloat16, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            module(x)
+    except (RuntimeError, TypeError, ValueError):  # a norm that cannot run alone: the formula's
+        return False
+    return sum(saved.values()) // 4 > 4 * width + 4 + 2 * width
 
 
 def _fsdp_units(model: Any, visual: Any) -> tuple[list[Any], list[Any]]:

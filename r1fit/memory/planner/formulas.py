@@ -28,20 +28,22 @@ F32 = 4
 
 
 def layer_saved_per_token(t: TextDims, b: int, *, lora_targets: tuple[str, ...] | None = None,
-                          lora_r: int = 0, mask_len: int = 0, eager_len: int = 0) -> int:
+                          lora_r: int = 0, mask_len: int = 0, eager_len: int = 0,
+                          mask_copy: bool = True) -> int:
     """Bytes one decoder layer saves for backward per token (no checkpointing).
 
     ``b``: bytes of the model dtype. ``lora_targets``: None for full fine-tuning, else the adapted
     projections. ``mask_len``: the sequence length when a padding mask is present; SDPA then gets
     the KV heads repeated to all query heads (transformers' repeat_kv) and saves its own float
-    copy of the boolean mask, one row of ``mask_len`` per token. ``eager_len``: the sequence
-    length under eager attention. Checked against saved-tensor hooks (tests/memory).
+    copy of the boolean mask, one row of ``mask_len`` per token (``mask_copy`` False: the mask
+    is additive in the model's dtype already, and SDPA saves it without a copy). ``eager_len``:
+    the sequence length under eager attention. Checked against saved-tensor hooks (tests/memory).
     """
     H, inter = t.hidden, t.intermediate
     kv = t.q_dim if mask_len and t.kv_heads < t.heads else t.kv_dim
     # SDPA (flash/efficient kernels) saves q, k, v, its output (which is also o_proj's input:
     # same storage) and a float32 log-sum-exp per head
-    attn = b * (2 * t.q_dim + 2 * kv + mask_len) + F32 * t.heads
+    attn = b * (2 * t.q_dim + 2 * kv + (mask_len if mask_copy else 0)) + F32 * t.heads
     if eager_len:  # eager attention also keeps the float32 softmax and its model-dtype copy
         attn += t.heads * eager_len * (F32 + b)
     # each RMSNorm saves its float32 input (the input itself in float32) and 1/rms: the layer's
@@ -53,8 +55,10 @@ def layer_saved_per_token(t: TextDims, b: int, *, lora_targets: tuple[str, ...] 
         # + the normalised value each trained norm weight multiplies, and the output of the two
         # norms before attention and MLP that q/k/v (resp. gate/up) save; MLP: gate (activation
         # input), activation output, up, their product
-        heads_norm += b * (t.q_dim + t.kv_dim) if t.head_norms else 0
-        return t.hidden_norms * (norm + b * H) + 2 * b * H + heads_norm + attn + 4 * b * inter
+        product = t.norm_product_bytes(b)
+        heads_norm += product * (t.q_dim + t.kv_dim) if t.head_norms else 0
+        return (t.hidden_norms * (norm + product * H) + 2 * b * H + heads_norm + attn
+                + 4 * b * inter)
     # frozen norm weights save nothing; gate, act, up
     saved = t.hidden_norms * norm + heads_norm + attn + 3 * b * inter
     groups = ((("q_proj", "k_proj", "v_proj"), H), (("o_proj",), t.q_dim),

@@ -33,6 +33,8 @@ def render_blocks(plan: Plan, cfg: Config) -> list[Any]:
     d = plan.details
     mode = f"LoRA r={cfg.model.lora.r}" if cfg.model.lora.r else "full fine-tuning"
     ckpt = "on" if cfg.memory.gradient_checkpointing else "off"
+    if cfg.memory.gradient_checkpointing and cfg.memory.checkpoint_every > 1:
+        ckpt += f" (1 layer in {cfg.memory.checkpoint_every})"
 
     def auto(key: str) -> str:
         return " (auto)" if key in d["auto"] else ""
@@ -52,7 +54,8 @@ def render_blocks(plan: Plan, cfg: Config) -> list[Any]:
         f"  prompt {d['prompt_estimate']}",
         (f"  micro_batch {d['micro_batch']}{auto('micro_batch')} "
          f"({d['micro_batches_per_update']} per update), generation_batch "
-         f"{d['generation_batch']}{auto('generation_batch')}, gradient checkpointing {ckpt}"),
+         f"{d['generation_batch']}{auto('generation_batch')}, gradient checkpointing {ckpt}, "
+         f"shared prefix {d['share_prefix']}"),
     ]
     blocks += [f"  note: {n}" for n in plan.notes]
     other = "off" if cfg.memory.gradient_checkpointing else "on"

@@ -5,6 +5,7 @@ processor, the decoder layer's norms, and a Gemma 3 layer's saved activations.""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,8 @@ def test_gemma3_facts_come_from_its_config(gemma):
     # four norms of the hidden state per layer, per-head q/k norms, and a rotary table for each of
     # the sliding-window and global layers
     assert (t.hidden_norms, t.head_norms, t.rotary_sets) == (4, True, 2)
+    # Gemma's norms multiply (1 + weight) in float32, measured on a CPU copy of its norm
+    assert t.norm_weight_f32 and not model_facts("builtin:tiny").text.norm_weight_f32
     assert facts.image_token_id == json.loads((gemma / "config.json").read_text())["image_token_index"]
     qwen = model_facts("builtin:tiny")
     assert (qwen.text.hidden_norms, qwen.text.head_norms, qwen.text.rotary_sets) == (2, False, 1)
@@ -66,10 +69,12 @@ def test_gemma3_prompt_estimate_without_a_processor(gemma, tmp_path):
     assert (shape.image_tokens, shape.patches) == (2 * 4, 2 * 16)
 
 
-def test_gemma3_layer_formula_is_close_to_saved_tensors():
-    """Decoder layer 1 of a hand-sized Gemma 3 in float32: the formula with the layer's four norms
-    and q/k norms is within 2% of what autograd saves (the rest: the (1 + weight) copies of the
-    norms, and the global layers' own rotary table, counted outside the layers)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma3_layer_formula_is_close_to_saved_tensors(dtype):
+    """Decoder layer 1 of a hand-sized Gemma 3: the formula with the layer's four norms and q/k
+    norms is within 2% of what autograd saves (the rest: the (1 + weight) copies of the norms,
+    and the global layers' own rotary table, counted outside the layers). In bfloat16 the norms'
+    float32 products are part of it (TextDims.norm_weight_f32)."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     from r1fit.data.batch import Batch
@@ -83,7 +88,7 @@ def test_gemma3_layer_formula_is_close_to_saved_tensors():
     torch.manual_seed(0)
     model = Gemma3ForConditionalGeneration(Gemma3Config(
         text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=99,
-        boi_token_index=97, eoi_token_index=98)).train()
+        boi_token_index=97, eoi_token_index=98)).to(dtype).train()
     layer = model.model.language_model.layers[1]
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     inside, saved = [False], {}
@@ -103,8 +108,12 @@ def test_gemma3_layer_formula_is_close_to_saved_tensors():
         completion_logprobs(model, batch, chunk_size=8)
     measured = sum(saved.values()) / 40
     dims = TextDims(hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, head_dim=8,
-                    vocab=100, hidden_norms=4, head_norms=True, rotary_sets=2)
-    planned = layer_saved_per_token(dims, 4)
+                    vocab=100, hidden_norms=4, head_norms=True, rotary_sets=2,
+                    norm_weight_f32=True)
+    b = dtype.itemsize
+    planned = layer_saved_per_token(dims, b)
     assert planned == pytest.approx(measured, rel=0.02)
+    if b == 2:  # a model-dtype product would miss it
+        assert layer_saved_per_token(replace(dims, norm_weight_f32=False), b) < 0.93 * measured
     # Qwen's two-norm layout would miss a third of it
-    assert layer_saved_per_token(TextDims(32, 64, 2, 4, 2, 8, 100), 4) < 0.75 * measured
+    assert layer_saved_per_token(TextDims(32, 64, 2, 4, 2, 8, 100), b) < 0.75 * measured
