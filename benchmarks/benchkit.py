@@ -28,6 +28,10 @@ from r1fit.errors import R1fitError, one_line  # plain Python: the parents stay 
 
 FOLDER = Path(__file__).resolve().parent
 TAIL_LINES = 30  # of a failed child's stderr; torchrun's own summary alone takes about 20
+CAUSE_LINES = 12  # at most, of the lines before the tail that name a cause (see failure_text)
+# what a line naming a failure's cause holds: a C++ abort (gloo's "terminate called after
+# throwing ...", then "what(): ..."), a Python exception's last line, a signal
+CAUSE_MARKERS = ("terminate called", "what():", "Error", "Exception", "Aborted", "Signal ")
 
 
 class BenchmarkError(ValueError):
@@ -99,8 +103,19 @@ def run_child(command: Sequence[str], what: str, name: str, *,
     own = child_error(done.stderr, name)
     if own is not None:
         raise BenchmarkError(f"{what}: {own}")
-    tail = "\n".join(done.stderr.strip().splitlines()[-TAIL_LINES:])
-    raise BenchmarkError(f"{what} failed (exit {done.returncode}):\n{tail}")
+    raise BenchmarkError(f"{what} failed (exit {done.returncode}):\n"
+                         + failure_text(done.stderr))
+
+
+def failure_text(stderr: str) -> str:
+    """What a failed child's ``stderr`` says: its last :data:`TAIL_LINES` lines, after (up to
+    :data:`CAUSE_LINES` of) the earlier lines that name a cause. Under torchrun the tail is the
+    launcher's own summary; the rank that failed printed its cause (a Python error, or a C++
+    abort's ``terminate called ...`` / ``what(): ...``) above it."""
+    lines = stderr.strip().splitlines()
+    earlier = [line for line in lines[:-TAIL_LINES]
+               if any(marker in line for marker in CAUSE_MARKERS)][-CAUSE_LINES:]
+    return "\n".join(([*earlier, "..."] if earlier else []) + lines[-TAIL_LINES:])
 
 
 def print_result(name: str, result: Any) -> None:

@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -239,8 +240,26 @@ def launch(mode: str, processes: int, folder: str, dtype: str, timeout: float
                str(processes), os.path.abspath(__file__), "--child", mode, "--model", folder,
                "--dtype", dtype]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    stdout = run_child(command, f"{mode} N={processes}", NAME, env=env, timeout=timeout)
+    what = f"{mode} N={processes}"
+    try:
+        stdout = run_child(command, what, NAME, env=env, timeout=timeout)
+    except BenchmarkError as exc:
+        if not killed_by_signal(str(exc)):
+            raise
+        # a rank killed by a signal measured nothing: one more launch, the first one's cause
+        # printed (CI once saw a rank SIGABRT at N=2 that no rerun here reproduced)
+        print(f"{NAME}: {what}: a rank was killed by a signal; launching once more. "
+              f"What the launch printed:\n{exc}", file=sys.stderr, flush=True)
+        stdout = run_child(command, what, NAME, env=env, timeout=timeout)
     return parse_child_output(stdout, mode, processes)
+
+
+def killed_by_signal(message: str) -> bool:
+    """Whether a failed torchrun launch's message (:func:`benchkit.run_child`'s) says a rank was
+    killed by a signal (torchrun's summary: ``Signal 6 (SIGABRT) received by PID ...``), not that
+    it failed with an error of its own."""
+    return " failed (exit " in message and re.search(r"Signal \d+ \(SIG[A-Z]+\)", message) \
+        is not None
 
 
 def warm_page_cache(folder: Path) -> None:

@@ -16,6 +16,7 @@ from benchkit import (
     BenchmarkError,
     child_error,
     cpu_ticks,
+    failure_text,
     main,
     other_cores,
     positive,
@@ -120,6 +121,21 @@ def test_run_child_raises_the_end_of_a_traceback():
         run_child(command, "saving x", "demo")
     tail = "\n".join(f"line {i}" for i in range(40 - TAIL_LINES, 40))
     assert str(info.value) == f"saving x failed (exit 3):\n{tail}"
+
+
+def test_failure_text_keeps_a_ranks_cause_printed_above_torchruns_summary():
+    """torchrun's summary fills the tail; the aborted rank's own lines above it are kept, in
+    order, and lines that name no cause are not."""
+    stderr = "\n".join(["Loading weights: 100%",
+                        "terminate called after throwing an instance of 'gloo::IoException'",
+                        "  what():  Connection closed by peer",
+                        "some progress",
+                        *(f"summary {i}" for i in range(TAIL_LINES))])
+    assert failure_text(stderr) == "\n".join([
+        "terminate called after throwing an instance of 'gloo::IoException'",
+        "  what():  Connection closed by peer", "...",
+        *(f"summary {i}" for i in range(TAIL_LINES))])
+    assert failure_text("a\nb") == "a\nb"  # short: all of it, nothing marked
 
 
 def test_run_child_passes_the_environment_and_stops_at_the_timeout():

@@ -165,6 +165,52 @@ def test_processes_are_sorted_and_deduplicated():
 # the real thing, small
 
 
+SIGNAL_SUMMARY = ("rank0 N=2 failed (exit 1):\n  exitcode  : -6 (pid: 7)\n"
+                  "  traceback : Signal 6 (SIGABRT) received by PID 7")
+
+
+def test_killed_by_signal_reads_torchruns_summary():
+    assert ls.killed_by_signal(SIGNAL_SUMMARY)
+    assert not ls.killed_by_signal("rank0 N=2 failed (exit 1):\nValueError: bad shard")
+    assert not ls.killed_by_signal("rank0 N=2: no result in 600 s")
+
+
+@pytest.mark.parametrize("failures, launches", [(1, 2), (2, 2)])
+def test_a_launch_killed_by_a_signal_is_launched_once_more(monkeypatch, capsys, failures,
+                                                           launches):
+    """Once more, with the first launch's output on stderr; a second kill is the error."""
+    calls = []
+    line = _result_line("rank0", [5.0])
+
+    def run_child(command, what, name, **kwargs):
+        calls.append(what)
+        if len(calls) <= failures:
+            raise BenchmarkError(SIGNAL_SUMMARY)
+        return line + "\n"
+
+    monkeypatch.setattr(ls, "run_child", run_child)
+    if failures >= launches:
+        with pytest.raises(BenchmarkError, match="SIGABRT"):
+            ls.launch("rank0", 1, "folder", "float32", 60)
+    else:
+        assert ls.launch("rank0", 1, "folder", "float32", 60)[0]["growth"] == 5.0 * MB
+    assert len(calls) == launches
+    assert "killed by a signal; launching once more" in capsys.readouterr().err
+
+
+def test_a_launch_failing_with_its_own_error_is_not_repeated(monkeypatch):
+    calls = []
+
+    def run_child(command, what, name, **kwargs):
+        calls.append(what)
+        raise BenchmarkError("rank0 N=2: --model x: does not exist")
+
+    monkeypatch.setattr(ls, "run_child", run_child)
+    with pytest.raises(BenchmarkError, match="does not exist"):
+        ls.launch("rank0", 2, "folder", "float32", 60)
+    assert len(calls) == 1
+
+
 def test_real_run_on_the_tiny_model(tiny_dir, capsys):
     """torchrun with 1 and 2 processes on the tiny model's folder (36 s on 2 cores shared with
     other work): every rank reports a peak, and the 2-process row is rank-0 loading's."""
