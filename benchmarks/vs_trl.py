@@ -1,7 +1,7 @@
 """r1fit against TRL's GRPOTrainer on the same model, data, group size and completion lengths:
 completion tokens/s and peak memory, side by side in one run.
 
-Command (needs TRL: ``pip install -e ".[bench]"``; about 25 minutes on 2 CPU cores):
+Command (needs TRL: ``pip install -e ".[bench]"``; 15 minutes on 2 CPU cores, measured 893 s):
 
     python benchmarks/vs_trl.py
     # = --model builtin:small-realvocab --generations 8 16 --micro-batch 4 --max-new-tokens 64
