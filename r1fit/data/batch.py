@@ -7,7 +7,7 @@ Layout of every batch (generation and training alike, the layout ``generate`` it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,6 +211,46 @@ def collate(prompts: Sequence[Prompt], completions: Sequence[torch.Tensor] | Non
     for key in image_keys:
         inputs[key] = torch.cat([p.image_inputs[key] for p in prompts if key in p.image_inputs], dim=0)
     return Batch(inputs, prompt_len, completion_ids, completion_mask)
+
+
+def consecutive_groups(prompts: Sequence[Prompt], completions: Sequence[torch.Tensor]
+                       ) -> tuple[list[Prompt], list[list[torch.Tensor]]]:
+    """Runs of rows sharing one prompt (GRPO's rows are group-contiguous): each prompt once, with
+    the completions of its run."""
+    unique: list[Prompt] = []
+    groups: list[list[torch.Tensor]] = []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        if unique and unique[-1] is prompt:
+            groups[-1].append(completion)
+        else:
+            unique.append(prompt)
+            groups.append([completion])
+    return unique, groups
+
+
+def micro_batches(rows: Sequence[Prompt], completions: Sequence[torch.Tensor], size: int, *,
+                  tokens: int | None = None, shared: bool = False
+                  ) -> Iterator[tuple[slice, list[Prompt], list[torch.Tensor]]]:
+    """Consecutive slices of at most ``size`` rows; with ``tokens``, of as many rows as fit in
+    that many tokens as the model runs them (each row's prompt and completion; with ``shared``
+    a group's prompt once per slice), a row longer than ``tokens`` alone."""
+    if tokens is None:
+        for start in range(0, len(rows), size):
+            piece = slice(start, min(start + size, len(rows)))
+            yield piece, list(rows[piece]), list(completions[piece])
+        return
+    start, used = 0, 0
+    for i, (prompt, completion) in enumerate(zip(rows, completions, strict=True)):
+        cost = int(completion.shape[0])
+        if not (shared and i > start and rows[i - 1] is prompt):
+            cost += prompt.length
+        if i > start and used + cost > tokens:
+            yield slice(start, i), list(rows[start:i]), list(completions[start:i])
+            start, used = i, prompt.length + int(completion.shape[0])
+        else:
+            used += cost
+    if start < len(rows):
+        yield slice(start, len(rows)), list(rows[start:]), list(completions[start:])
 
 
 def cut_after_eos(tokens: torch.Tensor, eos_ids: Sequence[int]) -> torch.Tensor:

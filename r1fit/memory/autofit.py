@@ -1,4 +1,5 @@
-"""``memory.micro_batch: auto`` / ``memory.generation_batch: auto`` /
+"""``memory.micro_batch: auto`` / ``memory.micro_batch_tokens: auto`` /
+``memory.generation_batch: auto`` /
 ``memory.gradient_checkpointing: auto``: take the planner's answer for the device the run starts
 on (CUDA: the free memory at start-up; CPU: ``memory.budget``)."""
 
@@ -87,7 +88,10 @@ def choose_checkpointing(cfg: Any, *, budget: int, device_type: str, gpus: int
         return {"memory.gradient_checkpointing": on, "memory.checkpoint_every": every}
 
     off = plan(False)
-    if cfg.memory.micro_batch != "auto":
+    # the size that sets a training micro-batch: packed tokens when set, else rows
+    tokens = cfg.memory.micro_batch_tokens
+    sized_by = "micro_batch" if tokens is None else "micro_batch_tokens"
+    if (cfg.memory.micro_batch if tokens is None else tokens) != "auto":
         planned = (f"planned peak without it {format_bytes(off.peak_bytes)}, usable "
                    f"{format_bytes(off.usable_bytes)}")
         if off.fits:
@@ -106,18 +110,21 @@ def choose_checkpointing(cfg: Any, *, budget: int, device_type: str, gpus: int
                                              f"peak {format_bytes(candidate.peak_bytes)}")
         return choice(True), planned
     on = plan(True)
-    sizes = (f"largest micro_batch without it {off.max_micro_batch}, with it "
-             f"{on.max_micro_batch}")
-    return (choice(False), sizes) if off.max_micro_batch * 2 >= max(on.max_micro_batch, 1) \
+    largest_off, largest_on = (getattr(p, f"max_{sized_by}") for p in (off, on))
+    sizes = f"largest {sized_by} without it {largest_off}, with it {largest_on}"
+    return (choice(False), sizes) if largest_off * 2 >= max(largest_on, 1) \
         else (choice(True), sizes)
 
 
 def resolve_sizes(cfg: Any, device: torch.device) -> ChunkSizes:
     """The chunk sizes the run starts with: the config's, with ``auto`` replaced by the largest
-    the planner fits. Over several processes every rank must run as many micro-batches, so the
-    smallest answer of all ranks wins."""
+    the planner fits (``memory.micro_batch_tokens=auto``: the most packed tokens). Over several
+    processes every rank must run as many micro-batches, so the smallest answer of all ranks
+    wins."""
     memory = cfg.memory
     asked = {"micro_batch": memory.micro_batch, "generation_batch": memory.generation_batch}
+    if memory.micro_batch_tokens is not None:
+        asked["micro_batch_tokens"] = memory.micro_batch_tokens
     chosen = dict(asked)
     if "auto" in asked.values():
         from r1fit.memory.planner import plan_memory
@@ -126,18 +133,24 @@ def resolve_sizes(cfg: Any, device: torch.device) -> ChunkSizes:
         # over several processes: one device of the FSDP run (sharded states, 1/N of the rows)
         plan = plan_memory(cfg, device_memory_bytes=budget, device_type=device.type,
                            gpus=world().size)
-        if not plan.max_micro_batch or not plan.max_generation_batch:
-            raise AutoFitError(f"even memory.micro_batch=1 does not fit {format_bytes(budget)} on "
-                               f"{device}: {'; '.join(plan.advice) or 'see r1fit plan'}")
         answers = {"micro_batch": plan.max_micro_batch,
-                   "generation_batch": plan.max_generation_batch}
+                   "generation_batch": plan.max_generation_batch,
+                   "micro_batch_tokens": plan.max_micro_batch_tokens}
         picked = [key for key, value in asked.items() if value == "auto"]
+        if any(not answers[key] for key in picked):
+            what = ("memory.micro_batch_tokens (one row alone)"
+                    if "micro_batch_tokens" in picked and not answers["micro_batch_tokens"]
+                    else "memory.micro_batch=1")
+            raise AutoFitError(f"even {what} does not fit {format_bytes(budget)} on "
+                               f"{device}: {'; '.join(plan.advice) or 'see r1fit plan'}")
         for key in picked:
             chosen[key] = int(answers[key])
         if world().distributed:
-            smallest = all_max([-chosen["micro_batch"], -chosen["generation_batch"]])
-            chosen = {"micro_batch": int(-smallest[0]), "generation_batch": int(-smallest[1])}
+            keys = list(chosen)
+            smallest = all_max([-float(chosen[key]) for key in keys])
+            chosen = {key: int(-value) for key, value in zip(keys, smallest)}
         log.info("auto-fit for %s on %s: %s (planned peak %s)", format_bytes(budget), device,
                  ", ".join(f"memory.{key}={chosen[key]}" for key in picked),
                  format_bytes(plan.peak_bytes))
-    return ChunkSizes(chosen["micro_batch"], chosen["generation_batch"], asked)
+    return ChunkSizes(chosen["micro_batch"], chosen["generation_batch"], asked,
+                      micro_batch_tokens=chosen.get("micro_batch_tokens"))

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from r1fit.data.batch import Prompt
+from r1fit.data.batch import Prompt, micro_batches
 
 # Dense (no sparsity) peak tensor throughput per GPU in TFLOP/s, from the vendors' data sheets:
 # (name fragment as torch.cuda.get_device_name reports it, bf16/fp16, tf32 or fp32 without
@@ -276,14 +276,17 @@ def row_shapes(prompts: Sequence[Prompt], completions: Sequence[torch.Tensor],
 
 
 def group_shapes(prompts: Sequence[Prompt], completions: Sequence[torch.Tensor],
-                 patch_size: int | None, *, micro_batch: int, shared: bool) -> list[GroupShape]:
+                 patch_size: int | None, *, micro_batch: int, shared: bool,
+                 tokens: int | None = None) -> list[GroupShape]:
     """The groups the log-prob passes and updates run: with ``shared``, the runs of rows with one
-    prompt inside each micro-batch of ``micro_batch`` rows; else one group per row."""
+    prompt inside each micro-batch (of ``micro_batch`` rows, or ``tokens`` packed tokens: see
+    :func:`r1fit.data.batch.micro_batches`); else one group per row. Packing changes no model
+    FLOPs: its sequences see only themselves, as rows of their own would."""
     groups: list[GroupShape] = []
-    for start in range(0, len(prompts), micro_batch):
+    for _, rows, comps in micro_batches(prompts, completions, micro_batch, tokens=tokens,
+                                        shared=shared):
         last: Prompt | None = None
-        for prompt, completion in zip(prompts[start:start + micro_batch],
-                                      completions[start:start + micro_batch], strict=True):
+        for prompt, completion in zip(rows, comps, strict=True):
             n = int(completion.shape[0])
             if shared and prompt is last:
                 groups[-1] = replace(groups[-1], completions=groups[-1].completions + (n,))
@@ -311,10 +314,11 @@ class MfuMeter:
                    for r in row_shapes(prompts, completions, self.patch_size))
 
     def training(self, prompts: Sequence[Prompt], completions: Sequence[torch.Tensor], *,
-                 log_prob_passes: int, updates: int, micro_batch: int, shared: bool) -> int:
+                 log_prob_passes: int, updates: int, micro_batch: int, shared: bool,
+                 tokens: int | None = None) -> int:
         """FLOPs of the log-prob passes and updates of these rows, as their micro-batches run."""
         groups = group_shapes(prompts, completions, self.patch_size, micro_batch=micro_batch,
-                              shared=shared)
+                              shared=shared, tokens=tokens)
         return sum(step_flops(self.shape, [], groups, log_prob_passes=log_prob_passes,
                               updates=updates).values())
 

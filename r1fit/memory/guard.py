@@ -1,7 +1,8 @@
 """The OOM guard: when a step runs out of memory, halve the chunk that failed and redo the step.
 
 Where the OOM is raised decides what is halved: inside generation, ``memory.generation_batch``;
-inside log-prob or gradient micro-batches, ``memory.micro_batch``. The redo starts the step from
+inside log-prob or gradient micro-batches, ``memory.micro_batch`` (``memory.micro_batch_tokens``
+when micro-batches are packed by tokens). The redo starts the step from
 its beginning (same prompts, gradients zeroed, the RNG states and counters put back), so it is
 deterministic. Once an optimizer update of the step has been applied, a whole-step redo would apply
 it twice; an OOM in a later update (``num_iterations`` > 1) redoes only that update's gradient
@@ -103,6 +104,8 @@ class OOMGuard:
         self.optimizer.zero_grad(set_to_none=True)
         free_memory(self.device)
         key = _SIZE_OF_PHASE[phase]
+        if key == "micro_batch":
+            key = self.sizes.training_key
         size = self.sizes[key]
         w = world()
         if w.distributed:  # the other ranks are inside collectives of this step: no redo alone
@@ -110,9 +113,9 @@ class OOMGuard:
                 f"out of memory in {phase.replace('_', '-')} work on rank {w.rank} ({message}); "
                 f"over {w.size} processes a step cannot be redone on one rank. Rerun with "
                 f"memory.{key}={max(1, size // 2)} (the run resumes from its last checkpoint)")
-        if size <= 1:
+        if size <= self.sizes.smallest[key]:
             raise OutOfMemory(
-                f"out of memory in {phase.replace('_', '-')} work even with memory.{key}=1 "
+                f"out of memory in {phase.replace('_', '-')} work even with memory.{key}={size} "
                 f"({message}). Lower data.max_pixels or algo.max_new_tokens, keep "
                 "memory.gradient_checkpointing=true, use LoRA (model.lora.r=16) or a smaller "
                 "memory.logits_chunk, or give the run more memory")

@@ -21,7 +21,11 @@ rounding: the same weights see the same tokens at the same positions under the s
 That holds for models whose attention is causal over a sequence and whose positions follow from
 ``get_rope_index`` or the token index. A model that attends bidirectionally within images (Gemma
 3's ``token_type_ids``) or uses sliding windows shorter than a row is not exact this way: the
-custom mask replaces the model's own. :func:`shared_prefix_is_exact` checks a model on a batch.
+custom mask replaces the model's own. :func:`packing_is_exact` checks a model on a batch.
+
+A packed micro-batch (``memory.micro_batch_tokens``, ``one_row=True``) puts several such
+sequences (groups, or with sharing off one ``[prompt | completion]`` per row) one after another
+in a single row with no padding; each sees only itself, so the same argument holds.
 """
 
 from __future__ import annotations
@@ -80,74 +84,109 @@ def _rope_index(inner: nn.Module, prompt: Prompt, completion: torch.Tensor) -> t
 
 def pack_groups(model: nn.Module, prompts: Sequence[Prompt],
                 groups: Sequence[Sequence[torch.Tensor]], pad_id: int,
-                dtype: torch.dtype) -> PackedGroups:
-    """Pack each prompt with its group of completions into one row (see the module's text);
-    rows are right-padded to the longest. ``dtype``: the additive mask's (the model's)."""
+                dtype: torch.dtype, *, one_row: bool = False, varlen: bool = False
+                ) -> PackedGroups:
+    """Pack each prompt with its group of completions (see the module's text). ``one_row=False``:
+    one row per group, rows right-padded to the longest. ``one_row=True`` (a packed micro-batch,
+    ``memory.micro_batch_tokens``): the groups one after another in a single row, no padding.
+    ``dtype``: the additive mask's (the model's).
+
+    The sequences see one another through an additive block mask in the model's dtype (SDPA
+    saves it as it is; a boolean mask it would copy to float in every layer). ``varlen`` (for
+    flash-attention kernels, which take no 4-D mask; one row of groups of one completion each):
+    no mask, the padding-free layout transformers knows instead: text positions that restart at
+    0 where each sequence starts (for M-RoPE models as the first of 4 position rows), from which
+    the model runs the sequences as varlen ones (``cu_seq_lens``), or with SDPA/eager builds the
+    block mask itself. Groups sharing a prompt always need the mask: no position layout says
+    "sees the prompt, not its siblings"."""
     inner = unwrap(model).model
     lengths = [p.length + sum(int(c.shape[0]) for c in g) for p, g in zip(prompts, groups)]
-    width, rows = max(lengths), len(prompts)
+    if one_row:
+        rows, width = 1, sum(lengths)
+        offsets = [sum(lengths[:r]) for r in range(len(lengths))]
+    else:
+        rows, width = len(prompts), max(lengths)
+        offsets = [0] * len(lengths)
+    padding_free = varlen and one_row and all(len(g) == 1 for g in groups)
     widest = max(int(c.shape[0]) for g in groups for c in g)
     n_completions = sum(len(g) for g in groups)
     input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
-    visible = torch.zeros((rows, width, width), dtype=torch.bool)
-    positions: list[torch.Tensor] = []
+    visible = (torch.zeros((rows, width, width), dtype=torch.bool) if not padding_free
+               else None)
+    text_positions = torch.zeros((rows, width), dtype=torch.long)
+    row_positions: torch.Tensor | None = None  # [D, rows, width]
     extras = {k: torch.zeros((rows, width), dtype=v.dtype)
               for p in prompts for k, v in p.token_inputs.items()}
     predict_at = torch.zeros((n_completions, widest), dtype=torch.long)
     completion_ids = torch.full((n_completions, widest), pad_id, dtype=torch.long)
     completion_mask = torch.zeros((n_completions, widest))
     row_of = torch.zeros(n_completions, dtype=torch.long)
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    causal = torch.ones(max(lengths), max(lengths), dtype=torch.bool).tril()
     out = 0
-    for r, (prompt, group) in enumerate(zip(prompts, groups)):
-        n = prompt.length
-        input_ids[r, :n] = prompt.input_ids
+    for g, (prompt, group) in enumerate(zip(prompts, groups)):
+        r = 0 if one_row else g
+        o, n = offsets[g], prompt.length
+        input_ids[r, o:o + n] = prompt.input_ids
+        text_positions[r, o:o + lengths[g]] = torch.arange(lengths[g])
         for key, value in prompt.token_inputs.items():
-            extras[key][r, :n] = value
-        visible[r, :n, :n] = causal[:n, :n]
-        row_positions = None
-        start = n
+            extras[key][r, o:o + n] = value
+        if visible is not None:
+            visible[r, o:o + n, o:o + n] = causal[:n, :n]
+        start = o + n
         for completion in group:
             k = int(completion.shape[0])
             alone = _rope_index(inner, prompt, completion)  # [D, n + k]
             if row_positions is None:
-                row_positions = torch.zeros((alone.shape[0], width), dtype=alone.dtype)
-                row_positions[:, :n] = alone[:, :n]
-            row_positions[:, start:start + k] = alone[:, n:]
+                row_positions = torch.zeros((alone.shape[0], rows, width), dtype=alone.dtype)
+            row_positions[:, r, o:o + n] = alone[:, :n]
+            row_positions[:, r, start:start + k] = alone[:, n:]
             input_ids[r, start:start + k] = completion
-            visible[r, start:start + k, :n] = True
-            visible[r, start:start + k, start:start + k] = causal[:k, :k]
+            if visible is not None:
+                visible[r, start:start + k, o:o + n] = True
+                visible[r, start:start + k, start:start + k] = causal[:k, :k]
             # token 0 is predicted by the prompt's last hidden state, token j by token j - 1
-            predict_at[out, :k] = torch.cat([torch.tensor([n - 1]),
+            predict_at[out, :k] = torch.cat([torch.tensor([o + n - 1]),
                                              torch.arange(start, start + k - 1)])
             completion_ids[out, :k] = completion
             completion_mask[out, :k] = 1.0
             row_of[out] = r
             out += 1
             start += k
-        assert row_positions is not None, "a group without completions"
-        positions.append(row_positions)
-    # padding columns see only themselves (a softmax over nothing would be NaN); nothing sees them
-    pads = torch.arange(width).unsqueeze(0) >= torch.tensor(lengths).unsqueeze(1)
-    visible |= torch.diag_embed(pads)
-    mask = torch.zeros((rows, 1, width, width), dtype=dtype)
-    mask.masked_fill_(~visible.unsqueeze(1), torch.finfo(dtype).min)
-    position_ids = torch.stack(positions, dim=1)  # [D, rows, width]
+    assert row_positions is not None, "a group without completions"
+    position_ids = row_positions  # [D, rows, width]
+    inputs: dict[str, torch.Tensor] = {"input_ids": input_ids}
+    if visible is None:
+        # no mask: the model reads the sequence starts off the text positions
+        if position_ids.shape[0] == 3:  # M-RoPE: text positions first, as transformers expects
+            position_ids = torch.cat([text_positions.unsqueeze(0), position_ids])
+    else:
+        # padding columns see only themselves (a softmax over nothing would be NaN); nothing
+        # sees them
+        pads = torch.arange(width).unsqueeze(0) >= torch.tensor(lengths).unsqueeze(1)
+        if not one_row:
+            visible |= torch.diag_embed(pads)
+        mask = torch.zeros((rows, 1, width, width), dtype=dtype)
+        mask.masked_fill_(~visible.unsqueeze(1), torch.finfo(dtype).min)
+        inputs["attention_mask"] = mask
     if position_ids.shape[0] == 1:
         position_ids = position_ids[0]
-    inputs: dict[str, torch.Tensor] = {"input_ids": input_ids, "attention_mask": mask,
-                                       "position_ids": position_ids, **extras}
+    inputs.update(position_ids=position_ids, **extras)
     for key in dict.fromkeys(k for p in prompts for k in p.image_inputs):
         inputs[key] = torch.cat([p.image_inputs[key] for p in prompts if key in p.image_inputs])
     return PackedGroups(inputs, predict_at, completion_ids, completion_mask, row_of)
 
 
-def shared_prefix_is_exact(model: nn.Module, prompts: Sequence[Prompt],
-                           groups: Sequence[Sequence[torch.Tensor]], pad_id: int, *,
-                           chunk_size: int, tolerance: float = 1e-4) -> bool:
-    """Whether the shared-prefix log-probs of these groups equal the per-row path's within
-    ``tolerance`` (absolute, per token): a model whose attention is not plain causal, or whose
-    positions do not follow from ``get_rope_index``, fails it."""
+def packed_tokens(prompts: Sequence[Prompt], groups: Sequence[Sequence[torch.Tensor]]) -> int:
+    """Tokens the model runs for these groups packed (each prompt once, then its completions)."""
+    return sum(p.length + sum(int(c.shape[0]) for c in g) for p, g in zip(prompts, groups))
+
+
+def packing_is_exact(model: nn.Module, prompts: Sequence[Prompt],
+                     groups: Sequence[Sequence[torch.Tensor]], pad_id: int, *, chunk_size: int,
+                     one_row: bool = False, tolerance: float = 1e-4) -> bool:
+    """Whether the log-probs of these groups packed (:func:`pack_groups` with ``one_row``) equal
+    the per-row path's within ``tolerance`` (absolute, per token): a model whose attention is
+    not plain causal, or whose positions do not follow from ``get_rope_index``, fails it."""
     from r1fit.data.batch import collate
     from r1fit.models.logprobs import completion_logprobs
 
@@ -158,7 +197,7 @@ def shared_prefix_is_exact(model: nn.Module, prompts: Sequence[Prompt],
     with torch.no_grad():
         per_row = completion_logprobs(model, collate(rows, completions, pad_id).to(device),
                                       chunk_size=chunk_size)
-        packed = pack_groups(model, prompts, groups, pad_id, dtype).to(device)
+        packed = pack_groups(model, prompts, groups, pad_id, dtype, one_row=one_row).to(device)
         shared = completion_logprobs(model, packed, chunk_size=chunk_size)
     width = min(per_row.shape[1], shared.shape[1])
     return bool((per_row[:, :width] - shared[:, :width]).abs().max() <= tolerance)

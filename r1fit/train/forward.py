@@ -1,72 +1,111 @@
-"""Completion log-probs of many rows, ``memory.micro_batch`` rows at a time (the model call itself
-is :func:`r1fit.models.logprobs.completion_logprobs`), each micro-batch collated one row per
-completion or, with ``memory.share_prefix``, packed one row per group (:class:`PrefixSharing`)."""
+"""Completion log-probs of many rows a micro-batch at a time (the model call itself is
+:func:`r1fit.models.logprobs.completion_logprobs`). A micro-batch is ``memory.micro_batch`` rows,
+or with ``memory.micro_batch_tokens`` as many consecutive rows as fit in that many tokens; it
+reaches the model as :class:`BatchLayout` says: collated one row per completion, packed one row
+per group (``memory.share_prefix``), or all in one row without padding (packed)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from r1fit.data.batch import Batch, Prompt, collate
+from r1fit.data.batch import Batch, Prompt, collate, consecutive_groups, micro_batches
 from r1fit.distributed.context import all_sum
+from r1fit.errors import R1fitError
+from r1fit.models.load import unwrap
 from r1fit.models.logprobs import completion_logprobs
-from r1fit.models.prefix import PackedGroups, pack_groups, shared_prefix_is_exact
+from r1fit.models.prefix import PackedGroups, pack_groups, packing_is_exact
 from r1fit.rollout.record import Rollout
 
 log = logging.getLogger("r1fit.forward")
 
 
-def consecutive_groups(prompts: Sequence[Prompt], completions: Sequence[torch.Tensor]
-                       ) -> tuple[list[Prompt], list[list[torch.Tensor]]]:
-    """Runs of rows sharing one prompt (GRPO's rows are group-contiguous): each prompt once, with
-    the completions of its run."""
-    unique: list[Prompt] = []
-    groups: list[list[torch.Tensor]] = []
-    for prompt, completion in zip(prompts, completions, strict=True):
-        if unique and unique[-1] is prompt:
-            groups[-1].append(completion)
-        else:
-            unique.append(prompt)
-            groups.append([completion])
-    return unique, groups
+class PackingError(R1fitError, ValueError):
+    """The model's log-probs change when its sequences are packed; the message says what to set."""
 
 
-class PrefixSharing:
+def _flash_attention(model: Any) -> bool:
+    """Whether the model runs a flash-attention kernel, which takes no 4-D mask."""
+    config = getattr(unwrap(model), "config", None)
+    return "flash" in str(getattr(config, "_attn_implementation", "") or "")
+
+
+class BatchLayout:
     """How micro-batches reach the model: one row per completion (:func:`collate`), or one per
-    group with its prompt once (:func:`pack_groups`) when ``memory.share_prefix`` is on. 'auto'
-    decides on the first micro-batch: every process compares the two paths' log-probs on its own
-    rows, and sharing is on only if they agree on every process (so all take the same path)."""
+    group with its prompt once (:func:`pack_groups`) when ``memory.share_prefix`` is on; with
+    ``packed`` (``memory.micro_batch_tokens`` set) the micro-batch's sequences (its groups, or
+    ``[prompt | completion]`` rows) one after another in a single row, no padding.
 
-    def __init__(self, setting: bool | str) -> None:
-        self.on: bool | None = None if setting == "auto" else bool(setting)
+    Decided once, on the first rows the run scores (:meth:`decide`): ``share_prefix='auto'`` is
+    on only if the shared layout's log-probs equal the per-row path's on every process (so all
+    take the same path); a packed layout is checked the same way and refused in one line when it
+    differs (a model whose attention is not plain causal within a sequence). Sharing needs a
+    4-D mask, which flash-attention kernels do not take: with them 'auto' is off."""
+
+    def __init__(self, share_prefix: bool | str) -> None:
+        self.on: bool | None = None if share_prefix == "auto" else bool(share_prefix)
+        self.checked_packing = False
+
+    def decide(self, model: Any, rows: Sequence[Prompt], completions: Sequence[torch.Tensor], *,
+               pad_id: int, chunk_size: int, packed: bool) -> None:
+        """Settle sharing (``auto``) and check packing on the first two groups of ``rows``."""
+        if self.on is not None and (self.checked_packing or not packed):
+            return
+        unique, groups = consecutive_groups(rows, completions)
+        unique, groups = unique[:2], groups[:2]
+        results: dict[bool, bool] = {}
+
+        def exact(shared: bool) -> bool:
+            if shared not in results:
+                args = (unique, groups) if shared else (
+                    [p for p, g in zip(unique, groups) for _ in g], [[c] for g in groups for c in g])
+                ok = packing_is_exact(model, *args, pad_id, chunk_size=chunk_size, one_row=packed)
+                results[shared] = all_sum([0.0 if ok else 1.0])[0] == 0
+            return results[shared]
+
+        if self.on is None:
+            if _flash_attention(model):
+                self.on = False
+                log.info("memory.share_prefix=auto: off (flash attention takes no 4-D mask)")
+            else:
+                self.on = exact(True)
+                log.info("memory.share_prefix=auto: %s", "on (a group's prompt runs once per "
+                         "micro-batch)" if self.on else "off: this model's log-probs differ when "
+                         "its completions share a prompt (e.g. bidirectional image attention)")
+        elif self.on and _flash_attention(model):
+            raise PackingError("memory.share_prefix=true needs a 4-D attention mask, which "
+                               "model.attn_implementation=flash_attention_2 does not take: use "
+                               "'sdpa', or memory.share_prefix=auto (off with flash attention)")
+        if packed and not self.checked_packing:
+            if not exact(bool(self.on)):
+                raise PackingError(
+                    "memory.micro_batch_tokens: this model's log-probs differ when its sequences "
+                    "are packed into one row (its attention is not plain causal within a "
+                    "sequence, e.g. bidirectional image attention); unset memory.micro_batch_"
+                    "tokens and use memory.micro_batch")
+            self.checked_packing = True
+            log.info("memory.micro_batch_tokens: packed micro-batches checked equal to the "
+                     "per-row path")
 
     def inputs(self, model: Any, prompts: Sequence[Prompt], completions: Sequence[torch.Tensor],
-               *, pad_id: int, device: torch.device, chunk_size: int) -> Batch | PackedGroups:
-        """The model inputs of one micro-batch, on ``device``."""
-        if self.on is None:
-            unique, groups = consecutive_groups(prompts, completions)
-            exact = shared_prefix_is_exact(model, unique, groups, pad_id, chunk_size=chunk_size)
-            self.on = all_sum([0.0 if exact else 1.0])[0] == 0
-            log.info("memory.share_prefix=auto: %s", "on (a group's prompt runs once per "
-                     "micro-batch)" if self.on else "off: this model's log-probs differ when "
-                     "its completions share a prompt (e.g. bidirectional image attention)")
-        if not self.on:
+               *, pad_id: int, device: torch.device, packed: bool = False
+               ) -> Batch | PackedGroups:
+        """The model inputs of one micro-batch, on ``device`` (after :meth:`decide` when
+        ``share_prefix`` is 'auto')."""
+        assert self.on is not None, "BatchLayout.decide() first"
+        if not self.on and not packed:
             return collate(prompts, completions, pad_id).to(device)
-        unique, groups = consecutive_groups(prompts, completions)
+        if self.on:
+            unique, groups = consecutive_groups(prompts, completions)
+        else:
+            unique, groups = list(prompts), [[c] for c in completions]
         dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
-        return pack_groups(model, unique, groups, pad_id, dtype).to(device)
-
-
-def micro_batches(rows: Sequence[Prompt], completions: Sequence[torch.Tensor],
-                  size: int) -> Iterator[tuple[slice, list[Prompt], list[torch.Tensor]]]:
-    """Consecutive slices of at most ``size`` rows."""
-    for start in range(0, len(rows), size):
-        piece = slice(start, min(start + size, len(rows)))
-        yield piece, list(rows[piece]), list(completions[piece])
+        return pack_groups(model, unique, groups, pad_id, dtype, one_row=packed,
+                           varlen=_flash_attention(model)).to(device)
 
 
 def pad_rows(values: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -81,16 +120,18 @@ def pad_rows(values: list[torch.Tensor], width: int) -> torch.Tensor:
 def logprobs_in_micro_batches(model: Any, rows: Sequence[Prompt],
                               completions: Sequence[torch.Tensor], *, micro_batch: int,
                               chunk_size: int, temperature: float, pad_id: int,
-                              device: torch.device, sharing: PrefixSharing | None = None
-                              ) -> torch.Tensor:
-    """Log-probs [N, max completion length] of all rows, no gradients, ``micro_batch`` rows at a
-    time (the old-policy and reference log-probs)."""
+                              device: torch.device, layout: BatchLayout | None = None,
+                              tokens: int | None = None) -> torch.Tensor:
+    """Log-probs [N, max completion length] of all rows, no gradients, ``micro_batch`` rows (or
+    with ``tokens`` that many packed tokens) at a time (the old-policy and reference log-probs)."""
     width = max(int(c.shape[0]) for c in completions)
     parts = []
-    sharing = sharing or PrefixSharing(False)
-    for _, prompts, comps in micro_batches(rows, completions, micro_batch):
-        batch = sharing.inputs(model, prompts, comps, pad_id=pad_id, device=device,
-                               chunk_size=chunk_size)
+    layout = layout or BatchLayout(False)
+    packed = tokens is not None
+    layout.decide(model, rows, completions, pad_id=pad_id, chunk_size=chunk_size, packed=packed)
+    for _, prompts, comps in micro_batches(rows, completions, micro_batch, tokens=tokens,
+                                           shared=bool(layout.on)):
+        batch = layout.inputs(model, prompts, comps, pad_id=pad_id, device=device, packed=packed)
         parts.extend(completion_logprobs(model, batch, chunk_size=chunk_size,
                                          temperature=temperature).cpu())
     if isinstance(model, FSDPModule):
@@ -100,18 +141,29 @@ def logprobs_in_micro_batches(model: Any, rows: Sequence[Prompt],
     return pad_rows(parts, width)
 
 
+def longest_row(rows: Sequence[Prompt], completions: Sequence[torch.Tensor]) -> int:
+    """Tokens of the longest ``[prompt | completion]``: a packed micro-batch no larger holds one
+    row (the OOM guard's floor for ``memory.micro_batch_tokens``)."""
+    return max(p.length + int(c.shape[0]) for p, c in zip(rows, completions))
+
+
+def run_logprobs(run: Any, model: Any, rollout: Rollout) -> torch.Tensor:
+    """No-grad log-probs of this process's rows of ``rollout`` under ``model``, micro-batched as
+    ``run.sizes`` and ``run.layout`` say."""
+    run.sizes.note_sequence(longest_row(rollout.rows, rollout.completions))
+    return logprobs_in_micro_batches(
+        model, rollout.rows, rollout.completions, micro_batch=run.sizes.micro_batch,
+        tokens=run.sizes.micro_batch_tokens, chunk_size=run.cfg.memory.logits_chunk,
+        temperature=run.cfg.algo.temperature, pad_id=run.ids.pad, device=run.device,
+        layout=run.layout)
+
+
 def add_logprobs(rollout: Rollout, run: Any, reference: Any, *, old: bool) -> None:
     """Log-prob stage of a rollout: the old policy's log-probs of this process's rows when the
     rollout is reused (``old``: ``algo.num_iterations`` > 1) and the reference's when there is
-    one, ``run.sizes.micro_batch`` rows at a time, no gradients."""
-    args = dict(micro_batch=run.sizes.micro_batch, chunk_size=run.cfg.memory.logits_chunk,
-                temperature=run.cfg.algo.temperature, pad_id=run.ids.pad, device=run.device,
-                sharing=run.prefix)
-    rows = rollout.rows
-    rollout.old_logp = (logprobs_in_micro_batches(run.policy, rows, rollout.completions, **args)
-                        if old else None)
+    one, a micro-batch at a time (``run.sizes``), no gradients."""
+    rollout.old_logp = run_logprobs(run, run.policy, rollout) if old else None
     rollout.ref_logp = None
     if reference is not None:
         with reference.model() as ref_model:
-            rollout.ref_logp = logprobs_in_micro_batches(ref_model, rows, rollout.completions,
-                                                         **args)
+            rollout.ref_logp = run_logprobs(run, ref_model, rollout)

@@ -44,7 +44,7 @@ from r1fit.rollout.record import Rollout
 from r1fit.rollout.score import AdvantageSettings, finished_rows, kl_in_reward, loss_counts, score_rollout
 from r1fit.train.engines import rollout_engine
 from r1fit.train.evaluate import evaluate
-from r1fit.train.forward import add_logprobs, logprobs_in_micro_batches, micro_batches
+from r1fit.train.forward import add_logprobs, longest_row, micro_batches, run_logprobs
 from r1fit.train.optim import build_optimizer, build_scheduler, clip_and_step
 from r1fit.train.run import Run, start_run
 from r1fit.train.sft import supervised_steps
@@ -140,6 +140,7 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
                    "learning_rate": scheduler.get_last_lr()[0], **step_memory(run.device),
                    "bad_rows": bad_rows.count, "reward_errors": scorer.total_errors,
                    "oom_retries": guard.retries, "micro_batch": run.sizes.micro_batch,
+                   "micro_batch_tokens": run.sizes.micro_batch_tokens,
                    "generation_batch": run.sizes.generation_batch,
                    **flops_metrics(meter, run, drawn, rollout, reference is not None,
                                    sum(times.values()))}
@@ -191,7 +192,8 @@ def build_reference(run: Run) -> Reference | None:
 def flops_metrics(meter: MfuMeter, run: Run, drawn: Rollout, kept: Rollout | None,
                   with_reference: bool, seconds: float) -> dict[str, float]:
     """The step's model FLOPs (every process's: generating every row drawn, then the log-prob
-    passes and updates of the kept ones, the way ``memory.share_prefix`` runs them) and the MFU
+    passes and updates of the kept ones, the way ``memory.share_prefix`` and the micro-batch
+    sizes run them) and the MFU
     they make over its ``seconds`` on ``world.size`` devices (r1fit/memory/flops.py)."""
     algo = run.cfg.algo
     local = meter.generation(drawn.rows, drawn.completions)
@@ -200,7 +202,7 @@ def flops_metrics(meter: MfuMeter, run: Run, drawn: Rollout, kept: Rollout | Non
                   + int(algo.kl_in_reward and algo.num_iterations == 1))
         local += meter.training(kept.rows, kept.completions, log_prob_passes=passes,
                                 updates=algo.num_iterations, micro_batch=run.sizes.micro_batch,
-                                shared=bool(run.prefix.on))
+                                shared=bool(run.layout.on), tokens=run.sizes.micro_batch_tokens)
     total = all_sum([float(local)])[0]
     return {"flops": total, "mfu": meter.mfu(total, seconds, run.world.size)}
 
@@ -260,10 +262,7 @@ def policy_update(run: Run, rollout: Rollout, optimizer: torch.optim.Optimizer, 
     if first and algo.kl_in_reward:
         with guard.phase("micro_batch"):
             policy_logp = rollout.old_logp if rollout.old_logp is not None else \
-                logprobs_in_micro_batches(
-                    run.policy, rollout.rows, rollout.completions, micro_batch=run.sizes.micro_batch,
-                    chunk_size=run.cfg.memory.logits_chunk, temperature=algo.temperature,
-                    pad_id=run.ids.pad, device=run.device, sharing=run.prefix)
+                run_logprobs(run, run.policy, rollout)
         kl_reward = kl_in_reward(rollout, policy_logp, algo.beta,
                                  get_advantage_estimator(algo.estimator()))
 
@@ -287,7 +286,8 @@ def policy_update(run: Run, rollout: Rollout, optimizer: torch.optim.Optimizer, 
 
 def accumulate_policy_gradients(run: Run, rollout: Rollout, *, compare_engine: bool = False,
                                 iteration: int = 0) -> dict[str, float | None]:
-    """Backward of the GRPO loss over this process's rows, ``memory.micro_batch`` rows at a time.
+    """Backward of the GRPO loss over this process's rows, a micro-batch at a time
+    (``memory.micro_batch`` rows, or ``memory.micro_batch_tokens`` packed tokens).
 
     The loss of each micro-batch is its share of the whole-batch loss (the token and sequence
     counts of the whole step, every process's rows), so the accumulated gradient, summed over
@@ -317,10 +317,16 @@ def accumulate_policy_gradients(run: Run, rollout: Rollout, *, compare_engine: b
                                      else None}
     if compare_engine and rollout.engine_logp is not None:
         sums["engine_logp_abs_diff"] = 0.0
+    sizes, layout = run.sizes, run.layout
+    packed = sizes.micro_batch_tokens is not None
+    sizes.note_sequence(longest_row(rollout.rows, rollout.completions))
+    layout.decide(run.policy, rollout.rows, rollout.completions, pad_id=run.ids.pad,
+                  chunk_size=run.cfg.memory.logits_chunk, packed=packed)
     for piece, prompts, comps in micro_batches(rollout.rows, rollout.completions,
-                                               run.sizes.micro_batch):
-        batch = run.prefix.inputs(run.policy, prompts, comps, pad_id=run.ids.pad, device=device,
-                                  chunk_size=run.cfg.memory.logits_chunk)
+                                               sizes.micro_batch, tokens=sizes.micro_batch_tokens,
+                                               shared=bool(layout.on)):
+        batch = layout.inputs(run.policy, prompts, comps, pad_id=run.ids.pad, device=device,
+                              packed=packed)
         logp, entropy = completion_logprobs_and_entropy(
             run.policy, batch, chunk_size=run.cfg.memory.logits_chunk,
             temperature=algo.temperature)

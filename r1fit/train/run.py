@@ -36,7 +36,7 @@ from r1fit.report.sinks import Trackers, open_trackers, require_trackers
 from r1fit.report.summary import write_summary
 from r1fit.rng import seed_everything
 from r1fit.rollout.generate import TokenIds
-from r1fit.train.forward import PrefixSharing
+from r1fit.train.forward import BatchLayout
 
 log = logging.getLogger("r1fit")
 
@@ -56,7 +56,7 @@ class Run:
     ids: TokenIds
     train_set: PromptDataset
     eval_set: PromptDataset | None
-    sizes: ChunkSizes  # memory.micro_batch / generation_batch in use
+    sizes: ChunkSizes  # memory.micro_batch / micro_batch_tokens / generation_batch in use
     max_prompt_tokens: int | None
     metrics: MetricsWriter
     trackers: Trackers  # report.to (also fed by metrics); empty on ranks other than 0
@@ -64,7 +64,7 @@ class Run:
     rss_before_load_bytes: int  # what memory.budget is measured from on CPU
     rss_after_load_bytes: int
     started: float  # perf_counter() when the run started
-    prefix: PrefixSharing  # memory.share_prefix: how micro-batches reach the model
+    layout: BatchLayout  # memory.share_prefix, packing: how micro-batches reach the model
 
     def encode(self, samples: list[Sample]) -> tuple[list[Prompt], list[str]]:
         """Prompts of ``samples`` and one message per sample refused as too long."""
@@ -153,4 +153,4 @@ def start_run(cfg: Config, kind: str) -> Run:
                MetricsWriter(out / "metrics.jsonl", active=w.main, trackers=trackers), trackers,
                checkpoints,
                rss_before_load, current_rss_bytes(), started,
-               PrefixSharing(cfg.memory.share_prefix))
+               BatchLayout(cfg.memory.share_prefix))

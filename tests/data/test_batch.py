@@ -1,8 +1,10 @@
 """Collation layout: [left pads | prompt | completion | right pads], per-token extras zero on text."""
 
+from types import SimpleNamespace
+
 import torch
 
-from r1fit.data.batch import Prompt, collate, cut_after_eos, split_too_long
+from r1fit.data.batch import Prompt, collate, consecutive_groups, cut_after_eos, micro_batches, split_too_long
 from r1fit.data.sample import Sample
 
 PAD = 0
@@ -112,3 +114,44 @@ def test_multi_turn_sft_target_scores_the_assistant_turns_only(tiny_dir):
     single = Sample(images=[], problem="q", solution="a", source="t",
                     turns=(("user", "q"), ("assistant", "a")))
     assert conversation_target(processor, single, "", "a") is None
+
+
+def test_micro_batches_cover_the_rows_in_order():
+    rows, comps = list("abcde"), [torch.tensor([i]) for i in range(5)]
+    pieces = [(p, r) for p, r, _ in micro_batches(rows, comps, 2)]
+    assert pieces == [(slice(0, 2), ["a", "b"]), (slice(2, 4), ["c", "d"]), (slice(4, 5), ["e"])]
+
+
+def _token_rows():
+    """Two groups: prompt A (10 tokens) x completions of 3, 4, 5; prompt B (6 tokens) x 2, 7."""
+    a, b = SimpleNamespace(length=10), SimpleNamespace(length=6)
+    rows = [a, a, a, b, b]
+    comps = [torch.zeros(n, dtype=torch.long) for n in (3, 4, 5, 2, 7)]
+    return rows, comps
+
+
+def test_micro_batches_by_tokens_without_sharing():
+    """Each row costs its prompt + completion: 13, 14, 15, 8, 13 tokens. A budget of 30 takes
+    13 + 14 = 27 (adding 15 would be 42), then 15 + 8 = 23 (+13 = 36), then 13."""
+    rows, comps = _token_rows()
+    pieces = [p for p, _, _ in micro_batches(rows, comps, 99, tokens=30)]
+    assert pieces == [slice(0, 2), slice(2, 4), slice(4, 5)]
+
+
+def test_micro_batches_by_tokens_with_sharing():
+    """A group's prompt counts once per micro-batch: 10 + 3 + 4 + 5 = 22 for group A, then
+    B's 6 + 2 = 8 fits a budget of 30 (22 + 8 = 30); B's next row 7 would make 37, so it starts
+    a new micro-batch that holds B's prompt again: 6 + 7 = 13."""
+    rows, comps = _token_rows()
+    pieces = [p for p, _, _ in micro_batches(rows, comps, 99, tokens=30, shared=True)]
+    assert pieces == [slice(0, 4), slice(4, 5)]
+    # a budget below one row: every row alone, none dropped
+    pieces = [p for p, _, _ in micro_batches(rows, comps, 99, tokens=5, shared=True)]
+    assert pieces == [slice(i, i + 1) for i in range(5)]
+
+
+def test_consecutive_groups_follow_prompt_identity():
+    rows, comps = _token_rows()
+    unique, groups = consecutive_groups(rows, comps)
+    assert unique == [rows[0], rows[3]]
+    assert [[int(c.shape[0]) for c in g] for g in groups] == [[3, 4, 5], [2, 7]]

@@ -1,6 +1,7 @@
-"""GRPO with memory.share_prefix on and off trains the same model (up to float32 summation order):
-the same completions, rewards and losses each step, and final weights within rounding. 'auto'
-turns it on for Qwen2.5-VL after checking the first micro-batch."""
+"""GRPO with memory.share_prefix on and off, and with micro-batches packed by tokens
+(memory.micro_batch_tokens), trains the same model (up to float32 summation order): the same
+completions, rewards and losses each step, and final weights within rounding. 'auto' turns
+sharing on for Qwen2.5-VL after checking the first micro-batch."""
 
 from __future__ import annotations
 
@@ -24,18 +25,28 @@ RUN = ["train.max_steps=3", "train.prompts_per_step=2", "algo.num_generations=4"
        "rewards.lenreward:length=1.0"]
 
 
-def run(out: Path, setting: str) -> tuple[list[dict], dict[str, torch.Tensor]]:
-    assert main(["train", f"train.output_dir={out}", *RUN, f"memory.share_prefix={setting}"]) == 0
+def run(out: Path, setting: str, *extra: str) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    assert main(["train", f"train.output_dir={out}", *RUN, f"memory.share_prefix={setting}",
+                 *extra]) == 0
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward_mean" in r]
     return rows, load_file(out / "final" / "model.safetensors")
 
 
+@pytest.mark.parametrize("setting,extra", [
+    ("auto", ()),
+    # packed by tokens: a prompt is ~40 tokens here, so 100 tokens cut a group of 4 in pieces
+    ("false", ("memory.micro_batch_tokens=100",)),
+    ("auto", ("memory.micro_batch_tokens=100",))])
 def test_same_training_with_and_without_a_shared_prefix(use_tiny_cache, reward_plugin, tmp_path,
-                                                       caplog):
+                                                       caplog, setting, extra):
     per_row, w_row = run(tmp_path / "rows", "false")
     with caplog.at_level(logging.INFO, logger="r1fit.forward"):
-        shared, w_shared = run(tmp_path / "auto", "auto")
-    assert "memory.share_prefix=auto: on" in caplog.text
+        shared, w_shared = run(tmp_path / "other", setting, *extra)
+    if setting == "auto":
+        assert "memory.share_prefix=auto: on" in caplog.text
+    if extra:
+        assert "packed micro-batches checked equal" in caplog.text
+        assert all(r["micro_batch_tokens"] == 100 for r in shared)
     assert len(per_row) == len(shared) == 3
     for a, b in zip(per_row, shared):
         # sampling saw the same weights at each step: same completions, hence rewards
@@ -44,8 +55,12 @@ def test_same_training_with_and_without_a_shared_prefix(use_tiny_cache, reward_p
         for key in ("loss", "kl", "grad_norm", "entropy"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
         # the model FLOPs done: a group's prompt (and image) runs once per micro-batch, not per
-        # completion, in the old, reference and update passes
-        assert 0 < b["flops"] < a["flops"] and 0 < a["mfu"] < 1 and 0 < b["mfu"] < 1
+        # completion, in the old, reference and update passes; packing alone changes none
+        if setting == "auto":
+            assert 0 < b["flops"] < a["flops"]
+        else:
+            assert b["flops"] == a["flops"]
+        assert 0 < a["mfu"] < 1 and 0 < b["mfu"] < 1
     assert any(r["grad_norm"] > 0 for r in per_row)
     assert w_row.keys() == w_shared.keys()
     moved = 0

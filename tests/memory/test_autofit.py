@@ -126,3 +126,18 @@ def test_auto_checkpointing_without_a_cpu_budget_stays_on(use_tiny_cache):
     assert resolve_checkpointing(cfg, CPU)["memory.gradient_checkpointing"] is True
     assert resolve_checkpointing(cfg.with_values({"memory.gradient_checkpointing": False}),
                                  CPU)["memory.gradient_checkpointing"] is False
+
+
+def test_auto_tokens_are_the_planners_largest_fit(use_tiny_cache):
+    """memory.micro_batch_tokens=auto: the most packed tokens whose plan fits the budget."""
+    cfg = load_config(None, [*BASE, "memory.micro_batch_tokens=auto", "memory.budget=12MiB",
+                             "memory.generation_batch=auto"])
+    plan = plan_memory(cfg, device_memory_bytes=12 << 20, device_type="cpu")
+    sizes = resolve_sizes(cfg, CPU)
+    assert sizes.micro_batch_tokens == plan.max_micro_batch_tokens > 0
+    assert sizes.asked["micro_batch_tokens"] == "auto"
+    cfg = cfg.with_values({"memory.generation_batch": sizes.generation_batch})
+    fits = cfg.with_values({"memory.micro_batch_tokens": sizes.micro_batch_tokens})
+    assert plan_memory(fits, device_memory_bytes=12 << 20, device_type="cpu").fits
+    over = cfg.with_values({"memory.micro_batch_tokens": 2 * sizes.micro_batch_tokens})
+    assert not plan_memory(over, device_memory_bytes=12 << 20, device_type="cpu").fits

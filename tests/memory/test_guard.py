@@ -98,3 +98,20 @@ def test_cpu_budget_raises_the_cuda_error_type():
     roomy, _ = make_guard(budget="1TiB", baseline=current_rss_bytes())
     with roomy.phase("generation"):
         pass  # within budget: no error
+
+
+def test_packed_micro_batches_halve_their_tokens_down_to_one_sequence():
+    """With memory.micro_batch_tokens the micro-batch phase halves the tokens, not the rows, and
+    gives up once a micro-batch holds one sequence (halving further would change nothing)."""
+    guard, _ = make_guard(micro_batch=4)
+    guard.sizes.micro_batch_tokens = 1000
+    guard.sizes.note_sequence(300)  # the longest [prompt | completion] of the step
+
+    def attempt() -> None:
+        with guard.phase("micro_batch"):
+            raise torch.OutOfMemoryError("out of memory")
+
+    with pytest.raises(OutOfMemory, match=r"even with memory.micro_batch_tokens=250 "):
+        guard.run_step(attempt, restore=[])
+    # 1000 -> 500 -> 250, then 250 <= 300: no third redo; micro_batch untouched
+    assert (guard.sizes.micro_batch_tokens, guard.sizes.micro_batch, guard.retries) == (250, 4, 2)

@@ -28,3 +28,19 @@ def test_a_resume_that_asks_for_other_sizes_takes_them():
     after = ChunkSizes(2, 32, {"micro_batch": 2, "generation_batch": 32})
     after.load_state_dict(before.state_dict())
     assert (after.micro_batch, after.generation_batch) == (2, 32)
+
+
+def test_packed_tokens_are_saved_and_continued():
+    asked = {"micro_batch": 8, "generation_batch": 32, "micro_batch_tokens": 4096}
+    before = ChunkSizes(8, 32, asked, micro_batch_tokens=4096)
+    assert before.training_key == "micro_batch_tokens"
+    assert before.halve("micro_batch_tokens") == (4096, 2048)
+    after = ChunkSizes(8, 32, asked, micro_batch_tokens=4096)
+    after.load_state_dict(before.state_dict())
+    assert after.micro_batch_tokens == 2048
+    # a checkpoint from before micro_batch_tokens existed has no such entry: rows, as it ran
+    rows = ChunkSizes(8, 32, {"micro_batch": 8, "generation_batch": 32})
+    state = rows.state_dict()
+    del state["micro_batch_tokens"]
+    rows.load_state_dict(state)
+    assert rows.micro_batch_tokens is None and rows.training_key == "micro_batch"

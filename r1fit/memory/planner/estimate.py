@@ -132,6 +132,8 @@ class Plan:
     max_micro_batch: int
     max_generation_batch: int
     advice: list[str]
+    #: with memory.micro_batch_tokens set: the largest that fits (0: not even one row alone)
+    max_micro_batch_tokens: int = 0
     phases: dict[str, int] = field(default_factory=dict)  # each phase's peak, whole device
     peak_phase: str = ""
     activations_by_checkpointing: dict[str, int] = field(default_factory=dict)
@@ -159,6 +161,9 @@ class Sizes:
     generation: int
     checkpointing: bool
     checkpoint_every: int = 1  # memory.checkpoint_every: only every n-th layer recomputes
+    #: memory.micro_batch_tokens: micro-batches packed by tokens (``micro`` is then the most
+    #: rows one of them takes, set by :func:`_estimate` from the cut)
+    tokens: int | None = None
 
     @property
     def micro_batches(self) -> int:
@@ -190,6 +195,7 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
                    generation=local if generation == "auto" else min(generation, local),
                    checkpointing=cfg.memory.gradient_checkpointing,
                    checkpoint_every=cfg.memory.checkpoint_every)
+    tokens = cfg.memory.micro_batch_tokens
     notes = []
     if facts.hub_config:
         notes.append(f"model config: {facts.hub_config} (no weights read)")
@@ -208,6 +214,13 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
     max_gen = _largest(lambda g: _estimate(facts, cfg, prompt, replace(sizes, generation=g),
                                            device_type, device_memory_bytes).generation_peak,
                        local, usable)
+    max_tokens = 0
+    if tokens is not None:
+        # the micro-batch phases by packed tokens: from one row alone to all rows of the share
+        max_tokens = _largest(lambda n: _estimate(facts, cfg, prompt, replace(sizes, tokens=n),
+                                                  device_type, device_memory_bytes).update_peak,
+                              local * (prompt.tokens + cfg.algo.max_new_tokens), usable)
+        sizes = replace(sizes, tokens=max(1, max_tokens) if tokens == "auto" else tokens)
     if micro == "auto":  # plan the run with what 'auto' will pick
         sizes = replace(sizes, micro=max(1, max_micro))
     if generation == "auto":
@@ -216,15 +229,18 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
     plan = Plan(parts=est.parts, peak_bytes=est.peak, budget_bytes=device_memory_bytes,
                 fits=est.peak <= usable, max_micro_batch=max_micro,
                 max_generation_batch=max_gen, advice=[], phases=est.phases,
+                max_micro_batch_tokens=max_tokens,
                 peak_phase=max(est.phases, key=est.phases.__getitem__),
                 activations_by_checkpointing=est.activations_by_checkpointing,
                 details={**est.details, "device_type": device_type, "gpus": gpus,
                          "prompt_tokens": prompt.tokens, "image_tokens": prompt.image_tokens,
                          "vision_patches": prompt.patches, "prompt_estimate": prompt.how,
                          "rows_per_step": rows, "rows_per_gpu": local,
-                         "micro_batch": sizes.micro,
+                         "micro_batch": est.details.get("micro_rows", sizes.micro),
+                         "micro_batch_tokens": sizes.tokens,
                          "generation_batch": sizes.generation,
                          "auto": [k for k, x in (("micro_batch", micro),
+                                                 ("micro_batch_tokens", tokens),
                                                  ("generation_batch", generation)) if x == "auto"]},
                 notes=notes)
     plan.advice = _advice(plan, facts, cfg, prompt, sizes, device_type, usable)
@@ -287,7 +303,11 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
                      vision_trains=f.vision is not None and not lora
                      and not cfg.model.freeze_vision,
                      share_prefix=bool(cfg.memory.share_prefix), group=cfg.algo.num_generations,
-                     rows_per_gpu=s.rows, gpus=s.gpus)
+                     rows_per_gpu=s.rows, gpus=s.gpus, packed_tokens=s.tokens,
+                     flash=cfg.model.attn_implementation.startswith("flash"))
+    if s.tokens is not None:  # packed by tokens: the most rows a micro-batch takes, how many
+        cut = step.token_cut()
+        s = replace(s, micro=cut.rows)
     if step.vision_trains and not cuda and f.vision is not None and f.vision.patch_conv:
         channels, kernel = f.vision.patch_conv
         step = replace(step, patch_embed_workspace=f.vision.hidden
@@ -340,7 +360,10 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
                  "params": f.params,
                  "trainable_params": states.gradients // (ADAPTER_BYTES if lora else b),
                  "kv_cache": kv_cache_bytes(f.text, b, s.generation, step.length),
-                 "logits_chunk_tokens": chunk, "micro_batches_per_update": s.micro_batches,
+                 "logits_chunk_tokens": chunk,
+                 "micro_batches_per_update": (step.token_cut().count if s.tokens is not None
+                                              else s.micro_batches),
+                 "micro_rows": s.micro,
                  "persistent": persistent,
                  "fsdp_units": {"decoder_layer": buffers.layer_unit,
                                 "vision_block": buffers.block_unit,
@@ -484,6 +507,18 @@ class StepShape:
     group: int = 1  # completions per prompt (algo.num_generations)
     rows_per_gpu: int = 1  # a step's rows on one GPU, of `gpus` contiguous shares
     gpus: int = 1
+    #: memory.micro_batch_tokens: a micro-batch is one row of as many rows' tokens as fit
+    packed_tokens: int | None = None
+    flash: bool = False  # model.attn_implementation flash_attention_*: varlen, no 4-D mask
+
+    @property
+    def mask(self) -> str:
+        """The attention mask a training micro-batch carries: 'padding' (boolean, which SDPA
+        copies to float in every layer), 'additive' (a packed row's [T x T] in the model's
+        dtype, saved as it is) or 'none' (packed for flash attention's varlen kernels)."""
+        if self.packed_tokens is not None and self.flash and not self.share_prefix:
+            return "none"
+        return "additive" if self.share_prefix or self.packed_tokens is not None else "padding"
 
     @property
     def lora(self) -> bool:
@@ -502,12 +537,48 @@ class StepShape:
         """Bytes of the pixel values of ``rows`` prompts' images."""
         return pixel_bytes(self.facts.vision, rows * self.patches)
 
+    def token_cut(self) -> TokenCut:
+        """With ``packed_tokens``: every GPU's share cut into micro-batches as
+        :func:`r1fit.data.batch.micro_batches` cuts them (every completion ``completion`` long,
+        a group's prompt once per micro-batch with ``share_prefix``), the largest of each."""
+        assert self.packed_tokens is not None
+        P, C, N = self.prompt.tokens, self.completion, self.packed_tokens
+        most = TokenCut(rows=1, tokens=0, images=0, count=0)
+
+        def record(start: int, end: int, used: int, images: int) -> TokenCut:
+            return TokenCut(max(most.rows, end - start), max(most.tokens, used),
+                            max(most.images, images), most.count)
+
+        for gpu in range(self.gpus):
+            first = gpu * self.rows_per_gpu
+            start, used, images, count = first, 0, 0, 1
+            for i in range(first, first + self.rows_per_gpu):
+                new_prompt = not (self.share_prefix and i > start
+                                  and i // self.group == (i - 1) // self.group)
+                cost = C + (P if new_prompt else 0)
+                if i > start and used + cost > N:
+                    most = record(start, i, used, images)
+                    start, used, images, count = i, P + C, 1, count + 1
+                else:
+                    used, images = used + cost, images + int(new_prompt)
+            most = record(start, first + self.rows_per_gpu, used, images)
+            most = replace(most, count=max(most.count, count))
+        return most
+
+    def images(self, rows: int) -> int:
+        """Prompts whose images a micro-batch of ``rows`` completions runs through the tower:
+        one per sequence, or packed by tokens the most prompts a micro-batch holds."""
+        return self.token_cut().images if self.packed_tokens is not None else self.packed(rows)[0]
+
     def packed(self, rows: int) -> tuple[int, int]:
         """What the model runs for a micro-batch of ``rows`` completions: (sequences, tokens per
         sequence). One row per completion; with ``share_prefix`` one per group the micro-batch
         touches, its prompt then its completions there, padded to the widest: the largest of
         either over the micro-batches of every GPU's contiguous share of the step's rows (a
-        micro-batch straddles two groups when its size and the group's do not divide)."""
+        micro-batch straddles two groups when its size and the group's do not divide). Packed
+        by tokens (``packed_tokens``): one sequence, the most tokens a micro-batch holds."""
+        if self.packed_tokens is not None:
+            return 1, self.token_cut().tokens
         if not self.share_prefix:
             return rows, self.length
         groups = completions = 1
@@ -520,6 +591,17 @@ class StepShape:
                 completions = max(completions, *(min(end, (g + 1) * self.group)
                                                  - max(start, g * self.group) for g in touched))
         return groups, self.prompt.tokens + completions * self.completion
+
+
+@dataclass(frozen=True)
+class TokenCut:
+    """Micro-batches packed by tokens, the largest of each over every GPU's share: rows, tokens,
+    prompts (whose images run), and micro-batches per update."""
+
+    rows: int
+    tokens: int
+    images: int
+    count: int
 
 
 def generation_bytes(step: StepShape, rows: int, sampling: int) -> int:
@@ -541,9 +623,10 @@ def logprobs_bytes(step: StepShape, rows: int, chunk: int) -> int:
     """Old-policy or reference log-probs of ``rows`` rows under no_grad: their largest moment."""
     t, v, b = step.facts.text, step.facts.vision, step.b
     sequences, width = step.packed(rows)
+    images = step.images(rows)
     head = (sequences * width * t.hidden * b  # the backbone's output
             + _head_input(step, rows) + chunk_forward_bytes(t.vocab, chunk))
-    return step.pixels(sequences) + max(vision_forward_bytes(v, b, sequences * step.patches),
+    return step.pixels(images) + max(vision_forward_bytes(v, b, images * step.patches),
                                         lm_forward_bytes(t, b, sequences, width, step.eager),
                                         head)
 
@@ -576,12 +659,13 @@ def lm_activations(step: StepShape, rows: int, checkpointed: int | None = None) 
     # a packed micro-batch's mask is already additive in the model's dtype: SDPA saves it as it
     # is, with no copy of its own per layer (the KV heads are repeated all the same)
     layer = layer_saved_per_token(t, b, lora_targets=f.lora_targets if step.lora else None,
-                                  lora_r=step.lora_r, mask_len=T, eager_len=T if step.eager else 0,
-                                  mask_copy=not step.share_prefix)
+                                  lora_r=step.lora_r, mask_len=0 if step.mask == "none" else T,
+                                  eager_len=T if step.eager else 0,
+                                  mask_copy=step.mask == "padding")
     outside = (2 * b * t.head_dim * t.rotary_sets  # rotary cos/sin, alive for every layer
                + F32 * H + F32 + (t.norm_product_bytes(b) * H if not step.lora else 0))  # final norm
     # the mask shared by the layers: boolean padding, or the packing's additive [T x T] per row
-    mask = sequences * T * T * (b if step.share_prefix else 1)
+    mask = sequences * T * T * {"padding": 1, "additive": b, "none": 0}[step.mask]
     shared = _head_input(step, rows) + mask
     recompute = tokens * layer  # checkpointing: one layer's activations rebuilt in backward
     c = t.layers if checkpointed is None else min(checkpointed, t.layers)
@@ -596,7 +680,7 @@ def vision_activations(step: StepShape, rows: int, checkpointing: bool,
     """The vision tower over ``rows`` rows' images: what it keeps for backward, and its peak;
     with checkpointing, ``checkpointed`` of its blocks recompute (None: all)."""
     v, b = step.facts.vision, step.b
-    n = step.packed(rows)[0] * step.patches  # a group's images once when it is packed
+    n = step.images(rows) * step.patches  # a group's images once when it is packed
     if not (step.vision_trains and n):
         forward = vision_forward_bytes(v, b, n)  # transient, before the language model runs
         return forward, forward
@@ -678,7 +762,7 @@ def update_bytes(step: StepShape, s: Sizes, states: States, fsdp: FsdpBuffers,
     logits_chunk = head_chunk_bytes(step, m, chunk)
     # from the second micro-batch on, every .grad exists
     grads_before = states.gradients if s.micro_batches > 1 else 0
-    pixels = step.pixels(step.packed(m)[0])
+    pixels = step.pixels(step.images(m))
     before = grads_before + pixels + fsdp.all_gather
     vision_saved = vision if step.vision_trains else 0  # kept for the tower's backward
     peak = max(

@@ -52,8 +52,10 @@ def render_blocks(plan: Plan, cfg: Config) -> list[Any]:
          f"{cfg.algo.num_generations}{per_gpu}); prompt {d['prompt_tokens']} tokens "
          f"({d['image_tokens']} image), completion up to {cfg.algo.max_new_tokens}"),
         f"  prompt {d['prompt_estimate']}",
-        (f"  micro_batch {d['micro_batch']}{auto('micro_batch')} "
-         f"({d['micro_batches_per_update']} per update), generation_batch "
+        (f"  micro_batch {d['micro_batch']}{auto('micro_batch')}"
+         + (f" rows, packed by memory.micro_batch_tokens={d['micro_batch_tokens']}"
+            f"{auto('micro_batch_tokens')}" if d.get("micro_batch_tokens") else "")
+         + f" ({d['micro_batches_per_update']} per update), generation_batch "
          f"{d['generation_batch']}{auto('generation_batch')}, gradient checkpointing {ckpt}, "
          f"shared prefix {d['share_prefix']}"),
     ]
@@ -89,6 +91,10 @@ def render_blocks(plan: Plan, cfg: Config) -> list[Any]:
     of = " on a GPU" if gpus > 1 else ""
     blocks.append(f"largest memory.micro_batch that fits: "
                   f"{_size(plan.max_micro_batch, rows, of)}")
+    if d.get("micro_batch_tokens"):
+        tokens = plan.max_micro_batch_tokens
+        blocks.append("largest memory.micro_batch_tokens that fits: "
+                      + (str(tokens) if tokens else "none (even one row alone does not fit)"))
     blocks.append(f"largest memory.generation_batch that fits: "
                   f"{_size(plan.max_generation_batch, rows, of)}")
     if plan.advice:

@@ -16,10 +16,12 @@ from r1fit.memory.planner.estimate import (
     FsdpBuffers,
     Sizes,
     StepShape,
+    TokenCut,
     backward_end_bytes,
     engine_memory,
     fsdp_buffers,
     layer_backward_bytes,
+    lm_activations,
     persistent_states,
     update_bytes,
     vision_activations,
@@ -183,3 +185,45 @@ def test_a_shared_prefix_runs_the_vision_tower_once_per_group(step):
     shared, _ = vision_activations(step(share_prefix=True, group=4, rows_per_gpu=4), rows=4,
                                    checkpointing=False)
     assert per_row == 4 * shared > 0
+
+
+def test_micro_batches_packed_by_tokens_cut_as_the_loop_cuts_them(step):
+    """Rows of 10 prompt + 6 completion tokens (16 a row), 8 rows on the GPU. Per row, 40 tokens
+    take 2 rows (32; a third would make 48): 4 micro-batches of 32 tokens, 2 prompts' images."""
+    per_row = step(packed_tokens=40, rows_per_gpu=8, group=4)
+    assert per_row.token_cut() == TokenCut(rows=2, tokens=32, images=2, count=4)
+    assert per_row.packed(2) == (1, 32) and per_row.images(2) == 2
+    # shared, groups of 4: a group's prompt once, 10 + 4 x 6 = 34 <= 40; the next group's
+    # prompt would make 50: 2 micro-batches of one group each
+    shared = replace(per_row, share_prefix=True)
+    assert shared.token_cut() == TokenCut(rows=4, tokens=34, images=1, count=2)
+    # groups of 2: rows 0-1 are 22 tokens, row 2 opens group 1 (+16 = 38), row 3 would make 44:
+    # [0:3] 38 tokens, 2 prompts; [3:6] 16 + 16 + 6 = 38 (row 3 repeats group 1's prompt);
+    # [6:8] 22
+    assert replace(shared, group=2).token_cut() == TokenCut(rows=3, tokens=38, images=2,
+                                                            count=3)
+    # a budget below one row: every row alone
+    assert step(packed_tokens=5, rows_per_gpu=8, group=4).token_cut() == \
+        TokenCut(rows=1, tokens=16, images=1, count=8)
+
+
+def test_a_packed_micro_batch_carries_one_additive_mask_or_none_for_flash(step):
+    """Packed rows: one [T x T] mask in the model's dtype (4 bytes here) and no per-layer copy;
+    for flash attention's varlen kernels no mask at all; rows of their own: a boolean [T x T]
+    mask per row, which SDPA copies to float in every layer."""
+    packed = step(packed_tokens=32, rows_per_gpu=2, group=2)  # both rows in one: T = 32
+    flash = replace(packed, flash=True)
+    assert (step().mask, packed.mask, flash.mask) == ("padding", "additive", "none")
+    assert replace(flash, share_prefix=True).mask == "additive"  # siblings need the mask
+    per_row = lm_activations(step(), 2).off
+    in_one = lm_activations(packed, 2).off
+    varlen = lm_activations(flash, 2).off
+    # same 32 tokens. Packed: the 32 x 32 x 4-byte mask once, and with a mask SDPA gets the KV
+    # heads repeated to the query heads (K and V saved at q_dim, not kv_dim, per layer); the
+    # per-row path also has those, its 2 x 16 x 16 boolean bytes and, per layer and token, a
+    # float copy of its row of the mask (16 x 4 bytes)
+    t = step().facts.text
+    repeated = 32 * t.layers * 2 * 4 * (t.q_dim - t.kv_dim)
+    assert t.q_dim > t.kv_dim
+    assert in_one - varlen == 32 * 32 * 4 + repeated
+    assert per_row - varlen == 2 * 16 * 16 + 32 * t.layers * 16 * 4 + repeated
