@@ -2,7 +2,8 @@
 
 Built stage by stage, each adding its fields: generation
 (:func:`r1fit.rollout.generate.generate_rollout`), scoring (:func:`r1fit.rollout.score.score_rollout`),
-old-policy and reference log-probs (:func:`r1fit.train.forward.add_logprobs`); the update reads it.
+reference log-probs (:func:`r1fit.train.forward.add_logprobs`); the update reads it (and its first
+forwards record the old-policy log-probs a reused rollout needs).
 Over several processes each holds the whole step's prompts and rewards (groups must be whole for
 advantages) but generates and trains on its own share of the rows only. With dynamic sampling a step
 draws several batches, each a record of its own (``row_offset`` numbers its rows after the earlier

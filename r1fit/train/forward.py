@@ -158,11 +158,12 @@ def run_logprobs(run: Any, model: Any, rollout: Rollout) -> torch.Tensor:
         layout=run.layout)
 
 
-def add_logprobs(rollout: Rollout, run: Any, reference: Any, *, old: bool) -> None:
-    """Log-prob stage of a rollout: the old policy's log-probs of this process's rows when the
-    rollout is reused (``old``: ``algo.num_iterations`` > 1) and the reference's when there is
-    one, a micro-batch at a time (``run.sizes``), no gradients."""
-    rollout.old_logp = run_logprobs(run, run.policy, rollout) if old else None
+def add_logprobs(rollout: Rollout, run: Any, reference: Any) -> None:
+    """Log-prob stage of a rollout: the reference's log-probs of this process's rows when there
+    is one, a micro-batch at a time (``run.sizes``), no gradients. The old policy's, which a
+    reused rollout (``algo.num_iterations`` > 1) needs, come from the first update's forwards
+    (r1fit/train/grpo.py), which run the same weights."""
+    rollout.old_logp = None
     rollout.ref_logp = None
     if reference is not None:
         with reference.model() as ref_model:

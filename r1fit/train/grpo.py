@@ -2,9 +2,10 @@
 
 Each step: fetch ``prompts_per_step`` prompts; (1) generate ``num_generations`` completions of each
 (:func:`generate_rollout`); (2) score them and compute group-relative advantages
-(:func:`score_rollout`); (3) old-policy and reference log-probs (:func:`add_logprobs`);
-(4) ``num_iterations`` clipped policy updates on that rollout (:func:`policy_update`). Then one
-metrics row, evaluation when due, a checkpoint when due.
+(:func:`score_rollout`); (3) reference log-probs (:func:`add_logprobs`); (4) ``num_iterations``
+clipped policy updates on that rollout (:func:`policy_update`), the first of which also records
+the old-policy log-probs the others need. Then one metrics row, evaluation when due, a
+checkpoint when due.
 
 Departures from DeepSeekMath's GRPO, all by config: DAPO's token-mean loss and clip-higher are the
 defaults (``algo.loss_aggregation``, ``algo.epsilon_high``); Dr. GRPO is available
@@ -44,7 +45,7 @@ from r1fit.rollout.record import Rollout
 from r1fit.rollout.score import AdvantageSettings, finished_rows, kl_in_reward, loss_counts, score_rollout
 from r1fit.train.engines import rollout_engine
 from r1fit.train.evaluate import evaluate
-from r1fit.train.forward import add_logprobs, longest_row, micro_batches, run_logprobs
+from r1fit.train.forward import add_logprobs, longest_row, micro_batches, pad_rows, run_logprobs
 from r1fit.train.optim import build_optimizer, build_scheduler, clip_and_step
 from r1fit.train.run import Run, start_run
 from r1fit.train.sft import supervised_steps
@@ -117,7 +118,7 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
                     return draws, None, []
                 with timed(times, "seconds_update"):
                     with guard.phase("micro_batch"):
-                        add_logprobs(rollout, run, reference, old=algo.num_iterations > 1)
+                        add_logprobs(rollout, run, reference)
                     updates = [policy_update(run, rollout, optimizer, scheduler, guard,
                                              iteration=i) for i in range(algo.num_iterations)]
                     engine.updated()
@@ -198,8 +199,9 @@ def flops_metrics(meter: MfuMeter, run: Run, drawn: Rollout, kept: Rollout | Non
     algo = run.cfg.algo
     local = meter.generation(drawn.rows, drawn.completions)
     if kept is not None:
-        passes = (int(algo.num_iterations > 1) + int(with_reference)
-                  + int(algo.kl_in_reward and algo.num_iterations == 1))
+        # the old log-probs come from the first update's forwards, except with kl_in_reward,
+        # whose pass before the first update provides them
+        passes = int(with_reference) + int(algo.kl_in_reward)
         local += meter.training(kept.rows, kept.completions, log_prob_passes=passes,
                                 updates=algo.num_iterations, micro_batch=run.sizes.micro_batch,
                                 shared=bool(run.layout.on), tokens=run.sizes.micro_batch_tokens)
@@ -261,15 +263,20 @@ def policy_update(run: Run, rollout: Rollout, optimizer: torch.optim.Optimizer, 
     kl_reward = None
     if first and algo.kl_in_reward:
         with guard.phase("micro_batch"):
-            policy_logp = rollout.old_logp if rollout.old_logp is not None else \
-                run_logprobs(run, run.policy, rollout)
+            policy_logp = run_logprobs(run, run.policy, rollout)
+        if algo.num_iterations > 1:
+            rollout.old_logp = policy_logp  # the policy before any update: the old one
         kl_reward = kl_in_reward(rollout, policy_logp, algo.beta,
                                  get_advantage_estimator(algo.estimator()))
+
+    # the first update's forwards run the policy that generated the rollout, before any optimizer
+    # step: their log-probs are the old ones the later updates need, so no separate pass
+    capture_old = first and rollout.old_logp is None and algo.num_iterations > 1
 
     def accumulate() -> dict[str, float | None]:
         optimizer.zero_grad(set_to_none=True)
         return accumulate_policy_gradients(run, rollout, compare_engine=first,
-                                           iteration=iteration)
+                                           iteration=iteration, capture_old=capture_old)
 
     sums = guard.run_update(accumulate)
     keys = [k for k, v in sums.items() if v is not None]
@@ -285,7 +292,8 @@ def policy_update(run: Run, rollout: Rollout, optimizer: torch.optim.Optimizer, 
 
 
 def accumulate_policy_gradients(run: Run, rollout: Rollout, *, compare_engine: bool = False,
-                                iteration: int = 0) -> dict[str, float | None]:
+                                iteration: int = 0, capture_old: bool = False
+                                ) -> dict[str, float | None]:
     """Backward of the GRPO loss over this process's rows, a micro-batch at a time
     (``memory.micro_batch`` rows, or ``memory.micro_batch_tokens`` packed tokens).
 
@@ -299,6 +307,9 @@ def accumulate_policy_gradients(run: Run, rollout: Rollout, *, compare_engine: b
     loss term with ``algo.entropy_coef``. With ``algo.cov_restriction`` each micro-batch's
     Clip-Cov/KL-Cov tokens are chosen over that micro-batch, Clip-Cov's at random from a stream
     keyed by the seed, step, ``iteration``, micro-batch and process (the same after a resume).
+    With ``capture_old`` (the first of several updates, whose policy generated the rollout), the
+    rows' log-probs become ``rollout.old_logp`` for the later updates: the ratio of this update
+    is 1, as with old log-probs from a separate pass over the same weights.
     """
     algo, device = run.cfg.algo, run.device
     assert rollout.advantages is not None
@@ -322,6 +333,7 @@ def accumulate_policy_gradients(run: Run, rollout: Rollout, *, compare_engine: b
     sizes.note_sequence(longest_row(rollout.rows, rollout.completions))
     layout.decide(run.policy, rollout.rows, rollout.completions, pad_id=run.ids.pad,
                   chunk_size=run.cfg.memory.logits_chunk, packed=packed)
+    captured: list[torch.Tensor] = []
     for piece, prompts, comps in micro_batches(rollout.rows, rollout.completions,
                                                sizes.micro_batch, tokens=sizes.micro_batch_tokens,
                                                shared=bool(layout.on)):
@@ -347,6 +359,8 @@ def accumulate_policy_gradients(run: Run, rollout: Rollout, *, compare_engine: b
             entropy=entropy if algo.entropy_coef else None, entropy_coef=algo.entropy_coef,
             cov=cov_restriction(run, rollout.step, iteration, piece.start), **totals)
         loss.backward()
+        if capture_old:
+            captured.extend(logp.detach().cpu())
         if sums.get("engine_logp_abs_diff") is not None:
             sums["engine_logp_abs_diff"] += float(
                 ((logp.detach() - engine).abs() * batch.completion_mask).sum())
@@ -356,4 +370,6 @@ def accumulate_policy_gradients(run: Run, rollout: Rollout, *, compare_engine: b
         for key in ("clip_fraction", "kl", "tis_weight", "cov_restricted"):
             if key in stats:  # kl only with a reference model (beta > 0); else logged as null
                 sums[key] += float(stats[key])
+    if capture_old:
+        rollout.old_logp = pad_rows(captured, max(int(c.shape[0]) for c in rollout.completions))
     return sums

@@ -65,3 +65,36 @@ def test_micro_batched_gradient_equals_unbatched(float64_tiny, aggregation, lora
                 assert (a - b).abs().max() <= 1e-6 * max(b.abs().max().item(), 1.0), key
             else:
                 torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-12, msg=str(key))
+
+
+@pytest.mark.parametrize("tokens", [None, 60])
+def test_the_first_update_records_the_old_logprobs_a_separate_pass_would_give(float64_tiny,
+                                                                             tokens):
+    """algo.num_iterations > 1: the first update's forwards run the weights that generated the
+    rollout, so their log-probs are the old ones; they equal a separate no-grad pass, and the
+    gradient equals the one taken with that pass's log-probs."""
+    model, processor, rows, completions = float64_tiny(0)
+    pad = special_token_ids(model, processor)["pad"]
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0], dtype=torch.float64)
+    params = [p for p in model.parameters() if p.requires_grad]
+    cfg = load_config(None, ["memory.micro_batch=4", "algo.num_iterations=2", "algo.beta=0",
+                             "algo.max_new_tokens=10", "memory.logits_chunk=4"])
+    separate = logprobs_in_micro_batches(model, rows, completions, micro_batch=6, chunk_size=4,
+                                         temperature=1.0, pad_id=pad, device=CPU)
+    grads = {}
+    for old in (separate, None):
+        model.zero_grad(set_to_none=True)
+        rollout = Rollout(1, rows, 1, slice(0, len(rows)), completions=completions,
+                          total_tokens=sum(int(c.shape[0]) for c in completions),
+                          advantages=advantages, old_logp=old)
+        run = SimpleNamespace(cfg=cfg, device=CPU, ids=SimpleNamespace(pad=pad), policy=model,
+                              sizes=ChunkSizes(4, 64, asked={}, micro_batch_tokens=tokens),
+                              layout=BatchLayout(False))
+        accumulate_policy_gradients(run, rollout, capture_old=old is None)
+        grads[old is None] = [p.grad.clone() for p in params]
+        if old is None:
+            assert rollout.old_logp.shape == separate.shape
+            torch.testing.assert_close(rollout.old_logp, separate, rtol=0, atol=1e-12)
+    assert any(g.abs().sum() > 0 for g in grads[True])
+    for a, b in zip(grads[True], grads[False]):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-12)

@@ -7,9 +7,11 @@ allocates it:
 - for the whole run: weights, AdamW states (after the first update), the KL reference copy;
 - generation (r1fit/rollout/generate.py): ``memory.generation_batch`` rows at a time under
   ``no_grad``, KV cache on; the gradients were freed by the previous update;
-- old-policy and reference log-probs (r1fit/train/forward.py, ``no_grad``): ``memory.micro_batch``
-  rows at a time; only with ``algo.beta > 0`` or ``algo.num_iterations > 1``;
-- the update (r1fit/train/grpo.py): ``memory.micro_batch`` rows at a time, each holding its saved
+- reference log-probs, and with ``algo.kl_in_reward`` the policy's (r1fit/train/forward.py,
+  ``no_grad``): a micro-batch at a time; only with ``algo.beta > 0``. A reused rollout's old
+  log-probs come from the first update's forwards: no pass of their own;
+- the update (r1fit/train/grpo.py): a micro-batch at a time (``memory.micro_batch`` rows, or
+  ``memory.micro_batch_tokens`` packed tokens in one row), each holding its saved
   activations, the LM head's chunk of ``memory.logits_chunk`` tokens (r1fit/algorithms/logprobs.py)
   and, from the second micro-batch on, the gradients of every trainable parameter.
 
@@ -334,7 +336,9 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
                                  + max(generation, buffers.gathering))}
         training = 0
     phases["update"] = persistent + training + update.peak
-    if cfg.algo.beta > 0 or cfg.algo.num_iterations > 1:  # else no log-probs are computed
+    # the reference's, and with kl_in_reward the policy's before the first update (a reused
+    # rollout's old log-probs come from the first update's own forwards)
+    if cfg.algo.beta > 0 or cfg.algo.kl_in_reward:
         phases["log-probs"] = (persistent + training + buffers.all_gather
                                + logprobs_bytes(step, s.micro, chunk))
     allocated = max(phases.values())
