@@ -12,10 +12,10 @@ For each configuration: the plan is ``r1fit.memory.planner.predict_peak(cfg, dev
 the measurement runs ``r1fit train`` for 2 GRPO steps in a fresh child process with
 ``memory.cpu_peak=tensors`` (the probe: peak bytes of live tensors, r1fit/memory/probe.py) and takes
 the largest per-step ``peak_memory_bytes``. The grid varies num_generations, micro_batch,
-max_new_tokens, max_pixels, LoRA vs full fine-tuning, gradient checkpointing and the KL reference
-on builtin:tiny and builtin:small-realvocab, and covers the other built-in architectures
-(builtin:tiny-gemma3, builtin:tiny-qwen3vl) and a real model's widths in bfloat16
-(builtin:bench-3b-cut: Qwen2.5-VL-3B cut to 4 layers, 0.74B parameters). Target: every plan
+max_new_tokens, max_pixels, LoRA vs full fine-tuning, gradient checkpointing, the KL reference,
+the shared prompt and packed micro-batches on builtin:tiny and builtin:small-realvocab, and
+covers the other built-in architectures (builtin:tiny-gemma3, builtin:tiny-qwen3vl) and a real
+model's widths in bfloat16 (builtin:bench-3b-cut: Qwen2.5-VL-3B cut to 4 layers, 0.74B parameters). Target: every plan
 between 5% under the probe (``--low-tolerance``: low is the side where a plan means an OOM) and
 15% over it (``--tolerance``). Exit status: 0 when met, 1 when a configuration misses it, 2 on a
 failed run.
@@ -145,6 +145,19 @@ GRID: dict[str, list[str]] = {
                                  "algo.num_generations=4", "memory.micro_batch=4",
                                  "algo.max_new_tokens=16", "algo.beta=0",
                                  "data.shapes.image_size=112", "data.max_pixels=12544"],
+    # memory.micro_batch_tokens: rows packed into one row by token count, an additive block mask
+    # (a row is about 40 prompt + 32 completion tokens at 56 px: 256 tokens take 3 rows)
+    "small-full-packed-256": [SMALL, "memory.micro_batch_tokens=256", "algo.num_generations=8",
+                              "algo.max_new_tokens=32", "algo.beta=0"],
+    "small-full-packed-shared-112px": [SMALL, "memory.micro_batch_tokens=400",
+                                       "memory.share_prefix=true", "algo.num_generations=8",
+                                       "algo.max_new_tokens=32", "algo.beta=0",
+                                       "data.shapes.image_size=112", "data.max_pixels=12544"],
+    "small-lora-packed-kl": [SMALL, "memory.micro_batch_tokens=512", "model.lora.r=8",
+                             "algo.num_generations=8", "algo.max_new_tokens=64",
+                             "algo.beta=0.04"],
+    "tiny-full-packed-mu2": [TINY, "memory.micro_batch_tokens=150", "algo.num_generations=8",
+                             "algo.max_new_tokens=20", "algo.beta=0", "algo.num_iterations=2"],
 }
 MIB = 2**20
 

@@ -12,13 +12,17 @@ runs, G=16 ones longer; builds builtin:bench-1024, 0.41B parameters, on first us
 
 The workload: one prompt per step (a 448 px ``builtin:shapes`` image = 256 image tokens and a
 question), G completions of ``--max-new-tokens`` tokens, ``algo.num_iterations=2`` (so each step
-runs the old-policy log-prob pass and two updates: the update phase the issue names), no KL
+runs two updates, and in r1fit before the reuse of the first update's log-probs an old-policy
+log-prob pass: the update phase the issue names), no KL
 reference, one micro-batch per group (``memory.micro_batch`` = G), gradient checkpointing on,
 float32 on CPU. Variants, each a fresh child process with the same seed:
 
-- ``per_row``: ``memory.share_prefix=false``, one padded row per completion (today's default);
+- ``per_row``: ``memory.share_prefix=false``, one padded row per completion;
 - ``shared``: ``memory.share_prefix=true``, the group's prompt once with its G completions after it;
-- ``packed``: shared + ``memory.micro_batch_tokens`` (only when r1fit has that key).
+- ``packed``: shared + ``memory.micro_batch_tokens`` (only when r1fit has that key);
+- ``per_row@base`` (with ``--baseline-src DIR``): the per-row path of the r1fit package in DIR,
+  e.g. a git worktree of the commit an issue was filed against (``git worktree add /tmp/base
+  <commit>``), run from this script with DIR first on the child's PYTHONPATH.
 
 Per run, medians over steps 2.. (step 1 pays one-off costs): ``seconds_update`` (old log-probs +
 updates), tokens/s (completion tokens per second of the whole step), ``mfu`` (r1fit's own per-step
@@ -28,10 +32,10 @@ that run must hold: weights, gradients and AdamW states (their exact bytes, from
 plus the planner's activations of one micro-batch of one row (``r1fit plan``'s ``activations``
 part at ``memory.micro_batch=1``, per-row path).
 
-Targets (exit 1 when one is missed): at G=8 the ``shared`` update phase takes <= 0.6x the
-``per_row`` one (``--max-update-ratio``), and every variant's peak is <= 1.25x the floor
-(``--max-floor-ratio``). MFU is printed, not targeted. Exit 2 on bad arguments or a failed run.
-Speeds move with whatever else runs on the machine; repeats interleave the variants (A B C A B C)
+Targets (exit 1 when one is missed): at G=8 the ``shared`` and ``packed`` update phases take
+<= 0.6x the ``per_row`` one (``--max-update-ratio``; against ``per_row@base`` when it runs),
+and every variant's peak is <= 1.25x the floor (``--max-floor-ratio``). MFU is printed, not
+targeted. Exit 2 on bad arguments or a failed run. Speeds move with whatever else runs on the machine; repeats interleave the variants (A B C A B C)
 so slow phases hit all alike.
 """
 
@@ -56,6 +60,7 @@ NAME = "throughput"
 MIB = 2**20
 STEP_KEY = "reward_mean"  # in GRPO step rows of metrics.jsonl only
 VARIANTS = ("per_row", "shared", "packed")
+BASELINE = "per_row@base"  # the per-row path of another r1fit source tree (--baseline-src)
 MODES = ("full", "lora")
 
 
@@ -117,7 +122,7 @@ def run_overrides(args: argparse.Namespace, mode: str, generations: int, variant
                  f"train.max_steps={args.steps}", "train.device=cpu", "checkpoint.every=0",
                  "report.rollouts_every=0", f"train.output_dir={output_dir}",
                  "train.overwrite=true",
-                 f"memory.share_prefix={'false' if variant == 'per_row' else 'true'}"]
+                 f"memory.share_prefix={'false' if variant.startswith('per_row') else 'true'}"]
     if mode == "lora":
         overrides.append("model.lora.r=16")
     if variant == "packed":
@@ -188,10 +193,14 @@ def child_command(args: argparse.Namespace, *mode: str) -> list[str]:
 
 def measure(args: argparse.Namespace, mode: str, generations: int, variant: str) -> RunResult:
     what = f"{mode} G={generations} {variant}"
+    env = None
+    if variant == BASELINE:  # the other tree's r1fit package first on the child's path
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(Path(args.baseline_src).resolve()), os.environ.get("PYTHONPATH", "")])}
     with tempfile.TemporaryDirectory(prefix="r1fit-tp-") as tmp:
         command = child_command(args, "--one", mode, str(generations), variant,
                                 "--output-dir", str(Path(tmp) / "run"))
-        stdout = run_child(command, what, NAME)
+        stdout = run_child(command, what, NAME, env=env)
     return RunResult(**read_result(stdout, NAME, what))
 
 
@@ -200,15 +209,20 @@ def print_table(settings: list[Setting]) -> None:
     from rich.table import Table
 
     table = Table(title="GRPO step: per-row vs shared prefix (medians over repeats)")
-    for name in ("mode", "G", "variant", "update s", "x per_row", "tokens/s", "mfu",
+    baseline = any(s.variant == BASELINE for s in settings)
+    for name in ("mode", "G", "variant", "update s", "x per_row",
+                 *(("x " + BASELINE,) if baseline else ()), "tokens/s", "mfu",
                  "peak (MiB)", "floor (MiB)", "peak / floor"):
         table.add_column(name, justify="left" if name in ("mode", "variant") else "right")
-    base = {(s.mode, s.generations): s for s in settings if s.variant == "per_row"}
+    by_key = {(s.mode, s.generations, s.variant): s for s in settings}
+
+    def ratio(s: Setting, of: str) -> str:
+        ref = by_key.get((s.mode, s.generations, of))
+        return f"{s.median('seconds_update') / ref.median('seconds_update'):.2f}" if ref else "-"
+
     for s in settings:
-        ref = base.get((s.mode, s.generations))
-        ratio = s.median("seconds_update") / ref.median("seconds_update") if ref else None
         table.add_row(s.mode, str(s.generations), s.variant, f"{s.median('seconds_update'):.2f}",
-                      "-" if ratio is None else f"{ratio:.2f}",
+                      ratio(s, "per_row"), *((ratio(s, BASELINE),) if baseline else ()),
                       f"{s.median('tokens_per_second'):.1f}", f"{s.median('mfu'):.4f}",
                       f"{s.peak / MIB:,.0f}", f"{s.floor / MIB:,.0f}", f"{s.peak / s.floor:.2f}")
     Console(width=max(140, Console().width)).print(table)
@@ -216,16 +230,19 @@ def print_table(settings: list[Setting]) -> None:
 
 def check_targets(settings: list[Setting], max_update_ratio: float,
                   max_floor_ratio: float) -> tuple[bool, list[str]]:
-    """The update-phase target at G=8 (each mode) and the floor target (every setting)."""
+    """The update-phase target at G=8 (each mode: the shared and packed variants against the
+    per-row path of --baseline-src when given, the issue's "today's path", else this tree's) and
+    the floor target (every setting)."""
     verdicts, met = [], True
     by_key = {(s.mode, s.generations, s.variant): s for s in settings}
     for (mode, g, variant), s in by_key.items():
-        if g != 8 or variant != "shared" or (mode, g, "per_row") not in by_key:
+        of = BASELINE if (mode, g, BASELINE) in by_key else "per_row"
+        if g != 8 or variant not in ("shared", "packed") or (mode, g, of) not in by_key:
             continue
-        ratio = s.median("seconds_update") / by_key[(mode, g, "per_row")].median("seconds_update")
+        ratio = s.median("seconds_update") / by_key[(mode, g, of)].median("seconds_update")
         ok = ratio <= max_update_ratio
         met &= ok
-        verdicts.append(f"{mode} G=8: shared update phase {ratio:.2f}x per_row (target <= "
+        verdicts.append(f"{mode} G=8: {variant} update phase {ratio:.2f}x {of} (target <= "
                         f"{max_update_ratio:.2f}) -> {'met' if ok else 'MISSED'}")
     for s in settings:
         ratio = s.peak / s.floor
@@ -240,6 +257,8 @@ def run_parent(args: argparse.Namespace) -> int:
     prepared = read_result(run_child(child_command(args, "--prepare"), "prepare", NAME),
                            NAME, "prepare")
     variants = [v for v in VARIANTS if v != "packed" or prepared["packing"]]
+    if args.baseline_src:
+        variants.insert(0, BASELINE)
     if not prepared["packing"]:
         print("note: this r1fit has no memory.micro_batch_tokens; the packed variant is left out",
               file=sys.stderr)
@@ -293,6 +312,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="memory.micro_batch_tokens of the packed variant")
     p.add_argument("--max-update-ratio", type=float, default=0.6)
     p.add_argument("--max-floor-ratio", type=float, default=1.25)
+    p.add_argument("--baseline-src", metavar="DIR",
+                   help="also run the per-row path of the r1fit package in DIR (e.g. a git "
+                   "worktree of an older commit) as variant per_row@base, interleaved with the "
+                   "others; the update-phase target is then taken against it")
     p.add_argument("--json", metavar="PATH", help="also write the table and raw numbers here")
     p.add_argument("--one", nargs=3, metavar=("MODE", "G", "VARIANT"), help=argparse.SUPPRESS)
     p.add_argument("--output-dir", help=argparse.SUPPRESS)
@@ -311,8 +334,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--generations: every G must be >= 2, got {args.generations}")
     if args.image_size % 28:
         p.error(f"--image-size: must be a multiple of 28 px (Qwen2.5-VL), got {args.image_size}")
-    if args.one is not None and (args.one[0] not in MODES or args.one[2] not in VARIANTS):
+    if args.one is not None and (args.one[0] not in MODES
+                                 or args.one[2] not in (*VARIANTS, BASELINE)):
         p.error(f"--one: expected MODE G VARIANT, got {args.one}")
+    if args.baseline_src and not (Path(args.baseline_src) / "r1fit" / "__init__.py").is_file():
+        p.error(f"--baseline-src: {args.baseline_src} holds no r1fit package (r1fit/__init__.py)")
     return args
 
 

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from r1fit.algorithms.embedding import grad_to_accumulate_into
+
 
 def full_token_logprobs(
     hidden: Tensor,
@@ -42,6 +44,7 @@ def chunked_token_logprobs(
     bias: Tensor | None = None,
     chunk_size: int = 1024,
     temperature: float = 1.0,
+    into_grad: bool = False,
 ) -> Tensor:
     """Log-probs of ``targets`` under ``softmax((hidden @ weight.T + bias) / temperature)``, chunked over tokens.
 
@@ -55,9 +58,12 @@ def chunked_token_logprobs(
     log-sum-exp are saved (plus references to ``weight`` and ``bias``, which are parameters anyway).
     Gradients reach ``hidden``, ``weight`` and ``bias``; a frozen ``weight`` (``requires_grad=False``, e.g.
     under LoRA) gets no gradient buffer. ``weight``'s gradient accumulates in its own dtype. Not twice
-    differentiable.
+    differentiable. ``into_grad``: when ``weight`` already has a ``.grad`` (the micro-batches after
+    the first of an accumulation), add its gradient into it in place instead of returning a new
+    ``[V, H]`` one (see :mod:`r1fit.algorithms.embedding`; only for loops that call ``backward()``).
     """
-    return _chunked(hidden, weight, targets, bias, chunk_size, temperature, with_entropy=False)[0]
+    return _chunked(hidden, weight, targets, bias, chunk_size, temperature, with_entropy=False,
+                    into_grad=into_grad)[0]
 
 
 def chunked_logprobs_and_entropy(
@@ -68,24 +74,28 @@ def chunked_logprobs_and_entropy(
     bias: Tensor | None = None,
     chunk_size: int = 1024,
     temperature: float = 1.0,
+    into_grad: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """``chunked_token_logprobs`` plus each token's entropy ``H = -sum_v p_v log p_v`` of
     ``p = softmax(logits / temperature)``, both ``[...]``, from the same chunks of logits.
 
     The entropy costs one more elementwise pass per chunk in forward and, only when a loss uses it
     (an entropy bonus), one more ``[chunk x V]`` float buffer in backward; its gradient is exact:
-    ``dH/dz_v = -p_v (log p_v + H)`` for ``z = logits / temperature``.
+    ``dH/dz_v = -p_v (log p_v + H)`` for ``z = logits / temperature``. ``into_grad``: as in
+    ``chunked_token_logprobs``.
     """
-    logp, entropy = _chunked(hidden, weight, targets, bias, chunk_size, temperature, with_entropy=True)
+    logp, entropy = _chunked(hidden, weight, targets, bias, chunk_size, temperature, with_entropy=True,
+                             into_grad=into_grad)
     return logp, entropy
 
 
 def _chunked(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, chunk_size: int,
-             temperature: float, *, with_entropy: bool) -> tuple[Tensor, ...]:
+             temperature: float, *, with_entropy: bool, into_grad: bool = False) -> tuple[Tensor, ...]:
     """Check the inputs, run ``_ChunkedLogprobs`` on the flattened tokens, restore the leading dims."""
     _check_inputs(hidden, weight, targets, bias, chunk_size=chunk_size, temperature=temperature)
     out = _ChunkedLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
-                                 targets.reshape(-1).long(), chunk_size, temperature, with_entropy)
+                                 targets.reshape(-1).long(), chunk_size, temperature, with_entropy,
+                                 into_grad)
     return tuple(t.view(targets.shape) for t in (out if with_entropy else (out,)))
 
 
@@ -103,6 +113,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         chunk_size: int,
         temperature: float,
         with_entropy: bool,
+        into_grad: bool,
     ) -> Tensor | tuple[Tensor, Tensor]:
         out = torch.empty(hidden.shape[0], dtype=_compute_dtype(hidden), device=hidden.device)
         lse = torch.empty_like(out)
@@ -121,7 +132,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         # an unused output (the entropy when no loss term uses it) gets None, not a zero gradient
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
-        ctx.chunk_size, ctx.temperature = chunk_size, temperature
+        ctx.chunk_size, ctx.temperature, ctx.into_grad = chunk_size, temperature, into_grad
         return out if entropy is None else (out, entropy)
 
     @staticmethod
@@ -131,7 +142,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros_like(weight) if need_weight else None
+        # with into_grad and an existing .grad, the weight's gradient is added there in place
+        into = grad_to_accumulate_into(weight) if need_weight and ctx.into_grad else None
+        grad_weight = (into if into is not None else torch.zeros_like(weight)) if need_weight else None
         grad_bias = torch.zeros_like(bias) if need_bias else None
         if grad_out is None:  # only the entropy is used
             grad_out = torch.zeros_like(lse)
@@ -162,7 +175,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if grad_bias is not None:
                 grad_bias.add_(grad_logits.sum(dim=0))
             del grad_logits
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        if into is not None:
+            grad_weight = None  # already in weight.grad
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
 def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:

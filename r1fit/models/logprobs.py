@@ -8,14 +8,18 @@ of the policy comes from the same chunks when asked for (:func:`completion_logpr
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
+from r1fit.algorithms.embedding import embedding_into_grad, embeds_into_grad
 from r1fit.algorithms.logprobs import chunked_logprobs_and_entropy, chunked_token_logprobs
 from r1fit.data.batch import Batch
-from r1fit.models.load import lm_backbone_and_head
+from r1fit.models.load import lm_backbone_and_head, unwrap
 from r1fit.models.prefix import PackedGroups
 
 
@@ -32,12 +36,19 @@ class CompletionLogProbs(nn.Module):
         self.model = model
 
     def forward(self, batch: Batch | PackedGroups, chunk_size: int, temperature: float = 1.0,
-                entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                entropy: bool = False, into_grad: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Log-probs [B, Tc] of the completion tokens; with ``entropy``, also the entropy [B, Tc] of
         the policy's distribution at each of them (both 0 where masked). ``batch``: rows collated
-        one per completion, or groups packed with their prompt once (:mod:`r1fit.models.prefix`)."""
+        one per completion, or groups packed with their prompt once (:mod:`r1fit.models.prefix`).
+        ``into_grad`` (a loop accumulating micro-batches with ``backward()``, not sharded): the
+        LM head's and input embedding's ``[vocab x hidden]`` gradients are added into their
+        ``.grad`` in place once it exists, instead of each existing in full first
+        (:mod:`r1fit.algorithms.embedding`)."""
         backbone, head = lm_backbone_and_head(self.model)
-        hidden = backbone(**batch.inputs)
+        into_grad = into_grad and not isinstance(self, FSDPModule)  # FSDP owns sharded .grads
+        with _embedding_into_grad(self.model, into_grad):
+            hidden = backbone(**batch.inputs)
         if isinstance(batch, PackedGroups):
             predicting = batch.predicting(hidden)
         else:
@@ -46,7 +57,8 @@ class CompletionLogProbs(nn.Module):
             predicting = hidden[:, batch.prompt_len - 1: batch.prompt_len - 1 + width]
         mask = batch.completion_mask.bool()
         args = (predicting[mask], head.weight, batch.completion_ids[mask])
-        options = dict(bias=head.bias, chunk_size=chunk_size, temperature=temperature)
+        options = dict(bias=head.bias, chunk_size=chunk_size, temperature=temperature,
+                       into_grad=into_grad)
         if not entropy:
             return _unpack(mask, chunked_token_logprobs(*args, **options))
         token_logp, token_entropy = chunked_logprobs_and_entropy(*args, **options)
@@ -59,20 +71,47 @@ class CompletionLogProbs(nn.Module):
 
 
 def completion_logprobs(model: Any, batch: Batch | PackedGroups, *, chunk_size: int,
-                        temperature: float = 1.0) -> torch.Tensor:
+                        temperature: float = 1.0, into_grad: bool = False) -> torch.Tensor:
     """Log-probs [B, Tc] (float32) of the completion tokens of ``batch``; 0 where masked.
-    ``model``: a :class:`CompletionLogProbs` (the FSDP root when sharded) or a plain model."""
+    ``model``: a :class:`CompletionLogProbs` (the FSDP root when sharded) or a plain model.
+    ``into_grad``: see :meth:`CompletionLogProbs.forward`."""
     module = model if isinstance(model, CompletionLogProbs) else CompletionLogProbs(model)
-    return module(batch, chunk_size, temperature)
+    return module(batch, chunk_size, temperature, False, into_grad)
 
 
 def completion_logprobs_and_entropy(model: Any, batch: Batch | PackedGroups, *, chunk_size: int,
-                                    temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                                    temperature: float = 1.0, into_grad: bool = False
+                                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies [B, Tc] (float32) of the completion tokens of ``batch``, from one pass
     through the LM head; 0 where masked. Both carry gradients (see
-    :func:`r1fit.algorithms.logprobs.chunked_logprobs_and_entropy`)."""
+    :func:`r1fit.algorithms.logprobs.chunked_logprobs_and_entropy`). ``into_grad``: see
+    :meth:`CompletionLogProbs.forward`."""
     module = model if isinstance(model, CompletionLogProbs) else CompletionLogProbs(model)
-    return module(batch, chunk_size, temperature, True)
+    return module(batch, chunk_size, temperature, True, into_grad)
+
+
+@contextmanager
+def _embedding_into_grad(model: nn.Module, on: bool) -> Iterator[None]:
+    """While on: the input embedding's output comes from
+    :func:`r1fit.algorithms.embedding.embedding_into_grad` (a forward hook replaces the module's
+    output with the same values, so its weight gradient goes into ``.grad`` in place). Only for
+    a trainable plain ``nn.Embedding`` (a subclass may scale its output, as Gemma's does; a
+    max_norm or per-frequency scaling changes the gradient; :func:`embeds_into_grad`):
+    anything else is left alone."""
+    embed = unwrap(model).get_input_embeddings()
+    if not (on and embeds_into_grad(embed) and embed.weight.requires_grad):
+        yield
+        return
+
+    def replace_output(module: nn.Embedding, args: tuple[Any, ...], output: torch.Tensor
+                       ) -> torch.Tensor:
+        return embedding_into_grad(args[0], module.weight, module.padding_idx)
+
+    handle = embed.register_forward_hook(replace_output)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _unpack(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ class BatchLayout:
     ``packed`` (``memory.micro_batch_tokens`` set) the micro-batch's sequences (its groups, or
     ``[prompt | completion]`` rows) one after another in a single row, no padding.
 
-    Decided once, on the first rows the run scores (:meth:`decide`): ``share_prefix='auto'`` is
+    Decided once, on the first micro-batch the run scores (:meth:`decide`): ``share_prefix='auto'`` is
     on only if the shared layout's log-probs equal the per-row path's on every process (so all
     take the same path); a packed layout is checked the same way and refused in one line when it
     differs (a model whose attention is not plain causal within a sequence). Sharing needs a
@@ -51,12 +51,16 @@ class BatchLayout:
         self.checked_packing = False
 
     def decide(self, model: Any, rows: Sequence[Prompt], completions: Sequence[torch.Tensor], *,
-               pad_id: int, chunk_size: int, packed: bool) -> None:
-        """Settle sharing (``auto``) and check packing on the first two groups of ``rows``."""
+               pad_id: int, chunk_size: int, micro_batch: int, tokens: int | None) -> None:
+        """Settle sharing (``auto``) and, packed by ``tokens``, check packing, on the first
+        micro-batch of ``rows`` as the per-row path cuts it (so the check holds no more than a
+        micro-batch does)."""
+        packed = tokens is not None
         if self.on is not None and (self.checked_packing or not packed):
             return
-        unique, groups = consecutive_groups(rows, completions)
-        unique, groups = unique[:2], groups[:2]
+        _, first, first_completions = next(micro_batches(rows, completions, micro_batch,
+                                                         tokens=tokens))
+        unique, groups = consecutive_groups(first, first_completions)
         results: dict[bool, bool] = {}
 
         def exact(shared: bool) -> bool:
@@ -128,7 +132,8 @@ def logprobs_in_micro_batches(model: Any, rows: Sequence[Prompt],
     parts = []
     layout = layout or BatchLayout(False)
     packed = tokens is not None
-    layout.decide(model, rows, completions, pad_id=pad_id, chunk_size=chunk_size, packed=packed)
+    layout.decide(model, rows, completions, pad_id=pad_id, chunk_size=chunk_size,
+                  micro_batch=micro_batch, tokens=tokens)
     for _, prompts, comps in micro_batches(rows, completions, micro_batch, tokens=tokens,
                                            shared=bool(layout.on)):
         batch = layout.inputs(model, prompts, comps, pad_id=pad_id, device=device, packed=packed)

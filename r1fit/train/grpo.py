@@ -332,16 +332,19 @@ def accumulate_policy_gradients(run: Run, rollout: Rollout, *, compare_engine: b
     packed = sizes.micro_batch_tokens is not None
     sizes.note_sequence(longest_row(rollout.rows, rollout.completions))
     layout.decide(run.policy, rollout.rows, rollout.completions, pad_id=run.ids.pad,
-                  chunk_size=run.cfg.memory.logits_chunk, packed=packed)
+                  chunk_size=run.cfg.memory.logits_chunk, micro_batch=sizes.micro_batch,
+                  tokens=sizes.micro_batch_tokens)
     captured: list[torch.Tensor] = []
     for piece, prompts, comps in micro_batches(rollout.rows, rollout.completions,
                                                sizes.micro_batch, tokens=sizes.micro_batch_tokens,
                                                shared=bool(layout.on)):
         batch = layout.inputs(run.policy, prompts, comps, pad_id=run.ids.pad, device=device,
                               packed=packed)
+        # into_grad: the head's and embedding's [vocab x hidden] gradients go into their .grad
+        # in place from the second micro-batch on (no second dense copy while they are summed)
         logp, entropy = completion_logprobs_and_entropy(
             run.policy, batch, chunk_size=run.cfg.memory.logits_chunk,
-            temperature=algo.temperature)
+            temperature=algo.temperature, into_grad=True)
         width = logp.shape[1]
         old = rollout.old_logp[piece, :width].to(device) if rollout.old_logp is not None else None
         ref = rollout.ref_logp[piece, :width].to(device) if rollout.ref_logp is not None else None

@@ -134,7 +134,8 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool,
                         batch = collate(mb_prompts, mb_targets, run.ids.pad,
                                         masks[piece]).to(run.device)
                         logp = completion_logprobs(run.policy, batch,
-                                                   chunk_size=cfg.memory.logits_chunk)
+                                                   chunk_size=cfg.memory.logits_chunk,
+                                                   into_grad=True)
                         # this micro-batch's share of the batch's token-mean cross-entropy
                         loss = -(logp * batch.completion_mask).sum() / total_tokens
                         loss.backward()

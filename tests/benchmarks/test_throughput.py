@@ -72,6 +72,25 @@ def test_targets_compare_shared_with_per_row_at_g8_and_every_peak_with_its_floor
     assert met
 
 
+def test_with_a_baseline_tree_the_update_target_is_taken_against_its_per_row_path():
+    settings = [_setting("full", 8, tp.BASELINE, 10.0, 100, 100),
+                _setting("full", 8, "per_row", 9.0, 100, 100),
+                _setting("full", 8, "shared", 5.5, 100, 100),
+                _setting("full", 8, "packed", 6.5, 100, 100)]
+    met, verdicts = tp.check_targets(settings, max_update_ratio=0.6, max_floor_ratio=1.25)
+    assert not met
+    assert "full G=8: shared update phase 0.55x per_row@base (target <= 0.60) -> met" in verdicts
+    assert "full G=8: packed update phase 0.65x per_row@base (target <= 0.60) -> MISSED" \
+        in verdicts
+
+
+def test_the_baseline_variant_runs_the_per_row_path_from_the_other_tree(tmp_path, refused):
+    args = tp.parse_args(["--quick"])
+    assert tp.run_overrides(args, "full", 4, tp.BASELINE, tmp_path) == \
+        tp.run_overrides(args, "full", 4, "per_row", tmp_path)
+    assert "holds no r1fit package" in refused(tp.parse_args, ["--baseline-src", str(tmp_path)])
+
+
 def test_setting_medians_over_repeats():
     runs = [tp.RunResult([1.0, 3.0], [5.0], [0.1], 300, 10, 16.0),
             tp.RunResult([4.0, 4.0], [7.0], [0.2], 100, 10, 16.0),

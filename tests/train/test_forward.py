@@ -54,11 +54,11 @@ def test_a_shared_prefix_needs_a_mask_that_flash_attention_does_not_take(float64
     monkeypatch.setattr(model.config, "_attn_implementation", "flash_attention_2",
                         raising=False)
     auto = BatchLayout("auto")
-    auto.decide(model, rows, completions, pad_id=pad, chunk_size=8, packed=False)
+    auto.decide(model, rows, completions, pad_id=pad, chunk_size=8, micro_batch=4, tokens=None)
     assert auto.on is False
     batch = auto.inputs(model, rows, completions, pad_id=pad, device=torch.device("cpu"),
                         packed=True)
     assert "attention_mask" not in batch.inputs and batch.inputs["position_ids"].shape[0] == 4
     with pytest.raises(PackingError, match="memory.share_prefix=true needs a 4-D attention mask"):
         BatchLayout(True).decide(model, rows, completions, pad_id=pad, chunk_size=8,
-                                 packed=True)
+                                 micro_batch=4, tokens=100)

@@ -694,10 +694,19 @@ def vision_activations(step: StepShape, rows: int, checkpointing: bool,
     return saved, saved + (n * block if c else 0)  # + a block recomputed
 
 
-def head_chunk_bytes(step: StepShape, rows: int, chunk: int) -> int:
-    """The LM head's temporaries for ``rows`` rows: a chunk's logits, or its gradient buffers."""
+def into_grad(step: StepShape, s: Sizes) -> bool:
+    """Whether a micro-batch's LM head (and a plain input embedding) adds its [vocab x hidden]
+    gradient into the existing ``.grad`` in place (r1fit/algorithms/embedding.py): one process,
+    full fine-tuning, from the second micro-batch on, the moments the plan's peak is taken at."""
+    return not step.lora and s.gpus == 1 and s.micro_batches > 1
+
+
+def head_chunk_bytes(step: StepShape, rows: int, chunk: int, new_grad: bool = True) -> int:
+    """The LM head's temporaries for ``rows`` rows: a chunk's logits, or its gradient buffers
+    (``new_grad``: a [vocab x hidden] weight gradient of its own, not added into ``.grad``)."""
     t, b = step.facts.text, step.b
-    grad_weight = t.vocab * t.hidden * b if not step.lora else 0  # zeros_like(head.weight)
+    # zeros_like(head.weight)
+    grad_weight = t.vocab * t.hidden * b if not step.lora and new_grad else 0
     sequences, width = step.packed(rows)
     return max(sequences * width * t.hidden * b  # the backbone's output, still held
                + chunk_forward_bytes(t.vocab, chunk),
@@ -724,7 +733,8 @@ def held_head_grad(step: StepShape, s: Sizes) -> int:
     embedding's arrives, the backward's last (under FSDP, ``FsdpBuffers.head_grad``)."""
     t = step.facts.text
     tied = step.facts.tied_head and not step.lora and s.gpus == 1
-    return t.vocab * t.hidden * step.b if tied else 0
+    # added into .grad in place instead, when it exists: nothing held
+    return t.vocab * t.hidden * step.b if tied and not into_grad(step, s) else 0
 
 
 def backward_end_bytes(step: StepShape, s: Sizes, fsdp: FsdpBuffers) -> int:
@@ -739,6 +749,8 @@ def backward_end_bytes(step: StepShape, s: Sizes, fsdp: FsdpBuffers) -> int:
     t = step.facts.text
     if step.lora or (s.micro_batches == 1 and not step.facts.tied_head):
         return 0
+    if into_grad(step, s) and step.facts.embedding_into_grad:
+        return 0  # its rows are added into .grad in place: no dense gradient
     dense = t.vocab * t.hidden * step.b
     return dense + (held_head_grad(step, s) if s.micro_batches > 1 else 0)
 
@@ -763,7 +775,7 @@ def update_bytes(step: StepShape, s: Sizes, states: States, fsdp: FsdpBuffers,
     kept = activations.kept(s.checkpointing)
     rebuilt = activations.recompute if s.checkpointing else 0
     vision, vision_peak = vision_activations(step, m, s.checkpointing, vision_blocks)
-    logits_chunk = head_chunk_bytes(step, m, chunk)
+    logits_chunk = head_chunk_bytes(step, m, chunk, new_grad=not into_grad(step, s))
     # from the second micro-batch on, every .grad exists
     grads_before = states.gradients if s.micro_batches > 1 else 0
     pixels = step.pixels(step.images(m))

@@ -122,6 +122,9 @@ class ModelFacts:
     #: the layers transformers' activation checkpointing switches, in module order: "t" a decoder
     #: layer, "v" a vision block, "o" another
     checkpoint_order: str = ""
+    #: the input embedding's gradient can go into its .grad in place (a plain nn.Embedding:
+    #: r1fit/algorithms/embedding.py)
+    embedding_into_grad: bool = False
 
     def checkpointed(self, every: int) -> tuple[int, int]:
         """(decoder layers, vision blocks) recomputed in backward when checkpointing is on with
@@ -167,6 +170,7 @@ def _facts(source: str, checkpoint: str, path: str, lora_target: str) -> ModelFa
     from torch import nn
     from transformers import AutoConfig, AutoModelForImageTextToText
 
+    from r1fit.algorithms.embedding import embeds_into_grad
     from r1fit.models.load import (
         ModelConfigError,
         checkpoint_dtype,
@@ -234,7 +238,8 @@ def _facts(source: str, checkpoint: str, path: str, lora_target: str) -> ModelFa
         root_params=_numel(params) - sum(layer_sizes) - sum(block_sizes),
         root_vision_params=_numel(vision_params) - sum(block_sizes),
         processor=_processor(checkpoint), image_token_id=getattr(config, "image_token_id", None),
-        checkpoint_order=order)
+        checkpoint_order=order,
+        embedding_into_grad=embed is not None and embeds_into_grad(embed))
 
 
 def _checkpoint_order(model: Any, layers: list[Any], visual: Any) -> str:

@@ -20,6 +20,7 @@ from r1fit.memory.planner.estimate import (
     backward_end_bytes,
     engine_memory,
     fsdp_buffers,
+    head_chunk_bytes,
     layer_backward_bytes,
     lm_activations,
     persistent_states,
@@ -95,10 +96,19 @@ def test_end_of_backward_adds_the_embedding_gradient_when_it_accumulates(facts, 
     tied = step(facts=replace(facts, tied_head=True))
     assert backward_end_bytes(tied, one, FsdpBuffers()) == embedding
     assert backward_end_bytes(step(lora_r=8), two, FsdpBuffers()) == 0  # frozen under LoRA
-    # tied, from the second micro-batch on: the head's held gradient and the embedding's beside
-    # the existing .grad (measured: +0.2% on builtin:bench-3b-cut, -8.3% without it)
-    assert backward_end_bytes(tied, two, FsdpBuffers()) == 2 * embedding
+    # tied, from the second micro-batch on: the head adds its gradient into .grad in place
+    # (nothing held, r1fit/algorithms/embedding.py); an embedding module r1fit cannot replace
+    # (Gemma's scaled one) still makes its dense gradient beside the existing .grad
+    assert backward_end_bytes(tied, two, FsdpBuffers()) == embedding
     assert backward_end_bytes(replace(tied, lora_r=8), two, FsdpBuffers()) == 0
+    # a plain nn.Embedding adds its rows into .grad in place: no dense gradient, tied or not
+    plain = replace(facts, embedding_into_grad=True)
+    assert backward_end_bytes(step(facts=plain), two, FsdpBuffers()) == 0
+    assert backward_end_bytes(step(facts=replace(plain, tied_head=True)), two,
+                              FsdpBuffers()) == 0
+    # one micro-batch: no .grad to add into yet; over FSDP the root's buffers as before
+    assert backward_end_bytes(step(facts=replace(plain, tied_head=True)), one,
+                              FsdpBuffers()) == embedding
 
 
 def test_a_tied_heads_gradient_is_held_through_the_layers_backward(facts, step):
@@ -143,7 +153,12 @@ def test_gradients_are_held_from_the_second_micro_batch_on(facts, step):
     one = Sizes(rows=2, gpus=1, micro=2, generation=2, checkpointing=True)
     first = update_bytes(step(), one, states, FsdpBuffers(), chunk=12)
     later = update_bytes(step(), replace(one, rows=4), states, FsdpBuffers(), chunk=12)
-    assert later.activations == first.activations and later.logits_chunk == first.logits_chunk
+    assert later.activations == first.activations
+    # the head adds its [100 x 32] weight gradient into .grad in place from the second on
+    assert later.logits_chunk == head_chunk_bytes(step(), 2, 12, new_grad=False) \
+        < first.logits_chunk == head_chunk_bytes(step(), 2, 12)
+    assert head_chunk_bytes(step(), 2, 12) - head_chunk_bytes(step(), 2, 12, new_grad=False) \
+        <= 100 * 32 * 4
     # the largest moment is a layer's backward: now beside every .grad, and adding the layer's
     # weight gradient into its existing one
     assert later.peak == first.peak + states.gradients + 2_048 * 4
