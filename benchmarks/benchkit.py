@@ -151,7 +151,10 @@ def floor_bytes(cfg: Any) -> int:
     device). Called in a measuring child (it imports torch)."""
     from r1fit.memory.planner import plan_memory
 
-    one_row = cfg.with_values({"memory.micro_batch": 1, "memory.share_prefix": False})
+    values: dict[str, Any] = {"memory.micro_batch": 1, "memory.share_prefix": False}
+    if hasattr(cfg.memory, "micro_batch_tokens"):  # rows, not packed tokens (an older r1fit
+        values["memory.micro_batch_tokens"] = None  # has no such key)
+    one_row = cfg.with_values(values)
     parts = plan_memory(one_row, device_type="cpu").parts
     return int(sum(parts[k] for k in ("weights", "gradients", "optimizer", "activations")))
 

@@ -35,8 +35,8 @@ part at ``memory.micro_batch=1``, per-row path).
 Targets (exit 1 when one is missed): at G=8 the ``shared`` and ``packed`` update phases take
 <= 0.6x the ``per_row`` one (``--max-update-ratio``; against ``per_row@base`` when it runs),
 and every variant's peak is <= 1.25x the floor (``--max-floor-ratio``). MFU is printed, not
-targeted. Exit 2 on bad arguments or a failed run. Speeds move with whatever else runs on the machine; repeats interleave the variants (A B C A B C)
-so slow phases hit all alike.
+targeted. Exit 2 on bad arguments or a failed run. Speeds move with whatever else runs on the
+machine; repeats interleave the variants (A B C A B C) so slow phases hit all alike.
 """
 
 from __future__ import annotations
