@@ -55,6 +55,17 @@ def test_plan_prints_a_table(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "optimizer (AdamW)" in out and "of 80.00 GiB" in out
     assert "largest memory.micro_batch that fits" in out and "FSDP over 2 GPUs" in out
+    assert "micro_batch_tokens" not in out  # rows unless packing is asked for
+
+
+def test_plan_of_packed_micro_batches_speaks_tokens(capsys, tmp_path):
+    folder = _config_only_model(tmp_path / "model")
+    assert main(["plan", f"model.path={folder}", "memory.micro_batch_tokens=auto",
+                 "--device-memory", "4GiB"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "largest memory.micro_batch_tokens that fits" in x)
+    tokens = int(line.rsplit(" ", 1)[1])
+    assert f"packed by memory.micro_batch_tokens={tokens} (auto)" in out and tokens > 0
 
 
 def test_plan_bad_device_memory_is_one_line(capsys):

@@ -43,7 +43,8 @@ def loss_calls(monkeypatch: pytest.MonkeyPatch) -> list[SimpleNamespace]:
         loss, stats = real(logp, old, ref, advantages, mask, **kwargs)
         entropy = kwargs.get("entropy")
         calls.append(SimpleNamespace(
-            logp=logp.detach(), old=None if old is None else old.detach(), advantages=advantages, mask=mask,
+            # old=None is the first update of a rollout: grpo_loss takes logp.detach() as old
+            logp=logp.detach(), old=(logp if old is None else old).detach(), advantages=advantages, mask=mask,
             kwargs=kwargs, loss=loss.item(), stats=stats,
             entropy_requires_grad=entropy is not None and entropy.requires_grad))
         return loss, stats

@@ -749,9 +749,14 @@ def backward_end_bytes(step: StepShape, s: Sizes, fsdp: FsdpBuffers) -> int:
     t = step.facts.text
     if step.lora or (s.micro_batches == 1 and not step.facts.tied_head):
         return 0
-    if into_grad(step, s) and step.facts.embedding_into_grad:
-        return 0  # its rows are added into .grad in place: no dense gradient
     dense = t.vocab * t.hidden * step.b
+    if into_grad(step, s):
+        # from the second micro-batch on the head adds into .grad in place, and a plain
+        # embedding too. A tied one's first micro-batch still sums the head's held gradient and
+        # the embedding's dense one into the new .grad (one [vocab x hidden] beyond it, with
+        # every other .grad made); an embedding r1fit cannot replace (Gemma's scaled one) makes
+        # its dense gradient beside .grad every time
+        return dense if step.facts.tied_head or not step.facts.embedding_into_grad else 0
     return dense + (held_head_grad(step, s) if s.micro_batches > 1 else 0)
 
 

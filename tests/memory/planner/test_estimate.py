@@ -101,11 +101,13 @@ def test_end_of_backward_adds_the_embedding_gradient_when_it_accumulates(facts, 
     # (Gemma's scaled one) still makes its dense gradient beside the existing .grad
     assert backward_end_bytes(tied, two, FsdpBuffers()) == embedding
     assert backward_end_bytes(replace(tied, lora_r=8), two, FsdpBuffers()) == 0
-    # a plain nn.Embedding adds its rows into .grad in place: no dense gradient, tied or not
+    # a plain nn.Embedding adds its rows into .grad in place: no dense gradient; tied, the
+    # first micro-batch still sums the head's held gradient and the embedding's dense one into
+    # the new .grad, with every other .grad made (measured: tiny-qwen3vl -4.6% without it)
     plain = replace(facts, embedding_into_grad=True)
     assert backward_end_bytes(step(facts=plain), two, FsdpBuffers()) == 0
     assert backward_end_bytes(step(facts=replace(plain, tied_head=True)), two,
-                              FsdpBuffers()) == 0
+                              FsdpBuffers()) == embedding
     # one micro-batch: no .grad to add into yet; over FSDP the root's buffers as before
     assert backward_end_bytes(step(facts=replace(plain, tied_head=True)), one,
                               FsdpBuffers()) == embedding
