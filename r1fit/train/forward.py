@@ -48,6 +48,7 @@ class BatchLayout:
 
     def __init__(self, share_prefix: bool | str) -> None:
         self.on: bool | None = None if share_prefix == "auto" else bool(share_prefix)
+        self.decided = False  # sharing settled (and checked against the attention kernel)
         self.checked_packing = False
 
     def decide(self, model: Any, rows: Sequence[Prompt], completions: Sequence[torch.Tensor], *,
@@ -56,7 +57,14 @@ class BatchLayout:
         micro-batch of ``rows`` as the per-row path cuts it (so the check holds no more than a
         micro-batch does)."""
         packed = tokens is not None
-        if self.on is not None and (self.checked_packing or not packed):
+        if self.decided and (self.checked_packing or not packed):
+            return
+        if self.on and _flash_attention(model):
+            raise PackingError("memory.share_prefix=true needs a 4-D attention mask, which "
+                               "model.attn_implementation=flash_attention_2 does not take: use "
+                               "'sdpa', or memory.share_prefix=auto (off with flash attention)")
+        if self.on is False and not packed:  # the per-row path: nothing to check
+            self.decided = True
             return
         _, first, first_completions = next(micro_batches(rows, completions, micro_batch,
                                                          tokens=tokens))
@@ -80,10 +88,7 @@ class BatchLayout:
                 log.info("memory.share_prefix=auto: %s", "on (a group's prompt runs once per "
                          "micro-batch)" if self.on else "off: this model's log-probs differ when "
                          "its completions share a prompt (e.g. bidirectional image attention)")
-        elif self.on and _flash_attention(model):
-            raise PackingError("memory.share_prefix=true needs a 4-D attention mask, which "
-                               "model.attn_implementation=flash_attention_2 does not take: use "
-                               "'sdpa', or memory.share_prefix=auto (off with flash attention)")
+        self.decided = True
         if packed and not self.checked_packing:
             if not exact(bool(self.on)):
                 raise PackingError(

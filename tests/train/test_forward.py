@@ -59,6 +59,8 @@ def test_a_shared_prefix_needs_a_mask_that_flash_attention_does_not_take(float64
     batch = auto.inputs(model, rows, completions, pad_id=pad, device=torch.device("cpu"),
                         packed=True)
     assert "attention_mask" not in batch.inputs and batch.inputs["position_ids"].shape[0] == 4
-    with pytest.raises(PackingError, match="memory.share_prefix=true needs a 4-D attention mask"):
-        BatchLayout(True).decide(model, rows, completions, pad_id=pad, chunk_size=8,
-                                 micro_batch=4, tokens=100)
+    for tokens in (None, 100):  # packed or not
+        with pytest.raises(PackingError,
+                           match="memory.share_prefix=true needs a 4-D attention mask"):
+            BatchLayout(True).decide(model, rows, completions, pad_id=pad, chunk_size=8,
+                                     micro_batch=4, tokens=tokens)
