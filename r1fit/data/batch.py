@@ -228,29 +228,41 @@ def consecutive_groups(prompts: Sequence[Prompt], completions: Sequence[torch.Te
     return unique, groups
 
 
+def token_slices(prompt_lengths: Sequence[int], completion_lengths: Sequence[int],
+                 continues: Sequence[bool], tokens: int) -> Iterator[tuple[int, int, int, int]]:
+    """The greedy cut of rows into consecutive slices of at most ``tokens`` tokens each (a row
+    longer than that alone), as ``(start, end, tokens used, prompts run)``. A row costs its
+    completion, plus its prompt unless ``continues[i]`` (it shares row i-1's prompt, which the
+    slice already holds: memory.share_prefix) and it is not the slice's first. Shared by the loop
+    (:func:`micro_batches`) and the planner, so the two cut alike."""
+    start = used = prompts = 0
+    for i, (prompt, completion, cont) in enumerate(zip(prompt_lengths, completion_lengths,
+                                                       continues, strict=True)):
+        opens = not (cont and i > start)
+        cost = completion + (prompt if opens else 0)
+        if i > start and used + cost > tokens:
+            yield start, i, used, prompts
+            start, used, prompts = i, prompt + completion, 1
+        else:
+            used, prompts = used + cost, prompts + int(opens)
+    if start < len(prompt_lengths):
+        yield start, len(prompt_lengths), used, prompts
+
+
 def micro_batches(rows: Sequence[Prompt], completions: Sequence[torch.Tensor], size: int, *,
                   tokens: int | None = None, shared: bool = False
                   ) -> Iterator[tuple[slice, list[Prompt], list[torch.Tensor]]]:
     """Consecutive slices of at most ``size`` rows; with ``tokens``, of as many rows as fit in
     that many tokens as the model runs them (each row's prompt and completion; with ``shared``
-    a group's prompt once per slice), a row longer than ``tokens`` alone."""
+    a group's prompt once per slice), a row longer than ``tokens`` alone (:func:`token_slices`)."""
     if tokens is None:
-        for start in range(0, len(rows), size):
-            piece = slice(start, min(start + size, len(rows)))
-            yield piece, list(rows[piece]), list(completions[piece])
-        return
-    start, used = 0, 0
-    for i, (prompt, completion) in enumerate(zip(rows, completions, strict=True)):
-        cost = int(completion.shape[0])
-        if not (shared and i > start and rows[i - 1] is prompt):
-            cost += prompt.length
-        if i > start and used + cost > tokens:
-            yield slice(start, i), list(rows[start:i]), list(completions[start:i])
-            start, used = i, prompt.length + int(completion.shape[0])
-        else:
-            used += cost
-    if start < len(rows):
-        yield slice(start, len(rows)), list(rows[start:]), list(completions[start:])
+        bounds = [(start, min(start + size, len(rows))) for start in range(0, len(rows), size)]
+    else:
+        continues = [shared and i > 0 and rows[i - 1] is row for i, row in enumerate(rows)]
+        bounds = [(start, end) for start, end, _, _ in token_slices(
+            [p.length for p in rows], [int(c.shape[0]) for c in completions], continues, tokens)]
+    for start, end in bounds:
+        yield slice(start, end), list(rows[start:end]), list(completions[start:end])
 
 
 def cut_after_eos(tokens: torch.Tensor, eos_ids: Sequence[int]) -> torch.Tensor:

@@ -542,32 +542,25 @@ class StepShape:
         return pixel_bytes(self.facts.vision, rows * self.patches)
 
     def token_cut(self) -> TokenCut:
-        """With ``packed_tokens``: every GPU's share cut into micro-batches as
-        :func:`r1fit.data.batch.micro_batches` cuts them (every completion ``completion`` long,
-        a group's prompt once per micro-batch with ``share_prefix``), the largest of each."""
+        """With ``packed_tokens``: every GPU's share cut into micro-batches as the loop cuts
+        them (:func:`r1fit.data.batch.token_slices`; every completion ``completion`` long, a
+        group's prompt once per micro-batch with ``share_prefix``), the largest of each."""
+        from r1fit.data.batch import token_slices
+
         assert self.packed_tokens is not None
-        P, C, N = self.prompt.tokens, self.completion, self.packed_tokens
-        most = TokenCut(rows=1, tokens=0, images=0, count=0)
-
-        def record(start: int, end: int, used: int, images: int) -> TokenCut:
-            return TokenCut(max(most.rows, end - start), max(most.tokens, used),
-                            max(most.images, images), most.count)
-
+        n = self.rows_per_gpu
+        rows = tokens = images = count = 0
         for gpu in range(self.gpus):
-            first = gpu * self.rows_per_gpu
-            start, used, images, count = first, 0, 0, 1
-            for i in range(first, first + self.rows_per_gpu):
-                new_prompt = not (self.share_prefix and i > start
-                                  and i // self.group == (i - 1) // self.group)
-                cost = C + (P if new_prompt else 0)
-                if i > start and used + cost > N:
-                    most = record(start, i, used, images)
-                    start, used, images, count = i, P + C, 1, count + 1
-                else:
-                    used, images = used + cost, images + int(new_prompt)
-            most = record(start, first + self.rows_per_gpu, used, images)
-            most = replace(most, count=max(most.count, count))
-        return most
+            first = gpu * n
+            continues = [self.share_prefix and i > first and i // self.group == (i - 1) // self.group
+                         for i in range(first, first + n)]
+            slices = list(token_slices([self.prompt.tokens] * n, [self.completion] * n, continues,
+                                       self.packed_tokens))
+            rows = max([rows, *(end - start for start, end, _, _ in slices)])
+            tokens = max([tokens, *(used for _, _, used, _ in slices)])
+            images = max([images, *(prompts for _, _, _, prompts in slices)])
+            count = max(count, len(slices))
+        return TokenCut(rows=rows, tokens=tokens, images=images, count=count)
 
     def images(self, rows: int) -> int:
         """Prompts whose images a micro-batch of ``rows`` completions runs through the tower:
