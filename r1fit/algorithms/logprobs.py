@@ -99,9 +99,18 @@ def _chunked(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | Non
     return tuple(t.view(targets.shape) for t in (out if with_entropy else (out,)))
 
 
+#: tokens per slice of a chunk that gets a temporary of its own (the exponentials of the
+#: log-sum-exp and of the entropy), so a chunk holds one [chunk x vocab] float buffer, not two
+SLICE_TOKENS = 32
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
-    """Forward/backward of chunked target log-probs (and, with ``with_entropy``, entropies); backward
-    recomputes each chunk's logits."""
+    """Forward/backward of chunked target log-probs (and, with ``with_entropy``, entropies).
+
+    Forward turns each chunk's logits into log-probabilities in place. When a gradient will be
+    needed, the last chunk's buffer is kept for backward, which starts with it: its logits are
+    not recomputed, and the buffer was alive at the end of forward anyway, so the peak does not
+    grow. The other chunks' logits are recomputed in backward."""
 
     @staticmethod
     def forward(
@@ -118,21 +127,24 @@ class _ChunkedLogprobs(torch.autograd.Function):
         out = torch.empty(hidden.shape[0], dtype=_compute_dtype(hidden), device=hidden.device)
         lse = torch.empty_like(out)
         entropy = torch.empty_like(out) if with_entropy else None
-        for start in range(0, hidden.shape[0], chunk_size):
+        keep = any(ctx.needs_input_grad[:3])
+        kept = None
+        starts = range(0, hidden.shape[0], chunk_size)
+        for start in starts:
             rows = slice(start, start + chunk_size)
-            logits = _chunk_logits(hidden[rows], weight, bias, temperature)
-            lse[rows] = torch.logsumexp(logits, dim=-1)
-            out[rows] = logits.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1) - lse[rows]
+            logp = _chunk_logits(hidden[rows], weight, bias, temperature)
+            lse[rows] = _to_log_probs_(logp)
+            out[rows] = logp.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1)
             if entropy is not None:
-                # in place in the logits buffer (no second name, so `del` frees it): p = exp(z - lse),
-                # then -p log p (torch.special.entr)
-                logits.sub_(lse[rows].unsqueeze(-1)).exp_()
-                entropy[rows] = torch.special.entr(logits, out=logits).sum(dim=-1)
-            del logits  # free this chunk before the next one is allocated
+                entropy[rows] = _entropy(logp)
+            if keep and start == starts[-1]:
+                kept = logp
+            del logp  # free this chunk before the next one is allocated
         # an unused output (the entropy when no loss term uses it) gets None, not a zero gradient
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.chunk_size, ctx.temperature, ctx.into_grad = chunk_size, temperature, into_grad
+        ctx.kept = kept  # not through save_for_backward: backward turns it into a gradient in place
         return out if entropy is None else (out, entropy)
 
     @staticmethod
@@ -140,6 +152,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     def backward(ctx: FunctionCtx, grad_out: Tensor | None,
                  grad_entropy: Tensor | None = None) -> tuple[Tensor | None, ...]:
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        kept, ctx.kept = ctx.kept, None
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         # with into_grad and an existing .grad, the weight's gradient is added there in place
@@ -148,23 +161,30 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_bias = torch.zeros_like(bias) if need_bias else None
         if grad_out is None:  # only the entropy is used
             grad_out = torch.zeros_like(lse)
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
+        starts = list(range(0, hidden.shape[0], ctx.chunk_size))
+        for start in reversed(starts):  # the kept last chunk first, while it is still alive
             rows = slice(start, start + ctx.chunk_size)
             h = hidden[rows]
-            # Built in place in the recomputed logits buffer so one [chunk x V] float tensor is live
-            # (two with an entropy gradient). With z = logits / T, p = softmax(z), g = grad_out and
-            # e = grad_entropy: d logp[target] / dz = onehot(target) - p, dH/dz = -p (log p + H), so
+            # Built in place in the chunk's log-probs buffer (kept from forward, or its logits
+            # recomputed) so one [chunk x V] float tensor is live (two with an entropy gradient).
+            # With z = logits / T, p = softmax(z), g = grad_out and e = grad_entropy:
+            # d logp[target] / dz = onehot(target) - p, dH/dz = -p (log p + H), so
             # d loss / dz = g onehot - p (g + e (log p + H)), and d z / d logits = 1/T (folded into
             # the per-row g and e, so it costs no pass over the chunk).
-            grad_logits = _chunk_logits(h, weight, bias, ctx.temperature)
+            if start == starts[-1] and kept is not None:
+                grad_logits, kept = kept, None
+            else:
+                grad_logits = _chunk_logits(h, weight, bias, ctx.temperature)
+                grad_logits.sub_(lse[rows].unsqueeze(-1))  # log p
             g = (grad_out[rows] / ctx.temperature).unsqueeze(-1)
             if grad_entropy is None:
-                grad_logits.sub_(lse[rows].unsqueeze(-1)).exp_().mul_(g).neg_()
+                grad_logits.exp_().mul_(g.neg())
             else:
                 e = (grad_entropy[rows] / ctx.temperature).unsqueeze(-1)
-                grad_logits.sub_(lse[rows].unsqueeze(-1))  # log p
                 probs = grad_logits.exp()
                 grad_logits.add_(entropy[rows].unsqueeze(-1)).mul_(e).add_(g).mul_(probs).neg_()
+                # p = 0 (a -inf logit): the gradient is 0 there, not 0 * -inf
+                grad_logits.masked_fill_(probs == 0, 0.0)
                 del probs
             grad_logits.scatter_add_(-1, targets[rows].unsqueeze(-1), g)
             grad_logits = grad_logits.to(hidden.dtype)
@@ -178,6 +198,37 @@ class _ChunkedLogprobs(torch.autograd.Function):
         if into is not None:
             grad_weight = None  # already in weight.grad
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _to_log_probs_(logits: Tensor) -> Tensor:
+    """Turn a chunk's logits [n, V] into log-probabilities in place; returns the log-sum-exp [n].
+
+    The exponentials get a temporary of ``SLICE_TOKENS`` rows at a time, not one of the chunk's
+    size (``torch.logsumexp`` of the whole chunk would allocate a second [n, V] buffer)."""
+    peak = logits.amax(dim=-1, keepdim=True)
+    # a row that is -inf everywhere has no distribution; keep it from turning into NaN here
+    peak = peak.masked_fill_(peak.isinf(), 0.0)
+    logits.sub_(peak)
+    lse = torch.empty(logits.shape[0], dtype=logits.dtype, device=logits.device)
+    for start in range(0, logits.shape[0], SLICE_TOKENS):
+        rows = slice(start, start + SLICE_TOKENS)
+        lse[rows] = logits[rows].exp().sum(dim=-1).log_()
+    logits.sub_(lse.unsqueeze(-1))
+    return lse.add_(peak.squeeze(-1))
+
+
+def _entropy(logp: Tensor) -> Tensor:
+    """``-sum_v p_v log p_v`` per row of log-probabilities [n, V], one slice of rows at a time:
+    its probabilities are a temporary, the sum a batched dot product. A row with a -inf log-prob
+    (p = 0, where p log p is 0, not NaN) is summed again without those entries."""
+    out = torch.empty(logp.shape[0], dtype=logp.dtype, device=logp.device)
+    for start in range(0, logp.shape[0], SLICE_TOKENS):
+        rows = logp[start:start + SLICE_TOKENS]
+        probs = rows.exp()
+        out[start:start + SLICE_TOKENS] = -(probs.unsqueeze(-2) @ rows.unsqueeze(-1)).flatten()
+    if out.isnan().any():  # only a -inf logit (a -inf bias) gets here
+        out = torch.special.entr(logp.exp()).sum(dim=-1)
+    return out
 
 
 def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:

@@ -28,12 +28,12 @@ def live_tensor_bytes() -> int:
         tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
     for obj in tensors:
         if obj.device.type == "cpu":
-            try:
+            try:  # tensors without storage, or without data (a FakeTensor left by compile)
                 storage = obj.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # tensors without storage
+                if storage.nbytes():
+                    seen[storage.data_ptr()] = storage.nbytes()
+            except (RuntimeError, NotImplementedError):
                 continue
-            if storage.nbytes():
-                seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
 
 

@@ -90,20 +90,51 @@ def filter_top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     return scores.masked_fill(remove, float("-inf"))
 
 
+#: vocabulary entries per block of the two-level inverse CDF in ``sample_rows``
+SAMPLE_BLOCK = 1024
+
+
 def sample_rows(scores: torch.Tensor, uniforms: torch.Tensor, temperature: float,
                 top_p: float) -> torch.Tensor:
     """Inverse-CDF sampling of one token per row of ``scores`` [B, V], given one uniform in [0, 1)
-    per row: temperature, then top-p, then softmax in float32; the token is the first index whose
-    cumulative probability exceeds ``u * total``. Every operation works along the vocabulary only,
-    so a row's token does not depend on the other rows of the batch. Tokens of probability 0 (such
-    as those suppressed to -inf) are never picked: the cumulative sum does not grow over them."""
-    logits = filter_top_p(scores.float() / temperature, top_p)
-    cdf = logits.softmax(dim=-1).double().cumsum(dim=-1)
-    threshold = uniforms.to(cdf) * cdf[..., -1]
-    tokens = torch.searchsorted(cdf, threshold.unsqueeze(-1), right=True).squeeze(-1)
-    # if rounding makes u * total reach the total, no index exceeds it: take the first index where
-    # the CDF reaches its total (a token of positive probability), not the last of the vocabulary
-    return torch.minimum(tokens, cdf.argmax(dim=-1))
+    per row: temperature, then top-p, then unnormalised probabilities ``exp(z - max z)`` in
+    float32; the token is the first index whose cumulative probability exceeds ``u * total``.
+
+    The cumulative sum runs in two levels, so it never runs over the whole vocabulary (a float64
+    cumsum of [B, 151,936] cost more than the LM head of a decode step on CPU): the sums of blocks
+    of ``SAMPLE_BLOCK`` entries, their float64 cumsum to find the block that holds ``u * total``,
+    then a float64 cumsum inside that block only. Every operation works along the vocabulary
+    only, so a row's token does not depend on the other rows of the batch. Tokens of probability 0
+    (such as those suppressed to -inf) are never picked: the cumulative sums do not grow over
+    them; where rounding makes ``u * total`` reach a total, the last token of positive probability
+    (of the last block with mass) is taken."""
+    logits = scores.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logits = filter_top_p(logits, top_p)
+    weights = (logits - logits.amax(dim=-1, keepdim=True)).exp_()  # -inf -> 0
+    rows, vocab = weights.shape
+    whole = vocab // SAMPLE_BLOCK * SAMPLE_BLOCK
+    sums = weights[:, :whole].view(rows, -1, SAMPLE_BLOCK).sum(dim=-1)
+    if whole < vocab:
+        sums = torch.cat([sums, weights[:, whole:].sum(dim=-1, keepdim=True)], dim=-1)
+    cdf = sums.double().cumsum(dim=-1)
+    threshold = (uniforms.to(cdf) * cdf[:, -1]).unsqueeze(-1)
+    block = first_above(cdf, threshold)
+    before = cdf.gather(-1, (block - 1).clamp(min=0).unsqueeze(-1))
+    before = before.masked_fill_((block == 0).unsqueeze(-1), 0.0)
+    index = block.unsqueeze(-1) * SAMPLE_BLOCK + torch.arange(SAMPLE_BLOCK, device=weights.device)
+    inside = weights.gather(-1, index.clamp(max=vocab - 1)).double()
+    inside = inside.masked_fill_(index >= vocab, 0.0).cumsum(dim=-1).add_(before)
+    return block * SAMPLE_BLOCK + first_above(inside, threshold)
+
+
+def first_above(cdf: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index where the non-decreasing ``cdf`` [B, n] exceeds ``threshold``
+    [B, 1]; where none does (rounding put the threshold at the total), the first index where
+    the cdf reaches its maximum (an entry of positive mass, not a trailing zero one)."""
+    found = torch.searchsorted(cdf, threshold, right=True).squeeze(-1)
+    return torch.minimum(found, cdf.argmax(dim=-1))
 
 
 class SeededSampler(LogitsProcessor):

@@ -273,14 +273,54 @@ def test_entropy_bonus_keeps_memory_at_chunks_of_logits():
 
 
 def test_peak_live_memory_in_forward_and_backward_is_one_chunk_of_logits():
+    # one [chunk x V] buffer (25.6 MB) turned into log-probs in place, plus a temporary of
+    # SLICE_TOKENS rows (32 of 128: 6.4 MB) for the exponentials, never logsumexp's second
+    # [chunk x V]; the last chunk's buffer is kept for backward, which starts with it
     hidden, weight, targets = _big_inputs()
-    with LiveBytes() as tracker:
-        chunked_token_logprobs(hidden, weight, targets, chunk_size=CHUNK).sum().backward()
     chunk_logits_bytes = CHUNK * V * 4  # 25.6 MB
     weight_grad_bytes = V * H * 4  # 3.2 MB
-    assert tracker.peak < 2 * chunk_logits_bytes + weight_grad_bytes
+    with LiveBytes() as tracker:
+        out = chunked_token_logprobs(hidden, weight, targets, chunk_size=CHUNK)
+    assert tracker.peak < 1.5 * chunk_logits_bytes
+    with LiveBytes() as tracker:
+        out.sum().backward()
+    assert tracker.peak < 1.5 * chunk_logits_bytes + weight_grad_bytes
     assert tracker.peak < FULL_LOGITS_BYTES / 10
     assert (N, V) not in tracker.shapes
+
+
+def test_the_kept_last_chunk_is_used_once():
+    # backward turns the kept buffer into a gradient in place; a second backward through a
+    # retained graph recomputes that chunk and gets the same gradients
+    hidden, weight, bias, targets, upstream = _inputs()
+    for chunk_size in (7, 64):
+        logp, entropy = chunked_logprobs_and_entropy(hidden, weight, targets, bias=bias,
+                                                     chunk_size=chunk_size, temperature=0.7)
+        loss = (logp * upstream).sum() + 0.1 * entropy.sum()
+        first = torch.autograd.grad(loss, (hidden, weight, bias), retain_graph=True)
+        second = torch.autograd.grad(loss, (hidden, weight, bias))
+        for a, b in zip(first, second, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_minus_infinite_logits_give_finite_entropy_and_gradients():
+    # a -inf bias entry: p = 0 there, p log p counts 0 (not NaN) in the entropy, and the token
+    # gets no gradient; the values match the distribution over the other entries
+    hidden, weight, bias, targets, _ = _inputs(n=6, hidden_size=3, vocab=5)
+    bias = bias.detach().clone()
+    bias[2] = float("-inf")
+    bias.requires_grad_()
+    targets = torch.tensor([0, 1, 3, 4, 0, 1])
+    logp, entropy = chunked_logprobs_and_entropy(hidden, weight, targets, bias=bias, chunk_size=4)
+    keep = [0, 1, 3, 4]
+    ref_logp = full_token_logprobs(hidden, weight[keep], torch.tensor([0, 1, 2, 3, 0, 1]),
+                                   bias=bias[keep])
+    torch.testing.assert_close(logp, ref_logp, atol=1e-12, rtol=0)
+    torch.testing.assert_close(entropy, dense_entropy(hidden, weight[keep], bias[keep], 1.0),
+                               atol=1e-12, rtol=0)
+    (logp.sum() + entropy.sum()).backward()
+    assert torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()
+    assert weight.grad[2].abs().max() == 0
 
 
 # ---------------------------------------------------------------- validation

@@ -14,6 +14,7 @@ from r1fit.data.batch import encode_prompts
 from r1fit.data.dataset import load_dataset
 from r1fit.models.load import load_policy
 from r1fit.rollout.generate import (
+    SAMPLE_BLOCK,
     SamplingSettings,
     SeededSampler,
     TokenIds,
@@ -177,6 +178,38 @@ def test_suppressed_tokens_are_never_picked_even_at_the_edges_of_u():
     tokens = sample_rows(scores.expand(4, -1), u, temperature=1.0, top_p=1.0)
     assert set(tokens.tolist()) <= {1, 3}
     assert tokens.tolist()[0] == 1 and tokens.tolist()[-1] == 3
+
+
+def test_two_level_cdf_finds_mass_across_block_edges_and_the_tail():
+    # two blocks and a 5-entry tail; mass only at the last entry of block 0 and the first of the
+    # tail (weights 1 and 1, total 2), every other entry suppressed: whole blocks without mass
+    vocab = 2 * SAMPLE_BLOCK + 5
+    scores = torch.full((1, vocab), float("-inf"))
+    scores[0, [SAMPLE_BLOCK - 1, 2 * SAMPLE_BLOCK]] = 0.0
+    # threshold u * 2: 0 and 0.5 -> cdf 1 at 1023 exceeds; 1.0 -> cdf 1 does not exceed 1, cdf 2
+    # at the tail's first entry does; 1.0 (rounded u * total = total) -> the last positive entry
+    u = torch.tensor([0.0, 0.25, 0.5, 0.75, 1 - 2**-53, 1.0], dtype=torch.float64)
+    tokens = sample_rows(scores.expand(len(u), -1), u, temperature=1.0, top_p=1.0)
+    last, tail = SAMPLE_BLOCK - 1, 2 * SAMPLE_BLOCK
+    assert tokens.tolist() == [last, last, tail, tail, tail, tail]
+
+
+def test_two_level_cdf_agrees_with_one_float64_cumsum():
+    # against the one-level inverse CDF over the whole row; a disagreement is allowed only where
+    # the threshold lies within rounding (1e-6 relative) of a step of the CDF
+    gen = torch.Generator().manual_seed(3)
+    vocab = 3 * SAMPLE_BLOCK + 37
+    scores = torch.randn(1, vocab, generator=gen) * 4
+    scores[0, SAMPLE_BLOCK:2 * SAMPLE_BLOCK] = float("-inf")  # one whole block without mass
+    u = torch.rand(4000, generator=gen, dtype=torch.float64)
+    tokens = sample_rows(scores.expand(len(u), -1), u, temperature=0.8, top_p=1.0)
+    cdf = (scores[0].double() / 0.8).softmax(-1).cumsum(-1)
+    reference = torch.searchsorted(cdf, u * cdf[-1], right=True)
+    differ = tokens != reference
+    assert not torch.isinf(scores[0, tokens]).any()
+    assert differ.sum() <= 2
+    for i in differ.nonzero().flatten().tolist():
+        assert (cdf - u[i] * cdf[-1]).abs().min() < 1e-6
 
 
 def test_top_p_filter_matches_hf_and_rows_are_independent():

@@ -622,7 +622,7 @@ def logprobs_bytes(step: StepShape, rows: int, chunk: int) -> int:
     sequences, width = step.packed(rows)
     images = step.images(rows)
     head = (sequences * width * t.hidden * b  # the backbone's output
-            + _head_input(step, rows) + chunk_forward_bytes(t.vocab, chunk))
+            + _head_input(step, rows) + chunk_forward_bytes(t.vocab, b, chunk))
     return step.pixels(images) + max(vision_forward_bytes(v, b, images * step.patches),
                                         lm_forward_bytes(t, b, sequences, width, step.eager),
                                         head)
@@ -702,7 +702,7 @@ def head_chunk_bytes(step: StepShape, rows: int, chunk: int, new_grad: bool = Tr
     grad_weight = t.vocab * t.hidden * b if not step.lora and new_grad else 0
     sequences, width = step.packed(rows)
     return max(sequences * width * t.hidden * b  # the backbone's output, still held
-               + chunk_forward_bytes(t.vocab, chunk),
+               + chunk_forward_bytes(t.vocab, b, chunk),
                grad_weight + _head_input(step, rows)  # + the gradient of hidden[mask]
                + chunk_backward_bytes(t.vocab, b, chunk))
 

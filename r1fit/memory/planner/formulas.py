@@ -23,6 +23,9 @@ ADAPTER_BYTES = 4
 #: temperature other than 1 adds one more (its division), top_p < 1 about four (sorted values,
 #: int64 indices, cumulative sum): read from transformers' logits processors, not measured.
 GENERATION_LOGITS_F32 = 4
+#: rows of the chunked LM head's slices with temporaries of their own (r1fit/algorithms/
+#: logprobs.py's SLICE_TOKENS; the planner does not import torch)
+SLICE_TOKENS = 32
 #: Bytes of a float32 element (what norms, softmax and logits compute in).
 F32 = 4
 
@@ -152,11 +155,12 @@ def lm_forward_bytes(t: TextDims, b: int, rows: int, length: int, eager: bool) -
     return rows * length * per_token + mask + scores
 
 
-def chunk_forward_bytes(vocab: int, chunk: int) -> int:
+def chunk_forward_bytes(vocab: int, b: int, chunk: int) -> int:
     """The chunked LM head's forward (_ChunkedLogprobs) over ``chunk`` tokens."""
-    # a float32 [chunk x vocab] logits tensor and logsumexp's (logits - max) temporary of the same
-    # size (a bf16 matmul output is freed before that)
-    return 2 * chunk * vocab * F32
+    # a float32 [chunk x vocab] buffer turned into log-probs in place, beside either the bf16
+    # matmul output it was converted from or, later, the exponentials of SLICE_TOKENS of its rows
+    converted = chunk * vocab * b if b != F32 else 0
+    return chunk * vocab * F32 + max(converted, min(chunk, SLICE_TOKENS) * vocab * F32)
 
 
 def chunk_backward_bytes(vocab: int, b: int, chunk: int) -> int:

@@ -3,7 +3,9 @@ per-token ones are checked against autograd's saved tensors in tests/memory/test
 
 from __future__ import annotations
 
+from r1fit.algorithms import logprobs
 from r1fit.memory.planner.formulas import (
+    SLICE_TOKENS,
     chunk_backward_bytes,
     chunk_forward_bytes,
     kv_cache_bytes,
@@ -42,8 +44,12 @@ def test_eager_attention_adds_its_scores(text):
 
 
 def test_logits_chunks():
-    # forward: float32 logits and logsumexp's temporary of the same size
-    assert chunk_forward_bytes(vocab=100, chunk=8) == 2 * 8 * 100 * 4
+    assert SLICE_TOKENS == logprobs.SLICE_TOKENS  # the planner's copy of the head's constant
+    # forward: the float32 logits (log-probs in place) and the exponentials of 32 of their rows
+    assert chunk_forward_bytes(vocab=100, b=4, chunk=8) == 2 * 8 * 100 * 4
+    assert chunk_forward_bytes(vocab=100, b=4, chunk=256) == (256 + 32) * 100 * 4
+    # a bfloat16 model: the bfloat16 matmul output beside its float32 copy is the larger moment
+    assert chunk_forward_bytes(vocab=100, b=2, chunk=256) == 256 * 100 * (4 + 2)
     # backward: the float32 chunk (+ its bfloat16 copy in a bfloat16 model)
     assert chunk_backward_bytes(vocab=100, b=4, chunk=8) == 8 * 100 * 4
     assert chunk_backward_bytes(vocab=100, b=2, chunk=8) == 8 * 100 * (4 + 2)
