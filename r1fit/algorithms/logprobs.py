@@ -133,10 +133,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for start in starts:
             rows = slice(start, start + chunk_size)
             logp = _chunk_logits(hidden[rows], weight, bias, temperature)
-            lse[rows] = _to_log_probs_(logp)
+            lse[rows] = _to_log_probs_(logp, None if entropy is None else entropy[rows])
             out[rows] = logp.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1)
-            if entropy is not None:
-                entropy[rows] = _entropy(logp)
             if keep and start == starts[-1]:
                 kept = logp
             del logp  # free this chunk before the next one is allocated
@@ -200,11 +198,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
-def _to_log_probs_(logits: Tensor) -> Tensor:
-    """Turn a chunk's logits [n, V] into log-probabilities in place; returns the log-sum-exp [n].
+def _to_log_probs_(logits: Tensor, entropy: Tensor | None = None) -> Tensor:
+    """Turn a chunk's logits [n, V] into log-probabilities in place; returns the log-sum-exp [n]
+    and, given an ``entropy`` [n] to fill, each row's entropy from the same exponentials.
 
-    The exponentials get a temporary of ``SLICE_TOKENS`` rows at a time, not one of the chunk's
-    size (``torch.logsumexp`` of the whole chunk would allocate a second [n, V] buffer)."""
+    With ``x = z - max z``, ``e = exp(x)`` and ``S = sum e``: ``lse = max z + log S`` and the
+    entropy ``-sum p log p = log S - (sum e x) / S``, a batched dot product. The exponentials get
+    a temporary of ``SLICE_TOKENS`` rows at a time, not one of the chunk's size
+    (``torch.logsumexp`` of the whole chunk would allocate a second [n, V] buffer)."""
     peak = logits.amax(dim=-1, keepdim=True)
     # a row that is -inf everywhere has no distribution; keep it from turning into NaN here
     peak = peak.masked_fill_(peak.isinf(), 0.0)
@@ -212,23 +213,19 @@ def _to_log_probs_(logits: Tensor) -> Tensor:
     lse = torch.empty(logits.shape[0], dtype=logits.dtype, device=logits.device)
     for start in range(0, logits.shape[0], SLICE_TOKENS):
         rows = slice(start, start + SLICE_TOKENS)
-        lse[rows] = logits[rows].exp().sum(dim=-1).log_()
+        exps = logits[rows].exp()
+        total = exps.sum(dim=-1)
+        if entropy is not None:
+            dot = (exps.unsqueeze(-2) @ logits[rows].unsqueeze(-1)).flatten()
+            entropy[rows] = total.log() - dot / total
+        lse[rows] = total.log_()
+        del exps  # before the next slice's are made
+    if entropy is not None and entropy.isnan().any():
+        # only a -inf logit (a -inf bias) gets here: p = 0 there, and p log p is 0, not 0 * -inf
+        x = logits.masked_fill(logits.isinf(), 0.0)
+        entropy.copy_(lse - (logits.exp() * x).sum(dim=-1) / lse.exp())
     logits.sub_(lse.unsqueeze(-1))
     return lse.add_(peak.squeeze(-1))
-
-
-def _entropy(logp: Tensor) -> Tensor:
-    """``-sum_v p_v log p_v`` per row of log-probabilities [n, V], one slice of rows at a time:
-    its probabilities are a temporary, the sum a batched dot product. A row with a -inf log-prob
-    (p = 0, where p log p is 0, not NaN) is summed again without those entries."""
-    out = torch.empty(logp.shape[0], dtype=logp.dtype, device=logp.device)
-    for start in range(0, logp.shape[0], SLICE_TOKENS):
-        rows = logp[start:start + SLICE_TOKENS]
-        probs = rows.exp()
-        out[start:start + SLICE_TOKENS] = -(probs.unsqueeze(-2) @ rows.unsqueeze(-1)).flatten()
-    if out.isnan().any():  # only a -inf logit (a -inf bias) gets here
-        out = torch.special.entr(logp.exp()).sum(dim=-1)
-    return out
 
 
 def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:

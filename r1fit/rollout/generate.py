@@ -57,13 +57,15 @@ def generation_config(settings: SamplingSettings, ids: TokenIds) -> GenerationCo
     ``generation_config.json`` (Qwen-VL's sets repetition_penalty=1.05), so the ones that change
     logits are set to their neutral values here (``min_new_tokens=0`` also overrides ``min_length``).
     Sampling is done by ``SeededSampler`` on top of it; temperature/top_p are left out, as HF warns
-    about them when ``do_sample=False``."""
+    about them when ``do_sample=False``. ``min_length=0`` and ``min_new_tokens=0`` keep a
+    checkpoint's minimum lengths out (``generate_completions`` drops the second when the
+    checkpoint sets none)."""
     return GenerationConfig(
         max_new_tokens=settings.max_new_tokens, pad_token_id=ids.pad, eos_token_id=list(ids.eos),
         use_cache=True, suppress_tokens=list(ids.blocked) or None, do_sample=False, num_beams=1,
         num_return_sequences=1, min_new_tokens=0, repetition_penalty=1.0,
         encoder_repetition_penalty=1.0, no_repeat_ngram_size=0, encoder_no_repeat_ngram_size=0,
-        renormalize_logits=False, remove_invalid_values=False)
+        min_length=0, renormalize_logits=False, remove_invalid_values=False)
 
 
 def row_seeds(seed: int, step: int, first_row: int, n: int) -> list[int]:
@@ -176,6 +178,13 @@ def generate_completions(model: Any, rows: Sequence[Prompt], *, seeds: Sequence[
         raise ValueError(f"sampling needs one seed per row ({len(rows)} rows, "
                          f"{'no' if seeds is None else len(seeds)} seeds)")
     gen_config = generation_config(settings, ids)
+    # the model's own generation config (r1fit's policy wrapper holds the model as .model)
+    checkpoint = getattr(model, "generation_config", None) or getattr(
+        getattr(model, "model", None), "generation_config", None)
+    if getattr(checkpoint, "min_new_tokens", None) is None:
+        # nothing to override: min_new_tokens=0 would make transformers add a MinLength
+        # processor that never acts but clones and scans the [rows x vocab] scores every step
+        gen_config.min_new_tokens = None
     was_training = model.training
     model.eval()
     completions: list[torch.Tensor] = []

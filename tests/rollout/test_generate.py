@@ -105,19 +105,28 @@ def test_greedy_completions_do_not_depend_on_chunking(tiny):
 
 
 def test_checkpoint_generation_defaults_do_not_leak_in(tiny):
-    model, _, rows = tiny
+    model, ids, rows = tiny
+    # one token in 4 ends a completion, so most end early and a minimum length that leaked in
+    # would show
+    vocab = model.config.get_text_config().vocab_size
+    ids = TokenIds(ids.pad, [t for t in range(0, vocab, 4) if t not in ids.blocked], ids.blocked)
     seeds = row_seeds(1, 1, 0, len(rows))
-    plain = generate(tiny, seeds=seeds)
+    plain = generate(tiny, seeds=seeds, ids=ids)
+    assert min(len(c) for c in plain) < 12
     saved = model.generation_config
-    # what Qwen2.5-VL-Instruct's generation_config.json sets, plus an n-gram ban
-    model.generation_config = GenerationConfig(
-        **saved.to_diff_dict(), do_sample=True, temperature=0.1, top_k=1, top_p=0.001,
-        repetition_penalty=1.05, no_repeat_ngram_size=2)
-    try:
-        leaked = generate(tiny, seeds=seeds)
-    finally:
-        model.generation_config = saved
-    assert all(torch.equal(a, b) for a, b in zip(leaked, plain, strict=True))
+    longest_prompt = max(row.length for row in rows)
+    # what Qwen2.5-VL-Instruct's generation_config.json sets, plus an n-gram ban; then minimum
+    # lengths (min_new_tokens overrides min_length in transformers, so one at a time)
+    for extra in ({}, {"min_length": longest_prompt + 12}, {"min_new_tokens": 12}):
+        model.generation_config = GenerationConfig(
+            **saved.to_diff_dict(), do_sample=True, temperature=0.1, top_k=1, top_p=0.001,
+            repetition_penalty=1.05, no_repeat_ngram_size=2, **extra)
+        try:
+            leaked = generate(tiny, seeds=seeds, ids=ids)
+        finally:
+            model.generation_config = saved
+        assert all(torch.equal(a, b) for a, b in zip(leaked, plain, strict=True)), extra
+
 
 def test_row_seeds_are_a_function_of_the_global_row():
     seeds = row_seeds(5, 9, 0, 6)
