@@ -259,8 +259,21 @@ def run_prepare(args: argparse.Namespace) -> int:
 
     if args.model.startswith("builtin:"):
         ensure_builtin(args.model.split(":", 1)[1])
-    print_result(NAME, {"trl": trl.__version__})
+    print_result(NAME, {"trl": trl.__version__, "floor": state_bytes(args)})
     return 0
+
+
+def state_bytes(args: argparse.Namespace) -> int:
+    """What any full fine-tuning step with AdamW holds at least, as the planner counts it (exact
+    parameter counts of the model built on the meta device): weights, gradients and AdamW's two
+    states. transformers maps a checkpoint's weights in lazily, so they enter the RSS after the
+    load, on both sides: each side's peak over load includes all of this."""
+    from r1fit.config import load_config
+    from r1fit.memory.planner import plan_memory
+
+    cfg = load_config(None, r1fit_overrides(args, args.micro_batch, Path(tempfile.gettempdir())))
+    parts = plan_memory(cfg, device_type="cpu").parts
+    return int(sum(parts[k] for k in ("weights", "gradients", "optimizer")))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -330,6 +343,17 @@ def check_targets(settings: dict[tuple[str, int], Setting], largest: int, min_sp
     return met, verdicts
 
 
+def floor_note(floor: int, trl_peak: float, max_memory_ratio: float) -> str:
+    """r1fit's floor (weights + gradients + AdamW states) against TRL's largest-G peak, and
+    whether the memory target lies below it (then no change to r1fit's step can meet it)."""
+    note = (f"r1fit's floor (weights + gradients + AdamW states, in both sides' peaks over load): "
+            f"{floor / MIB:,.0f} MiB = {floor / trl_peak:.2f}x TRL's peak")
+    if floor > max_memory_ratio * trl_peak:
+        note += (f"; the memory target ({max_memory_ratio:g}x) is below it: unreachable with "
+                 "full fine-tuning and AdamW on this model")
+    return note
+
+
 def print_table(settings: dict[tuple[str, int], Setting], trl_version: str) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -364,13 +388,16 @@ def run_parent(args: argparse.Namespace) -> int:
     print_table(settings, prepared["trl"])
     met, verdicts = check_targets(settings, max(args.generations), args.min_speedup,
                                   args.max_memory_ratio)
+    verdicts.append(floor_note(prepared["floor"], settings[("trl", max(args.generations))].peak,
+                               args.max_memory_ratio))
     print("\n".join(verdicts))
     print(f"model {args.model}, {args.image_size} px image, {args.max_new_tokens} new tokens, "
           f"micro-batch {args.micro_batch}, {args.steps} steps, {args.repeats} repeat(s), "
           f"TRL {prepared['trl']}, {time.perf_counter() - started:.0f} s in all")
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"command": sys.argv, "trl": prepared["trl"], "targets_met": met,
+            {"command": sys.argv, "trl": prepared["trl"], "floor_bytes": prepared["floor"],
+             "targets_met": met,
              "verdicts": verdicts, "settings": [s.to_dict() for s in settings.values()]},
             indent=2))
     return 0 if met else 1

@@ -8,6 +8,9 @@ import json
 
 import pytest
 from benchkit import load_script
+from transformers import AutoModelForImageTextToText
+
+from r1fit.models.load import resolve_model_path
 
 vt = load_script("vs_trl")
 MIB = 2**20
@@ -54,6 +57,16 @@ def test_unequal_completion_lengths_fail_the_comparison():
     assert verdicts[1].endswith("-> met")
 
 
+def test_the_floor_note_says_when_the_memory_target_is_below_it():
+    mib = 2**20
+    # floor 1,236 MiB vs TRL 2,014 MiB: 0.61x, above the 0.6x target
+    note = vt.floor_note(1236 * mib, 2014 * mib, 0.6)
+    assert note.startswith("r1fit's floor (weights + gradients + AdamW states, in both sides' "
+                           "peaks over load): 1,236 MiB = 0.61x TRL's peak; the memory target "
+                           "(0.6x) is below it")
+    assert "below" not in vt.floor_note(1000 * mib, 2014 * mib, 0.6)
+
+
 def test_a_disturbed_run_is_dropped_and_rerun(monkeypatch):
     args = vt.parse_args(["--max-other-cores", "0.1", "--retries", "1"])
     results = iter([_run(10, 100, other=0.8), _run(11, 100, other=0.05)])
@@ -79,6 +92,12 @@ def test_a_real_side_by_side_run(use_tiny_cache, tmp_path, capsys):
     assert status in (0, 1)  # the targets are for the real workload, not this one
     assert "r1fit vs TRL" in printed and "G=4: r1fit" in printed
     result = json.loads(out.read_text())
+    # the tiny model's float32 weights, gradients and AdamW's two states (16 bytes a parameter)
+    # and AdamW's float32 step count per tensor
+    params = list(AutoModelForImageTextToText.from_pretrained(
+        resolve_model_path("builtin:tiny")).parameters())
+    assert result["floor_bytes"] == 16 * sum(p.numel() for p in params) + 4 * len(params)
+    assert "r1fit's floor" in printed
     by_tool = {s["tool"]: s for s in result["settings"]}
     assert set(by_tool) == {"r1fit", "trl"}
     for s in by_tool.values():
