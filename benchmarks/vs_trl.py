@@ -1,7 +1,7 @@
 """r1fit against TRL's GRPOTrainer on the same model, data, group size and completion lengths:
 completion tokens/s and peak memory, side by side in one run.
 
-Command (needs TRL: ``pip install -e ".[bench]"``; 15 minutes on 2 CPU cores, measured 893 s):
+Command (needs TRL: ``pip install -e ".[bench]"``; 9 minutes on 2 CPU cores, measured 527 s):
 
     python benchmarks/vs_trl.py
     # = --model builtin:small-realvocab --generations 8 16 --micro-batch 4 --max-new-tokens 64
@@ -32,7 +32,9 @@ How it measures (see /work/shared/PITFALLS.md, "Measuring honestly"):
 
 Targets (issue 14): at the largest G, r1fit's tokens/s >= ``--min-speedup`` (3) x TRL's and its
 peak <= ``--max-memory-ratio`` (0.6) x TRL's. Exit status: 0 when met, 1 when missed, 2 on bad
-arguments, a failed run or TRL missing.
+arguments, a failed run or TRL missing. It also prints r1fit's floor (weights, gradients and
+AdamW states, which both sides' peaks over load include: transformers maps the weights in
+lazily) as a multiple of TRL's peak, and says when the memory target lies below it.
 """
 
 from __future__ import annotations
