@@ -2,8 +2,9 @@
 
 With Qwen's 151,936-token vocabulary the logits of a GRPO micro-batch dominate memory (in float32,
 1,000 completion tokens cost 0.6 GB, and autograd keeps them plus the log-softmax for backward).
-``chunked_token_logprobs`` applies the LM head to ``chunk_size`` tokens at a time and recomputes each
-chunk's logits in backward, so only one chunk's logits are alive at any moment.
+``chunked_token_logprobs`` applies the LM head to ``chunk_size`` tokens at a time, turns each chunk's
+logits into log-probs in place, and recomputes in backward the logits of every chunk but the last
+(whose buffer it keeps), so only one chunk's logits are alive at any moment.
 ``chunked_logprobs_and_entropy`` also returns each token's entropy of the (temperature-scaled)
 distribution, from the same chunks, with its exact gradient (for an entropy bonus).
 """
@@ -52,10 +53,12 @@ def chunked_token_logprobs(
     The matmul runs in the inputs' dtype; the log-sum-exp and the result are float32 (float64 for
     float64 inputs), so bf16 models get float32 log-probs.
 
-    Memory bound: forward and backward each hold at most one chunk's logits, about
-    ``3 * chunk_size * V * 4`` bytes of temporaries (logits, softmax, and the bf16 copy for a bf16 model)
-    instead of ``N * V`` floats. For backward only ``hidden``, ``targets`` and a float32 ``[N]``
-    log-sum-exp are saved (plus references to ``weight`` and ``bias``, which are parameters anyway).
+    Memory bound: forward and backward each hold at most one chunk's logits, ``chunk_size * V * 4``
+    bytes, plus either the bf16 matmul output of a bf16 model or a ``SLICE_TOKENS``-row temporary,
+    instead of ``N * V`` floats. For backward ``hidden``, ``targets`` and a float32 ``[N]``
+    log-sum-exp are saved (plus references to ``weight`` and ``bias``, which are parameters anyway),
+    and, when a gradient is needed, the last chunk's log-probs buffer, which backward starts with
+    (it was alive at the end of forward anyway).
     Gradients reach ``hidden``, ``weight`` and ``bias``; a frozen ``weight`` (``requires_grad=False``, e.g.
     under LoRA) gets no gradient buffer. ``weight``'s gradient accumulates in its own dtype. Not twice
     differentiable. ``into_grad``: when ``weight`` already has a ``.grad`` (the micro-batches after
