@@ -21,7 +21,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from r1fit.data.batch import Prompt, collate, cut_after_eos
 from r1fit.distributed.context import all_sum
-from r1fit.models.load import PLACEHOLDER_TOKENS, special_token_ids, stop_token_ids
+from r1fit.models.load import PLACEHOLDER_TOKENS, special_token_ids, stop_token_ids, unwrap
 from r1fit.rollout.record import Rollout
 
 
@@ -178,10 +178,7 @@ def generate_completions(model: Any, rows: Sequence[Prompt], *, seeds: Sequence[
         raise ValueError(f"sampling needs one seed per row ({len(rows)} rows, "
                          f"{'no' if seeds is None else len(seeds)} seeds)")
     gen_config = generation_config(settings, ids)
-    # the model's own generation config (r1fit's policy wrapper holds the model as .model)
-    checkpoint = getattr(model, "generation_config", None) or getattr(
-        getattr(model, "model", None), "generation_config", None)
-    if getattr(checkpoint, "min_new_tokens", None) is None:
+    if getattr(unwrap(model).generation_config, "min_new_tokens", None) is None:
         # nothing to override: min_new_tokens=0 would make transformers add a MinLength
         # processor that never acts but clones and scans the [rows x vocab] scores every step
         gen_config.min_new_tokens = None
