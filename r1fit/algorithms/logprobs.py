@@ -218,10 +218,10 @@ def _to_log_probs_(logits: Tensor, entropy: Tensor | None = None) -> Tensor:
         rows = slice(start, start + SLICE_TOKENS)
         exps = logits[rows].exp()
         total = exps.sum(dim=-1)
+        lse[rows] = total.log()
         if entropy is not None:
             dot = (exps.unsqueeze(-2) @ logits[rows].unsqueeze(-1)).flatten()
-            entropy[rows] = total.log() - dot / total
-        lse[rows] = total.log_()
+            entropy[rows] = lse[rows] - dot / total
         del exps  # before the next slice's are made
     if entropy is not None and entropy.isnan().any():
         # only a -inf logit (a -inf bias) gets here: p = 0 there, and p log p is 0, not 0 * -inf
