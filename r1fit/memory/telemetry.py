@@ -3,6 +3,7 @@ and CUDA allocator hygiene."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import resource
@@ -29,6 +30,47 @@ def configure_cuda_allocator() -> None:
                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; set it yourself")
         return
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+
+
+#: mallopt's parameter number for the mmap threshold (glibc's malloc.h)
+M_MMAP_THRESHOLD = -3
+#: blocks this large and larger are mapped on their own and unmapped when freed
+RELEASE_FREED_THRESHOLD = 1 << 20
+MMAP_THRESHOLD_VAR = "MALLOC_MMAP_THRESHOLD_"  # glibc reads it at start-up
+
+
+def configure_host_allocator(release_freed: bool | str, budget: str, device: torch.device) -> bool:
+    """``memory.release_freed``: fix glibc's mmap threshold at 1 MiB, so freed blocks of that size
+    and larger go back to the system at once. glibc's default raises the threshold up to 32 MiB as
+    large blocks are freed, after which such blocks come from its heaps and stay resident when
+    freed: a CPU step's many short-lived activation-sized tensors then leave hundreds of MiB of
+    freed heap in the RSS (README, "Freed host memory").
+    Fixing it costs a page fault per page of each large block. 'auto' is on for a CPU run with
+    ``memory.budget`` (a cap on RSS). Returns whether the threshold was set; the environment's
+    ``MALLOC_MMAP_THRESHOLD_`` wins, and where glibc's ``mallopt`` is missing (macOS, musl) this
+    warns and does nothing."""
+    on = release_freed is True or (release_freed == "auto" and bool(budget)
+                                   and device.type == "cpu")
+    if not on:
+        return False
+    if MMAP_THRESHOLD_VAR in os.environ:
+        log.info("memory.release_freed: %s=%s is set; glibc uses it", MMAP_THRESHOLD_VAR,
+                 os.environ[MMAP_THRESHOLD_VAR])
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        log.warning("memory.release_freed: no glibc mallopt here (%s); freed memory stays with "
+                    "the allocator", sys.platform)
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    if mallopt(M_MMAP_THRESHOLD, RELEASE_FREED_THRESHOLD) != 1:
+        log.warning("memory.release_freed: glibc refused mallopt(M_MMAP_THRESHOLD, %d)",
+                    RELEASE_FREED_THRESHOLD)
+        return False
+    log.info("memory.release_freed: freed host blocks of >= 1 MiB go back to the system at once "
+             "(glibc's mmap threshold fixed at 1 MiB)")
+    return True
 
 
 def peak_rss_bytes() -> int:

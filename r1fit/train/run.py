@@ -28,7 +28,7 @@ from r1fit.distributed.loading import load_policy_on_ranks
 from r1fit.memory.autofit import resolve_checkpointing, resolve_sizes
 from r1fit.memory.guard import OOMGuard
 from r1fit.memory.sizes import ChunkSizes
-from r1fit.memory.telemetry import current_rss_bytes, use_tensor_probe
+from r1fit.memory.telemetry import configure_host_allocator, current_rss_bytes, use_tensor_probe
 from r1fit.models.load import context_length
 from r1fit.report.logs import EarlyLog, setup_logging
 from r1fit.report.metrics import MetricsWriter
@@ -127,6 +127,7 @@ def start_run(cfg: Config, kind: str) -> Run:
                  torch.distributed.get_backend())
     seed_everything(cfg.train.seed)
     use_tensor_probe(cfg.memory.cpu_peak == "tensors" and device.type == "cpu")
+    configure_host_allocator(cfg.memory.release_freed, cfg.memory.budget, device)
     train_set, eval_set = build_datasets(cfg)
     checkpointing = resolve_checkpointing(cfg, device)  # memory.gradient_checkpointing=auto
     # memory.*_batch=auto: the planner's answer, for the checkpointing the run will use

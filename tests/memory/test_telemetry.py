@@ -55,3 +55,67 @@ def test_step_memory_on_cpu_has_no_reserved_figure():
     row = step_memory(cpu, "eval/")
     assert row["eval/peak_memory_bytes"] > 0 and row["eval/peak_reserved_bytes"] is None
     assert warn_if_fragmented(cpu, 0.001, step=1) is False
+
+
+# A child process: glibc's mmap threshold is process-wide and cannot be unset. It frees a mapped
+# 20 MiB block (glibc's dynamic threshold then rises to 20 MiB), then allocates 4 MiB
+# temporaries each followed by a 256 KiB tensor that stays (10 MiB in all), frees the
+# temporaries, and prints whether the setting took, the bytes a 4 MiB tensor got mapped for, and
+# the RSS the freed temporaries still hold.
+HOST_ALLOCATOR_CHILD = """
+import ctypes, json, logging, sys
+import torch
+from r1fit.memory.telemetry import configure_host_allocator, current_rss_bytes
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                "usmblks", "fsmblks", "uordblks", "fordblks",
+                                                "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+release, budget, device = json.loads(sys.argv[1])
+took = configure_host_allocator(release, budget, torch.device(device))
+big = torch.ones(20 * 2**20 // 4)
+del big
+before = libc.mallinfo2().hblkhd
+probe = torch.ones(2**20)
+mapped = libc.mallinfo2().hblkhd - before
+del probe
+rss = current_rss_bytes()
+temps, kept = [], []
+for _ in range(40):
+    temps.append(torch.ones(2**20))
+    kept.append(torch.ones(2**16))  # 256 KiB: from the heap either way
+del temps
+print(json.dumps([took, mapped, current_rss_bytes() - rss]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+@pytest.mark.parametrize(("release", "budget", "device", "env", "takes"), [
+    (True, "", "cpu", None, True),
+    ("auto", "8GiB", "cpu", None, True),
+    ("auto", "", "cpu", None, False),
+    ("auto", "8GiB", "cuda", None, False),  # CUDA memory is the caching allocator's
+    (False, "8GiB", "cpu", None, False),
+    (True, "", "cpu", "33554432", False),  # the user's MALLOC_MMAP_THRESHOLD_ wins
+])
+def test_release_freed_hands_large_freed_blocks_back(release, budget, device, env, takes):
+    import json
+    import subprocess
+
+    child_env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    if env is not None:
+        child_env["MALLOC_MMAP_THRESHOLD_"] = env
+    out = subprocess.run([sys.executable, "-c", HOST_ALLOCATOR_CHILD,
+                          json.dumps([release, budget, device])], capture_output=True, text=True,
+                         check=True, env=child_env).stdout
+    took, mapped, held = json.loads(out.strip().splitlines()[-1])
+    assert took is takes
+    if takes:  # the 4 MiB tensor has pages of its own; the freed temporaries left the RSS
+        assert mapped >= 4 * 2**20
+        assert held < 16 * 2**20
+    else:  # from glibc's heap
+        assert mapped == 0
+        if env is None:  # glibc's dynamic threshold keeps the 160 MiB of freed temporaries
+            assert held > 120 * 2**20

@@ -207,7 +207,8 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
                      "of a step; generation gathers the whole policy")
     if device_type == "cpu":
         notes.append("cpu: the plan is live tensor bytes; the process's RSS adds the Python heap "
-                     "and libraries (memory.budget caps RSS over the pre-load baseline)")
+                     "and libraries, and glibc's freed heap unless memory.release_freed is on "
+                     "(memory.budget caps RSS over the pre-load baseline and turns it on)")
     usable = int(device_memory_bytes * (1 - SAFETY_MARGIN))
     # each search moves one size; the phase it looks at does not depend on the other size
     max_micro = _largest(lambda m: _estimate(facts, cfg, prompt, replace(sizes, micro=m),
