@@ -20,6 +20,9 @@ float32 on CPU. Variants, each a fresh child process with the same seed:
 - ``per_row``: ``memory.share_prefix=false``, one padded row per completion;
 - ``shared``: ``memory.share_prefix=true``, the group's prompt once with its G completions after it;
 - ``packed``: shared + ``memory.micro_batch_tokens`` (only when r1fit has that key);
+- ``VARIANT+release_freed`` (only when named in ``--variants``): that variant with
+  ``memory.release_freed=true`` (glibc hands freed blocks of 1 MiB and more back at once: the RSS
+  follows the live tensors, at the cost of page faults), to measure both sides of that trade;
 - ``per_row@base`` (with ``--baseline-src DIR``): the per-row path of the r1fit package in DIR,
   e.g. a git worktree of the commit an issue was filed against (``git worktree add /tmp/base
   <commit>``), run from this script with DIR first on the child's PYTHONPATH.
@@ -62,6 +65,9 @@ STEP_KEY = "reward_mean"  # in GRPO step rows of metrics.jsonl only
 VARIANTS = ("per_row", "shared", "packed")
 BASELINE = "per_row@base"  # the per-row path of another r1fit source tree (--baseline-src)
 MODES = ("full", "lora")
+#: a variant name may end in this: the same run with ``memory.release_freed=true`` (glibc hands
+#: freed blocks of 1 MiB and more back at once), e.g. ``shared+release_freed``
+RELEASE = "+release_freed"
 
 
 @dataclass
@@ -125,8 +131,10 @@ def run_overrides(args: argparse.Namespace, mode: str, generations: int, variant
                  f"memory.share_prefix={'false' if variant.startswith('per_row') else 'true'}"]
     if mode == "lora":
         overrides.append("model.lora.r=16")
-    if variant == "packed":
+    if variant.removesuffix(RELEASE) == "packed":
         overrides.append(f"memory.micro_batch_tokens={args.micro_batch_tokens}")
+    if variant.endswith(RELEASE):
+        overrides.append("memory.release_freed=true")
     return overrides
 
 
@@ -256,7 +264,8 @@ def check_targets(settings: list[Setting], max_update_ratio: float,
 def run_parent(args: argparse.Namespace) -> int:
     prepared = read_result(run_child(child_command(args, "--prepare"), "prepare", NAME),
                            NAME, "prepare")
-    variants = [v for v in VARIANTS if v != "packed" or prepared["packing"]]
+    variants = [v for v in args.variants if v.removesuffix(RELEASE) != "packed"
+                or prepared["packing"]]
     if args.baseline_src:
         variants.insert(0, BASELINE)
     if not prepared["packing"]:
@@ -310,6 +319,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="memory.micro_batch = this x G")
     p.add_argument("--micro-batch-tokens", type=positive, default=8192,
                    help="memory.micro_batch_tokens of the packed variant")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), metavar="VARIANT",
+                   help=f"of {', '.join(VARIANTS)}, each also with {RELEASE} (the run with "
+                   "memory.release_freed=true); default: the three without")
     p.add_argument("--max-update-ratio", type=float, default=0.6)
     p.add_argument("--max-floor-ratio", type=float, default=1.25)
     p.add_argument("--baseline-src", metavar="DIR",
@@ -334,8 +346,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--generations: every G must be >= 2, got {args.generations}")
     if args.image_size % 28:
         p.error(f"--image-size: must be a multiple of 28 px (Qwen2.5-VL), got {args.image_size}")
+    known = (*VARIANTS, *(v + RELEASE for v in VARIANTS))
+    if unknown := [v for v in args.variants if v not in known]:
+        p.error(f"--variants: unknown {unknown}; choose from {', '.join(known)}")
     if args.one is not None and (args.one[0] not in MODES
-                                 or args.one[2] not in (*VARIANTS, BASELINE)):
+                                 or args.one[2] not in (*known, BASELINE)):
         p.error(f"--one: expected MODE G VARIANT, got {args.one}")
     if args.baseline_src and not (Path(args.baseline_src) / "r1fit" / "__init__.py").is_file():
         p.error(f"--baseline-src: {args.baseline_src} holds no r1fit package (r1fit/__init__.py)")

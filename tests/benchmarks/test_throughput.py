@@ -109,8 +109,13 @@ def test_run_overrides_switch_only_the_variant(tmp_path):
     assert set(lora) - set(shared) == {"model.lora.r=16"}
     packed = tp.run_overrides(args, "full", 4, "packed", tmp_path)
     assert set(packed) - set(shared) == {"memory.micro_batch_tokens=8192"}
+    released = tp.run_overrides(args, "full", 4, "packed+release_freed", tmp_path)
+    assert set(released) - set(packed) == {"memory.release_freed=true"}
+    assert set(packed) - set(released) == set()
 
 
 def test_bad_arguments_are_refused(refused):
     assert "--image-size: must be a multiple of 28" in refused(tp.parse_args, ["--image-size", "100"])
     assert "--steps: need >= 2" in refused(tp.parse_args, ["--steps", "1"])
+    assert "--variants: unknown ['shared+fast']" in refused(
+        tp.parse_args, ["--variants", "shared", "shared+fast"])
