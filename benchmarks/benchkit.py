@@ -19,6 +19,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -157,6 +158,59 @@ def floor_bytes(cfg: Any) -> int:
     one_row = cfg.with_values(values)
     parts = plan_memory(one_row, device_type="cpu").parts
     return int(sum(parts[k] for k in ("weights", "gradients", "optimizer", "activations")))
+
+
+def unread_mapped_bytes(suffix: str = ".safetensors",
+                        smaps: str = "/proc/self/smaps") -> tuple[int, int] | None:
+    """(bytes mapped, bytes of them not resident) over this process's mappings of files whose
+    name ends in ``suffix``; None where ``smaps`` cannot be read. transformers maps a
+    checkpoint's weights in lazily, so a CPU process's RSS holds only the pages read so far (of
+    a frozen embedding: the rows of tokens that occurred), where a GPU holds every weight."""
+    mapped = resident = 0
+    counting = False
+    try:
+        with open(smaps) as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if fields and "-" in fields[0] and len(fields) >= 5:  # a mapping's header
+                    counting = len(fields) == 6 and fields[5].rstrip("\n").endswith(suffix)
+                elif counting and fields[0] in ("Size:", "Rss:"):
+                    kib = int(fields[1]) * 1024
+                    if fields[0] == "Size:":
+                        mapped += kib
+                    else:
+                        resident += kib
+    except (OSError, ValueError, IndexError):
+        return None
+    return mapped, mapped - resident
+
+
+class UnreadWeights:
+    """Samples :func:`unread_mapped_bytes` every ``interval`` seconds in a thread while the
+    ``with`` block runs. ``bytes``: the non-resident part of the last sample that found weights
+    mapped (0 if none did). Pages only become resident over a run, so this is at most what was
+    missing at any earlier moment, the run's peak included."""
+
+    def __init__(self, interval: float = 2.0, suffix: str = ".safetensors") -> None:
+        self.interval, self.suffix, self.bytes = interval, suffix, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while True:
+            sample = unread_mapped_bytes(self.suffix)
+            if sample is not None and sample[0] > 0:
+                self.bytes = sample[1]
+            if self._stop.wait(self.interval):
+                return
+
+    def __enter__(self) -> UnreadWeights:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def cpu_ticks() -> tuple[int, int] | None:

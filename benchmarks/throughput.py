@@ -33,11 +33,15 @@ MFU, r1fit/memory/flops.py); and the peak memory of the run: the largest per-ste
 ``peak_memory_bytes`` (RSS) minus the RSS before the model loaded. The floor is what any step of
 that run must hold: weights, gradients and AdamW states (their exact bytes, from the loaded model)
 plus the planner's activations of one micro-batch of one row (``r1fit plan``'s ``activations``
-part at ``memory.micro_batch=1``, per-row path).
+part at ``memory.micro_batch=1``, per-row path). The RSS holds only the pages of the lazily
+mapped checkpoint that were read (with LoRA, the frozen embedding's rows of tokens that never
+occurred stay on disk), where the floor counts every weight, as a GPU holds them; the run's
+mapped checkpoint bytes still not resident at its end (``unread``, sampled from
+/proc/self/smaps) are added to its peak for the floor target.
 
 Targets (exit 1 when one is missed): at G=8 the ``shared`` and ``packed`` update phases take
 <= 0.6x the ``per_row`` one (``--max-update-ratio``; against ``per_row@base`` when it runs),
-and every variant's peak is <= 1.25x the floor (``--max-floor-ratio``). MFU is printed, not
+and every variant's peak + unread is <= 1.25x the floor (``--max-floor-ratio``). MFU is printed, not
 targeted. Exit 2 on bad arguments or a failed run. Speeds move with whatever else runs on the
 machine; repeats interleave the variants (A B C A B C) so slow phases hit all alike.
 """
@@ -57,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 import benchkit
-from benchkit import BenchmarkError, floor_bytes, positive, print_result, read_result, run_child
+from benchkit import BenchmarkError, UnreadWeights, floor_bytes, positive, print_result, read_result, run_child
 
 NAME = "throughput"
 MIB = 2**20
@@ -80,6 +84,9 @@ class RunResult:
     peak_bytes: int  # largest per-step peak RSS minus the RSS before the model loaded
     floor_bytes: int
     completion_len_mean: float
+    # mapped checkpoint bytes not resident at the run's end (benchkit.UnreadWeights): weights a
+    # GPU would hold that the RSS does not
+    unread_weight_bytes: int = 0
 
 
 @dataclass
@@ -102,11 +109,16 @@ class Setting:
     def floor(self) -> float:
         return statistics.median(r.floor_bytes for r in self.runs)
 
+    @property
+    def unread(self) -> float:
+        return statistics.median(r.unread_weight_bytes for r in self.runs)
+
     def to_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "generations": self.generations, "variant": self.variant,
                 "seconds_update": self.median("seconds_update"),
                 "tokens_per_second": self.median("tokens_per_second"),
                 "mfu": self.median("mfu"), "peak_bytes": self.peak, "floor_bytes": self.floor,
+                "unread_weight_bytes": self.unread,
                 "runs": [asdict(r) for r in self.runs]}
 
 
@@ -146,12 +158,13 @@ def run_one(args: argparse.Namespace) -> int:
     mode, generations, variant = args.one[0], int(args.one[1]), args.one[2]
     out = Path(args.output_dir) if args.output_dir else Path(tempfile.mkdtemp(prefix="r1fit-tp-"))
     cfg = load_config(None, run_overrides(args, mode, generations, variant, out))
-    train_grpo(cfg)
-    print_result(NAME, asdict(summarise_run(out, floor_bytes(cfg))))
+    with UnreadWeights() as unread:
+        train_grpo(cfg)
+    print_result(NAME, asdict(summarise_run(out, floor_bytes(cfg), unread.bytes)))
     return 0
 
 
-def summarise_run(out: Path, floor: int) -> RunResult:
+def summarise_run(out: Path, floor: int, unread: int = 0) -> RunResult:
     """One run's metrics.jsonl and summary.json reduced to a :class:`RunResult`."""
     from r1fit.report.metrics import read_metrics  # plain json; no torch
 
@@ -171,7 +184,8 @@ def summarise_run(out: Path, floor: int) -> RunResult:
         mfu=[float(r["mfu"]) for r in later],
         peak_bytes=max(int(r["peak_memory_bytes"]) for r in steps) - rss_before_load,
         floor_bytes=floor,
-        completion_len_mean=statistics.mean(float(r["completion_len_mean"]) for r in steps))
+        completion_len_mean=statistics.mean(float(r["completion_len_mean"]) for r in steps),
+        unread_weight_bytes=unread)
 
 
 def run_prepare(args: argparse.Namespace) -> int:
@@ -220,7 +234,8 @@ def print_table(settings: list[Setting]) -> None:
     baseline = any(s.variant == BASELINE for s in settings)
     for name in ("mode", "G", "variant", "update s", "x per_row",
                  *(("x " + BASELINE,) if baseline else ()), "tokens/s", "mfu",
-                 "peak (MiB)", "floor (MiB)", "peak / floor"):
+                 "peak (MiB)", "unread (MiB)", "floor (MiB)", "peak / floor",
+                 "+ unread / floor"):
         table.add_column(name, justify="left" if name in ("mode", "variant") else "right")
     by_key = {(s.mode, s.generations, s.variant): s for s in settings}
 
@@ -232,7 +247,8 @@ def print_table(settings: list[Setting]) -> None:
         table.add_row(s.mode, str(s.generations), s.variant, f"{s.median('seconds_update'):.2f}",
                       ratio(s, "per_row"), *((ratio(s, BASELINE),) if baseline else ()),
                       f"{s.median('tokens_per_second'):.1f}", f"{s.median('mfu'):.4f}",
-                      f"{s.peak / MIB:,.0f}", f"{s.floor / MIB:,.0f}", f"{s.peak / s.floor:.2f}")
+                      f"{s.peak / MIB:,.0f}", f"{s.unread / MIB:,.0f}", f"{s.floor / MIB:,.0f}",
+                      f"{s.peak / s.floor:.2f}", f"{(s.peak + s.unread) / s.floor:.2f}")
     Console(width=max(140, Console().width)).print(table)
 
 
@@ -252,12 +268,15 @@ def check_targets(settings: list[Setting], max_update_ratio: float,
         met &= ok
         verdicts.append(f"{mode} G=8: {variant} update phase {ratio:.2f}x {of} (target <= "
                         f"{max_update_ratio:.2f}) -> {'met' if ok else 'MISSED'}")
-    for s in settings:
-        ratio = s.peak / s.floor
+    for s in settings:  # the weights a GPU would hold count, read or not
+        ratio = (s.peak + s.unread) / s.floor
         ok = ratio <= max_floor_ratio
         met &= ok
-        verdicts.append(f"{s.mode} G={s.generations} {s.variant}: peak {ratio:.2f}x the floor "
-                        f"(target <= {max_floor_ratio:.2f}) -> {'met' if ok else 'MISSED'}")
+        unread = (f", counting {s.unread / MIB:,.0f} MiB of mapped weights the RSS never held"
+                  if s.unread else "")
+        verdicts.append(f"{s.mode} G={s.generations} {s.variant}: peak {ratio:.2f}x the floor"
+                        f"{unread} (target <= {max_floor_ratio:.2f}) -> "
+                        f"{'met' if ok else 'MISSED'}")
     return met, verdicts
 
 

@@ -14,6 +14,7 @@ from benchkit import (
     FOLDER,
     TAIL_LINES,
     BenchmarkError,
+    UnreadWeights,
     child_error,
     cpu_ticks,
     failure_text,
@@ -24,6 +25,7 @@ from benchkit import (
     read_result,
     result_prefix,
     run_child,
+    unread_mapped_bytes,
 )
 
 from r1fit.errors import R1fitError
@@ -205,3 +207,42 @@ def test_cpu_ticks_see_this_process_work():
     after = cpu_ticks()
     assert after[1] - before[1] >= 0.2 * os.sysconf("SC_CLK_TCK")
     assert after[0] - before[0] >= after[1] - before[1] - 2  # the machine's busy time holds ours
+
+
+SMAPS = """\
+55d0c0000000-55d0c0400000 r--p 00000000 08:01 11 /models/a/model.safetensors
+Size:               4096 kB
+Rss:                1024 kB
+Anonymous:             0 kB
+7f0000000000-7f0000200000 r-xp 00000000 08:01 12 /usr/lib/libc.so.6
+Size:               2048 kB
+Rss:                2048 kB
+7f0000400000-7f0000500000 rw-p 00000000 00:00 0
+Size:               1024 kB
+Rss:                 512 kB
+7f0000600000-7f0000a00000 r--p 00000000 08:01 13 /models/my weights.safetensors
+Size:               4096 kB
+Rss:                4096 kB
+"""
+
+
+def test_unread_mapped_bytes_sums_the_checkpoint_mappings_only(tmp_path):
+    smaps = tmp_path / "smaps"
+    smaps.write_text(SMAPS)
+    assert unread_mapped_bytes(smaps=str(smaps)) == (8192 * 1024, 3072 * 1024)
+    assert unread_mapped_bytes(".so.6", smaps=str(smaps)) == (2048 * 1024, 0)
+    assert unread_mapped_bytes(smaps=str(tmp_path / "missing")) is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps")
+def test_unread_weights_sees_pages_of_a_mapped_file_that_were_never_read(tmp_path):
+    import mmap
+
+    path = tmp_path / "w.safetensors"
+    path.write_bytes(os.urandom(8 * 2**20))
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        mapped.madvise(mmap.MADV_RANDOM)  # no read-ahead: only the pages touched
+        with UnreadWeights(interval=0.01) as watch:
+            sum(mapped[i] for i in range(0, 2 * 2**20, 4096))  # read the first 2 MiB
+            time.sleep(0.1)
+        assert 5 * 2**20 <= watch.bytes <= 6 * 2**20

@@ -72,6 +72,15 @@ def test_targets_compare_shared_with_per_row_at_g8_and_every_peak_with_its_floor
     assert met
 
 
+def test_mapped_weights_the_rss_never_held_count_toward_the_floor_target():
+    run = tp.RunResult([1.0], [1.0], [0.01], 100 * MIB, 100 * MIB, 16.0, unread_weight_bytes=30 * MIB)
+    met, verdicts = tp.check_targets([tp.Setting("lora", 8, "shared", [run])],
+                                     max_update_ratio=0.6, max_floor_ratio=1.25)
+    assert not met  # 1.00x in RSS, 1.30x with the unread weights
+    assert verdicts == ["lora G=8 shared: peak 1.30x the floor, counting 30 MiB of mapped weights "
+                        "the RSS never held (target <= 1.25) -> MISSED"]
+
+
 def test_with_a_baseline_tree_the_update_target_is_taken_against_its_per_row_path():
     settings = [_setting("full", 8, tp.BASELINE, 10.0, 100, 100),
                 _setting("full", 8, "per_row", 9.0, 100, 100),
