@@ -147,7 +147,7 @@ def run_overrides(args: argparse.Namespace, mode: str, generations: int, variant
         overrides.append(f"memory.micro_batch_tokens={args.micro_batch_tokens}")
     if variant.endswith(RELEASE):
         overrides.append("memory.release_freed=true")
-    return overrides
+    return overrides + list(args.set)
 
 
 def run_one(args: argparse.Namespace) -> int:
@@ -210,7 +210,8 @@ def child_command(args: argparse.Namespace, *mode: str) -> list[str]:
             "--steps", str(args.steps), "--max-new-tokens", str(args.max_new_tokens),
             "--image-size", str(args.image_size), "--iterations", str(args.iterations),
             "--micro-batch-per-group", str(args.micro_batch_per_group),
-            "--micro-batch-tokens", str(args.micro_batch_tokens)]
+            "--micro-batch-tokens", str(args.micro_batch_tokens),
+            *(f"--set={item}" for item in args.set)]
 
 
 def measure(args: argparse.Namespace, mode: str, generations: int, variant: str) -> RunResult:
@@ -341,6 +342,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), metavar="VARIANT",
                    help=f"of {', '.join(VARIANTS)}, each also with {RELEASE} (the run with "
                    "memory.release_freed=true); default: the three without")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more r1fit config override for every run (repeatable), e.g. "
+                   "memory.logits_chunk=256")
     p.add_argument("--max-update-ratio", type=float, default=0.6)
     p.add_argument("--max-floor-ratio", type=float, default=1.25)
     p.add_argument("--baseline-src", metavar="DIR",
@@ -368,6 +372,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     known = (*VARIANTS, *(v + RELEASE for v in VARIANTS))
     if unknown := [v for v in args.variants if v not in known]:
         p.error(f"--variants: unknown {unknown}; choose from {', '.join(known)}")
+    if bad := [item for item in args.set if "=" not in item]:
+        p.error(f"--set: expected KEY=VALUE, got {bad}")
     if args.one is not None and (args.one[0] not in MODES
                                  or args.one[2] not in (*known, BASELINE)):
         p.error(f"--one: expected MODE G VARIANT, got {args.one}")

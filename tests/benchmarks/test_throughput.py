@@ -121,6 +121,9 @@ def test_run_overrides_switch_only_the_variant(tmp_path):
     released = tp.run_overrides(args, "full", 4, "packed+release_freed", tmp_path)
     assert set(released) - set(packed) == {"memory.release_freed=true"}
     assert set(packed) - set(released) == set()
+    chunked = tp.run_overrides(tp.parse_args(["--quick", "--set", "memory.logits_chunk=256"]),
+                               "full", 4, "packed", tmp_path)
+    assert chunked == [*packed, "memory.logits_chunk=256"]
 
 
 def test_bad_arguments_are_refused(refused):
@@ -128,3 +131,4 @@ def test_bad_arguments_are_refused(refused):
     assert "--steps: need >= 2" in refused(tp.parse_args, ["--steps", "1"])
     assert "--variants: unknown ['shared+fast']" in refused(
         tp.parse_args, ["--variants", "shared", "shared+fast"])
+    assert "--set: expected KEY=VALUE" in refused(tp.parse_args, ["--set", "memory.budget"])
