@@ -15,7 +15,6 @@ phase ends and raises the same ``torch.OutOfMemoryError``, so the recovery is th
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import logging
 from collections.abc import Callable, Iterator
@@ -27,7 +26,7 @@ import torch
 from r1fit.distributed.context import world
 from r1fit.errors import R1fitError, one_line
 from r1fit.memory.sizes import ChunkSizes
-from r1fit.memory.telemetry import peak_rss_bytes, reset_peak
+from r1fit.memory.telemetry import glibc, peak_rss_bytes, reset_peak
 from r1fit.units import format_bytes, parse_bytes
 
 log = logging.getLogger("r1fit.memory")
@@ -132,7 +131,6 @@ def free_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         return
-    try:  # glibc keeps freed heap pages; RSS (what memory.budget measures) only drops after this
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    # glibc keeps freed heap pages; RSS (what memory.budget measures) only drops after this
+    if (malloc_trim := glibc("malloc_trim")) is not None:
+        malloc_trim(0)

@@ -32,6 +32,14 @@ def configure_cuda_allocator() -> None:
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 
+def glibc(name: str) -> Any:
+    """glibc's function ``name`` through ctypes, or None where there is none (macOS, musl)."""
+    try:
+        return getattr(ctypes.CDLL("libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+
+
 #: mallopt's parameter number for the mmap threshold (glibc's malloc.h)
 M_MMAP_THRESHOLD = -3
 #: blocks this large and larger are mapped on their own and unmapped when freed
@@ -57,9 +65,7 @@ def configure_host_allocator(release_freed: bool | str, budget: str, device: tor
         log.info("memory.release_freed: %s=%s is set; glibc uses it", MMAP_THRESHOLD_VAR,
                  os.environ[MMAP_THRESHOLD_VAR])
         return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
+    if (mallopt := glibc("mallopt")) is None:
         log.warning("memory.release_freed: no glibc mallopt here (%s); freed memory stays with "
                     "the allocator", sys.platform)
         return False
