@@ -176,6 +176,9 @@ def test_wandb_offline_rows_samples_and_resume(tmp_path, monkeypatch):
     assert [row[6]["path"] in files for row in table["data"]] == [True] * 3
     # a resumed run continues the same run id (in offline mode: a new folder, synced as one run)
     resume_rows(tmp_path, 4)
+    # W&B names the folder by the run's start time in whole seconds: a resume within the same
+    # second as the first run's start (a real resume reloads a checkpoint first) would share it
+    time.sleep(1.05 - time.time() % 1)
     write_run(tmp_path, "wandb", [{"step": 2, "loss": 0.625}], samples_at=None)
     (second,) = [d for d in (tmp_path / "wandb").glob(f"offline-run-*-{run_id}") if d != first]
     assert wandb_history(wandb_records(second)) == [{"step": 2, "loss": 0.625}]
