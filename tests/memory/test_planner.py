@@ -31,6 +31,7 @@ from r1fit.memory.planner import (
     vision_block_saved_per_patch,
     vision_dims,
 )
+from r1fit.units import format_bytes
 
 # a real model: r1fit ships its config.json (r1fit/models/configs/), so planning it needs no network
 QWEN_7B = "Qwen/Qwen2.5-VL-7B-Instruct"
@@ -205,6 +206,42 @@ def test_nothing_fits_gives_switches(small_model):
     switches = " ".join(plan.advice)
     for key in ("memory.gradient_checkpointing=true", "model.lora.r=16", "algo.beta=0"):
         assert key in switches
+
+
+def test_a_smaller_head_chunk_is_a_switch_when_a_row_fills_it(tmp_path):
+    """Long completions and Qwen's vocabulary: one row's 1,024 tokens fill the LM head's chunk,
+    and the advice tries memory.logits_chunk=256 at micro_batch = generation_batch = 1."""
+    from transformers import Qwen2_5_VLConfig
+
+    vocab = 151_936
+    Qwen2_5_VLConfig(text_config={**TEXT, "vocab_size": vocab}, vision_config=VISION,
+                     tie_word_embeddings=False, dtype="float32").save_pretrained(tmp_path)
+    long = ("algo.max_new_tokens=1024", "memory.micro_batch=1", "memory.generation_batch=1")
+    plan = plan_memory(cfg_for(tmp_path, *long), device_memory_bytes=1 << 20, device_type="cpu")
+    smaller = plan_memory(cfg_for(tmp_path, *long, "memory.logits_chunk=256"),
+                          device_memory_bytes=1 << 20, device_type="cpu")
+    (line,) = [a for a in plan.advice if a.startswith("memory.logits_chunk=")]
+    assert line == (f"memory.logits_chunk=256: peak {format_bytes(smaller.peak_bytes)} at "
+                    "micro_batch = generation_batch = 1 (still does not fit)")
+    # 768 tokens fewer of float32 logits in the head's chunk (the head is most of this model)
+    assert plan.peak_bytes - smaller.peak_bytes >= 768 * vocab * 4
+    # nothing to gain: a chunk already at 256, or rows of 256 tokens or fewer
+    for extra in (("memory.logits_chunk=256",), ("algo.max_new_tokens=256",)):
+        again = plan_memory(cfg_for(tmp_path, *long, *extra), device_memory_bytes=1 << 20,
+                            device_type="cpu")
+        assert not any("logits_chunk" in a for a in again.advice)
+    # full fine-tuning of the 7B with 512-token completions: the head's chunk is not what sets
+    # the peak at micro_batch 1 (a 256-token chunk plans the same peak), so it is not advised
+    # (the README's example: the LoRA config's settings, full fine-tuning)
+    seven = load_config(Path(__file__).parents[2] / "configs" / "qwen2.5-vl-3b-lora.yaml",
+                        [f"model.path={QWEN_7B}", "model.lora.r=0", "algo.num_generations=8"])
+    assert seven.algo.max_new_tokens == 512 and seven.memory.logits_chunk == 1024
+    plan = plan_memory(seven, device_memory_bytes=80 << 30, device_type="cuda")
+    assert not plan.fits and plan.advice and not any("logits_chunk" in a for a in plan.advice)
+    one = seven.with_values({"memory.micro_batch": 1, "memory.generation_batch": 1})
+    assert (plan_memory(one, device_type="cuda").peak_bytes
+            == plan_memory(one.with_values({"memory.logits_chunk": 256}),
+                           device_type="cuda").peak_bytes)
 
 
 def test_a_smaller_image_switch_lowers_min_pixels_too(small_model):

@@ -106,6 +106,9 @@ FSDP_PARTS = ("all_gather", "reduce_scatter", "unsharded_weights")
 ENGINE_PARTS = ("engine_weights", "engine_kv_cache")
 #: The vLLM engine's KV pool on CPU when rollout.vllm.kv_cache_memory is null (as the engine)
 CPU_ENGINE_KV_BYTES = 256 << 20
+#: The LM-head chunk the advice tries when nothing fits (``memory.logits_chunk``; with Qwen's
+#: 151,936-token vocabulary a float32 chunk of 256 tokens' logits is 148 MiB, of 1,024: 593 MiB)
+SMALL_LOGITS_CHUNK = 256
 
 @dataclass
 class Plan:
@@ -828,19 +831,34 @@ def _advice(plan: Plan, facts: ModelFacts, cfg: Config, prompt: PromptShape, siz
             switches[-1]["data.min_pixels"] = pixels
     if run_dtype(cfg, facts) == "float32" and device_type == "cuda":
         switches.append({"model.dtype": "bfloat16"})
-    for switch in switches:
+    # a smaller LM-head chunk, where one row's completion fills more than the smaller chunk (at
+    # micro_batch 1 a chunk holds at most one row's tokens): [chunk x vocab] logits and their
+    # gradient shrink in proportion, for a recompute of every chunk but the last in backward;
+    # advised only where the head's chunk sets the peak (else the smaller chunk lowers nothing)
+    head_switch = {"memory.logits_chunk": SMALL_LOGITS_CHUNK}
+    if min(cfg.memory.logits_chunk, cfg.algo.max_new_tokens) > SMALL_LOGITS_CHUNK:
+        switches.append(head_switch)
+
+    def smallest_peak(switch: dict[str, Any]) -> int:
+        """The plan's peak at micro_batch = generation_batch = 1 with ``switch`` set."""
         changed = cfg.with_values({**switch, "memory.micro_batch": 1,
                                    "memory.generation_batch": 1})
         p = prompt_shape(changed, facts) if any(k.startswith("data.") for k in switch) else prompt
         f = model_facts(changed.model.path, changed.model.lora.target)
-        est = _estimate(f, changed, p, replace(sizes, micro=1, generation=1,
-                                               checkpointing=changed.memory.gradient_checkpointing),
-                        device_type, plan.budget_bytes)
-        verdict = "fits" if est.peak <= usable else "still does not fit"
+        return _estimate(f, changed, p, replace(sizes, micro=1, generation=1,
+                                                checkpointing=changed.memory.gradient_checkpointing),
+                         device_type, plan.budget_bytes).peak
+
+    listed = len(out)
+    for switch in switches:
+        peak = smallest_peak(switch)
+        if switch is head_switch and peak >= smallest_peak({}):
+            continue
+        verdict = "fits" if peak <= usable else "still does not fit"
         keys = " ".join(f"{key}={_shown(value)}" for key, value in switch.items())
-        out.append(f"{keys}: peak {format_bytes(est.peak)} at micro_batch = "
+        out.append(f"{keys}: peak {format_bytes(peak)} at micro_batch = "
                    f"generation_batch = 1 ({verdict})")
-    if not switches:
+    if len(out) == listed:
         out.append("nothing left to switch: use a device with more memory or a smaller model")
     return out
 
