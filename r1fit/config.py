@@ -337,15 +337,16 @@ class MemoryConfig:
         "or prompts_per_step. 'auto': the largest that `r1fit plan` fits in the device (CUDA: "
         "its free memory at start-up; CPU: memory.budget).", ge=1)
     micro_batch_tokens: int | Literal["auto"] | None = opt(
-        None, "Packed micro-batches for GRPO's log-prob passes and updates: as many consecutive "
-        "rows as fit in this many tokens (each row's prompt and completion as the model runs "
-        "them; with share_prefix a group's prompt once per micro-batch) go through the model as "
+        None, "Packed micro-batches for GRPO's log-prob passes and updates and for SFT steps: as "
+        "many consecutive rows as fit in this many tokens (each row's prompt and completion or "
+        "answer as the model runs them; with share_prefix a group's prompt once per "
+        "micro-batch) go through the model as "
         "one row with no padding, each sequence seeing only itself (transformers' padding-free "
         "layout: a block-diagonal mask with sdpa/eager, varlen kernels with flash_attention_2; "
         "with share_prefix an explicit mask). Replaces micro_batch there; a row longer than it "
         "runs alone. Checked equal to the per-row path on the first rows, refused for a model "
         "where it is not. 'auto': the largest the planner fits (as for micro_batch). null: "
-        "micro-batches of micro_batch rows. SFT keeps micro_batch rows.", ge=1)
+        "micro-batches of micro_batch rows.", ge=1)
     generation_batch: int | Literal["auto"] = opt(
         64, "Sequences generated together (KV cache on). 'auto': as for micro_batch.", ge=1)
     gradient_checkpointing: bool | Literal["auto"] = opt(

@@ -84,8 +84,8 @@ def _rope_index(inner: nn.Module, prompt: Prompt, completion: torch.Tensor) -> t
 
 def pack_groups(model: nn.Module, prompts: Sequence[Prompt],
                 groups: Sequence[Sequence[torch.Tensor]], pad_id: int,
-                dtype: torch.dtype, *, one_row: bool = False, varlen: bool = False
-                ) -> PackedGroups:
+                dtype: torch.dtype, *, one_row: bool = False, varlen: bool = False,
+                masks: Sequence[torch.Tensor | None] | None = None) -> PackedGroups:
     """Pack each prompt with its group of completions (see the module's text). ``one_row=False``:
     one row per group, rows right-padded to the longest. ``one_row=True`` (a packed micro-batch,
     ``memory.micro_batch_tokens``): the groups one after another in a single row, no padding.
@@ -98,7 +98,9 @@ def pack_groups(model: nn.Module, prompts: Sequence[Prompt],
     0 where each sequence starts (for M-RoPE models as the first of 4 position rows), from which
     the model runs the sequences as varlen ones (``cu_seq_lens``), or with SDPA/eager builds the
     block mask itself. Groups sharing a prompt always need the mask: no position layout says
-    "sees the prompt, not its siblings"."""
+    "sees the prompt, not its siblings". ``masks`` (one per completion, in order; 1 = scored)
+    replaces the all-ones mask of a completion where given, as in :func:`collate` (SFT on
+    multi-turn rows scores the assistant turns only)."""
     inner = unwrap(model).model
     lengths = [p.length + sum(int(c.shape[0]) for c in g) for p, g in zip(prompts, groups)]
     if one_row:
@@ -148,7 +150,8 @@ def pack_groups(model: nn.Module, prompts: Sequence[Prompt],
             predict_at[out, :k] = torch.cat([torch.tensor([o + n - 1]),
                                              torch.arange(start, start + k - 1)])
             completion_ids[out, :k] = completion
-            completion_mask[out, :k] = 1.0
+            mask = masks[out] if masks is not None else None
+            completion_mask[out, :k] = 1.0 if mask is None else mask.to(torch.float32)
             row_of[out] = r
             out += 1
             start += k

@@ -101,20 +101,21 @@ class BatchLayout:
                      "per-row path")
 
     def inputs(self, model: Any, prompts: Sequence[Prompt], completions: Sequence[torch.Tensor],
-               *, pad_id: int, device: torch.device, packed: bool = False
-               ) -> Batch | PackedGroups:
+               *, pad_id: int, device: torch.device, packed: bool = False,
+               masks: Sequence[torch.Tensor | None] | None = None) -> Batch | PackedGroups:
         """The model inputs of one micro-batch, on ``device`` (after :meth:`decide` when
-        ``share_prefix`` is 'auto')."""
+        ``share_prefix`` is 'auto'). ``masks``: per completion, the tokens scored (None: all;
+        SFT's multi-turn rows)."""
         assert self.on is not None, "BatchLayout.decide() first"
         if not self.on and not packed:
-            return collate(prompts, completions, pad_id).to(device)
+            return collate(prompts, completions, pad_id, masks).to(device)
         if self.on:
             unique, groups = consecutive_groups(prompts, completions)
         else:
             unique, groups = list(prompts), [[c] for c in completions]
         dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
         return pack_groups(model, unique, groups, pad_id, dtype, one_row=packed,
-                           varlen=_flash_attention(model)).to(device)
+                           varlen=_flash_attention(model), masks=masks).to(device)
 
 
 def pad_rows(values: list[torch.Tensor], width: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 
 from r1fit.checkpoint.state import OptimizerState, PythonRandomState, SchedulerState
 from r1fit.config import Config
-from r1fit.data.batch import Prompt, collate, conversation_target, encode_prompts
+from r1fit.data.batch import Prompt, conversation_target, encode_prompts
 from r1fit.data.build import BadRowCounter
 from r1fit.data.dataset import PromptSampler
 from r1fit.data.errors import BadRowError, DataError
@@ -31,7 +31,7 @@ from r1fit.report.html import LiveReport
 from r1fit.rewards.answer import extract_answer
 from r1fit.rng import RngState
 from r1fit.train.evaluate import evaluate
-from r1fit.train.forward import micro_batches
+from r1fit.train.forward import BatchLayout, longest_row, micro_batches
 from r1fit.train.optim import build_optimizer, build_scheduler, clip_and_step
 from r1fit.train.run import Run, start_run
 
@@ -108,6 +108,9 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool,
     start = run.checkpoints.restore(phase, state)
     guard = run.guard(optimizer)
     end_of_turn = special_token_ids(run.model, processor)["end_of_turn"]  # from the chat template
+    # memory.micro_batch_tokens packs the rows (checked equal to the per-row path on the first
+    # micro-batch); every row is its own prompt, so there is no prefix to share
+    layout = BatchLayout(False)
     rows_out = []
     run.model.train()
     with progress_bar("SFT warm-up" if format_only else "SFT", steps, completed=start) as advance:
@@ -125,14 +128,22 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool,
             prompts, targets, masks = prompts[share], targets[share], masks[share]
 
             def accumulate() -> float:
-                """Gradients of the batch, micro_batch rows at a time (redone smaller on OOM)."""
+                """Gradients of the batch, micro_batch rows (or micro_batch_tokens packed
+                tokens) at a time (redone smaller on OOM)."""
                 optimizer.zero_grad(set_to_none=True)
                 loss_sum = 0.0
+                sizes = run.sizes
+                sizes.note_sequence(longest_row(prompts, targets))
+                layout.decide(run.policy, prompts, targets, pad_id=run.ids.pad,
+                              chunk_size=cfg.memory.logits_chunk, micro_batch=sizes.micro_batch,
+                              tokens=sizes.micro_batch_tokens)
                 with guard.phase("micro_batch"):
-                    for piece, mb_prompts, mb_targets in micro_batches(prompts, targets,
-                                                                       run.sizes.micro_batch):
-                        batch = collate(mb_prompts, mb_targets, run.ids.pad,
-                                        masks[piece]).to(run.device)
+                    for piece, mb_prompts, mb_targets in micro_batches(
+                            prompts, targets, sizes.micro_batch, tokens=sizes.micro_batch_tokens):
+                        batch = layout.inputs(run.policy, mb_prompts, mb_targets,
+                                              pad_id=run.ids.pad, device=run.device,
+                                              packed=sizes.micro_batch_tokens is not None,
+                                              masks=masks[piece])
                         logp = completion_logprobs(run.policy, batch,
                                                    chunk_size=cfg.memory.logits_chunk,
                                                    into_grad=True)

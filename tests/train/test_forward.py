@@ -64,3 +64,40 @@ def test_a_shared_prefix_needs_a_mask_that_flash_attention_does_not_take(float64
                            match="memory.share_prefix=true needs a 4-D attention mask"):
             BatchLayout(True).decide(model, rows, completions, pad_id=pad, chunk_size=8,
                                      micro_batch=4, tokens=tokens)
+
+
+def test_packed_masked_rows_give_the_collated_loss_and_gradients(float64_tiny):
+    """SFT with memory.micro_batch_tokens: rows whose masks score only some tokens (multi-turn
+    answers; None scores all) packed into one row give the collated batch's masked loss and
+    gradients, in float64."""
+    model, processor, rows, completions = float64_tiny()
+    pad = special_token_ids(model, processor)["pad"]
+    gen = torch.Generator().manual_seed(0)
+    masks = [None if i % 3 == 0 else (torch.rand(int(c.shape[0]), generator=gen) < 0.5).long()
+             for i, c in enumerate(completions)]
+    masks[1][0] = 0  # an unscored first token: the packed layout must not score it either
+    cpu = torch.device("cpu")
+
+    def loss_and_grads(packed: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        batch = BatchLayout(False).inputs(model, rows, completions, pad_id=pad, device=cpu,
+                                          packed=packed, masks=masks)
+        for i, (c, m) in enumerate(zip(completions, masks)):
+            expected = torch.ones(c.shape[0]) if m is None else m.double()
+            assert torch.equal(batch.completion_mask[i, :c.shape[0]].double(), expected)
+        logp = completion_logprobs(model, batch, chunk_size=3)
+        loss = -(logp * batch.completion_mask).sum()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    collated, packed = loss_and_grads(False), loss_and_grads(True)
+    torch.testing.assert_close(packed[0], collated[0], rtol=1e-12, atol=0)
+    assert len(packed[1]) == len(collated[1]) > 0
+    for a, b in zip(packed[1], collated[1]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-10)
+    # the masks change the loss: the comparison is not of two unmasked losses
+    model.zero_grad(set_to_none=True)
+    every_token = collate(rows, completions, pad)
+    with torch.no_grad():
+        unmasked = completion_logprobs(model, every_token, chunk_size=3)
+    assert not torch.isclose(-(unmasked * every_token.completion_mask).sum(), collated[0])
