@@ -84,7 +84,7 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
         log.info("eval before GRPO: %s", row)
 
     report = LiveReport(cfg.report, run.out, main=run.world.main)  # rank 0: rollouts, alarms, page
-    meter = MfuMeter(run.model, run.device, next(run.model.parameters()).dtype)  # flops, mfu
+    meter = run.meter  # flops, mfu
     step = start
     with progress_bar("GRPO", cfg.train.max_steps, completed=start) as advance:
         for step in range(start + 1, cfg.train.max_steps + 1):

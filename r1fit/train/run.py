@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from r1fit.data.sample import Sample
 from r1fit.distributed.context import World, broadcast_object, check_split, device_for, init_distributed, pick_device
 from r1fit.distributed.loading import load_policy_on_ranks
 from r1fit.memory.autofit import resolve_checkpointing, resolve_sizes
+from r1fit.memory.flops import MfuMeter
 from r1fit.memory.guard import OOMGuard
 from r1fit.memory.sizes import ChunkSizes
 from r1fit.memory.telemetry import configure_host_allocator, current_rss_bytes, use_tensor_probe
@@ -65,6 +67,12 @@ class Run:
     rss_after_load_bytes: int
     started: float  # perf_counter() when the run started
     layout: BatchLayout  # memory.share_prefix, packing: how micro-batches reach the model
+
+    @cached_property
+    def meter(self) -> MfuMeter:
+        """The ``flops`` and ``mfu`` meter of the run's steps (the device's peak read or measured
+        once, on first use)."""
+        return MfuMeter(self.model, self.device, next(self.model.parameters()).dtype)
 
     def encode(self, samples: list[Sample]) -> tuple[list[Prompt], list[str]]:
         """Prompts of ``samples`` and one message per sample refused as too long."""

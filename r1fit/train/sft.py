@@ -156,9 +156,15 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool,
             loss_sum = all_sum([guard.run_step(accumulate, restore=[rng_state])])[0]
             grad_norm = clip_and_step(optimizer, scheduler, cfg.train.max_grad_norm)
             seconds = time.perf_counter() - started
+            # model FLOPs: one forward and backward of this process's rows as they ran
+            flops = all_sum([float(run.meter.training(
+                prompts, targets, log_prob_passes=0, updates=1, micro_batch=run.sizes.micro_batch,
+                shared=False, tokens=run.sizes.micro_batch_tokens))])[0]
             row = {f"{prefix}step": step, f"{prefix}loss": loss_sum,
                    f"{prefix}grad_norm": grad_norm,
                    f"{prefix}tokens_per_second": total_tokens / seconds,
+                   f"{prefix}flops": flops,
+                   f"{prefix}mfu": run.meter.mfu(flops, seconds, run.world.size),
                    **step_memory(run.device, prefix), f"{prefix}bad_rows": bad_rows.count,
                    f"{prefix}oom_retries": guard.retries}
             if not format_only and step == steps and run.eval_set is not None:

@@ -97,6 +97,7 @@ def test_grpo_and_sft_on_each_format(name, use_tiny_cache, tmp_path, capsys):
     assert all(math.isfinite(r["loss"]) and r["bad_rows"] == 0 for r in steps)
     warmup = [r for r in rows if "warmup/loss" in r]
     assert len(warmup) == 2 and all(math.isfinite(r["warmup/loss"]) for r in warmup)
+    assert all(r["warmup/flops"] > 0 and 0 < r["warmup/mfu"] < 1 for r in warmup)
     evals = [r for r in rows if "eval/accuracy" in r]
     assert [r["eval/size"] for r in evals] == [3, 3]
 
@@ -140,6 +141,7 @@ def test_packed_sft_on_multi_turn_rows_trains_as_rows_do(use_tiny_cache, tmp_pat
     for a, b in zip(rows, packed):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b["flops"] == a["flops"] > 0  # packing removes padding, not model FLOPs
     assert w_rows.keys() == w_packed.keys()
     moved = 0
     for key in w_rows:

@@ -89,6 +89,8 @@ def test_sft_three_steps_changes_weights(use_tiny_cache, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_accuracy_end"] == rows[-1]["eval/accuracy"]
     assert all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in rows)
+    # model FLOPs of each step's forward and backward (r1fit/memory/flops.py), and their MFU
+    assert all(r["flops"] > 0 and 0 < r["mfu"] < 1 for r in rows)
     before = AutoModelForImageTextToText.from_pretrained(use_tiny_cache / "models" / "tiny-v1")
     after = AutoModelForImageTextToText.from_pretrained(out / "final")
     changed = [not torch.equal(a, b) for a, b in zip(before.state_dict().values(),
