@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import statistics
 import subprocess
 import sys
 import threading
@@ -135,6 +136,21 @@ def read_result(stdout: str, name: str, what: str) -> Any:
         return json.loads(lines[-1][len(prefix):])
     except json.JSONDecodeError as exc:
         raise BenchmarkError(f"{what}: bad result line ({exc})") from None
+
+
+class RepeatedRuns:
+    """Medians over a setting's repeated runs: ``runs`` holds results with per-step lists (steps
+    2..) and a ``peak_bytes``. A base of the scripts' ``Setting`` dataclasses."""
+
+    runs: list[Any]
+
+    def median(self, key: str) -> float:
+        """The median over runs of each run's median of ``key``'s per-step values."""
+        return statistics.median(statistics.median(getattr(r, key)) for r in self.runs)
+
+    @property
+    def peak(self) -> float:
+        return statistics.median(r.peak_bytes for r in self.runs)
 
 
 def positive(text: str) -> int:

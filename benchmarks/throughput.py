@@ -61,7 +61,16 @@ from pathlib import Path
 from typing import Any
 
 import benchkit
-from benchkit import BenchmarkError, UnreadWeights, floor_bytes, positive, print_result, read_result, run_child
+from benchkit import (
+    BenchmarkError,
+    RepeatedRuns,
+    UnreadWeights,
+    floor_bytes,
+    positive,
+    print_result,
+    read_result,
+    run_child,
+)
 
 NAME = "throughput"
 MIB = 2**20
@@ -90,20 +99,13 @@ class RunResult:
 
 
 @dataclass
-class Setting:
+class Setting(RepeatedRuns):
     """All repeats of one (mode, G, variant)."""
 
     mode: str
     generations: int
     variant: str
     runs: list[RunResult] = field(default_factory=list)
-
-    def median(self, key: str) -> float:
-        return statistics.median(statistics.median(getattr(r, key)) for r in self.runs)
-
-    @property
-    def peak(self) -> float:
-        return statistics.median(r.peak_bytes for r in self.runs)
 
     @property
     def floor(self) -> float:
