@@ -1,7 +1,7 @@
 """SFT steps with micro-batches of padded rows against micro-batches packed by tokens
 (``memory.micro_batch_tokens``), on conversations whose answers differ a lot in length.
 
-Command (about 27 minutes on 2 CPU cores):
+Command (24 minutes on 2 CPU cores, measured 1,433 s):
 
     python benchmarks/sft_packing.py
     # = --model builtin:bench-1024 --rows 64 --batch 16 --steps 4 --repeats 3 --image-size 112
