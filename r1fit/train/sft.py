@@ -153,13 +153,15 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool,
                         loss_sum += loss.item()
                 return loss_sum
 
-            loss_sum = all_sum([guard.run_step(accumulate, restore=[rng_state])])[0]
+            local_loss = guard.run_step(accumulate, restore=[rng_state])
+            # model FLOPs: one forward and backward of this process's rows as they ran (the
+            # sizes the OOM guard left); summed over processes with the loss, in one collective
+            local_flops = float(run.meter.training(
+                prompts, targets, log_prob_passes=0, updates=1, micro_batch=run.sizes.micro_batch,
+                shared=False, tokens=run.sizes.micro_batch_tokens))
+            loss_sum, flops = all_sum([local_loss, local_flops])
             grad_norm = clip_and_step(optimizer, scheduler, cfg.train.max_grad_norm)
             seconds = time.perf_counter() - started
-            # model FLOPs: one forward and backward of this process's rows as they ran
-            flops = all_sum([float(run.meter.training(
-                prompts, targets, log_prob_passes=0, updates=1, micro_batch=run.sizes.micro_batch,
-                shared=False, tokens=run.sizes.micro_batch_tokens))])[0]
             row = {f"{prefix}step": step, f"{prefix}loss": loss_sum,
                    f"{prefix}grad_norm": grad_norm,
                    f"{prefix}tokens_per_second": total_tokens / seconds,
