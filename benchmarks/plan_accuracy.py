@@ -8,9 +8,10 @@ machines):
     python benchmarks/plan_accuracy.py            # every configuration of GRID
     python benchmarks/plan_accuracy.py --only tiny-full-g8 --json out.json
 
-For each configuration: the plan is ``r1fit.memory.planner.predict_peak(cfg, device_type="cpu")``;
-the measurement runs ``r1fit train`` for 2 GRPO steps in a fresh child process with
-``memory.cpu_peak=tensors`` (the probe: peak bytes of live tensors, r1fit/memory/probe.py) and takes
+For each configuration: the plan is ``r1fit.memory.planner.plan_memory(cfg, device_type="cpu")``'s
+peak; the measurement runs ``r1fit train`` for 2 GRPO steps (``sft-*`` configurations: ``r1fit
+sft`` for 2 steps, planned with ``kind="sft"`` as ``r1fit plan --sft`` does) in a fresh child
+process with ``memory.cpu_peak=tensors`` (the probe: peak bytes of live tensors, r1fit/memory/probe.py) and takes
 the largest per-step ``peak_memory_bytes``. The grid varies num_generations, micro_batch,
 max_new_tokens, max_pixels, LoRA vs full fine-tuning, gradient checkpointing, the KL reference,
 the shared prompt and packed micro-batches on builtin:tiny and builtin:small-realvocab, and
@@ -158,29 +159,50 @@ GRID: dict[str, list[str]] = {
                              "algo.beta=0.04"],
     "tiny-full-packed-mu2": [TINY, "memory.micro_batch_tokens=150", "algo.num_generations=8",
                              "algo.max_new_tokens=20", "algo.beta=0", "algo.num_iterations=2"],
+    # r1fit sft steps (``r1fit plan --sft``): sft.batch_size rows, every answer planned
+    # sft.max_answer_tokens long; the cap lies below the data's answers, so every answer is cut
+    # to exactly that length and the plan's pessimism is the run's shape
+    "sft-small-full-mb4": [SMALL, "sft.batch_size=8", "memory.micro_batch=4",
+                           "sft.max_answer_tokens=12", "data.shapes.image_size=112",
+                           "data.max_pixels=12544"],
+    "sft-small-lora-packed": [SMALL, "model.lora.r=8", "sft.batch_size=8",
+                              "memory.micro_batch_tokens=300", "sft.max_answer_tokens=12"],
+    "sft-tiny-full-no-ckpt": [TINY, "sft.batch_size=16", "memory.micro_batch=8",
+                              "sft.max_answer_tokens=12", "memory.gradient_checkpointing=false"],
 }
+#: configurations named so run ``r1fit sft`` (2 steps) and are planned as its steps
+SFT_PREFIX = "sft-"
 MIB = 2**20
+
+
+def kind_of(name: str) -> str:
+    """The planner's kind of step a configuration runs: "sft" or "grpo"."""
+    return "sft" if name.startswith(SFT_PREFIX) else "grpo"
 
 
 def measure(name: str, overrides: list[str]) -> int:
     """Largest per-step live-tensor peak of a 2-step run in a fresh process."""
     with tempfile.TemporaryDirectory(prefix=f"plan_accuracy_{name}_") as folder:
         out = Path(folder) / "run"
-        command = [sys.executable, "-m", "r1fit", "train", f"train.output_dir={out}", *COMMON,
+        sft = kind_of(name) == "sft"
+        command = [sys.executable, "-m", "r1fit", "sft" if sft else "train",
+                   f"train.output_dir={out}", *COMMON, *(["sft.steps=2"] if sft else []),
                    *overrides]
         # the child is r1fit's CLI: its one-line errors start "r1fit: error: "
-        run_child(command, f"{name}: r1fit train", "r1fit",
+        run_child(command, f"{name}: r1fit {command[3]}", "r1fit",
                   env={**os.environ, "KINETO_LOG_LEVEL": "5"})
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        return max(r["peak_memory_bytes"] for r in rows if "reward_mean" in r)
+        step_key = "loss" if sft else "reward_mean"  # in the rows of training steps only
+        return max(r["peak_memory_bytes"] for r in rows if step_key in r)
 
 
-def predict(overrides: list[str]) -> tuple[int, dict[str, int]]:
+def predict(name: str, overrides: list[str]) -> tuple[int, dict[str, int]]:
     from r1fit.config import load_config
-    from r1fit.memory.planner import plan_memory, predict_peak
+    from r1fit.memory.planner import plan_memory
 
     cfg = load_config(None, [*COMMON, *overrides])
-    return predict_peak(cfg, device_type="cpu"), plan_memory(cfg, device_type="cpu").parts
+    plan = plan_memory(cfg, device_type="cpu", kind=kind_of(name))
+    return plan.peak_bytes, plan.parts
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -197,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     results = []
     for name in args.only or GRID:
-        planned, parts = predict(GRID[name])
+        planned, parts = predict(name, GRID[name])
         probed = measure(name, GRID[name])
         error = planned / probed - 1
         results.append({"name": name, "plan_bytes": planned, "probe_bytes": probed,

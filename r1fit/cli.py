@@ -5,6 +5,7 @@
     r1fit sft my.yaml sft.steps=500
     r1fit plan my.yaml --device-memory 80GiB  # peak memory per device, before launch (no weights)
     r1fit plan Qwen/Qwen2.5-VL-7B-Instruct    # a model instead of a config: model.path=...
+    r1fit plan my.yaml --sft                  # a step of r1fit sft instead of a GRPO step
     r1fit config [my.yaml ...]       # print the resolved config; --reference for every key
     r1fit inspect runs/demo          # its checkpoints, newest first; or one checkpoint's files
     r1fit export runs/demo/checkpoint-40 my-model [--merge-lora]   # a plain Hugging Face folder
@@ -83,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="GPUs of the torchrun job; with N > 1 the plan is per GPU with FSDP2 "
                         "over N (sharded weights, gradients, AdamW states and reference; 1/N of "
                         "a step's rows per GPU)")
+    p.add_argument("--sft", action="store_true",
+                   help="plan a step of `r1fit sft` (sft.batch_size rows, answers of "
+                        "sft.max_answer_tokens tokens) instead of a GRPO step of `r1fit train`")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p = sub.add_parser("config", help="print the resolved config (or the key reference)")
     p.add_argument("args", nargs="*", metavar="CONFIG.yaml | key.sub=value")
@@ -102,7 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="a run's output folder")
     p.add_argument("--out", metavar="FILE", type=Path,
                    help="where to write it (default: RUN_DIR/report.html)")
-    ns = parser.parse_args(argv)
+    ns, extra = parser.parse_known_args(argv)
+    # overrides after a flag (`r1fit plan my.yaml --sft sft.batch_size=8`): argparse ends a
+    # positional list at the first flag, so the rest comes back unparsed
+    if extra and hasattr(ns, "args") and not any(e.startswith("-") for e in extra):
+        ns.args += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
 
     # imported late: `r1fit config` and `--help` should not pay for importing torch/transformers
     from r1fit.checkpoint.manager import RunStopped
@@ -124,18 +134,19 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--device-memory: {exc}") from None
             cfg = _config(_model_first(ns.args))
             device_type = "cpu" if cfg.train.device == "cpu" else "cuda"
+            kind = "sft" if ns.sft else "grpo"
             if cfg.memory.gradient_checkpointing == "auto":  # plan what the run would choose
                 from r1fit.memory.autofit import choose_checkpointing, describe_checkpointing
                 from r1fit.memory.planner import DEFAULT_DEVICE_MEMORY
 
                 chosen, why = choose_checkpointing(
                     cfg, budget=budget or parse_bytes(cfg.memory.budget or DEFAULT_DEVICE_MEMORY),
-                    device_type=device_type, gpus=ns.gpus)
+                    device_type=device_type, gpus=ns.gpus, kind=kind)
                 print(f"memory.gradient_checkpointing=auto: {describe_checkpointing(chosen)} "
                       f"({why})", file=sys.stderr)
                 cfg = cfg.with_values(chosen)
             plan = plan_memory(cfg, device_memory_bytes=budget, gpus=ns.gpus,
-                               device_type=device_type)
+                               device_type=device_type, kind=kind)
             if ns.json:
                 print(json.dumps(plan.to_dict(), indent=2))
             else:

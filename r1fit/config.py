@@ -326,6 +326,11 @@ class SFTConfig:
                           "processes).", ge=1)
     learning_rate: float = opt(1e-2, "Peak learning rate of the supervised steps (demo value; "
                                "~1e-5 for a pre-trained VLM).", gt=0)
+    max_answer_tokens: int = opt(
+        1024, "Tokens of a row's answer (a multi-turn row: its conversation after the prompt, the "
+        "assistant turns scored) beyond which SFT cuts it; each cut answer is counted "
+        "(truncated_answers in the step's row) and the first one warned about. `r1fit plan --sft` "
+        "and the auto sizes of `r1fit sft` plan every answer this long.", ge=1)
     think: str = opt("I look at the image.", "Text put inside <think> </think> in warm-up targets and "
                      "in solutions that lack the tags.")
 

@@ -58,6 +58,17 @@ def test_plan_prints_a_table(capsys, tmp_path):
     assert "micro_batch_tokens" not in out  # rows unless packing is asked for
 
 
+def test_plan_sft_plans_an_sft_step(capsys, tmp_path):
+    folder = _config_only_model(tmp_path / "model")
+    assert main(["plan", f"model.path={folder}", "--sft", "sft.batch_size=12",
+                 "sft.max_answer_tokens=300"]) == 0
+    out = capsys.readouterr().out
+    assert "r1fit sft: 12 rows per step (sft.batch_size)" in out
+    assert "answer up to 300 (sft.max_answer_tokens)" in out
+    assert main(["plan", f"model.path={folder}", "--sft", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["details"]["kind"] == "sft"
+
+
 def test_plan_of_packed_micro_batches_speaks_tokens(capsys, tmp_path):
     folder = _config_only_model(tmp_path / "model")
     assert main(["plan", f"model.path={folder}", "memory.micro_batch_tokens=auto",

@@ -34,11 +34,12 @@ def device_budget(memory: Any, device: torch.device) -> int:
                        "(e.g. memory.budget=16GiB)")
 
 
-def resolve_checkpointing(cfg: Any, device: torch.device) -> dict[str, Any]:
+def resolve_checkpointing(cfg: Any, device: torch.device, kind: str = "grpo") -> dict[str, Any]:
     """How the run recomputes layer activations in backward, as config values
     (``memory.gradient_checkpointing``, ``memory.checkpoint_every``): the config's, or for
     ``auto`` the planner's choice for this device (see :func:`choose_checkpointing`), the same on
-    every process (the most checkpointing any process needs)."""
+    every process (the most checkpointing any process needs). ``kind``: the run's steps, "grpo"
+    or "sft" (planned as :func:`r1fit.memory.planner.sft_step` says)."""
     memory = cfg.memory
     if memory.gradient_checkpointing != "auto":
         return {"memory.gradient_checkpointing": bool(memory.gradient_checkpointing),
@@ -48,7 +49,7 @@ def resolve_checkpointing(cfg: Any, device: torch.device) -> dict[str, Any]:
                  "against)", device)
         return {"memory.gradient_checkpointing": True, "memory.checkpoint_every": 1}
     chosen, reason = choose_checkpointing(cfg, budget=device_budget(memory, device),
-                                          device_type=device.type, gpus=world().size)
+                                          device_type=device.type, gpus=world().size, kind=kind)
     if world().distributed:  # off < every n-th layer < every layer: the most any rank needs
         on, every = chosen["memory.gradient_checkpointing"], chosen["memory.checkpoint_every"]
         most = all_max([1.0 / every if on else 0.0])[0]
@@ -67,8 +68,8 @@ def describe_checkpointing(values: dict[str, Any]) -> str:
     return "on" if every == 1 else f"on, 1 layer in {every} (memory.checkpoint_every={every})"
 
 
-def choose_checkpointing(cfg: Any, *, budget: int, device_type: str, gpus: int
-                         ) -> tuple[dict[str, Any], str]:
+def choose_checkpointing(cfg: Any, *, budget: int, device_type: str, gpus: int,
+                         kind: str = "grpo") -> tuple[dict[str, Any], str]:
     """The planner's choice for ``memory.gradient_checkpointing=auto`` and why, as config values.
     Checkpointing costs one more forward of every checkpointed layer in backward (about a third
     more update compute when all are), so it is off when the step fits without it. With a fixed
@@ -82,7 +83,7 @@ def choose_checkpointing(cfg: Any, *, budget: int, device_type: str, gpus: int
     def plan(on: bool, every: int = 1) -> Any:
         values = {"memory.gradient_checkpointing": on, "memory.checkpoint_every": every}
         return plan_memory(cfg.with_values(values), device_memory_bytes=budget,
-                           device_type=device_type, gpus=gpus)
+                           device_type=device_type, gpus=gpus, kind=kind)
 
     def choice(on: bool, every: int = 1) -> dict[str, Any]:
         return {"memory.gradient_checkpointing": on, "memory.checkpoint_every": every}
@@ -116,11 +117,11 @@ def choose_checkpointing(cfg: Any, *, budget: int, device_type: str, gpus: int
         else (choice(True), sizes)
 
 
-def resolve_sizes(cfg: Any, device: torch.device) -> ChunkSizes:
+def resolve_sizes(cfg: Any, device: torch.device, kind: str = "grpo") -> ChunkSizes:
     """The chunk sizes the run starts with: the config's, with ``auto`` replaced by the largest
-    the planner fits (``memory.micro_batch_tokens=auto``: the most packed tokens). Over several
-    processes every rank must run as many micro-batches, so the smallest answer of all ranks
-    wins."""
+    the planner fits for the run's ``kind`` of step ("grpo" or "sft";
+    ``memory.micro_batch_tokens=auto``: the most packed tokens). Over several processes every
+    rank must run as many micro-batches, so the smallest answer of all ranks wins."""
     memory = cfg.memory
     asked = {"micro_batch": memory.micro_batch, "generation_batch": memory.generation_batch}
     if memory.micro_batch_tokens is not None:
@@ -132,7 +133,7 @@ def resolve_sizes(cfg: Any, device: torch.device) -> ChunkSizes:
         budget = device_budget(memory, device)
         # over several processes: one device of the FSDP run (sharded states, 1/N of the rows)
         plan = plan_memory(cfg, device_memory_bytes=budget, device_type=device.type,
-                           gpus=world().size)
+                           gpus=world().size, kind=kind)
         answers = {"micro_batch": plan.max_micro_batch,
                    "generation_batch": plan.max_generation_batch,
                    "micro_batch_tokens": plan.max_micro_batch_tokens}

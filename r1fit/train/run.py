@@ -137,9 +137,11 @@ def start_run(cfg: Config, kind: str) -> Run:
     use_tensor_probe(cfg.memory.cpu_peak == "tensors" and device.type == "cpu")
     configure_host_allocator(cfg.memory.release_freed, cfg.memory.budget, device)
     train_set, eval_set = build_datasets(cfg)
-    checkpointing = resolve_checkpointing(cfg, device)  # memory.gradient_checkpointing=auto
+    # memory.gradient_checkpointing=auto: the planner's choice for the run's steps (r1fit
+    # train's warm-up SFT runs at the sizes of its GRPO steps)
+    checkpointing = resolve_checkpointing(cfg, device, kind)
     # memory.*_batch=auto: the planner's answer, for the checkpointing the run will use
-    sizes = resolve_sizes(cfg.with_values(checkpointing), device)
+    sizes = resolve_sizes(cfg.with_values(checkpointing), device, kind)
     rss_before_load = current_rss_bytes()
     checkpoints = CheckpointManager(out, cfg, kind, resume)
     model, processor, policy = load_policy_on_ranks(

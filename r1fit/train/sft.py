@@ -85,6 +85,18 @@ def sft_rows(run: Run, prompts: list[Prompt], answers: list[str], end_of_turn: i
     return out_prompts, targets, masks
 
 
+def cut_answers(targets: list[torch.Tensor], masks: list[torch.Tensor | None], limit: int
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[int]]:
+    """``sft.max_answer_tokens``: each row's answer tokens (and mask) cut to ``limit``; returns
+    them and the indices of the rows that were cut."""
+    cut = [i for i, t in enumerate(targets) if int(t.shape[0]) > limit]
+    for i in cut:
+        targets[i] = targets[i][:limit]
+        if masks[i] is not None:
+            masks[i] = masks[i][:limit]
+    return targets, masks, cut
+
+
 def supervised_steps(run: Run, steps: int, *, format_only: bool,
                      report: LiveReport | None = None) -> list[dict[str, Any]]:
     """``steps`` SFT updates on the training set with their own AdamW and schedule; one metrics
@@ -111,7 +123,11 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool,
     # memory.micro_batch_tokens packs the rows (checked equal to the per-row path on the first
     # micro-batch); every row is its own prompt, so there is no prefix to share
     layout = BatchLayout(False)
+    # the flops/mfu meter measures a CPU's matmul peak when first used: before the first step,
+    # so that step's time and peak memory do not include it
+    meter = run.meter
     rows_out = []
+    warned_cut = False
     run.model.train()
     with progress_bar("SFT warm-up" if format_only else "SFT", steps, completed=start) as advance:
         for step in range(start + 1, steps + 1):
@@ -121,8 +137,19 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool,
             prompts, targets, masks = sft_rows(run, prompts,
                                                build_targets([p.sample for p in prompts],
                                                              cfg.sft.think, rng), end_of_turn)
+            targets, masks, cut = cut_answers(targets, masks, cfg.sft.max_answer_tokens)
+            if cut and not warned_cut:
+                log.warning("%s: answer longer than sft.max_answer_tokens=%d tokens, cut there "
+                            "(each step's truncated_answers counts the rows cut; raise the key to "
+                            "keep whole answers)", prompts[cut[0]].sample.source,
+                            cfg.sft.max_answer_tokens)
+                warned_cut = True
             total_tokens = sum(int(t.shape[0]) if m is None else int(m.sum())
                                for t, m in zip(targets, masks))
+            if total_tokens == 0:
+                raise DataError(f"SFT step {step}: no answer token to learn in the batch "
+                                f"(sft.max_answer_tokens={cfg.sft.max_answer_tokens} cuts every "
+                                "scored assistant turn); raise sft.max_answer_tokens")
             # over several processes each rank takes its share of the batch's rows
             share = run.world.share(len(prompts), "rows per step (sft.batch_size)")
             prompts, targets, masks = prompts[share], targets[share], masks[share]
@@ -156,7 +183,7 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool,
             local_loss = guard.run_step(accumulate, restore=[rng_state])
             # model FLOPs: one forward and backward of this process's rows as they ran (the
             # sizes the OOM guard left); summed over processes with the loss, in one collective
-            local_flops = float(run.meter.training(
+            local_flops = float(meter.training(
                 prompts, targets, log_prob_passes=0, updates=1, micro_batch=run.sizes.micro_batch,
                 shared=False, tokens=run.sizes.micro_batch_tokens))
             loss_sum, flops = all_sum([local_loss, local_flops])
@@ -166,8 +193,9 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool,
                    f"{prefix}grad_norm": grad_norm,
                    f"{prefix}tokens_per_second": total_tokens / seconds,
                    f"{prefix}flops": flops,
-                   f"{prefix}mfu": run.meter.mfu(flops, seconds, run.world.size),
+                   f"{prefix}mfu": meter.mfu(flops, seconds, run.world.size),
                    **step_memory(run.device, prefix), f"{prefix}bad_rows": bad_rows.count,
+                   f"{prefix}truncated_answers": len(cut),
                    f"{prefix}oom_retries": guard.retries}
             if not format_only and step == steps and run.eval_set is not None:
                 row.update(evaluate(run))

@@ -89,6 +89,7 @@ def test_sft_three_steps_changes_weights(use_tiny_cache, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_accuracy_end"] == rows[-1]["eval/accuracy"]
     assert all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in rows)
+    assert all(r["truncated_answers"] == 0 for r in rows)  # sft.max_answer_tokens=1024
     # model FLOPs of each step's forward and backward (r1fit/memory/flops.py), and their MFU
     assert all(r["flops"] > 0 and 0 < r["mfu"] < 1 for r in rows)
     before = AutoModelForImageTextToText.from_pretrained(use_tiny_cache / "models" / "tiny-v1")
@@ -96,6 +97,27 @@ def test_sft_three_steps_changes_weights(use_tiny_cache, tmp_path):
     changed = [not torch.equal(a, b) for a, b in zip(before.state_dict().values(),
                                                      after.state_dict().values())]
     assert any(changed)
+
+
+def test_sft_cuts_answers_longer_than_max_answer_tokens_and_counts_them(use_tiny_cache,
+                                                                         tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("sft", f"train.output_dir={out}", "sft.steps=2", "sft.batch_size=4",
+                   "sft.max_answer_tokens=3", "data.eval=null", "data.shapes.train_size=50",
+                   "data.max_pixels=3136", "data.shapes.image_size=56") == 0
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    # every <think>..</think><answer>..</answer> target is longer than 3 tokens: all 4 rows cut
+    assert [r["truncated_answers"] for r in rows] == [4, 4]
+    assert all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in rows)
+    # 4 rows x 3 answer tokens: the steps' FLOPs count the rows as they ran (cut)
+    full = tmp_path / "full"
+    assert run_cli("sft", f"train.output_dir={full}", "sft.steps=2", "sft.batch_size=4",
+                   "data.eval=null", "data.shapes.train_size=50", "data.max_pixels=3136",
+                   "data.shapes.image_size=56") == 0
+    whole = [r for r in read_metrics(full / "metrics.jsonl") if "loss" in r]
+    assert all(a["flops"] < b["flops"] for a, b in zip(rows, whole))
+    log = (out / "log.txt").read_text()
+    assert log.count("answer longer than sft.max_answer_tokens=3 tokens, cut there") == 1
 
 
 def _jsonl(tmp_path: Path, n_good: int, bad_lines: list[str]) -> Path:

@@ -141,3 +141,16 @@ def test_auto_tokens_are_the_planners_largest_fit(use_tiny_cache):
     assert plan_memory(fits, device_memory_bytes=12 << 20, device_type="cpu").fits
     over = cfg.with_values({"memory.micro_batch_tokens": 2 * sizes.micro_batch_tokens})
     assert not plan_memory(over, device_memory_bytes=12 << 20, device_type="cpu").fits
+
+
+def test_sft_auto_sizes_come_from_the_sft_plan(use_tiny_cache):
+    """`r1fit sft` (kind="sft") sizes its micro-batches by a plan of its own steps:
+    sft.batch_size rows with answers of sft.max_answer_tokens, not a GRPO step's rows."""
+    cfg = load_config(None, [*BASE, "memory.micro_batch=auto", "memory.budget=12MiB",
+                             "sft.batch_size=24", "sft.max_answer_tokens=96"])
+    sft = plan_memory(cfg, device_memory_bytes=12 << 20, device_type="cpu", kind="sft")
+    grpo = plan_memory(cfg, device_memory_bytes=12 << 20, device_type="cpu")
+    assert resolve_sizes(cfg, CPU, "sft").micro_batch == sft.max_micro_batch
+    assert resolve_sizes(cfg, CPU).micro_batch == grpo.max_micro_batch
+    # longer rows: fewer fit in the same budget
+    assert 1 <= sft.max_micro_batch < grpo.max_micro_batch

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from r1fit.config import load_config
+from r1fit.config import ConfigError, load_config
 from r1fit.memory import planner
 from r1fit.memory.planner import (
     CHAT_TEMPLATE_TOKENS,
@@ -640,3 +640,34 @@ def test_vllm_engine_parts_and_when_the_engine_sleeps(small_model, capsys):
     assert "vLLM engine: KV cache pool" in out and "asleep while training" in out
     render(cuda_hf, cfg_for(small_model))
     assert "vLLM engine" not in capsys.readouterr().out
+
+
+def test_an_sft_plan_is_its_rows_update_with_no_kl_no_sharing(small_model):
+    """kind="sft" plans sft.batch_size rows with answers of sft.max_answer_tokens, each its own
+    prompt: a GRPO step of as many rows, completions that long, no reference and no sharing,
+    except that each of the rows has a prompt (pixel values) of its own."""
+    sft_cfg = cfg_for(small_model, "sft.batch_size=8", "sft.max_answer_tokens=48",
+                      "memory.micro_batch=4", "algo.beta=0.04", "memory.share_prefix=auto",
+                      "algo.max_new_tokens=16", "algo.num_iterations=2")
+    sft = plan_memory(sft_cfg, device_type="cpu", kind="sft")
+    grpo = plan_memory(cfg_for(small_model, "train.prompts_per_step=4", "algo.num_generations=2",
+                               "memory.micro_batch=4", "algo.max_new_tokens=48", "algo.beta=0",
+                               "memory.share_prefix=false"), device_type="cpu")
+    assert sft.details["rows_per_step"] == grpo.details["rows_per_step"] == 8
+    assert sft.details["kind"] == "sft" and sft.details["share_prefix"] == "off"
+    assert "log-probs" not in sft.phases and sft.parts["reference"] == 0
+    differ = {k for k in sft.parts if sft.parts[k] != grpo.parts[k]}
+    assert differ == {"inputs"}  # 8 prompts' pixel values held for the step, not 4
+    extra = sft.parts["inputs"] - grpo.parts["inputs"]
+    assert extra > 0 and sft.phases["update"] - grpo.phases["update"] == extra
+    # the answers' length is sft.max_answer_tokens, not algo.max_new_tokens
+    assert plan_memory(sft_cfg.with_values({"algo.max_new_tokens": 200}), device_type="cpu",
+                       kind="sft").peak_bytes == sft.peak_bytes
+    longer = plan_memory(sft_cfg.with_values({"sft.max_answer_tokens": 96}), device_type="cpu",
+                         kind="sft")
+    assert longer.parts["activations"] > sft.parts["activations"]
+
+
+def test_an_unknown_plan_kind_is_refused(small_model):
+    with pytest.raises(ConfigError, match="plan kind: got 'dpo'"):
+        plan_memory(cfg_for(small_model), kind="dpo")

@@ -21,3 +21,18 @@ def test_format_only_targets_use_answers_of_the_batch_not_the_row():
     assert answers == {"red", "blue", "green", "yellow"}
     matches = sum(a == b for a, b in zip(own, shuffled))
     assert matches < 50  # about a quarter match by chance, not all
+
+
+def test_cut_answers_cuts_targets_and_masks_past_the_limit_only():
+    import torch
+
+    from r1fit.train.sft import cut_answers
+
+    targets = [torch.arange(5), torch.arange(3), torch.arange(7)]
+    masks = [None, torch.tensor([0, 1, 1]), torch.tensor([0, 0, 1, 1, 0, 1, 1])]
+    cut_targets, cut_masks, cut = cut_answers(targets, masks, 4)
+    assert cut == [0, 2]
+    assert [t.tolist() for t in cut_targets] == [[0, 1, 2, 3], [0, 1, 2], [0, 1, 2, 3]]
+    assert cut_masks[0] is None
+    assert [m.tolist() for m in cut_masks[1:]] == [[0, 1, 1], [0, 0, 1, 1]]
+    assert cut_answers([torch.arange(4)], [None], 4)[2] == []  # at the limit: kept whole

@@ -50,6 +50,7 @@ padded (a padding mask makes SDPA repeat the KV heads).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -176,9 +177,29 @@ class Sizes:
         return -(-self.rows // self.micro)
 
 
+#: what a plan is of: a step of ``r1fit train``'s GRPO or one of ``r1fit sft``
+KINDS = ("grpo", "sft")
+
+
+def sft_step(cfg: Config) -> Config:
+    """``cfg`` as the planner reads it for one step of ``r1fit sft`` (r1fit/train/sft.py):
+    ``sft.batch_size`` rows, each its own prompt (nothing shared) and an answer of
+    ``sft.max_answer_tokens`` tokens, one update with no old-policy or reference log-probs,
+    generation (the evaluation's) on the policy itself. Internal: not a config a run accepts
+    (one completion per prompt)."""
+    return replace(
+        cfg, train=replace(cfg.train, prompts_per_step=cfg.sft.batch_size),
+        algo=replace(cfg.algo, num_generations=1, max_new_tokens=cfg.sft.max_answer_tokens,
+                     beta=0.0, kl_in_reward=False, num_iterations=1),
+        memory=replace(cfg.memory, share_prefix=False),
+        rollout=replace(cfg.rollout, engine="hf"))
+
+
 def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_type: str = "cuda",
-                gpus: int = 1) -> Plan:
-    """Predict the peak memory per device of one GRPO step of ``cfg``.
+                gpus: int = 1, kind: str = "grpo") -> Plan:
+    """Predict the peak memory per device of one step of ``cfg``: of GRPO (``kind="grpo"``,
+    ``r1fit train``) or of supervised fine-tuning (``"sft"``, ``r1fit sft``: see
+    :func:`sft_step`).
 
     ``device_memory_bytes``: the budget (default ``memory.budget``, else 80 GiB). ``device_type``:
     ``"cpu"`` drops the CUDA context and allocator slack, giving live tensor bytes (what
@@ -187,6 +208,11 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
     """
     if device_type not in ("cuda", "cpu"):
         raise ConfigError(f"device type: got {device_type!r}, expected 'cuda' or 'cpu'")
+    if kind not in KINDS:
+        raise ConfigError(f"plan kind: got {kind!r}, expected one of {', '.join(KINDS)}")
+    asked = cfg  # what the advice changes (sft_step's view is no config a run accepts)
+    if kind == "sft":
+        cfg = sft_step(cfg)
     if gpus < 1:
         raise ConfigError(f"--gpus: got {gpus}, expected a number >= 1")
     if device_memory_bytes is None:
@@ -202,6 +228,9 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
                    checkpoint_every=cfg.memory.checkpoint_every)
     tokens = cfg.memory.micro_batch_tokens
     notes = []
+    if kind == "sft":
+        notes.append(f"an r1fit sft step: every answer sft.max_answer_tokens="
+                     f"{cfg.algo.max_new_tokens} tokens long, the evaluation's completions too")
     if facts.hub_config:
         notes.append(f"model config: {facts.hub_config} (no weights read)")
     if gpus > 1:
@@ -238,7 +267,7 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
                 max_micro_batch_tokens=max_tokens,
                 peak_phase=max(est.phases, key=est.phases.__getitem__),
                 activations_by_checkpointing=est.activations_by_checkpointing,
-                details={**est.details, "device_type": device_type, "gpus": gpus,
+                details={**est.details, "kind": kind, "device_type": device_type, "gpus": gpus,
                          "prompt_tokens": prompt.tokens, "image_tokens": prompt.image_tokens,
                          "vision_patches": prompt.patches, "prompt_estimate": prompt.how,
                          "rows_per_step": rows, "rows_per_gpu": local,
@@ -249,7 +278,8 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
                                                  ("micro_batch_tokens", tokens),
                                                  ("generation_batch", generation)) if x == "auto"]},
                 notes=notes)
-    plan.advice = _advice(plan, facts, cfg, prompt, sizes, device_type, usable)
+    plan.advice = _advice(plan, facts, asked, prompt, sizes, device_type, usable,
+                          step_of=sft_step if kind == "sft" else None)
     return plan
 
 
@@ -800,10 +830,16 @@ def cuda_overhead(peak: int, cuda: bool) -> int:
     return (CUDA_CONTEXT_BYTES + int(CUDA_ALLOCATOR_SLACK * peak)) if cuda else 0
 
 
-def _advice(plan: Plan, facts: ModelFacts, cfg: Config, prompt: PromptShape, sizes: Sizes,
-            device_type: str, usable: int) -> list[str]:
-    """What to change: smaller chunks when they are the problem, else the switches that would
-    make micro_batch = generation_batch = 1 fit (each tried alone)."""
+def _advice(plan: Plan, facts: ModelFacts, asked: Config, prompt: PromptShape, sizes: Sizes,
+            device_type: str, usable: int, step_of: Callable[[Config], Config] | None = None
+            ) -> list[str]:
+    """What to change in ``asked``: smaller chunks when they are the problem, else the switches
+    that would make micro_batch = generation_batch = 1 fit (each tried alone). ``step_of``: how
+    the plan reads a config (:func:`sft_step` for an SFT plan)."""
+    def view(c: Config) -> Config:
+        return c if step_of is None else step_of(c)
+
+    cfg = view(asked)
     out = []
     if 0 < plan.max_micro_batch < sizes.micro:
         out.append(f"memory.micro_batch={plan.max_micro_batch} (now {sizes.micro})")
@@ -841,8 +877,8 @@ def _advice(plan: Plan, facts: ModelFacts, cfg: Config, prompt: PromptShape, siz
 
     def smallest_peak(switch: dict[str, Any]) -> int:
         """The plan's peak at micro_batch = generation_batch = 1 with ``switch`` set."""
-        changed = cfg.with_values({**switch, "memory.micro_batch": 1,
-                                   "memory.generation_batch": 1})
+        changed = view(asked.with_values({**switch, "memory.micro_batch": 1,
+                                          "memory.generation_batch": 1}))
         p = prompt_shape(changed, facts) if any(k.startswith("data.") for k in switch) else prompt
         f = model_facts(changed.model.path, changed.model.lora.target)
         return _estimate(f, changed, p, replace(sizes, micro=1, generation=1,
