@@ -149,3 +149,32 @@ def test_packed_sft_on_multi_turn_rows_trains_as_rows_do(use_tiny_cache, tmp_pat
         torch.testing.assert_close(w_packed[key], w_rows[key], rtol=1e-4, atol=1e-3)
         moved += int(not torch.equal(w_rows[key], w_packed[key]))
     assert moved  # two computations, not one path twice
+
+
+def test_sft_cuts_multi_turn_answers_with_their_masks(use_tiny_cache, tmp_path, monkeypatch,
+                                                      capsys):
+    """sft.max_answer_tokens cuts a multi-turn row's conversation after its prompt, mask and
+    all: the rows train on the first tokens of their first assistant turn; a batch left with
+    no scored token stops the run in one line."""
+    data = llava(tmp_path)
+    common = [*RUN, *data, "sft.steps=2", "sft.batch_size=3", "data.eval=null"]
+    out = tmp_path / "cut"
+    assert main(["sft", f"train.output_dir={out}", *common, "sft.max_answer_tokens=2"]) == 0
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert [r["truncated_answers"] for r in rows] == [3, 3]
+    assert all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in rows)
+    # a template whose kept tokens are all unscored: every mask cut to zeros
+    real = r1fit.train.sft.cut_answers
+
+    def unscored(targets, masks, limit):
+        targets, masks, cut = real(targets, masks, limit)
+        return targets, [torch.zeros_like(m) for m in masks], cut
+
+    monkeypatch.setattr(r1fit.train.sft, "cut_answers", unscored)
+    capsys.readouterr()
+    assert main(["sft", f"train.output_dir={tmp_path / 'none'}", *common,
+                 "sft.max_answer_tokens=2"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == ("r1fit: error: SFT step 1: no answer token to learn in the batch "
+                   "(sft.max_answer_tokens=2 cuts every scored assistant turn); raise "
+                   "sft.max_answer_tokens")
