@@ -47,6 +47,9 @@ class TensorProbe:
     every op."""
 
     def __init__(self) -> None:
+        # the profiler's C++ (kineto) logs are noise here, and on a machine without a GPU they
+        # include an "ERROR: gpuGetDeviceCount failed"; read when the profiler first starts
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
         self._profiler: Any = None
         self._before = 0
 

@@ -147,7 +147,6 @@ def use_tensor_probe(on: bool) -> None:
     if _probe is not None:
         _probe.stop()
     if on:
-        os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's C++ logs are noise here
         from r1fit.memory.probe import TensorProbe
 
         _probe = TensorProbe()
