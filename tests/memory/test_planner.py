@@ -671,3 +671,18 @@ def test_an_sft_plan_is_its_rows_update_with_no_kl_no_sharing(small_model):
 def test_an_unknown_plan_kind_is_refused(small_model):
     with pytest.raises(ConfigError, match="plan kind: got 'dpo'"):
         plan_memory(cfg_for(small_model), kind="dpo")
+
+
+def test_an_sft_plan_that_does_not_fit_advises_switches_of_the_config_asked(small_model):
+    """The advice tries its switches on the config asked and plans them as SFT steps: no
+    algo.beta switch (an SFT step has no reference), and each switch's peak is an SFT plan's."""
+    cfg = cfg_for(small_model, "sft.batch_size=8", "sft.max_answer_tokens=256", "algo.beta=0.04",
+                  "memory.micro_batch=8")
+    plan = plan_memory(cfg, device_type="cpu", device_memory_bytes=1 << 20, kind="sft")
+    assert not plan.fits and plan.advice
+    assert not any("algo.beta" in line for line in plan.advice)
+    lora = next(line for line in plan.advice if line.startswith("model.lora.r=16"))
+    expected = plan_memory(cfg.with_values({"model.lora.r": 16, "memory.micro_batch": 1,
+                                            "memory.generation_batch": 1}),
+                           device_type="cpu", device_memory_bytes=1 << 20, kind="sft")
+    assert f"peak {format_bytes(expected.peak_bytes)} at micro_batch" in lora

@@ -210,9 +210,10 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
         raise ConfigError(f"device type: got {device_type!r}, expected 'cuda' or 'cpu'")
     if kind not in KINDS:
         raise ConfigError(f"plan kind: got {kind!r}, expected one of {', '.join(KINDS)}")
-    asked = cfg  # what the advice changes (sft_step's view is no config a run accepts)
-    if kind == "sft":
-        cfg = sft_step(cfg)
+    # how the plan reads a config; the advice changes the one asked (sft_step's view is no
+    # config a run accepts)
+    view: Callable[[Config], Config] = sft_step if kind == "sft" else (lambda c: c)
+    asked, cfg = cfg, view(cfg)
     if gpus < 1:
         raise ConfigError(f"--gpus: got {gpus}, expected a number >= 1")
     if device_memory_bytes is None:
@@ -278,8 +279,7 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
                                                  ("micro_batch_tokens", tokens),
                                                  ("generation_batch", generation)) if x == "auto"]},
                 notes=notes)
-    plan.advice = _advice(plan, facts, asked, prompt, sizes, device_type, usable,
-                          step_of=sft_step if kind == "sft" else None)
+    plan.advice = _advice(plan, facts, asked, view, prompt, sizes, device_type, usable)
     return plan
 
 
@@ -830,15 +830,11 @@ def cuda_overhead(peak: int, cuda: bool) -> int:
     return (CUDA_CONTEXT_BYTES + int(CUDA_ALLOCATOR_SLACK * peak)) if cuda else 0
 
 
-def _advice(plan: Plan, facts: ModelFacts, asked: Config, prompt: PromptShape, sizes: Sizes,
-            device_type: str, usable: int, step_of: Callable[[Config], Config] | None = None
-            ) -> list[str]:
+def _advice(plan: Plan, facts: ModelFacts, asked: Config, view: Callable[[Config], Config],
+            prompt: PromptShape, sizes: Sizes, device_type: str, usable: int) -> list[str]:
     """What to change in ``asked``: smaller chunks when they are the problem, else the switches
-    that would make micro_batch = generation_batch = 1 fit (each tried alone). ``step_of``: how
-    the plan reads a config (:func:`sft_step` for an SFT plan)."""
-    def view(c: Config) -> Config:
-        return c if step_of is None else step_of(c)
-
+    that would make micro_batch = generation_batch = 1 fit (each tried alone). ``view``: how the
+    plan reads a config (:func:`sft_step` for an SFT plan)."""
     cfg = view(asked)
     out = []
     if 0 < plan.max_micro_batch < sizes.micro:

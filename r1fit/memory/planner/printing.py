@@ -51,7 +51,7 @@ def render_blocks(plan: Plan, cfg: Config) -> list[Any]:
         (f"  {d['rows_per_step']} rows per step ({cfg.train.prompts_per_step} prompts x "
          f"{cfg.algo.num_generations}{per_gpu}); prompt {d['prompt_tokens']} tokens "
          f"({d['image_tokens']} image), completion up to {cfg.algo.max_new_tokens}"
-         if d.get("kind", "grpo") == "grpo" else
+         if d["kind"] == "grpo" else
          f"  r1fit sft: {d['rows_per_step']} rows per step (sft.batch_size{per_gpu}); prompt "
          f"{d['prompt_tokens']} tokens ({d['image_tokens']} image), answer up to "
          f"{cfg.sft.max_answer_tokens} (sft.max_answer_tokens)"),
