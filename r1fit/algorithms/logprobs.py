@@ -11,6 +11,8 @@ distribution, from the same chunks, with its exact gradient (for an entropy bonu
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -102,6 +104,109 @@ def _chunked(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | Non
     return tuple(t.view(targets.shape) for t in (out if with_entropy else (out,)))
 
 
+#: ``loss_of(rows, logp, entropy) -> scalar``: the loss terms of the head's input tokens ``rows``
+#: (a slice of its flattened tokens), given their log-probs and entropies ``[n]`` (float leaves
+#: that require grad); the loss must be the sum of these terms over its chunks of tokens
+TokenLoss = Callable[[slice, Tensor, Tensor], Tensor]
+
+
+def fused_head_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    loss_of: TokenLoss,
+    *,
+    bias: Tensor | None = None,
+    chunk_size: int = 1024,
+    temperature: float = 1.0,
+    into_grad: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A loss made of per-token terms of the log-probs of ``targets`` and the entropies, with the
+    LM head's gradients computed in the forward pass: returns the loss (a scalar with gradients to
+    ``hidden``, ``weight`` and ``bias``) and the log-probs and entropies ``[...]`` (detached).
+
+    Shapes and dtypes as in ``chunked_logprobs_and_entropy``. For a loss whose every token's term
+    depends only on that token's log-prob and entropy (and constants: advantages, old and
+    reference log-probs, the batch's normalisers), each chunk's d loss / d logits is known as soon
+    as its logits are: ``loss_of`` gives the chunk's terms, autograd their gradient (a few floats
+    per token), and the chunk's logits buffer becomes its gradient in place. So no chunk is
+    recomputed in backward and nothing of the head is kept for it but the gradients themselves
+    (``[N x H]`` for ``hidden``; the weight's, which a trainable head needs anyway): a small
+    ``chunk_size`` costs no extra matmul, unlike ``chunked_token_logprobs``'s recompute. The
+    idea of fused linear cross-entropy kernels (Liger-Kernel), here for policy-gradient losses.
+
+    Not for a loss that couples tokens (GSPO's sequence ratio, Clip-Cov/KL-Cov's selection over a
+    micro-batch): its per-token gradient is not known chunk by chunk. ``into_grad``: when
+    ``weight`` already has a ``.grad``, its gradient is added there during this forward, and the
+    backward then needs a gradient of exactly 1 for the loss (``loss.backward()``), since what
+    was added cannot be rescaled. Not twice differentiable.
+    """
+    _check_inputs(hidden, weight, targets, bias, chunk_size=chunk_size, temperature=temperature)
+    loss, logp, entropy = _FusedHeadLoss.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
+                                               targets.reshape(-1).long(), loss_of, chunk_size,
+                                               temperature, into_grad)
+    return loss, logp.view(targets.shape), entropy.view(targets.shape)
+
+
+class _FusedHeadLoss(torch.autograd.Function):
+    """Forward: per chunk, logits -> log-probs and entropies -> the chunk's loss terms and their
+    gradient -> d loss / d logits in the same buffer -> the head's gradients. Backward only
+    scales what forward computed by the loss's incoming gradient."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, hidden: Tensor, weight: Tensor, bias: Tensor | None,
+                targets: Tensor, loss_of: TokenLoss, chunk_size: int, temperature: float,
+                into_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+        logp = torch.empty(hidden.shape[0], dtype=_compute_dtype(hidden), device=hidden.device)
+        entropy = torch.empty_like(logp)
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        into = grad_to_accumulate_into(weight) if need_weight and into_grad else None
+        grad_weight = (into if into is not None else torch.zeros_like(weight)) if need_weight else None
+        grad_bias = torch.zeros_like(bias) if need_bias else None
+        loss = torch.zeros((), dtype=logp.dtype, device=logp.device)
+        n = hidden.shape[0]
+        for start in range(0, n, chunk_size):
+            rows = slice(start, min(start + chunk_size, n))  # the tokens loss_of gets, exactly
+            h = hidden[rows]
+            log_probs = _chunk_logits(h, weight, bias, temperature)
+            _to_log_probs_(log_probs, entropy[rows])
+            logp[rows] = log_probs.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1)
+            with torch.enable_grad():
+                token_logp = logp[rows].detach().requires_grad_()
+                token_entropy = entropy[rows].detach().requires_grad_()
+                part = loss_of(rows, token_logp, token_entropy)
+                grad_logp, grad_entropy = (
+                    torch.autograd.grad(part, (token_logp, token_entropy), allow_unused=True)
+                    if part.requires_grad else (None, None))
+            loss += part.detach()
+            if grad_hidden is not None or grad_weight is not None or grad_bias is not None:
+                log_probs = _to_logits_grad_(
+                    log_probs, torch.zeros_like(token_logp) if grad_logp is None else grad_logp,
+                    targets[rows], temperature, grad_entropy,
+                    None if grad_entropy is None else entropy[rows]).to(hidden.dtype)
+                _add_chunk_grads(log_probs, h, weight, rows, grad_hidden, grad_weight, grad_bias)
+            del log_probs  # free this chunk before the next one is allocated
+        ctx.mark_non_differentiable(logp, entropy)
+        ctx.into = into is not None
+        ctx.grads = (grad_hidden, None if ctx.into else grad_weight, grad_bias)
+        return loss, logp, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad_loss: Tensor, *unused: Tensor | None
+                 ) -> tuple[Tensor | None, ...]:
+        grads, ctx.grads = ctx.grads, None
+        unit = bool(grad_loss == 1)
+        if ctx.into and not unit:
+            raise RuntimeError("fused_head_loss with into_grad added the LM head's gradient into "
+                               ".grad in its forward pass and cannot rescale it: call backward() on "
+                               f"the loss itself (incoming gradient {float(grad_loss)}, not 1)")
+        if not unit:
+            grads = tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads)
+        return (*grads, None, None, None, None, None)
+
+
 #: tokens per slice of a chunk that gets a temporary of its own (the exponentials of the
 #: log-sum-exp and of the entropy), so a chunk holds one [chunk x vocab] float buffer, not two
 SLICE_TOKENS = 32
@@ -166,39 +271,59 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for start in reversed(starts):  # the kept last chunk first, while it is still alive
             rows = slice(start, start + ctx.chunk_size)
             h = hidden[rows]
-            # Built in place in the chunk's log-probs buffer (kept from forward, or its logits
-            # recomputed) so one [chunk x V] float tensor is live (two with an entropy gradient).
-            # With z = logits / T, p = softmax(z), g = grad_out and e = grad_entropy:
-            # d logp[target] / dz = onehot(target) - p, dH/dz = -p (log p + H), so
-            # d loss / dz = g onehot - p (g + e (log p + H)), and d z / d logits = 1/T (folded into
-            # the per-row g and e, so it costs no pass over the chunk).
+            # the gradient is built in place in the chunk's log-probs buffer (kept from forward,
+            # or its logits recomputed): one [chunk x V] float tensor is live
             if start == starts[-1] and kept is not None:
                 grad_logits, kept = kept, None
             else:
                 grad_logits = _chunk_logits(h, weight, bias, ctx.temperature)
                 grad_logits.sub_(lse[rows].unsqueeze(-1))  # log p
-            g = (grad_out[rows] / ctx.temperature).unsqueeze(-1)
-            if grad_entropy is None:
-                grad_logits.exp_().mul_(g.neg())
-            else:
-                e = (grad_entropy[rows] / ctx.temperature).unsqueeze(-1)
-                probs = grad_logits.exp()
-                grad_logits.add_(entropy[rows].unsqueeze(-1)).mul_(e).add_(g).mul_(probs).neg_()
-                # p = 0 (a -inf logit): the gradient is 0 there, not 0 * -inf
-                grad_logits.masked_fill_(probs == 0, 0.0)
-                del probs
-            grad_logits.scatter_add_(-1, targets[rows].unsqueeze(-1), g)
-            grad_logits = grad_logits.to(hidden.dtype)
-            if grad_hidden is not None:
-                grad_hidden[rows] = grad_logits @ weight
-            if grad_weight is not None:
-                grad_weight.addmm_(grad_logits.T, h)
-            if grad_bias is not None:
-                grad_bias.add_(grad_logits.sum(dim=0))
+            grad_logits = _to_logits_grad_(
+                grad_logits, grad_out[rows], targets[rows], ctx.temperature,
+                None if grad_entropy is None else grad_entropy[rows],
+                None if entropy is None else entropy[rows]).to(hidden.dtype)
+            _add_chunk_grads(grad_logits, h, weight, rows, grad_hidden, grad_weight, grad_bias)
             del grad_logits
         if into is not None:
             grad_weight = None  # already in weight.grad
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _to_logits_grad_(log_probs: Tensor, grad_logp: Tensor, targets: Tensor, temperature: float,
+                     grad_entropy: Tensor | None = None, entropy: Tensor | None = None) -> Tensor:
+    """Turn a chunk's log-probs [n, V] into d loss / d logits in place and return it, given
+    d loss / d logp[target] (``grad_logp`` [n]) and, for an entropy term, d loss / d H
+    (``grad_entropy`` [n]) with the rows' ``entropy`` [n].
+
+    One [n x V] float tensor is live (two with an entropy gradient). With z = logits / T,
+    p = softmax(z), g = grad_logp and e = grad_entropy: d logp[target] / dz = onehot(target) - p,
+    dH/dz = -p (log p + H), so d loss / dz = g onehot - p (g + e (log p + H)), and
+    d z / d logits = 1/T (folded into the per-row g and e, so it costs no pass over the chunk)."""
+    g = (grad_logp / temperature).unsqueeze(-1)
+    if grad_entropy is None:
+        log_probs.exp_().mul_(g.neg())
+    else:
+        assert entropy is not None
+        e = (grad_entropy / temperature).unsqueeze(-1)
+        probs = log_probs.exp()
+        log_probs.add_(entropy.unsqueeze(-1)).mul_(e).add_(g).mul_(probs).neg_()
+        # p = 0 (a -inf logit): the gradient is 0 there, not 0 * -inf
+        log_probs.masked_fill_(probs == 0, 0.0)
+        del probs
+    return log_probs.scatter_add_(-1, targets.unsqueeze(-1), g)
+
+
+def _add_chunk_grads(grad_logits: Tensor, h: Tensor, weight: Tensor, rows: slice,
+                     grad_hidden: Tensor | None, grad_weight: Tensor | None,
+                     grad_bias: Tensor | None) -> None:
+    """Add one chunk's d loss / d logits (``grad_logits`` [n, V], in ``h``'s dtype) to the
+    gradients of the head's input rows ``rows``, its weight and its bias (those not None)."""
+    if grad_hidden is not None:
+        grad_hidden[rows] = grad_logits @ weight
+    if grad_weight is not None:
+        grad_weight.addmm_(grad_logits.T, h)
+    if grad_bias is not None:
+        grad_bias.add_(grad_logits.sum(dim=0))
 
 
 def _to_log_probs_(logits: Tensor, entropy: Tensor | None = None) -> Tensor:

@@ -10,6 +10,7 @@ from r1fit.algorithms.logprobs import (
     chunked_logprobs_and_entropy,
     chunked_token_logprobs,
     full_token_logprobs,
+    fused_head_loss,
 )
 
 F64 = torch.float64
@@ -180,6 +181,7 @@ def test_entropy_leading_dims_and_no_grad():
     assert not no_grad_entropy.requires_grad
 
 
+
 # ---------------------------------------------------------------- memory
 
 N, V, H, CHUNK = 2048, 50_000, 16, 128
@@ -345,3 +347,125 @@ def test_bad_inputs_raise_value_error(overrides, message):
     kwargs.update({k: v for k, v in overrides.items() if k in kwargs})
     with pytest.raises(ValueError, match=message):
         chunked_token_logprobs(args["hidden"], args["weight"], args["targets"], **kwargs)
+
+
+# ---------------------------------------------------------------- the head's gradient in forward
+
+
+def _token_terms(n: int, seed: int = 7):
+    """Per-token constants and a non-linear per-token loss of (logp, entropy): a clipped
+    ratio-like term, a square and an entropy term, so d loss / d logp differs per token."""
+    g = torch.Generator().manual_seed(seed)
+    a, c, k = (torch.randn(n, generator=g, dtype=F64) for _ in range(3))
+
+    def terms(rows, logp, entropy):
+        ratio = torch.exp(logp - logp.detach() * 0.5)
+        return (a[rows] * torch.clamp(ratio, 0.8, 1.2) + c[rows] * logp ** 2
+                + k[rows] * entropy).sum()
+
+    def dense(logp, entropy):
+        return terms(slice(None), logp, entropy)
+
+    return terms, dense
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 37, 64])  # 7 does not divide 37; 64 > N
+@pytest.mark.parametrize("use_bias", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_loss_matches_dense_values_and_grads(chunk_size, use_bias, temperature):
+    """The loss, log-probs, entropies and gradients (float64) of a non-linear per-token loss, with
+    the head's gradient made in forward, against autograd through the dense logits."""
+    hidden, weight, bias, targets, _ = _inputs()
+    bias = bias if use_bias else None
+    leaves = [t for t in (hidden, weight, bias) if t is not None]
+    terms, dense = _token_terms(hidden.shape[0])
+    loss, logp, entropy = fused_head_loss(hidden, weight, targets, terms, bias=bias,
+                                          chunk_size=chunk_size, temperature=temperature)
+    assert not logp.requires_grad and not entropy.requires_grad
+    grads = torch.autograd.grad(loss, leaves)
+    ref_logp = full_token_logprobs(hidden, weight, targets, bias=bias, temperature=temperature)
+    ref_entropy = dense_entropy(hidden, weight, bias, temperature)
+    ref_loss = dense(ref_logp, ref_entropy)
+    ref_grads = torch.autograd.grad(ref_loss, leaves)
+    torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-12, rtol=0)
+    torch.testing.assert_close(logp, ref_logp.detach(), atol=1e-12, rtol=0)
+    torch.testing.assert_close(entropy, ref_entropy.detach(), atol=1e-12, rtol=0)
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad, ref_grad, atol=1e-12, rtol=0)
+
+
+def test_fused_loss_hand_example():
+    # logits [0, ln 3] -> p = [1/4, 3/4]; target 1, loss = 2 * logp: value 2 ln 3/4, and
+    # d loss / d logits = 2 (onehot - p) = [-1/2, 1/2], so d loss / d hidden = [-1/2, 1/2] @ W
+    # = [ln 3 / 2, 0] and d loss / d W = outer([-1/2, 1/2], [1, 0])
+    weight = torch.tensor([[0.0, 0.0], [math.log(3), 0.0]], dtype=F64, requires_grad=True)
+    hidden = torch.tensor([[1.0, 0.0]], dtype=F64, requires_grad=True)
+    loss, logp, _ = fused_head_loss(hidden, weight, torch.tensor([1]),
+                                    lambda rows, lp, ent: 2 * lp.sum())
+    assert loss.item() == pytest.approx(2 * math.log(0.75), abs=1e-12)
+    assert logp.item() == pytest.approx(math.log(0.75), abs=1e-12)
+    loss.backward()
+    torch.testing.assert_close(hidden.grad, torch.tensor([[math.log(3) / 2, 0.0]], dtype=F64))
+    torch.testing.assert_close(weight.grad, torch.tensor([[-0.5, 0.0], [0.5, 0.0]], dtype=F64))
+
+
+def test_fused_loss_scales_by_the_incoming_gradient_and_leaves_a_frozen_weight_alone():
+    hidden, weight, _, targets, _ = _inputs()
+    terms, _ = _token_terms(hidden.shape[0])
+    loss, _, _ = fused_head_loss(hidden, weight, targets, terms, chunk_size=7)
+    once = torch.autograd.grad(loss, (hidden, weight))
+    loss, _, _ = fused_head_loss(hidden, weight, targets, terms, chunk_size=7)
+    thrice = torch.autograd.grad(3 * loss, (hidden, weight))
+    for a, b in zip(once, thrice, strict=True):
+        torch.testing.assert_close(3 * a, b, atol=1e-12, rtol=0)
+    frozen = weight.detach()
+    loss, _, _ = fused_head_loss(hidden, frozen, targets, terms, chunk_size=7)
+    loss.backward()
+    assert frozen.grad is None
+    torch.testing.assert_close(hidden.grad, once[0], atol=1e-12, rtol=0)
+
+
+def test_fused_loss_into_grad_adds_in_forward_and_refuses_a_scaled_backward():
+    # two micro-batches accumulated: the second adds into the .grad the first made, which
+    # equals both gradients summed; a backward of a scaled loss cannot be honoured then
+    hidden, weight, _, targets, _ = _inputs()
+    terms, _ = _token_terms(hidden.shape[0])
+    parts = [slice(0, 20), slice(20, None)]
+    expected = sum(torch.autograd.grad(fused_head_loss(hidden[p], weight, targets[p],
+                                                       lambda rows, lp, ent, p=p: terms(
+                                                           slice(p.start + rows.start,
+                                                                 p.start + rows.stop), lp, ent),
+                                                       chunk_size=8)[0], weight)[0]
+                   for p in parts)
+    weight.grad = None
+    for p in parts:
+        loss, _, _ = fused_head_loss(hidden[p], weight, targets[p],
+                                     lambda rows, lp, ent, p=p: terms(
+                                         slice(p.start + rows.start, p.start + rows.stop), lp, ent),
+                                     chunk_size=8, into_grad=True)
+        loss.backward()
+    torch.testing.assert_close(weight.grad, expected, atol=1e-12, rtol=0)
+    loss, _, _ = fused_head_loss(hidden, weight, targets, terms, chunk_size=8, into_grad=True)
+    with pytest.raises(RuntimeError, match="cannot rescale"):
+        (2 * loss).backward()
+
+
+def test_fused_loss_memory_is_one_chunk_and_backward_allocates_no_logits():
+    # forward holds one [chunk x V] buffer (its logits, then their gradient, in place) plus a
+    # SLICE_TOKENS-row temporary and the gradients (two buffers with an entropy term, as in
+    # chunked_logprobs_and_entropy's backward); backward only hands the gradients over
+    hidden, weight, targets = _big_inputs()
+    chunk_logits_bytes = CHUNK * V * 4
+    weight_grad_bytes = V * H * 4
+    for terms, chunks in ((lambda rows, lp, ent: lp.sum(), 1.5),
+                          (lambda rows, lp, ent: lp.sum() - 0.01 * ent.sum(), 2.5)):
+        with LiveBytes() as tracker:
+            loss, _, _ = fused_head_loss(hidden, weight, targets, terms, chunk_size=CHUNK)
+        assert tracker.peak < chunks * chunk_logits_bytes + weight_grad_bytes
+        assert (N, V) not in tracker.shapes
+        with LiveBytes() as tracker:
+            loss.backward()
+        # the tracker sees the storages of the gradients forward made as they reach .grad
+        assert tracker.peak <= weight_grad_bytes + hidden.numel() * 4 + 64
+        assert not any(V in shape for shape in tracker.shapes - {(V, H)})
+        hidden.grad = weight.grad = None
