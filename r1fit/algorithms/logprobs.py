@@ -106,8 +106,9 @@ def _chunked(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | Non
 
 #: ``loss_of(rows, logp, entropy) -> scalar``: the loss terms of the head's input tokens ``rows``
 #: (a slice of its flattened tokens), given their log-probs and entropies ``[n]`` (float leaves
-#: that require grad); the loss must be the sum of these terms over its chunks of tokens
-TokenLoss = Callable[[slice, Tensor, Tensor], Tensor]
+#: that require grad; the entropies None when not asked for); the loss must be the sum of these
+#: terms over its chunks of tokens
+TokenLoss = Callable[[slice, Tensor, Tensor | None], Tensor]
 
 
 def fused_head_loss(
@@ -120,7 +121,8 @@ def fused_head_loss(
     chunk_size: int = 1024,
     temperature: float = 1.0,
     into_grad: bool = False,
-) -> tuple[Tensor, Tensor, Tensor]:
+    with_entropy: bool = True,
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """A loss made of per-token terms of the log-probs of ``targets`` and the entropies, with the
     LM head's gradients computed in the forward pass: returns the loss (a scalar with gradients to
     ``hidden``, ``weight`` and ``bias``) and the log-probs and entropies ``[...]`` (detached).
@@ -139,13 +141,15 @@ def fused_head_loss(
     micro-batch): its per-token gradient is not known chunk by chunk. ``into_grad``: when
     ``weight`` already has a ``.grad``, its gradient is added there during this forward, and the
     backward then needs a gradient of exactly 1 for the loss (``loss.backward()``), since what
-    was added cannot be rescaled. Not twice differentiable.
+    was added cannot be rescaled. ``with_entropy=False``: no entropies are computed (one pass
+    over each chunk fewer); ``loss_of`` gets None for them, and None is returned. Not twice
+    differentiable.
     """
     _check_inputs(hidden, weight, targets, bias, chunk_size=chunk_size, temperature=temperature)
     loss, logp, entropy = _FusedHeadLoss.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
                                                targets.reshape(-1).long(), loss_of, chunk_size,
-                                               temperature, into_grad)
-    return loss, logp.view(targets.shape), entropy.view(targets.shape)
+                                               temperature, into_grad, with_entropy)
+    return loss, logp.view(targets.shape), entropy.view(targets.shape) if with_entropy else None
 
 
 class _FusedHeadLoss(torch.autograd.Function):
@@ -156,9 +160,11 @@ class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, hidden: Tensor, weight: Tensor, bias: Tensor | None,
                 targets: Tensor, loss_of: TokenLoss, chunk_size: int, temperature: float,
-                into_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+                into_grad: bool, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
         logp = torch.empty(hidden.shape[0], dtype=_compute_dtype(hidden), device=hidden.device)
-        entropy = torch.empty_like(logp)
+        # (without entropies an empty stand-in, which the wrapper turns into None)
+        entropy = torch.empty(logp.shape if with_entropy else 0, dtype=logp.dtype,
+                              device=logp.device)
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         into = grad_to_accumulate_into(weight) if need_weight and into_grad else None
@@ -170,19 +176,20 @@ class _FusedHeadLoss(torch.autograd.Function):
             rows = slice(start, min(start + chunk_size, n))  # the tokens loss_of gets, exactly
             h = hidden[rows]
             log_probs = _chunk_logits(h, weight, bias, temperature)
-            _to_log_probs_(log_probs, entropy[rows])
+            _to_log_probs_(log_probs, entropy[rows] if with_entropy else None)
             logp[rows] = log_probs.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1)
             with torch.enable_grad():
-                token_logp = logp[rows].detach().requires_grad_()
-                token_entropy = entropy[rows].detach().requires_grad_()
-                part = loss_of(rows, token_logp, token_entropy)
-                grad_logp, grad_entropy = (
-                    torch.autograd.grad(part, (token_logp, token_entropy), allow_unused=True)
-                    if part.requires_grad else (None, None))
+                leaves = [logp[rows].detach().requires_grad_()]
+                if with_entropy:
+                    leaves.append(entropy[rows].detach().requires_grad_())
+                part = loss_of(rows, leaves[0], leaves[1] if with_entropy else None)
+                grads = (torch.autograd.grad(part, leaves, allow_unused=True)
+                         if part.requires_grad else [None] * len(leaves))
+                grad_logp, grad_entropy = grads[0], grads[1] if with_entropy else None
             loss += part.detach()
             if grad_hidden is not None or grad_weight is not None or grad_bias is not None:
                 log_probs = _to_logits_grad_(
-                    log_probs, torch.zeros_like(token_logp) if grad_logp is None else grad_logp,
+                    log_probs, torch.zeros_like(leaves[0]) if grad_logp is None else grad_logp,
                     targets[rows], temperature, grad_entropy,
                     None if grad_entropy is None else entropy[rows]).to(hidden.dtype)
                 _add_chunk_grads(log_probs, h, weight, rows, grad_hidden, grad_weight, grad_bias)
@@ -204,7 +211,7 @@ class _FusedHeadLoss(torch.autograd.Function):
                                f"the loss itself (incoming gradient {float(grad_loss)}, not 1)")
         if not unit:
             grads = tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads)
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
 #: tokens per slice of a chunk that gets a temporary of its own (the exponentials of the

@@ -425,6 +425,27 @@ def test_fused_loss_scales_by_the_incoming_gradient_and_leaves_a_frozen_weight_a
     torch.testing.assert_close(hidden.grad, once[0], atol=1e-12, rtol=0)
 
 
+def test_fused_loss_without_entropies():
+    # a loss of the log-probs alone (SFT's cross-entropy): the entropies are neither computed
+    # nor handed to the terms, and the values and gradients are those with them
+    hidden, weight, bias, targets, upstream = _inputs()
+    seen = []
+
+    def terms(rows, lp, ent):
+        seen.append(ent)
+        return (upstream[rows] * lp).sum()
+
+    loss, logp, entropy = fused_head_loss(hidden, weight, targets, terms, bias=bias, chunk_size=7,
+                                          with_entropy=False)
+    assert entropy is None and seen and all(e is None for e in seen)
+    grads = torch.autograd.grad(loss, (hidden, weight, bias))
+    ref, ref_grads = _value_and_grads(full_token_logprobs, hidden, weight, bias, targets, upstream)
+    torch.testing.assert_close(logp, ref, atol=1e-12, rtol=0)
+    torch.testing.assert_close(loss, (ref * upstream).sum(), atol=1e-12, rtol=0)
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad, ref_grad, atol=1e-12, rtol=0)
+
+
 def test_fused_loss_into_grad_adds_in_forward_and_refuses_a_scaled_backward():
     # two micro-batches accumulated: the second adds into the .grad the first made, which
     # equals both gradients summed; a backward of a scaled loss cannot be honoured then
