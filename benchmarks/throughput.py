@@ -20,9 +20,12 @@ float32 on CPU. Variants, each a fresh child process with the same seed:
 - ``per_row``: ``memory.share_prefix=false``, one padded row per completion;
 - ``shared``: ``memory.share_prefix=true``, the group's prompt once with its G completions after it;
 - ``packed``: shared + ``memory.micro_batch_tokens`` (only when r1fit has that key);
-- ``VARIANT+release_freed`` (only when named in ``--variants``): that variant with
-  ``memory.release_freed=true`` (glibc hands freed blocks of 1 MiB and more back at once: the RSS
-  follows the live tensors, at the cost of page faults), to measure both sides of that trade;
+- suffixes, in this order, only when named in ``--variants`` (e.g. ``shared+recompute``):
+  ``+recompute``, that variant with ``memory.fused_loss=false`` (the LM head recomputes its
+  chunks in backward instead of making its gradient in forward); ``+chunk256``, with
+  ``memory.logits_chunk=256``; ``+release_freed``, with ``memory.release_freed=true`` (glibc
+  hands freed blocks of 1 MiB and more back at once: the RSS follows the live tensors, at the
+  cost of page faults), to measure both sides of each trade;
 - ``per_row@base`` (with ``--baseline-src DIR``): the per-row path of the r1fit package in DIR,
   e.g. a git worktree of the commit an issue was filed against (``git worktree add /tmp/base
   <commit>``), run from this script with DIR first on the child's PYTHONPATH.
@@ -78,9 +81,30 @@ STEP_KEY = "reward_mean"  # in GRPO step rows of metrics.jsonl only
 VARIANTS = ("per_row", "shared", "packed")
 BASELINE = "per_row@base"  # the per-row path of another r1fit source tree (--baseline-src)
 MODES = ("full", "lora")
-#: a variant name may end in this: the same run with ``memory.release_freed=true`` (glibc hands
-#: freed blocks of 1 MiB and more back at once), e.g. ``shared+release_freed``
-RELEASE = "+release_freed"
+#: a variant name may end in any of these, in this order: the same run with more overrides, e.g.
+#: ``shared+recompute+release_freed``: ``memory.fused_loss=false`` (the LM head recomputes its
+#: chunks in backward instead of making its gradient in forward), ``memory.logits_chunk=256``,
+#: ``memory.release_freed=true`` (glibc hands freed blocks of 1 MiB and more back at once)
+SUFFIXES = {"+recompute": "memory.fused_loss=false", "+chunk256": "memory.logits_chunk=256",
+            "+release_freed": "memory.release_freed=true"}
+
+
+def base_variant(variant: str) -> str:
+    """``variant`` without its suffixes (``SUFFIXES``)."""
+    return variant.split("+", 1)[0]
+
+
+def suffix_overrides(variant: str) -> list[str]:
+    """The overrides of ``variant``'s suffixes; ValueError on an unknown or misordered one."""
+    rest, out, order = variant[len(base_variant(variant)):], [], list(SUFFIXES)
+    while rest:
+        suffix = next((s for s in order if rest.startswith(s)), None)
+        if suffix is None:
+            raise ValueError(f"unknown suffix in {variant!r}: choose from {', '.join(SUFFIXES)}, "
+                             "in that order")
+        out.append(SUFFIXES[suffix])
+        order, rest = order[order.index(suffix) + 1:], rest[len(suffix):]
+    return out
 
 
 @dataclass
@@ -145,11 +169,9 @@ def run_overrides(args: argparse.Namespace, mode: str, generations: int, variant
                  f"memory.share_prefix={'false' if variant.startswith('per_row') else 'true'}"]
     if mode == "lora":
         overrides.append("model.lora.r=16")
-    if variant.removesuffix(RELEASE) == "packed":
+    if base_variant(variant) == "packed":
         overrides.append(f"memory.micro_batch_tokens={args.micro_batch_tokens}")
-    if variant.endswith(RELEASE):
-        overrides.append("memory.release_freed=true")
-    return overrides + list(args.set)
+    return overrides + suffix_overrides(variant) + list(args.set)
 
 
 def run_one(args: argparse.Namespace) -> int:
@@ -286,8 +308,7 @@ def check_targets(settings: list[Setting], max_update_ratio: float,
 def run_parent(args: argparse.Namespace) -> int:
     prepared = read_result(run_child(child_command(args, "--prepare"), "prepare", NAME),
                            NAME, "prepare")
-    variants = [v for v in args.variants if v.removesuffix(RELEASE) != "packed"
-                or prepared["packing"]]
+    variants = [v for v in args.variants if base_variant(v) != "packed" or prepared["packing"]]
     if args.baseline_src:
         variants.insert(0, BASELINE)
     if not prepared["packing"]:
@@ -342,8 +363,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--micro-batch-tokens", type=positive, default=8192,
                    help="memory.micro_batch_tokens of the packed variant")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), metavar="VARIANT",
-                   help=f"of {', '.join(VARIANTS)}, each also with {RELEASE} (the run with "
-                   "memory.release_freed=true); default: the three without")
+                   help=f"of {', '.join(VARIANTS)}, each also with suffixes of "
+                   f"{', '.join(SUFFIXES)} in that order (e.g. shared+recompute: the run with "
+                   "memory.fused_loss=false); default: the three without")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="one more r1fit config override for every run (repeatable), e.g. "
                    "memory.logits_chunk=256")
@@ -371,13 +393,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--generations: every G must be >= 2, got {args.generations}")
     if args.image_size % 28:
         p.error(f"--image-size: must be a multiple of 28 px (Qwen2.5-VL), got {args.image_size}")
-    known = (*VARIANTS, *(v + RELEASE for v in VARIANTS))
-    if unknown := [v for v in args.variants if v not in known]:
-        p.error(f"--variants: unknown {unknown}; choose from {', '.join(known)}")
+    for variant in args.variants:
+        if base_variant(variant) not in VARIANTS:
+            p.error(f"--variants: unknown {variant!r}; choose from {', '.join(VARIANTS)}")
+        try:
+            suffix_overrides(variant)
+        except ValueError as exc:
+            p.error(f"--variants: {exc}")
     if bad := [item for item in args.set if "=" not in item]:
         p.error(f"--set: expected KEY=VALUE, got {bad}")
-    if args.one is not None and (args.one[0] not in MODES
-                                 or args.one[2] not in (*known, BASELINE)):
+    if args.one is not None and (args.one[0] not in MODES or (
+            args.one[2] != BASELINE and base_variant(args.one[2]) not in VARIANTS)):
         p.error(f"--one: expected MODE G VARIANT, got {args.one}")
     if args.baseline_src and not (Path(args.baseline_src) / "r1fit" / "__init__.py").is_file():
         p.error(f"--baseline-src: {args.baseline_src} holds no r1fit package (r1fit/__init__.py)")

@@ -121,6 +121,9 @@ def test_run_overrides_switch_only_the_variant(tmp_path):
     released = tp.run_overrides(args, "full", 4, "packed+release_freed", tmp_path)
     assert set(released) - set(packed) == {"memory.release_freed=true"}
     assert set(packed) - set(released) == set()
+    both = tp.run_overrides(args, "full", 4, "shared+recompute+chunk256+release_freed", tmp_path)
+    assert both == [*shared, "memory.fused_loss=false", "memory.logits_chunk=256",
+                    "memory.release_freed=true"]
     chunked = tp.run_overrides(tp.parse_args(["--quick", "--set", "memory.logits_chunk=256"]),
                                "full", 4, "packed", tmp_path)
     assert chunked == [*packed, "memory.logits_chunk=256"]
@@ -129,6 +132,9 @@ def test_run_overrides_switch_only_the_variant(tmp_path):
 def test_bad_arguments_are_refused(refused):
     assert "--image-size: must be a multiple of 28" in refused(tp.parse_args, ["--image-size", "100"])
     assert "--steps: need >= 2" in refused(tp.parse_args, ["--steps", "1"])
-    assert "--variants: unknown ['shared+fast']" in refused(
+    assert "--variants: unknown suffix in 'shared+fast'" in refused(
         tp.parse_args, ["--variants", "shared", "shared+fast"])
+    assert "--variants: unknown suffix in 'shared+release_freed+recompute'" in refused(
+        tp.parse_args, ["--variants", "shared+release_freed+recompute"])  # out of order
+    assert "--variants: unknown 'rows'" in refused(tp.parse_args, ["--variants", "rows"])
     assert "--set: expected KEY=VALUE" in refused(tp.parse_args, ["--set", "memory.budget"])
