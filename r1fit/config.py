@@ -254,6 +254,12 @@ class AlgoConfig:
             return self.epsilon, self.epsilon_high or self.epsilon
         return self.gspo_epsilon, self.gspo_epsilon_high or self.gspo_epsilon
 
+    def per_token_loss(self) -> bool:
+        """Whether the policy loss is a sum of per-token terms, each depending on its own token's
+        log-prob and entropy only: token-level ratios, no Clip-Cov/KL-Cov (which choose tokens
+        over a micro-batch). GSPO's sequence ratios couple a sequence's tokens."""
+        return self.importance_sampling_level == "token" and self.cov_restriction == "none"
+
     def estimator(self) -> str:
         """The advantage estimator in use (``scale_rewards=false`` turns grpo into dr_grpo)."""
         if self.advantage_estimator == "grpo" and not self.scale_rewards:
@@ -375,6 +381,14 @@ class MemoryConfig:
         "`r1fit plan` plans 'auto' as the larger of the two paths.")
     logits_chunk: int = opt(1024, "Tokens per chunk of the LM head; the full [tokens x vocab] logits "
                             "are never materialised.", ge=1)
+    fused_loss: bool | Literal["auto"] = opt(
+        "auto", "Compute the LM head's gradient in the forward pass of a GRPO update or SFT "
+        "step, chunk by chunk, from the loss's per-token gradient (r1fit/algorithms/logprobs.py "
+        "fused_head_loss): no chunk of logits is recomputed or kept for the backward, so a small "
+        "memory.logits_chunk costs no extra matmul. GRPO needs a loss of per-token terms "
+        "(algo.importance_sampling_level=token, algo.cov_restriction=none). 'auto': on where it "
+        "applies (always for SFT), else the chunks are recomputed in backward; false: always "
+        "recomputed.")
     budget: str = opt("", "Memory the run may use, e.g. '20GiB'. CPU: a cap on the process's "
                       "peak RSS over its RSS before the model loaded, enforced by the OOM guard "
                       "(which halves micro_batch/generation_batch and redoes the step). Empty: no "
@@ -491,6 +505,12 @@ class Config:
         """A new, validated config with dotted keys set, e.g. ``{"memory.micro_batch": 1}``
         (the same path as ``key=value`` overrides; this config is left as it is)."""
         return _validated(self, [(key.split("."), value) for key, value in changes.items()])
+
+    def fuses_loss(self) -> bool:
+        """Whether GRPO updates make the LM head's gradient in its forward pass
+        (``memory.fused_loss``; 'auto' and true, which validation allows only where it applies,
+        are on for a loss of per-token terms)."""
+        return self.memory.fused_loss is not False and self.algo.per_token_loss()
 
     def fingerprint(self) -> str:
         """A short hash of the resolved config, for run identity."""
@@ -657,6 +677,11 @@ def _nest(path: list[str], value: Any) -> dict[str, Any]:
 
 def _check_consistency(cfg: Config) -> None:
     cfg.algo.check()
+    if cfg.memory.fused_loss is True and not cfg.algo.per_token_loss():
+        raise ConfigError("memory.fused_loss=true needs a loss of per-token terms: "
+                          "algo.importance_sampling_level=token and algo.cov_restriction=none "
+                          f"(now {cfg.algo.importance_sampling_level} and "
+                          f"{cfg.algo.cov_restriction}); use memory.fused_loss=auto")
     if cfg.data.min_pixels > cfg.data.max_pixels:
         raise ConfigError(f"data.min_pixels ({cfg.data.min_pixels}) must be <= data.max_pixels "
                           f"({cfg.data.max_pixels})")

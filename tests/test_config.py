@@ -88,6 +88,12 @@ def test_algorithm_choices():
                               "algo.gspo_epsilon_high=null"]).algo.clip_range() == (3e-4, 3e-4)
     for off in ("0", "null"):
         assert not load_config(None, [f"algo.tis_cap={off}"]).algo.tis_cap
+    # the LM head's gradient in its forward: on by default, off where the loss couples tokens
+    assert load_config().fuses_loss()
+    assert not load_config(None, ["memory.fused_loss=false"]).fuses_loss()
+    for coupled in ("algo.importance_sampling_level=sequence",
+                    "algo.importance_sampling_level=sequence_token", "algo.cov_restriction=kl_cov"):
+        assert not load_config(None, [coupled]).fuses_loss()
 
 
 def test_min_pixels_above_max(tmp_path):

@@ -288,6 +288,60 @@ def grpo_loss(
     return loss, stats
 
 
+def aggregation_weights(mask: Tensor, mode: str, *, total_tokens: int, total_seqs: int,
+                        max_new_tokens: int) -> Tensor:
+    """``[B, T]`` weight of each token's loss in ``aggregate`` (every aggregation is linear in the
+    token losses): ``aggregate(x, mask, mode, ...) == (weights * x).sum()`` wherever ``x`` is
+    finite, 0 where ``mask`` is not set. Read off ``aggregate`` itself (its gradient), so a new
+    aggregation needs no second formula here."""
+    ones = torch.ones(mask.shape, dtype=torch.float64, device=mask.device, requires_grad=True)
+    with torch.enable_grad():
+        total = aggregate(ones, mask, mode, total_tokens=total_tokens, total_seqs=total_seqs,
+                          max_new_tokens=max_new_tokens)
+        (weights,) = torch.autograd.grad(total, ones)
+    return weights
+
+
+def per_token_grpo_terms(
+    old_logp: Tensor | None,
+    ref_logp: Tensor | None,
+    advantages: Tensor,
+    weights: Tensor,
+    *,
+    epsilon: float,
+    epsilon_high: float | None = None,
+    beta: float = 0.0,
+    engine_logp: Tensor | None = None,
+    tis_cap: float | None = None,
+    entropy_coef: float = 0.0,
+) -> Callable[[slice, Tensor, Tensor], Tensor]:
+    """``grpo_loss`` with token-level ratios and no Clip-Cov/KL-Cov, as a sum of per-token terms
+    (r1fit/algorithms/logprobs.py ``fused_head_loss``): ``terms(rows, logp, entropy)`` is the
+    loss of tokens ``rows`` given their log-probs and entropies.
+
+    Every input is ``[N]``, the micro-batch's scored tokens flattened in one order (the head's):
+    ``advantages`` per token, ``weights`` from ``aggregation_weights``. ``old_logp=None``
+    (``num_iterations == 1``): the ratio is 1 in value, as in ``grpo_loss``. ``engine_logp`` with
+    ``tis_cap``: TIS weights from the old log-probs (the policy that generated the rollout)."""
+    if (engine_logp is None) != (tis_cap is None):
+        raise ValueError("TIS needs both engine_logp and tis_cap")
+
+    def terms(rows: slice, logp: Tensor, entropy: Tensor) -> Tensor:
+        old = logp.detach() if old_logp is None else old_logp[rows]
+        tis = (truncated_importance_weights(old, engine_logp[rows], tis_cap)
+               if engine_logp is not None and tis_cap is not None else None)
+        loss, _ = token_policy_loss(
+            logp[None], old[None], advantages[rows][None], epsilon=epsilon,
+            epsilon_high=epsilon_high, beta=beta,
+            ref_logp=None if ref_logp is None else ref_logp[rows][None],
+            tis_weights=None if tis is None else tis[None], entropy=entropy[None],
+            entropy_coef=entropy_coef)
+        weight = weights[rows].to(loss.dtype)
+        return _masked(loss[0] * weight, weight != 0).sum()
+
+    return terms
+
+
 def _masked(token_loss: Tensor, mask: Tensor) -> Tensor:
     # where, not multiply: padded positions may hold inf/NaN (e.g. -inf log-probs), and NaN * 0 is NaN.
     return torch.where(mask, token_loss, torch.zeros((), dtype=token_loss.dtype, device=token_loss.device))

@@ -63,7 +63,7 @@ RESUME_SAFE = ("train.output_dir", "train.overwrite", "train.device", "train.max
                "rollout.vllm.sleep_level", "report.")
 # safe to change, but the continued run is no longer bit-identical to an uninterrupted one
 RESUME_NOT_EXACT = ("train.max_steps", "sft.steps", "memory.micro_batch",
-                    "memory.generation_batch", "memory.logits_chunk")
+                    "memory.generation_batch", "memory.logits_chunk", "memory.fused_loss")
 
 
 class CheckpointError(R1fitError, RuntimeError):

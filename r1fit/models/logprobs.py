@@ -17,7 +17,12 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from r1fit.algorithms.embedding import embedding_into_grad, embeds_into_grad
-from r1fit.algorithms.logprobs import chunked_logprobs_and_entropy, chunked_token_logprobs
+from r1fit.algorithms.logprobs import (
+    TokenLoss,
+    chunked_logprobs_and_entropy,
+    chunked_token_logprobs,
+    fused_head_loss,
+)
 from r1fit.data.batch import Batch
 from r1fit.models.load import lm_backbone_and_head, unwrap
 from r1fit.models.prefix import PackedGroups
@@ -36,15 +41,19 @@ class CompletionLogProbs(nn.Module):
         self.model = model
 
     def forward(self, batch: Batch | PackedGroups, chunk_size: int, temperature: float = 1.0,
-                entropy: bool = False, into_grad: bool = False
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                entropy: bool = False, into_grad: bool = False, token_loss: TokenLoss | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Log-probs [B, Tc] of the completion tokens; with ``entropy``, also the entropy [B, Tc] of
         the policy's distribution at each of them (both 0 where masked). ``batch``: rows collated
         one per completion, or groups packed with their prompt once (:mod:`r1fit.models.prefix`).
         ``into_grad`` (a loop accumulating micro-batches with ``backward()``, not sharded): the
         LM head's and input embedding's ``[vocab x hidden]`` gradients are added into their
         ``.grad`` in place once it exists, instead of each existing in full first
-        (:mod:`r1fit.algorithms.embedding`)."""
+        (:mod:`r1fit.algorithms.embedding`). ``token_loss``: returns (loss, log-probs, entropies
+        or None without ``entropy``),
+        the loss that ``token_loss`` makes of the completion tokens, flattened in the order of
+        ``batch.completion_mask``, with the LM head's gradients made in its forward
+        (:func:`r1fit.algorithms.logprobs.fused_head_loss`; the log-probs and entropies detached)."""
         backbone, head = lm_backbone_and_head(self.model)
         into_grad = into_grad and not isinstance(self, FSDPModule)  # FSDP owns sharded .grads
         with _embedding_into_grad(self.model, into_grad):
@@ -59,6 +68,11 @@ class CompletionLogProbs(nn.Module):
         args = (predicting[mask], head.weight, batch.completion_ids[mask])
         options = dict(bias=head.bias, chunk_size=chunk_size, temperature=temperature,
                        into_grad=into_grad)
+        if token_loss is not None:
+            loss, token_logp, token_entropy = fused_head_loss(*args, token_loss, **options,
+                                                              with_entropy=entropy)
+            return (loss, _unpack(mask, token_logp),
+                    None if token_entropy is None else _unpack(mask, token_entropy))
         if not entropy:
             return _unpack(mask, chunked_token_logprobs(*args, **options))
         token_logp, token_entropy = chunked_logprobs_and_entropy(*args, **options)
@@ -88,6 +102,19 @@ def completion_logprobs_and_entropy(model: Any, batch: Batch | PackedGroups, *, 
     :meth:`CompletionLogProbs.forward`."""
     module = model if isinstance(model, CompletionLogProbs) else CompletionLogProbs(model)
     return module(batch, chunk_size, temperature, True, into_grad)
+
+
+def completion_loss(model: Any, batch: Batch | PackedGroups, token_loss: TokenLoss, *,
+                    chunk_size: int, temperature: float = 1.0, into_grad: bool = False,
+                    entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The loss ``token_loss`` makes of the completion tokens of ``batch`` (flattened in the
+    order of ``batch.completion_mask``), with the LM head's gradients made in the forward pass,
+    and the tokens' log-probs and entropies [B, Tc] (float32, detached; 0 where masked; the
+    entropies None, and not computed, without ``entropy``). See
+    :func:`r1fit.algorithms.logprobs.fused_head_loss`; ``into_grad``: see
+    :meth:`CompletionLogProbs.forward`."""
+    module = model if isinstance(model, CompletionLogProbs) else CompletionLogProbs(model)
+    return module(batch, chunk_size, temperature, entropy, into_grad, token_loss)
 
 
 @contextmanager

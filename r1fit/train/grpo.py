@@ -23,7 +23,13 @@ import torch
 
 from r1fit.algorithms.advantages import get_advantage_estimator
 from r1fit.algorithms.covariance import CovRestriction, selection_generator
-from r1fit.algorithms.losses import aggregate, grpo_loss, truncated_importance_weights
+from r1fit.algorithms.losses import (
+    aggregate,
+    aggregation_weights,
+    grpo_loss,
+    per_token_grpo_terms,
+    truncated_importance_weights,
+)
 from r1fit.checkpoint.state import Counters, OptimizerState, SchedulerState
 from r1fit.data.build import BadRowCounter
 from r1fit.data.dataset import PromptSampler
@@ -33,7 +39,7 @@ from r1fit.memory.flops import MfuMeter
 from r1fit.memory.guard import OOMGuard
 from r1fit.memory.telemetry import reset_peak, step_memory, warn_if_fragmented
 from r1fit.models.load import Reference
-from r1fit.models.logprobs import completion_logprobs_and_entropy
+from r1fit.models.logprobs import completion_logprobs_and_entropy, completion_loss
 from r1fit.progress import progress_bar
 from r1fit.report.html import LiveReport
 from r1fit.report.metrics import timed
@@ -321,6 +327,7 @@ def accumulate_policy_gradients(run: Run, rollout: Rollout, *, compare_engine: b
     all_tokens = dict(totals, total_tokens=rollout.total_tokens, total_seqs=rollout.total_rows)
     epsilon, epsilon_high = algo.clip_range()
     tis = bool(algo.tis_cap) and rollout.engine_logp is not None
+    fused = run.cfg.fuses_loss()
     sums: dict[str, float | None] = {"loss": 0.0, "clip_fraction": 0.0,
                                      "kl": 0.0 if rollout.ref_logp is not None else None,
                                      "entropy": 0.0, **({"tis_weight": 0.0} if tis else {}),
@@ -335,32 +342,53 @@ def accumulate_policy_gradients(run: Run, rollout: Rollout, *, compare_engine: b
                   chunk_size=run.cfg.memory.logits_chunk, micro_batch=sizes.micro_batch,
                   tokens=sizes.micro_batch_tokens)
     captured: list[torch.Tensor] = []
+    settings = dict(epsilon=epsilon, epsilon_high=epsilon_high,
+                    beta=0.0 if algo.kl_in_reward else algo.beta)
     for piece, prompts, comps in micro_batches(rollout.rows, rollout.completions,
                                                sizes.micro_batch, tokens=sizes.micro_batch_tokens,
                                                shared=bool(layout.on)):
         batch = layout.inputs(run.policy, prompts, comps, pad_id=run.ids.pad, device=device,
                               packed=packed)
-        # into_grad: the head's and embedding's [vocab x hidden] gradients go into their .grad
-        # in place from the second micro-batch on (no second dense copy while they are summed)
-        logp, entropy = completion_logprobs_and_entropy(
-            run.policy, batch, chunk_size=run.cfg.memory.logits_chunk,
-            temperature=algo.temperature, into_grad=True)
-        width = logp.shape[1]
+        width = batch.completion_mask.shape[1]
         old = rollout.old_logp[piece, :width].to(device) if rollout.old_logp is not None else None
         ref = rollout.ref_logp[piece, :width].to(device) if rollout.ref_logp is not None else None
         engine = (rollout.engine_logp[piece, :width].to(device)
                   if rollout.engine_logp is not None else None)
+        advantages = rollout.advantages[piece].to(device)
         mask = batch.completion_mask
         if keep is not None:
             mask = mask * keep[piece].to(device, mask.dtype).unsqueeze(1)
-        loss, stats = grpo_loss(
-            logp, old, ref, rollout.advantages[piece].to(device), mask, epsilon=epsilon,
-            epsilon_high=epsilon_high, beta=0.0 if algo.kl_in_reward else algo.beta,
-            aggregation=algo.loss_aggregation, importance_level=algo.importance_sampling_level,
-            tis_weights=truncated_importance_weights(logp.detach() if old is None else old,
-                                                     engine, algo.tis_cap) if tis else None,
-            entropy=entropy if algo.entropy_coef else None, entropy_coef=algo.entropy_coef,
-            cov=cov_restriction(run, rollout.step, iteration, piece.start), **totals)
+        # into_grad: the head's and embedding's [vocab x hidden] gradients go into their .grad
+        # in place from the second micro-batch on (no second dense copy while they are summed)
+        options = dict(chunk_size=run.cfg.memory.logits_chunk, temperature=algo.temperature,
+                       into_grad=True)
+        fused_loss = None
+        if fused:  # the head's gradient made in its forward, from the loss's per-token terms
+            scored = batch.completion_mask.bool()  # the head's tokens, in its order
+
+            def per_token(t: torch.Tensor | None) -> torch.Tensor | None:
+                return None if t is None else t.expand(scored.shape)[scored]
+
+            terms = per_token_grpo_terms(
+                per_token(old), per_token(ref),
+                per_token(advantages.unsqueeze(1) if advantages.ndim == 1 else advantages),
+                aggregation_weights(mask.bool(), algo.loss_aggregation, **totals)[scored],
+                **settings, engine_logp=per_token(engine) if tis else None,
+                tis_cap=algo.tis_cap if tis else None, entropy_coef=algo.entropy_coef)
+            fused_loss, logp, entropy = completion_loss(run.policy, batch, terms, **options)
+        else:
+            logp, entropy = completion_logprobs_and_entropy(run.policy, batch, **options)
+        # with the fused loss, the same loss over the detached log-probs gives the statistics
+        with torch.set_grad_enabled(fused_loss is None):
+            loss, stats = grpo_loss(
+                logp, old, ref, advantages, mask, **settings,
+                aggregation=algo.loss_aggregation, importance_level=algo.importance_sampling_level,
+                tis_weights=truncated_importance_weights(logp.detach() if old is None else old,
+                                                         engine, algo.tis_cap) if tis else None,
+                entropy=entropy if algo.entropy_coef else None, entropy_coef=algo.entropy_coef,
+                cov=cov_restriction(run, rollout.step, iteration, piece.start), **totals)
+        if fused_loss is not None:
+            loss = fused_loss
         loss.backward()
         if capture_old:
             captured.extend(logp.detach().cpu())

@@ -25,7 +25,7 @@ from r1fit.data.sample import Sample
 from r1fit.distributed.context import all_sum
 from r1fit.memory.telemetry import reset_peak, step_memory
 from r1fit.models.load import special_token_ids
-from r1fit.models.logprobs import completion_logprobs
+from r1fit.models.logprobs import completion_logprobs, completion_loss
 from r1fit.progress import progress_bar
 from r1fit.report.html import LiveReport
 from r1fit.rewards.answer import extract_answer
@@ -171,11 +171,16 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool,
                                               pad_id=run.ids.pad, device=run.device,
                                               packed=sizes.micro_batch_tokens is not None,
                                               masks=masks[piece])
-                        logp = completion_logprobs(run.policy, batch,
-                                                   chunk_size=cfg.memory.logits_chunk,
-                                                   into_grad=True)
+                        options = dict(chunk_size=cfg.memory.logits_chunk, into_grad=True)
                         # this micro-batch's share of the batch's token-mean cross-entropy
-                        loss = -(logp * batch.completion_mask).sum() / total_tokens
+                        if cfg.memory.fused_loss is not False:
+                            # one term per scored token: the LM head's gradient in its forward
+                            loss, _, _ = completion_loss(
+                                run.policy, batch, lambda rows, logp, _: -logp.sum() / total_tokens,
+                                entropy=False, **options)
+                        else:
+                            logp = completion_logprobs(run.policy, batch, **options)
+                            loss = -(logp * batch.completion_mask).sum() / total_tokens
                         loss.backward()
                         loss_sum += loss.item()
                 return loss_sum

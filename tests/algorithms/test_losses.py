@@ -7,8 +7,10 @@ from r1fit.algorithms.losses import (
     AGGREGATIONS,
     IMPORTANCE_LEVELS,
     aggregate,
+    aggregation_weights,
     grpo_loss,
     importance_log_ratio,
+    per_token_grpo_terms,
     token_policy_loss,
     truncated_importance_weights,
 )
@@ -427,6 +429,74 @@ def test_tis_and_entropy_match_reference_loop(aggregation, level):
     for a, b in zip(grads, expected_grads):
         torch.testing.assert_close(a, b)
 
+
+
+# ---------------------------------------------------------------- per-token terms (fused head)
+
+HAND_WEIGHTS = {
+    # MASK = [[1, 1, 0], [1, 0, 0]], 3 tokens, 2 sequences, max_new_tokens 3
+    "token_mean": [[1 / 3, 1 / 3, 0], [1 / 3, 0, 0]],
+    "seq_mean_token_mean": [[1 / 4, 1 / 4, 0], [1 / 2, 0, 0]],  # 1 / (length * 2 sequences)
+    "seq_mean_token_sum_norm": [[1 / 6, 1 / 6, 0], [1 / 6, 0, 0]],  # 1 / (3 * 2)
+}
+
+
+@pytest.mark.parametrize("mode", ALL_AGGREGATIONS)
+def test_aggregation_weights_on_hand_example(mode):
+    weights = aggregation_weights(MASK.bool(), mode, **NORMS)
+    torch.testing.assert_close(weights, torch.tensor(HAND_WEIGHTS[mode], dtype=F64), atol=1e-15, rtol=0)
+    assert (weights * TOKEN_LOSS).sum().item() == pytest.approx(HAND[mode], abs=1e-12)
+
+
+@pytest.mark.parametrize("aggregation", ALL_AGGREGATIONS)
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("use_old", [False, True])
+@pytest.mark.parametrize("extras", [False, True])
+def test_per_token_terms_sum_to_grpo_loss(aggregation, beta, use_old, extras):
+    """Summed over chunks of the flattened tokens, the terms give grpo_loss's value and gradients
+    (to the log-probs and entropies), with TIS and an entropy bonus (``extras``) or without."""
+    logp, old, ref, adv, mask = _random_batch(seed=11)
+    g = torch.Generator().manual_seed(4)
+    engine = old + (torch.rand(old.shape, generator=g, dtype=F64) - 0.5)
+    entropy = (torch.rand(logp.shape, generator=g, dtype=F64) * 3).requires_grad_()
+    norms = {"total_tokens": int(mask.sum()) + 3, "total_seqs": 8, "max_new_tokens": 5}  # + other micro-batches
+    clip = {"epsilon": 0.2, "epsilon_high": 0.28, "beta": beta}
+    tis = truncated_importance_weights(old if use_old else logp.detach(), engine, 1.2) if extras else None
+    loss, _ = grpo_loss(logp, old if use_old else None, ref, adv, mask, **clip, aggregation=aggregation,
+                        tis_weights=tis, entropy=entropy, entropy_coef=0.03 if extras else 0.0, **norms)
+    expected = torch.autograd.grad(loss, (logp, entropy), allow_unused=True)
+
+    flat = mask.bool()
+    terms = per_token_grpo_terms(
+        old[flat] if use_old else None, ref[flat], adv.unsqueeze(1).expand(mask.shape)[flat],
+        aggregation_weights(flat, aggregation, **norms)[flat], **clip,
+        engine_logp=engine[flat] if extras else None, tis_cap=1.2 if extras else None,
+        entropy_coef=0.03 if extras else 0.0)
+    token_logp = logp.detach()[flat].requires_grad_()
+    token_entropy = entropy.detach()[flat].requires_grad_()
+    n = token_logp.shape[0]
+    total = sum(terms(slice(i, min(i + 4, n)), token_logp[i:i + 4], token_entropy[i:i + 4])
+                for i in range(0, n, 4))
+    grads = torch.autograd.grad(total, (token_logp, token_entropy), allow_unused=True)
+    torch.testing.assert_close(total, loss, atol=1e-12, rtol=0)
+    torch.testing.assert_close(grads[0], expected[0][flat], atol=1e-12, rtol=0)
+    if extras:
+        torch.testing.assert_close(grads[1], expected[1][flat], atol=1e-12, rtol=0)
+    else:
+        assert expected[1] is None and (grads[1] is None or not grads[1].any())
+    assert grads[0].abs().max() > 1e-3  # not vacuous
+
+
+def test_per_token_terms_ignore_unweighted_tokens():
+    # a token out of the loss (weight 0, e.g. a truncated completion under mask_truncated)
+    # contributes nothing and gets no gradient
+    terms = per_token_grpo_terms(None, None, torch.tensor([1.0, 3.0], dtype=F64),
+                                 torch.tensor([0.5, 0.0], dtype=F64), epsilon=0.2)
+    logp = torch.tensor([math.log(0.5), math.log(0.25)], dtype=F64, requires_grad=True)
+    total = terms(slice(0, 2), logp, torch.zeros(2, dtype=F64))
+    assert total.item() == pytest.approx(-0.5, abs=1e-12)  # ratio 1, A = 1, weight 1/2
+    (grad,) = torch.autograd.grad(total, logp)
+    assert grad.tolist() == [-0.5, 0.0]
 
 # ---------------------------------------------------------------- validation
 

@@ -46,7 +46,9 @@ def loss_calls(monkeypatch: pytest.MonkeyPatch) -> list[SimpleNamespace]:
             # old=None is the first update of a rollout: grpo_loss takes logp.detach() as old
             logp=logp.detach(), old=(logp if old is None else old).detach(), advantages=advantages, mask=mask,
             kwargs=kwargs, loss=loss.item(), stats=stats,
-            entropy_requires_grad=entropy is not None and entropy.requires_grad))
+            entropy_requires_grad=entropy is not None and entropy.requires_grad,
+            # memory.fused_loss: the head made the gradient; this call gives the statistics
+            fused=not torch.is_grad_enabled()))
         return loss, stats
 
     monkeypatch.setattr(grpo, "grpo_loss", spy)
@@ -172,7 +174,10 @@ def check_mask_truncated(out: Path, rows: list[dict], calls: list[SimpleNamespac
 
 
 def check_entropy_bonus(out: Path, rows: list[dict], calls: list[SimpleNamespace]) -> None:
-    assert all(c.kwargs["entropy_coef"] == 0.01 and c.entropy_requires_grad for c in calls)
+    # the loss's gradient reaches the entropy: through grpo_loss, or (memory.fused_loss, the
+    # default) through the LM head's per-token terms, whose gradients test_grpo.py compares
+    assert all(c.kwargs["entropy_coef"] == 0.01 and c.kwargs["entropy"] is not None
+               and c.entropy_requires_grad != c.fused for c in calls)
     # the logged entropy is the token mean of what the loss used (3 micro-batches per step: 8 rows / 3)
     for step, row in enumerate(rows):
         step_calls = calls[3 * step: 3 * step + 3]
@@ -220,6 +225,8 @@ CASES = {
     "overlong": (["algo.overlong_buffer=4", "algo.overlong_penalty=0.5", "algo.beta=0"], check_overlong),
     "mask_truncated": (["algo.mask_truncated=true", "algo.beta=0"], check_mask_truncated),
     "entropy_bonus": (["algo.entropy_coef=0.01", "algo.beta=0"], check_entropy_bonus),
+    "entropy_bonus_recomputed_head": (["algo.entropy_coef=0.01", "algo.beta=0", "memory.fused_loss=false"],
+                                      check_entropy_bonus),
     "clip_cov": (["algo.cov_restriction=clip_cov", "algo.clip_cov_ratio=0.1", "algo.clip_cov_lb=-100",
                   "algo.clip_cov_ub=100", "algo.beta=0"], check_clip_cov),
     "kl_cov": (["algo.cov_restriction=kl_cov", "algo.kl_cov_ratio=0.1", "algo.num_iterations=2",
@@ -253,6 +260,22 @@ def test_tis_is_a_no_op_on_the_hf_engine(use_tiny_cache, reward_plugin, tmp_path
     train(off, "algo.tis_cap=0", "algo.beta=0")
     same_run(on, off)
     assert all("tis_weight" not in r and r["engine_logp_diff"] is None for r in rows)
+
+
+def test_the_fused_loss_trains_as_the_recomputing_head(use_tiny_cache, reward_plugin, loss_calls, tmp_path):
+    """memory.fused_loss on (the default) and off: 3 steps with a KL term, an entropy bonus and
+    two updates per rollout log the same losses, KL, entropies and gradient norms (float32, so
+    to rounding: the two sum the head's gradient in other orders)."""
+    settings = ["algo.entropy_coef=0.01", "algo.beta=0.05", "algo.num_iterations=2"]
+    fused = train(tmp_path / "fused", *settings)
+    assert loss_calls and all(c.fused for c in loss_calls)
+    loss_calls.clear()
+    recomputed = train(tmp_path / "recomputed", *settings, "memory.fused_loss=false")
+    assert loss_calls and not any(c.fused for c in loss_calls)
+    for a, b in zip(fused, recomputed, strict=True):
+        for key in ("loss", "kl", "entropy", "grad_norm", "clip_fraction"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    assert any(r["grad_norm"] > 0 for r in fused)
 
 
 def test_bad_algorithm_setting_is_one_line(capsys):

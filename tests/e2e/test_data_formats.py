@@ -112,7 +112,7 @@ def test_packed_sft_on_multi_turn_rows_trains_as_rows_do(use_tiny_cache, tmp_pat
                                                           monkeypatch):
     """SFT with memory.micro_batch_tokens (rows packed into one row each micro-batch, assistant
     turns scored only) trains the model as micro-batches of rows do: the same losses each step
-    and final weights within rounding."""
+    and final weights within rounding; so does the head that recomputes its chunks."""
     data = llava(tmp_path)
     common = [*RUN, *data, "sft.steps=3", "sft.batch_size=3", "sft.learning_rate=1e-2",
               "data.eval=null"]
@@ -124,6 +124,14 @@ def test_packed_sft_on_multi_turn_rows_trains_as_rows_do(use_tiny_cache, tmp_pat
         return rows, load_file(out / "final" / "model.safetensors")
 
     rows, w_rows = sft("rows", "memory.micro_batch=2")
+    # the LM head's gradient made in its forward (memory.fused_loss, the default) or recomputed
+    # in backward: the same losses and gradient norms, on masked multi-turn rows
+    recomputed, w_recomputed = sft("recomputed", "memory.micro_batch=2", "memory.fused_loss=false")
+    for a, b in zip(rows, recomputed, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    for key in w_rows:
+        torch.testing.assert_close(w_recomputed[key], w_rows[key], rtol=1e-4, atol=1e-3)
     cuts = []
 
     def recording(*args, **kwargs):

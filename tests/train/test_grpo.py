@@ -98,3 +98,48 @@ def test_the_first_update_records_the_old_logprobs_a_separate_pass_would_give(fl
     assert any(g.abs().sum() > 0 for g in grads[True])
     for a, b in zip(grads[True], grads[False]):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.parametrize("lora_r, overrides", [
+    (0, []),
+    (0, ["algo.beta=0.1", "algo.num_iterations=2"]),
+    (0, ["algo.entropy_coef=0.05", "algo.temperature=0.7", "algo.epsilon_high=0.28",
+         "algo.loss_aggregation=seq_mean_token_mean"]),
+    (4, ["algo.loss_aggregation=seq_mean_token_sum_norm", "algo.beta=0.1"]),
+])
+@pytest.mark.parametrize("micro, tokens", [(4, None), (6, 60)])
+def test_fused_loss_gives_the_gradient_of_the_recomputing_head(float64_tiny, lora_r, overrides,
+                                                               micro, tokens):
+    """memory.fused_loss (the LM head's gradient made in its forward) against the head that
+    recomputes its chunks in backward: the same loss, statistics and gradients, in float64."""
+    model, processor, rows, completions = float64_tiny(lora_r)
+    pad = special_token_ids(model, processor)["pad"]
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0], dtype=torch.float64)
+    params = [p for p in model.parameters() if p.requires_grad]
+    with torch.no_grad():
+        old = logprobs_in_micro_batches(model, rows, completions, micro_batch=6, chunk_size=64,
+                                        temperature=1.0, pad_id=pad, device=CPU)
+        noise = torch.randn(old.shape, generator=torch.Generator().manual_seed(1), dtype=old.dtype)
+        old, ref = old + 0.3 * noise, old - 0.2 * noise
+    results = {}
+    for fused in (False, True):
+        cfg = load_config(None, [f"memory.micro_batch={micro}", "algo.max_new_tokens=10",
+                                 "memory.logits_chunk=4", f"memory.fused_loss={str(fused).lower()}",
+                                 *overrides])
+        assert cfg.fuses_loss() == fused
+        model.zero_grad(set_to_none=True)
+        rollout = Rollout(1, rows, 1, slice(0, len(rows)), completions=completions,
+                          total_tokens=sum(int(c.shape[0]) for c in completions),
+                          advantages=advantages, old_logp=old,
+                          ref_logp=ref if cfg.algo.beta else None)
+        run = SimpleNamespace(cfg=cfg, device=CPU, ids=SimpleNamespace(pad=pad), policy=model,
+                              sizes=ChunkSizes(micro, 64, asked={}, micro_batch_tokens=tokens),
+                              layout=BatchLayout(False))
+        sums = accumulate_policy_gradients(run, rollout)
+        results[fused] = (sums, [p.grad.clone() for p in params])
+    (sums, grads), (fused_sums, fused_grads) = results[False], results[True]
+    assert any(g.abs().sum() > 0 for g in grads)
+    for key, value in sums.items():
+        assert fused_sums[key] == pytest.approx(value, rel=1e-10, abs=1e-12), key
+    for a, b in zip(fused_grads, grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)

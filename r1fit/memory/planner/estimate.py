@@ -185,12 +185,15 @@ def sft_step(cfg: Config) -> Config:
     """``cfg`` as the planner reads it for one step of ``r1fit sft`` (r1fit/train/sft.py):
     ``sft.batch_size`` rows, each its own prompt (nothing shared) and an answer of
     ``sft.max_answer_tokens`` tokens, one update with no old-policy or reference log-probs,
-    generation (the evaluation's) on the policy itself. Internal: not a config a run accepts
-    (one completion per prompt)."""
+    generation (the evaluation's) on the policy itself, the LM head's gradient made in its
+    forward unless memory.fused_loss is false. Internal: not a config a run accepts (one
+    completion per prompt)."""
     return replace(
         cfg, train=replace(cfg.train, prompts_per_step=cfg.sft.batch_size),
+        # a cross-entropy of per-token terms, fused as memory.fused_loss says
         algo=replace(cfg.algo, num_generations=1, max_new_tokens=cfg.sft.max_answer_tokens,
-                     beta=0.0, kl_in_reward=False, num_iterations=1),
+                     beta=0.0, kl_in_reward=False, num_iterations=1,
+                     importance_sampling_level="token", cov_restriction="none"),
         memory=replace(cfg.memory, share_prefix=False),
         rollout=replace(cfg.rollout, engine="hf"))
 
@@ -340,7 +343,8 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
                      and not cfg.model.freeze_vision,
                      share_prefix=bool(cfg.memory.share_prefix), group=cfg.algo.num_generations,
                      rows_per_gpu=s.rows, gpus=s.gpus, packed_tokens=s.tokens,
-                     flash=cfg.model.attn_implementation.startswith("flash"))
+                     flash=cfg.model.attn_implementation.startswith("flash"),
+                     fused_loss=cfg.fuses_loss())
     if s.tokens is not None:  # packed by tokens: the most rows a micro-batch takes, how many
         cut = step.token_cut()
         s = replace(s, micro=cut.rows)
@@ -548,6 +552,9 @@ class StepShape:
     #: memory.micro_batch_tokens: a micro-batch is one row of as many rows' tokens as fit
     packed_tokens: int | None = None
     flash: bool = False  # model.attn_implementation flash_attention_*: varlen, no 4-D mask
+    #: memory.fused_loss on: the LM head's gradients are made in its forward
+    #: (r1fit/algorithms/logprobs.py fused_head_loss), nothing of it is kept for backward
+    fused_loss: bool = False
 
     @property
     def mask(self) -> str:
@@ -730,13 +737,19 @@ def into_grad(step: StepShape, s: Sizes) -> bool:
 
 def head_chunk_bytes(step: StepShape, rows: int, chunk: int, new_grad: bool = True) -> int:
     """The LM head's temporaries for ``rows`` rows: a chunk's logits, or its gradient buffers
-    (``new_grad``: a [vocab x hidden] weight gradient of its own, not added into ``.grad``)."""
+    (``new_grad``: a [vocab x hidden] weight gradient of its own, not added into ``.grad``).
+    With ``step.fused_loss`` both at once, in the forward: the chunk's logits become their
+    gradient in place, beside the head's input and the gradients it fills (the gradient of
+    hidden[mask] takes the place of the saved input that :func:`lm_activations` counts)."""
     t, b = step.facts.text, step.b
     # zeros_like(head.weight)
     grad_weight = t.vocab * t.hidden * b if not step.lora and new_grad else 0
     sequences, width = step.packed(rows)
-    return max(sequences * width * t.hidden * b  # the backbone's output, still held
-               + chunk_forward_bytes(t.vocab, b, chunk),
+    backbone_out = sequences * width * t.hidden * b  # the backbone's output, still held
+    if step.fused_loss:
+        return (backbone_out + _head_input(step, rows) + grad_weight
+                + max(chunk_forward_bytes(t.vocab, b, chunk), chunk_backward_bytes(t.vocab, b, chunk)))
+    return max(backbone_out + chunk_forward_bytes(t.vocab, b, chunk),
                grad_weight + _head_input(step, rows)  # + the gradient of hidden[mask]
                + chunk_backward_bytes(t.vocab, b, chunk))
 

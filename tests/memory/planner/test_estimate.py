@@ -244,3 +244,19 @@ def test_a_packed_micro_batch_carries_one_additive_mask_or_none_for_flash(step):
     assert t.q_dim > t.kv_dim
     assert in_one - varlen == 32 * 32 * 4 + repeated
     assert per_row - varlen == 2 * 16 * 16 + 32 * t.layers * 16 * 4 + repeated
+
+
+def test_the_fused_head_holds_its_chunk_and_gradients_at_once_in_forward(step):
+    # facts: vocab 100, hidden 32, float32; 2 rows of 10 + 6 tokens. A chunk of 12 tokens: its
+    # logits 12 x 100 x 4 = 4,800 B and a 12-row temporary of the exponentials (SLICE_TOKENS 32
+    # > 12): 4,800 B; the backward's chunk 4,800 B. Backbone output 2 x 16 x 32 x 4 = 4,096 B;
+    # hidden[mask] 2 x 6 x 32 x 4 = 1,536 B; the head's weight gradient 100 x 32 x 4 = 12,800 B.
+    fused = step(fused_loss=True)
+    assert head_chunk_bytes(fused, 2, 12) == 4_096 + 1_536 + 12_800 + 9_600
+    assert head_chunk_bytes(fused, 2, 12, new_grad=False) == 4_096 + 1_536 + 9_600
+    # recomputing in backward: the larger of the forward's moment and the backward's
+    assert head_chunk_bytes(step(), 2, 12) == max(4_096 + 9_600, 12_800 + 1_536 + 4_800)
+    # LoRA freezes the head: no weight gradient, and the fused head costs the backbone output
+    # and its input beside the chunk, as the recomputing one's forward does, plus hidden[mask]
+    assert head_chunk_bytes(step(fused_loss=True, lora_r=8), 2, 12) \
+        == head_chunk_bytes(step(lora_r=8), 2, 12) + 1_536
