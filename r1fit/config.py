@@ -24,6 +24,12 @@ import yaml
 from r1fit.errors import R1fitError
 from r1fit.units import parse_bytes
 
+#: memory.logits_chunk=auto: tokens per LM-head chunk where the head makes its gradient in its
+#: forward (no chunk is recomputed, so a small one costs no extra matmul: with Qwen's 151,936-token
+#: vocabulary its float32 logits are 148 MiB), and where it recomputes all but the last in backward
+FUSED_HEAD_CHUNK = 256
+RECOMPUTED_HEAD_CHUNK = 1024
+
 
 class ConfigError(R1fitError, ValueError):
     """A bad config key or value; the message names the key and what is allowed."""
@@ -379,8 +385,12 @@ class MemoryConfig:
         "log-probs equal the per-row path's (true for Qwen2-VL, Qwen2.5-VL and Qwen3-VL; not for "
         "a model with bidirectional image attention such as Gemma 3), else off, logged once; "
         "`r1fit plan` plans 'auto' as the larger of the two paths.")
-    logits_chunk: int = opt(1024, "Tokens per chunk of the LM head; the full [tokens x vocab] logits "
-                            "are never materialised.", ge=1)
+    logits_chunk: int | Literal["auto"] = opt(
+        "auto", "Tokens per chunk of the LM head, whose float32 [chunk x vocab] logits are what "
+        "it holds at a time (the full [tokens x vocab] logits never exist). 'auto': 256 where "
+        "the head makes its gradient in its forward (memory.fused_loss), where a smaller chunk "
+        "costs no extra matmul; 1024 where it recomputes in backward every chunk of a "
+        "micro-batch but the last, where larger chunks save time.", ge=1)
     fused_loss: bool | Literal["auto"] = opt(
         "auto", "Compute the LM head's gradient in the forward pass of a GRPO update or SFT "
         "step, chunk by chunk, from the loss's per-token gradient (r1fit/algorithms/logprobs.py "
@@ -506,11 +516,20 @@ class Config:
         (the same path as ``key=value`` overrides; this config is left as it is)."""
         return _validated(self, [(key.split("."), value) for key, value in changes.items()])
 
-    def fuses_loss(self) -> bool:
-        """Whether GRPO updates make the LM head's gradient in its forward pass
+    def fuses_loss(self, sft: bool = False) -> bool:
+        """Whether GRPO updates (``sft``: SFT steps, whose cross-entropy is always a sum of
+        per-token terms) make the LM head's gradient in its forward pass
         (``memory.fused_loss``; 'auto' and true, which validation allows only where it applies,
         are on for a loss of per-token terms)."""
-        return self.memory.fused_loss is not False and self.algo.per_token_loss()
+        return self.memory.fused_loss is not False and (sft or self.algo.per_token_loss())
+
+    def head_chunk(self, sft: bool = False) -> int:
+        """Tokens per chunk of the LM head (``memory.logits_chunk``, with 'auto' resolved for
+        GRPO, or with ``sft`` for SFT)."""
+        chunk = self.memory.logits_chunk
+        if chunk != "auto":
+            return int(chunk)
+        return FUSED_HEAD_CHUNK if self.fuses_loss(sft) else RECOMPUTED_HEAD_CHUNK
 
     def fingerprint(self) -> str:
         """A short hash of the resolved config, for run identity."""

@@ -91,6 +91,14 @@ def test_algorithm_choices():
     # the LM head's gradient in its forward: on by default, off where the loss couples tokens
     assert load_config().fuses_loss()
     assert not load_config(None, ["memory.fused_loss=false"]).fuses_loss()
+    assert load_config(None, ["memory.fused_loss=false"]).fuses_loss(sft=True) is False
+    # memory.logits_chunk=auto: small where the head makes its gradient in forward (no
+    # recompute), larger where it recomputes its chunks; a number is taken as it is
+    assert load_config().head_chunk() == load_config().head_chunk(sft=True) == 256
+    assert load_config(None, ["memory.fused_loss=false"]).head_chunk() == 1024
+    gspo = load_config(None, ["algo.importance_sampling_level=sequence"])
+    assert gspo.head_chunk() == 1024 and gspo.head_chunk(sft=True) == 256  # SFT still fuses
+    assert load_config(None, ["memory.logits_chunk=512"]).head_chunk() == 512
     for coupled in ("algo.importance_sampling_level=sequence",
                     "algo.importance_sampling_level=sequence_token", "algo.cov_restriction=kl_cov"):
         assert not load_config(None, [coupled]).fuses_loss()

@@ -303,6 +303,7 @@ def aggregation_weights(mask: Tensor, mode: str, *, total_tokens: int, total_seq
 
 
 def per_token_grpo_terms(
+    scored: Tensor,
     old_logp: Tensor | None,
     ref_logp: Tensor | None,
     advantages: Tensor,
@@ -314,19 +315,27 @@ def per_token_grpo_terms(
     engine_logp: Tensor | None = None,
     tis_cap: float | None = None,
     entropy_coef: float = 0.0,
-) -> Callable[[slice, Tensor, Tensor], Tensor]:
+) -> Callable[[slice, Tensor, Tensor | None], Tensor]:
     """``grpo_loss`` with token-level ratios and no Clip-Cov/KL-Cov, as a sum of per-token terms
     (r1fit/algorithms/logprobs.py ``fused_head_loss``): ``terms(rows, logp, entropy)`` is the
     loss of tokens ``rows`` given their log-probs and entropies.
 
-    Every input is ``[N]``, the micro-batch's scored tokens flattened in one order (the head's):
-    ``advantages`` per token, ``weights`` from ``aggregation_weights``. ``old_logp=None``
-    (``num_iterations == 1``): the ratio is 1 in value, as in ``grpo_loss``. ``engine_logp`` with
-    ``tis_cap``: TIS weights from the old log-probs (the policy that generated the rollout)."""
+    The tokens are the micro-batch's ``scored`` ones (bool ``[B, T]``), row-major: the LM head's
+    order. ``old_logp``, ``ref_logp``, ``engine_logp`` and ``weights`` (``aggregation_weights``)
+    are ``[B, T]``, ``advantages`` ``[B]`` or ``[B, T]``, as for ``grpo_loss``.
+    ``old_logp=None`` (``num_iterations == 1``): the ratio is 1 in value, as in ``grpo_loss``.
+    ``engine_logp`` with ``tis_cap``: TIS weights from the old log-probs (the policy that
+    generated the rollout)."""
     if (engine_logp is None) != (tis_cap is None):
         raise ValueError("TIS needs both engine_logp and tis_cap")
 
-    def terms(rows: slice, logp: Tensor, entropy: Tensor) -> Tensor:
+    def flat(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.expand(scored.shape)[scored]
+
+    old_logp, ref_logp, engine_logp, weights = map(flat, (old_logp, ref_logp, engine_logp, weights))
+    advantages = flat(advantages.unsqueeze(-1) if advantages.ndim == 1 else advantages)
+
+    def terms(rows: slice, logp: Tensor, entropy: Tensor | None) -> Tensor:
         old = logp.detach() if old_logp is None else old_logp[rows]
         tis = (truncated_importance_weights(old, engine_logp[rows], tis_cap)
                if engine_logp is not None and tis_cap is not None else None)
@@ -334,8 +343,8 @@ def per_token_grpo_terms(
             logp[None], old[None], advantages[rows][None], epsilon=epsilon,
             epsilon_high=epsilon_high, beta=beta,
             ref_logp=None if ref_logp is None else ref_logp[rows][None],
-            tis_weights=None if tis is None else tis[None], entropy=entropy[None],
-            entropy_coef=entropy_coef)
+            tis_weights=None if tis is None else tis[None],
+            entropy=None if entropy is None else entropy[None], entropy_coef=entropy_coef)
         weight = weights[rows].to(loss.dtype)
         return _masked(loss[0] * weight, weight != 0).sum()
 

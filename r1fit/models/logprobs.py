@@ -49,11 +49,11 @@ class CompletionLogProbs(nn.Module):
         ``into_grad`` (a loop accumulating micro-batches with ``backward()``, not sharded): the
         LM head's and input embedding's ``[vocab x hidden]`` gradients are added into their
         ``.grad`` in place once it exists, instead of each existing in full first
-        (:mod:`r1fit.algorithms.embedding`). ``token_loss``: returns (loss, log-probs, entropies
-        or None without ``entropy``),
-        the loss that ``token_loss`` makes of the completion tokens, flattened in the order of
-        ``batch.completion_mask``, with the LM head's gradients made in its forward
-        (:func:`r1fit.algorithms.logprobs.fused_head_loss`; the log-probs and entropies detached)."""
+        (:mod:`r1fit.algorithms.embedding`). ``token_loss``: returns (loss, log-probs,
+        entropies or None without ``entropy``), the loss that ``token_loss`` makes of the
+        completion tokens, flattened in the order of ``batch.completion_mask``, with the LM
+        head's gradients made in its forward (:func:`r1fit.algorithms.logprobs.fused_head_loss`;
+        the log-probs and entropies detached)."""
         backbone, head = lm_backbone_and_head(self.model)
         into_grad = into_grad and not isinstance(self, FSDPModule)  # FSDP owns sharded .grads
         with _embedding_into_grad(self.model, into_grad):

@@ -164,7 +164,7 @@ def run_logprobs(run: Any, model: Any, rollout: Rollout) -> torch.Tensor:
     run.sizes.note_sequence(longest_row(rollout.rows, rollout.completions))
     return logprobs_in_micro_batches(
         model, rollout.rows, rollout.completions, micro_batch=run.sizes.micro_batch,
-        tokens=run.sizes.micro_batch_tokens, chunk_size=run.cfg.memory.logits_chunk,
+        tokens=run.sizes.micro_batch_tokens, chunk_size=run.cfg.head_chunk(),
         temperature=run.cfg.algo.temperature, pad_id=run.ids.pad, device=run.device,
         layout=run.layout)
 

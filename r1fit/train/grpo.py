@@ -339,7 +339,7 @@ def accumulate_policy_gradients(run: Run, rollout: Rollout, *, compare_engine: b
     packed = sizes.micro_batch_tokens is not None
     sizes.note_sequence(longest_row(rollout.rows, rollout.completions))
     layout.decide(run.policy, rollout.rows, rollout.completions, pad_id=run.ids.pad,
-                  chunk_size=run.cfg.memory.logits_chunk, micro_batch=sizes.micro_batch,
+                  chunk_size=run.cfg.head_chunk(), micro_batch=sizes.micro_batch,
                   tokens=sizes.micro_batch_tokens)
     captured: list[torch.Tensor] = []
     settings = dict(epsilon=epsilon, epsilon_high=epsilon_high,
@@ -360,21 +360,15 @@ def accumulate_policy_gradients(run: Run, rollout: Rollout, *, compare_engine: b
             mask = mask * keep[piece].to(device, mask.dtype).unsqueeze(1)
         # into_grad: the head's and embedding's [vocab x hidden] gradients go into their .grad
         # in place from the second micro-batch on (no second dense copy while they are summed)
-        options = dict(chunk_size=run.cfg.memory.logits_chunk, temperature=algo.temperature,
+        options = dict(chunk_size=run.cfg.head_chunk(), temperature=algo.temperature,
                        into_grad=True)
         fused_loss = None
         if fused:  # the head's gradient made in its forward, from the loss's per-token terms
-            scored = batch.completion_mask.bool()  # the head's tokens, in its order
-
-            def per_token(t: torch.Tensor | None) -> torch.Tensor | None:
-                return None if t is None else t.expand(scored.shape)[scored]
-
             terms = per_token_grpo_terms(
-                per_token(old), per_token(ref),
-                per_token(advantages.unsqueeze(1) if advantages.ndim == 1 else advantages),
-                aggregation_weights(mask.bool(), algo.loss_aggregation, **totals)[scored],
-                **settings, engine_logp=per_token(engine) if tis else None,
-                tis_cap=algo.tis_cap if tis else None, entropy_coef=algo.entropy_coef)
+                batch.completion_mask.bool(), old, ref, advantages,
+                aggregation_weights(mask.bool(), algo.loss_aggregation, **totals), **settings,
+                engine_logp=engine if tis else None, tis_cap=algo.tis_cap if tis else None,
+                entropy_coef=algo.entropy_coef)
             fused_loss, logp, entropy = completion_loss(run.policy, batch, terms, **options)
         else:
             logp, entropy = completion_logprobs_and_entropy(run.policy, batch, **options)

@@ -162,7 +162,7 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool,
                 sizes = run.sizes
                 sizes.note_sequence(longest_row(prompts, targets))
                 layout.decide(run.policy, prompts, targets, pad_id=run.ids.pad,
-                              chunk_size=cfg.memory.logits_chunk, micro_batch=sizes.micro_batch,
+                              chunk_size=cfg.head_chunk(sft=True), micro_batch=sizes.micro_batch,
                               tokens=sizes.micro_batch_tokens)
                 with guard.phase("micro_batch"):
                     for piece, mb_prompts, mb_targets in micro_batches(
@@ -171,9 +171,9 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool,
                                               pad_id=run.ids.pad, device=run.device,
                                               packed=sizes.micro_batch_tokens is not None,
                                               masks=masks[piece])
-                        options = dict(chunk_size=cfg.memory.logits_chunk, into_grad=True)
+                        options = dict(chunk_size=cfg.head_chunk(sft=True), into_grad=True)
                         # this micro-batch's share of the batch's token-mean cross-entropy
-                        if cfg.memory.fused_loss is not False:
+                        if cfg.fuses_loss(sft=True):
                             # one term per scored token: the LM head's gradient in its forward
                             loss, _, _ = completion_loss(
                                 run.policy, batch, lambda rows, logp, _: -logp.sum() / total_tokens,

@@ -468,9 +468,8 @@ def test_per_token_terms_sum_to_grpo_loss(aggregation, beta, use_old, extras):
 
     flat = mask.bool()
     terms = per_token_grpo_terms(
-        old[flat] if use_old else None, ref[flat], adv.unsqueeze(1).expand(mask.shape)[flat],
-        aggregation_weights(flat, aggregation, **norms)[flat], **clip,
-        engine_logp=engine[flat] if extras else None, tis_cap=1.2 if extras else None,
+        flat, old if use_old else None, ref, adv, aggregation_weights(flat, aggregation, **norms),
+        **clip, engine_logp=engine if extras else None, tis_cap=1.2 if extras else None,
         entropy_coef=0.03 if extras else 0.0)
     token_logp = logp.detach()[flat].requires_grad_()
     token_entropy = entropy.detach()[flat].requires_grad_()
@@ -490,8 +489,9 @@ def test_per_token_terms_sum_to_grpo_loss(aggregation, beta, use_old, extras):
 def test_per_token_terms_ignore_unweighted_tokens():
     # a token out of the loss (weight 0, e.g. a truncated completion under mask_truncated)
     # contributes nothing and gets no gradient
-    terms = per_token_grpo_terms(None, None, torch.tensor([1.0, 3.0], dtype=F64),
-                                 torch.tensor([0.5, 0.0], dtype=F64), epsilon=0.2)
+    terms = per_token_grpo_terms(torch.tensor([[True, True]]), None, None,
+                                 torch.tensor([[1.0, 3.0]], dtype=F64),
+                                 torch.tensor([[0.5, 0.0]], dtype=F64), epsilon=0.2)
     logp = torch.tensor([math.log(0.5), math.log(0.25)], dtype=F64, requires_grad=True)
     total = terms(slice(0, 2), logp, torch.zeros(2, dtype=F64))
     assert total.item() == pytest.approx(-0.5, abs=1e-12)  # ratio 1, A = 1, weight 1/2

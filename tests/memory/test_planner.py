@@ -216,7 +216,10 @@ def test_a_smaller_head_chunk_is_a_switch_when_a_row_fills_it(tmp_path):
     vocab = 151_936
     Qwen2_5_VLConfig(text_config={**TEXT, "vocab_size": vocab}, vision_config=VISION,
                      tie_word_embeddings=False, dtype="float32").save_pretrained(tmp_path)
-    long = ("algo.max_new_tokens=1024", "memory.micro_batch=1", "memory.generation_batch=1")
+    # the head that recomputes its chunks, whose 'auto' chunk is 1,024 tokens (the fused head's
+    # is 256 already: nothing to advise, below)
+    long = ("algo.max_new_tokens=1024", "memory.micro_batch=1", "memory.generation_batch=1",
+            "memory.fused_loss=false")
     plan = plan_memory(cfg_for(tmp_path, *long), device_memory_bytes=1 << 20, device_type="cpu")
     smaller = plan_memory(cfg_for(tmp_path, *long, "memory.logits_chunk=256"),
                           device_memory_bytes=1 << 20, device_type="cpu")
@@ -226,7 +229,8 @@ def test_a_smaller_head_chunk_is_a_switch_when_a_row_fills_it(tmp_path):
     # 768 tokens fewer of float32 logits in the head's chunk (the head is most of this model)
     assert plan.peak_bytes - smaller.peak_bytes >= 768 * vocab * 4
     # nothing to gain: a chunk already at 256, or rows of 256 tokens or fewer
-    for extra in (("memory.logits_chunk=256",), ("algo.max_new_tokens=256",)):
+    for extra in (("memory.logits_chunk=256",), ("algo.max_new_tokens=256",),
+                  ("memory.fused_loss=auto",)):
         again = plan_memory(cfg_for(tmp_path, *long, *extra), device_memory_bytes=1 << 20,
                             device_type="cpu")
         assert not any("logits_chunk" in a for a in again.advice)
@@ -234,8 +238,9 @@ def test_a_smaller_head_chunk_is_a_switch_when_a_row_fills_it(tmp_path):
     # the peak at micro_batch 1 (a 256-token chunk plans the same peak), so it is not advised
     # (the README's example: the LoRA config's settings, full fine-tuning)
     seven = load_config(Path(__file__).parents[2] / "configs" / "qwen2.5-vl-3b-lora.yaml",
-                        [f"model.path={QWEN_7B}", "model.lora.r=0", "algo.num_generations=8"])
-    assert seven.algo.max_new_tokens == 512 and seven.memory.logits_chunk == 1024
+                        [f"model.path={QWEN_7B}", "model.lora.r=0", "algo.num_generations=8",
+                         "memory.logits_chunk=1024"])
+    assert seven.algo.max_new_tokens == 512 and seven.head_chunk() == 1024
     plan = plan_memory(seven, device_memory_bytes=80 << 30, device_type="cuda")
     assert not plan.fits and plan.advice and not any("logits_chunk" in a for a in plan.advice)
     one = seven.with_values({"memory.micro_batch": 1, "memory.generation_batch": 1})

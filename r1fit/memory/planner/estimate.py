@@ -355,7 +355,7 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
     # the step keeps every prompt's pixel values (each GPU encodes all of the step's prompts), and
     # the old/reference log-probs of its rows [rows x completion]
     step_inputs = step.pixels(cfg.train.prompts_per_step) + 2 * s.rows * step.completion * F32
-    chunk = min(cfg.memory.logits_chunk, s.micro * step.completion)
+    chunk = min(cfg.head_chunk(), s.micro * step.completion)
     generation = generation_bytes(step, s.generation,
                                   sampling_logits_f32(cfg.algo.temperature, cfg.algo.top_p))
     update = update_bytes(step, s, states, buffers, chunk)
@@ -878,10 +878,11 @@ def _advice(plan: Plan, facts: ModelFacts, asked: Config, view: Callable[[Config
         switches.append({"model.dtype": "bfloat16"})
     # a smaller LM-head chunk, where one row's completion fills more than the smaller chunk (at
     # micro_batch 1 a chunk holds at most one row's tokens): [chunk x vocab] logits and their
-    # gradient shrink in proportion, for a recompute of every chunk but the last in backward;
+    # gradient shrink in proportion, for a recompute of every chunk but the last in backward
+    # where the head recomputes (with memory.fused_loss, auto's chunk is that small already);
     # advised only where the head's chunk sets the peak (else the smaller chunk lowers nothing)
     head_switch = {"memory.logits_chunk": SMALL_LOGITS_CHUNK}
-    if min(cfg.memory.logits_chunk, cfg.algo.max_new_tokens) > SMALL_LOGITS_CHUNK:
+    if min(cfg.head_chunk(), cfg.algo.max_new_tokens) > SMALL_LOGITS_CHUNK:
         switches.append(head_switch)
 
     def smallest_peak(switch: dict[str, Any]) -> int:
