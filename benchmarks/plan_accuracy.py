@@ -159,6 +159,19 @@ GRID: dict[str, list[str]] = {
                              "algo.beta=0.04"],
     "tiny-full-packed-mu2": [TINY, "memory.micro_batch_tokens=150", "algo.num_generations=8",
                              "algo.max_new_tokens=20", "algo.beta=0", "algo.num_iterations=2"],
+    # memory.fused_loss (the default: the LM head's gradient made in its forward, 256-token
+    # chunks) against the head that recomputes its chunks in backward, with 512 completion
+    # tokens per micro-batch: two fused chunks, or one recomputed chunk of 1,024 (auto) / two
+    # of 256 (one of them recomputed)
+    "small-full-mb8-fused": [SMALL, "algo.num_generations=8", "memory.micro_batch=8",
+                             "algo.max_new_tokens=64", "algo.beta=0"],
+    "small-full-mb8-recompute": [SMALL, "algo.num_generations=8", "memory.micro_batch=8",
+                                 "algo.max_new_tokens=64", "algo.beta=0",
+                                 "memory.fused_loss=false"],
+    "small-lora-mb8-recompute-256": [SMALL, "model.lora.r=8", "algo.num_generations=8",
+                                     "memory.micro_batch=8", "algo.max_new_tokens=64",
+                                     "algo.beta=0", "memory.fused_loss=false",
+                                     "memory.logits_chunk=256"],
     # r1fit sft steps (``r1fit plan --sft``): sft.batch_size rows, every answer planned
     # sft.max_answer_tokens long; the cap lies below the data's answers, so every answer is cut
     # to exactly that length and the plan's pessimism is the run's shape
