@@ -1,9 +1,9 @@
 """Does `r1fit plan` predict what a real step uses? Plan vs probe over a grid of configurations.
 
 Command (builds builtin:small-realvocab and builtin:bench-3b-cut on first use; on 2 CPU cores
-the 38 GRPO configurations took about 13 minutes in one session and the 3 SFT ones about a
-minute, while in another one 3b-cut GRPO step took 14.5 minutes under the probe's profiler: its
-bfloat16 backward varies a lot between machines):
+all 44 configurations took 28 minutes with the test suite running beside them, 38 GRPO ones
+about 13 minutes alone in another session, while in a third one a 3b-cut GRPO step took 14.5
+minutes under the probe's profiler: its bfloat16 backward varies a lot between machines):
 
     python benchmarks/plan_accuracy.py            # every configuration of GRID
     python benchmarks/plan_accuracy.py --only tiny-full-g8 --json out.json
