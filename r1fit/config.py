@@ -442,6 +442,14 @@ class RolloutConfig:
         "hf", "What generates the rollouts: 'hf' (Hugging Face generate on the policy itself; no "
         "extra install, any device) or 'vllm' (one in-process vLLM engine per training process, "
         "its weights synced from the policy before each rollout; pip install -e '.[vllm]').")
+    share_prefill: bool | Literal["auto"] = opt(
+        "auto", "rollout.engine=hf: prefill each distinct prompt of a generation batch once (its "
+        "image tokens and vision tower included) and copy its KV cache to the rows that share "
+        "it, instead of prefilling every row (r1fit/rollout/prefill.py). 'auto': on when a "
+        "2-token greedy check on the run's first batch gives the per-row path's logits (true "
+        "for the built-in Qwen2.5-VL and Qwen3-VL models; not for Gemma 3), else off, logged "
+        "once. vLLM "
+        "shares prompts through its own prefix cache.")
     vllm: VllmConfig = opt(VllmConfig(), "Settings of rollout.engine=vllm.")
 
 

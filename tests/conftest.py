@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,19 @@ def use_tiny_cache(tiny_cache: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Point R1FIT_CACHE at the session cache for one test, so `builtin:tiny` needs no rebuild."""
     monkeypatch.setenv("R1FIT_CACHE", str(tiny_cache))
     return tiny_cache
+
+
+@pytest.fixture(scope="session")
+def builtin_folder(tiny_cache: Path) -> Callable[[str], Path]:
+    """``builtin_folder(name)``: the folder of built-in ``name``, built once into the session
+    cache (for the architectures other than builtin:tiny)."""
+
+    def build(name: str) -> Path:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("R1FIT_CACHE", str(tiny_cache))
+            return ensure_builtin(name)
+
+    return build
 
 
 @pytest.fixture(scope="session")
@@ -90,7 +104,7 @@ def float64_tiny(tiny_dir: Path):
     return make
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def float64_model():
     """:func:`float64_setup`, for tests of other models than builtin:tiny."""
     return float64_setup

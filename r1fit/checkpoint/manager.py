@@ -60,10 +60,11 @@ PHASE_ORDER = {"warmup": 0, "grpo": 1, "sft": 1}
 RESUME_SAFE = ("train.output_dir", "train.overwrite", "train.device", "train.max_steps",
                "train.early_stop_patience", "sft.steps", "checkpoint.", "eval.", "memory.",
                "data.eval", "rollout.vllm.kv_cache_memory", "rollout.vllm.gpu_memory_utilization",
-               "rollout.vllm.sleep_level", "report.")
+               "rollout.vllm.sleep_level", "rollout.share_prefill", "report.")
 # safe to change, but the continued run is no longer bit-identical to an uninterrupted one
 RESUME_NOT_EXACT = ("train.max_steps", "sft.steps", "memory.micro_batch",
-                    "memory.generation_batch", "memory.logits_chunk", "memory.fused_loss")
+                    "memory.generation_batch", "memory.logits_chunk", "memory.fused_loss",
+                    "rollout.share_prefill")
 
 
 class CheckpointError(R1fitError, RuntimeError):

@@ -206,11 +206,17 @@ def collate(prompts: Sequence[Prompt], completions: Sequence[torch.Tensor] | Non
         completion_ids[i, :n] = comp
         mask = masks[i] if masks is not None else None
         completion_mask[i, :n] = 1.0 if mask is None else mask.to(torch.float32)
-    inputs: dict[str, torch.Tensor] = {"input_ids": input_ids, "attention_mask": attention, **extras}
-    image_keys = dict.fromkeys(k for p in prompts for k in p.image_inputs)
-    for key in image_keys:
-        inputs[key] = torch.cat([p.image_inputs[key] for p in prompts if key in p.image_inputs], dim=0)
+    inputs: dict[str, torch.Tensor] = {"input_ids": input_ids, "attention_mask": attention, **extras,
+                                       **image_inputs(prompts)}
     return Batch(inputs, prompt_len, completion_ids, completion_mask)
+
+
+def image_inputs(prompts: Sequence[Prompt]) -> dict[str, torch.Tensor]:
+    """The image tensors of ``prompts`` (pixel_values, image_grid_thw, ...), each key's
+    concatenated over the prompts that have it, in order."""
+    keys = dict.fromkeys(k for p in prompts for k in p.image_inputs)
+    return {key: torch.cat([p.image_inputs[key] for p in prompts if key in p.image_inputs], dim=0)
+            for key in keys}
 
 
 def consecutive_groups(prompts: Sequence[Prompt], completions: Sequence[torch.Tensor]

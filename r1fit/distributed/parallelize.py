@@ -60,8 +60,9 @@ def parallelize(root: nn.Module, *, activation_checkpointing: bool, world: World
     for unit in shard_units(root):
         fully_shard(unit, mp_policy=policy)
     fully_shard(root, mp_policy=policy)
-    if callable(getattr(root, "generate", None)):  # generation enters through the root too
-        register_fsdp_forward_method(root, "generate")
+    for method in ("generate", "prefill"):  # generation enters through the root too
+        if callable(getattr(root, method, None)):
+            register_fsdp_forward_method(root, method)
     for module in root.modules():
         if isinstance(module, FSDPModule):
             # a plain SUM (gloo has no pre-multiplied sum), divided by 1

@@ -83,6 +83,11 @@ class CompletionLogProbs(nn.Module):
         root's parameters around it (registered as an FSDP forward method when sharded)."""
         return self.model.generate(**kwargs)
 
+    def prefill(self, **kwargs: Any) -> Any:
+        """The model's own forward (filling a KV cache before ``generate``:
+        :mod:`r1fit.rollout.prefill`), through the root like :meth:`generate`."""
+        return self.model(**kwargs)
+
 
 def completion_logprobs(model: Any, batch: Batch | PackedGroups, *, chunk_size: int,
                         temperature: float = 1.0, into_grad: bool = False) -> torch.Tensor:

@@ -22,6 +22,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from r1fit.data.batch import Prompt, collate, cut_after_eos
 from r1fit.distributed.context import all_sum
 from r1fit.models.load import PLACEHOLDER_TOKENS, special_token_ids, stop_token_ids, unwrap
+from r1fit.rollout.prefill import PrefillSharing, prefilled_inputs
 from r1fit.rollout.record import Rollout
 
 
@@ -165,8 +166,11 @@ class SeededSampler(LogitsProcessor):
 @torch.no_grad()
 def generate_completions(model: Any, rows: Sequence[Prompt], *, seeds: Sequence[int] | None,
                          batch_size: int, settings: SamplingSettings, ids: TokenIds,
-                         device: torch.device) -> list[torch.Tensor]:
-    """One completion per row, in row order, each cut after its EOS.
+                         device: torch.device, sharing: PrefillSharing | None = None
+                         ) -> list[torch.Tensor]:
+    """One completion per row, in row order, each cut after its EOS. With ``sharing`` (on, or
+    ``auto`` and checked exact), a chunk's distinct prompts are prefilled once each
+    (:mod:`r1fit.rollout.prefill`).
 
     Greedy (``settings.greedy``) takes ``seeds=None``; sampling needs one seed per row (see
     ``row_seeds``), and row i's completion then depends only on its prompt, seed and the model,
@@ -196,7 +200,10 @@ def generate_completions(model: Any, rows: Sequence[Prompt], *, seeds: Sequence[
             # synced_gpus=False: transformers would otherwise sync every token step across
             # ranks for an FSDP model; r1fit gathers the weights first (gathered()) and each rank
             # decodes its own rows to their own lengths, with no collectives
-            out = model.generate(**batch.inputs, generation_config=gen_config,
+            inputs = batch.inputs
+            if sharing is not None and sharing.use(model, chunk, gen_config, ids.pad, device):
+                inputs = prefilled_inputs(model, chunk, batch.inputs)
+            out = model.generate(**inputs, generation_config=gen_config,
                                  logits_processor=processors, synced_gpus=False)
             new_tokens = out[:, batch.prompt_len:].cpu()
             completions.extend(cut_after_eos(row, ids.eos) for row in new_tokens)

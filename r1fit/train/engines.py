@@ -22,6 +22,7 @@ from r1fit.models.load import context_length, resolve_model_path, special_token_
 from r1fit.models.weights import full_named_weights
 from r1fit.report.metrics import timed
 from r1fit.rollout.generate import SamplingSettings, generate_completions
+from r1fit.rollout.prefill import PrefillSharing
 from r1fit.rollout.vllm_engine import EngineSpec, RolloutEngineError, VllmEngine
 from r1fit.train.run import Run
 
@@ -33,6 +34,7 @@ class HFRollouts:
 
     def __init__(self, run: Run, settings: SamplingSettings) -> None:
         self.run, self.settings = run, settings
+        self.sharing = PrefillSharing(run.cfg.rollout.share_prefill)
 
     @contextmanager
     def ready(self, times: dict[str, float]) -> Iterator[None]:
@@ -44,7 +46,8 @@ class HFRollouts:
         run = self.run
         return generate_completions(run.policy, rows, seeds=seeds,
                                     batch_size=run.sizes.generation_batch,
-                                    settings=self.settings, ids=run.ids, device=run.device), None
+                                    settings=self.settings, ids=run.ids, device=run.device,
+                                    sharing=self.sharing), None
 
     def greedy(self, prompts: Sequence[Prompt]) -> list[torch.Tensor]:
         """Greedy completions with ``generate`` on the policy, ``eval.batch`` rows at a time
@@ -54,7 +57,7 @@ class HFRollouts:
         with torch.inference_mode():
             return generate_completions(run.policy, prompts, seeds=None,
                                         batch_size=run.cfg.eval.batch, settings=settings,
-                                        ids=run.ids, device=run.device)
+                                        ids=run.ids, device=run.device, sharing=self.sharing)
 
     def updated(self) -> None:
         """The policy changed (nothing to do: generate reads it directly)."""

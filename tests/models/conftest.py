@@ -1,27 +1,9 @@
-"""Model-test fixtures (the tiny-model cache fixtures live in tests/conftest.py)."""
+"""Model-test fixtures (the built-in model fixtures live in tests/conftest.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
-
 import pytest
 from PIL import Image
-
-from r1fit.models.builtin import ensure_builtin
-
-
-@pytest.fixture(scope="session")
-def builtin_folder(tiny_cache: Path) -> Callable[[str], Path]:
-    """``builtin_folder(name)``: the folder of built-in ``name``, built once into the session
-    cache (for the architectures other than builtin:tiny)."""
-
-    def build(name: str) -> Path:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("R1FIT_CACHE", str(tiny_cache))
-            return ensure_builtin(name)
-
-    return build
 
 
 @pytest.fixture

@@ -1,0 +1,193 @@
+"""A group's prompt prefilled once per generation batch (``rollout.share_prefill``).
+
+GRPO generates ``G`` completions of each prompt. ``generate`` on the ``G`` copies of a prompt
+prefills it ``G`` times: its text, its image tokens and the vision tower. Here the generation
+batch's distinct prompts run through the model once each, all but their last token, into a KV
+cache; the cache rows are copied to the rows that share them (``Cache.batch_select_indices``),
+and ``generate`` continues from that cache. It runs the prompts' last token (a text token of the
+generation prompt) for every row, then decodes as before.
+
+The continuation is ``generate``'s own: it takes the rows' full ``input_ids`` and attention mask,
+computes their positions and masks, and only skips the cached columns. Qwen-VL models keep their
+prefill's M-RoPE offsets (``rope_deltas``, one per row: how far an image's 3-D positions moved
+the text after it) on the backbone and add them to every later position; they are copied to the
+rows like the cache. The image inputs are not passed to ``generate``: their tokens are cached.
+
+Each row's cache is the one its own prefill would build (the same weights over the same tokens at
+the same positions), so the logits equal the per-row path's up to float rounding between batch
+shapes. :func:`prefill_is_exact` checks that on a model (``auto`` runs it once per run).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import DynamicCache, GenerationConfig
+
+from r1fit.data.batch import Prompt, collate, image_inputs
+from r1fit.models.load import unwrap
+from r1fit.models.logprobs import CompletionLogProbs
+
+log = logging.getLogger("r1fit.rollout")
+
+#: the most the two paths' per-step log-softmax may differ by (max over the vocabulary), by the
+#: model's dtype: float rounding between batch shapes (0 measured in float64, ~1e-6 in float32),
+#: well below what positions shifted by one move it on the random-weight test models (~1e-3).
+#: bfloat16 logits of magnitude 32 are 0.25 apart, which rounding alone can reach.
+TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4}
+HALF_TOLERANCE = 0.25
+
+
+def distinct_prompts(rows: Sequence[Prompt]) -> tuple[list[Prompt], torch.Tensor]:
+    """The distinct prompts of ``rows`` (the same object, in order of first appearance) and, per
+    row, the index of its prompt among them."""
+    unique: list[Prompt] = []
+    position: dict[int, int] = {}
+    index = []
+    for row in rows:
+        if id(row) not in position:
+            position[id(row)] = len(unique)
+            unique.append(row)
+        index.append(position[id(row)])
+    return unique, torch.tensor(index, dtype=torch.long)
+
+
+def _cache_argument(model: Any) -> str:
+    """The forward's name for the KV cache: ``cache`` from transformers 5.24 on, before it
+    ``past_key_values``."""
+    params = inspect.signature(unwrap(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _rope_holders(model: Any) -> list[torch.nn.Module]:
+    """The modules that keep the prefill's per-row M-RoPE offsets (Qwen-VL's backbone)."""
+    top = unwrap(model)
+    return [m for m in (top, getattr(top, "model", None))
+            if isinstance(m, torch.nn.Module) and hasattr(m, "rope_deltas")]
+
+
+def _token_keys(rows: Sequence[Prompt]) -> set[str]:
+    """The collated inputs that hold one value per token column (the rest are image tensors)."""
+    return {"input_ids", "attention_mask", *(k for p in rows for k in p.token_inputs)}
+
+
+def prefilled_inputs(model: Any, rows: Sequence[Prompt], inputs: dict[str, torch.Tensor]
+                     ) -> dict[str, torch.Tensor]:
+    """``generate``'s inputs for ``rows`` (``inputs``: collated, padded on the left) with each
+    distinct prompt run once, all but its last column, into a KV cache copied to the rows that
+    share it. Call under ``torch.no_grad`` with the model in eval mode, as ``generate`` runs."""
+    unique, index = distinct_prompts(rows)
+    device = inputs["input_ids"].device
+    first = torch.tensor([index.tolist().index(u) for u in range(len(unique))], device=device)
+    token_keys = _token_keys(rows)
+    prefix = {k: v[first, :-1] for k, v in inputs.items() if k in token_keys}
+    prefix.update({k: v.to(device) for k, v in image_inputs(unique).items()})
+    name = _cache_argument(model)
+    cache = DynamicCache(config=unwrap(model).config)
+    holders = _rope_holders(model)
+    for module in holders:  # a stale value from an earlier call must not be reused
+        module.rope_deltas = None
+    kwargs: dict[str, Any] = {name: cache, "use_cache": True}
+    if "logits_to_keep" in inspect.signature(unwrap(model).forward).parameters:
+        kwargs["logits_to_keep"] = 1  # the prefill's logits are not needed: skip [L x vocab]
+    # through r1fit's log-prob root when it holds the model (FSDP gathers around its methods)
+    (model.prefill if isinstance(model, CompletionLogProbs) else model)(**prefix, **kwargs)
+    index = index.to(device)
+    cache.batch_select_indices(index)
+    for module in holders:
+        deltas = module.rope_deltas
+        if isinstance(deltas, torch.Tensor) and deltas.shape[0] == len(unique) > 1:
+            module.rope_deltas = deltas[index.to(deltas.device)]
+    out = {k: v for k, v in inputs.items() if k in token_keys}
+    out[name] = cache
+    return out
+
+
+def logits_differ(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    """The largest difference of log-softmax between two runs' raw per-step logits ([rows,
+    vocab] each); infinite when they ran different numbers of steps."""
+    if len(a) != len(b):
+        return float("inf")
+    return max((float((x.double().log_softmax(-1) - y.double().log_softmax(-1)).abs().max())
+                for x, y in zip(a, b)), default=0.0)
+
+
+def _sample_rows(rows: Sequence[Prompt]) -> list[Prompt]:
+    """Two rows of each of the first two prompts that have two: the smallest check of a copied
+    cache, and of copies of different prompts in one batch."""
+    unique, index = distinct_prompts(rows)
+    shared = [p for i, p in enumerate(unique) if int((index == i).sum()) >= 2][:2]
+    return [p for p in shared for _ in range(2)]
+
+
+def _padded_left(inputs: dict[str, torch.Tensor], keys: set[str], columns: int, pad_id: int
+                 ) -> dict[str, torch.Tensor]:
+    """``inputs`` with ``columns`` more padding columns on the left of every row."""
+    out = dict(inputs)
+    for key in keys & inputs.keys():
+        value = inputs[key]
+        fill = value.new_full((value.shape[0], columns), pad_id if key == "input_ids" else 0)
+        out[key] = torch.cat([fill, value], dim=1)
+    return out
+
+
+#: padding columns the check adds to every row: a model whose cached decoding treats padding
+#: differently (Gemma 3 here) must show it even when the checked prompts are of equal length
+CHECK_PADDING = 3
+
+
+def prefill_is_exact(model: Any, rows: Sequence[Prompt], config: GenerationConfig, pad_id: int,
+                     device: torch.device, steps: int = 2) -> tuple[bool, str]:
+    """Whether ``generate`` from a shared prefill gives the per-row path's logits on a few of
+    ``rows``, each padded on the left (greedy, ``steps`` tokens), with the reason when not. Any
+    error of the shared path (a model whose cache cannot be copied by rows) counts as not
+    exact."""
+    sample = _sample_rows(rows)
+    if not sample:
+        return False, "no prompt has two rows to share it"
+    check = copy.deepcopy(config)
+    check.max_new_tokens, check.min_new_tokens = steps, None
+    check.output_logits, check.return_dict_in_generate = True, True
+    inputs = _padded_left(collate(sample, None, pad_id).to(device).inputs, _token_keys(sample),
+                          CHECK_PADDING, pad_id)
+    plain = model.generate(**inputs, generation_config=check, synced_gpus=False)
+    try:
+        shared = model.generate(**prefilled_inputs(model, sample, inputs),
+                                generation_config=check, synced_gpus=False)
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, ValueError, TypeError, AttributeError, IndexError,
+            NotImplementedError) as err:
+        return False, f"generate from a copied cache fails ({type(err).__name__}: {err})"
+    dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+    tolerance = TOLERANCE.get(dtype, HALF_TOLERANCE)
+    worst = logits_differ(plain.logits, shared.logits)
+    if worst > tolerance:
+        return False, (f"its logits differ from the per-row path's by {worst:.3g} "
+                       f"(tolerance {tolerance:g})")
+    return True, f"logits equal the per-row path's within {worst:.2g}"
+
+
+class PrefillSharing:
+    """``rollout.share_prefill``: whether a generation batch's prompts are prefilled once.
+    ``auto`` settles on the first batch that has a prompt on two rows (:func:`prefill_is_exact`),
+    logged once; the decision is this process's own (generation has no collectives)."""
+
+    def __init__(self, setting: bool | str) -> None:
+        self.on: bool | None = None if setting == "auto" else bool(setting)
+
+    def use(self, model: Any, rows: Sequence[Prompt], config: GenerationConfig, pad_id: int,
+            device: torch.device) -> bool:
+        """Whether to prefill ``rows``' prompts once (False when none repeats)."""
+        if self.on is False or len(distinct_prompts(rows)[0]) == len(rows):
+            return False
+        if self.on is None:
+            self.on, why = prefill_is_exact(model, rows, config, pad_id, device)
+            log.info("rollout.share_prefill=auto: %s", f"on ({why})" if self.on else
+                     f"off: {why}")
+        return self.on

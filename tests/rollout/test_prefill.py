@@ -1,0 +1,171 @@
+"""Shared prefill: generate from each distinct prompt's KV cache copied to its rows gives the
+per-row path's logits and completions (float64, mixed groups, padding, chunks that split a group,
+text-only rows, LoRA, r1fit's log-prob root), and ``auto`` turns it off where it is not exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from r1fit.data.batch import collate, encode_prompts
+from r1fit.data.sample import Sample
+from r1fit.models.logprobs import CompletionLogProbs
+from r1fit.rollout.generate import (
+    SamplingSettings,
+    TokenIds,
+    generate_completions,
+    generation_config,
+    row_seeds,
+)
+from r1fit.rollout.prefill import (
+    PrefillSharing,
+    distinct_prompts,
+    logits_differ,
+    prefill_is_exact,
+    prefilled_inputs,
+)
+
+CPU = torch.device("cpu")
+SAMPLING = SamplingSettings(max_new_tokens=12, temperature=1.0, top_p=0.95)
+GREEDY = SamplingSettings(max_new_tokens=6, greedy=True)
+
+
+def setup(float64_model, folder, lora_r=0):
+    """(model, ids, rows): ``folder``'s model in float64 and 12 rows, group-contiguous: 3 image
+    prompts of two lengths and a text-only one, 3 rows each."""
+    model, processor, prompts = float64_model(folder, lora_r=lora_r, checkpointing=False,
+                                              indices=(0, 2, 1))
+    text_only = encode_prompts(processor, [Sample([], "What is two plus two?", "4", "t#0")],
+                               "Think, then answer.")
+    prompts = prompts + text_only
+    assert len({p.length for p in prompts}) > 2
+    return model, TokenIds.of(model, processor), [p for p in prompts for _ in range(3)]
+
+
+@pytest.fixture(scope="module")
+def tiny64(tiny_dir, float64_model):
+    return setup(float64_model, tiny_dir)
+
+
+def both(model, ids, rows, settings, batch_size, seeds=None):
+    """(per-row completions, shared-prefill completions, the sharing decision)."""
+    plain = generate_completions(model, rows, seeds=seeds, batch_size=batch_size,
+                                 settings=settings, ids=ids, device=CPU)
+    sharing = PrefillSharing("auto")
+    shared = generate_completions(model, rows, seeds=seeds, batch_size=batch_size,
+                                  settings=settings, ids=ids, device=CPU, sharing=sharing)
+    return plain, shared, sharing.on
+
+
+def step_logits(model, ids, rows, shared):
+    """Raw per-step logits of greedy ``generate`` on ``rows`` (one chunk)."""
+    config = generation_config(GREEDY, ids)
+    config.output_logits, config.return_dict_in_generate = True, True
+    batch = collate(rows, None, ids.pad).to(CPU)
+    inputs = prefilled_inputs(model, rows, batch.inputs) if shared else batch.inputs
+    with torch.no_grad():
+        return model.generate(**inputs, generation_config=config, synced_gpus=False).logits
+
+
+def test_distinct_prompts_by_identity(tiny64):
+    rows = tiny64[2]
+    a, b = rows[0], rows[3]
+    unique, index = distinct_prompts([a, b, a, a, b])
+    assert unique == [a, b] and index.tolist() == [0, 1, 0, 0, 1]
+
+
+def test_logits_differ_on_hand_numbers():
+    x = torch.tensor([[0.0, 0.0]])
+    # log-softmax [-ln 2, -ln 2] against [ln(e/(e+1)) , ln(1/(e+1))]: the larger gap is
+    # ln 2 - ln(1/(1+e)) = ln((1+e)/2) = 0.6201
+    y = torch.tensor([[1.0, 0.0]])
+    assert logits_differ([x], [y]) == pytest.approx(0.620115, abs=1e-6)
+    assert logits_differ([x, x], [x + 5, x]) == 0.0  # a shift of all logits changes nothing
+    assert logits_differ([x], [x, x]) == float("inf")
+
+
+def test_step_logits_equal_the_per_row_path(tiny64):
+    """Every row's logits at every step, the first one included (the uncached last prompt
+    token), in one chunk of all 12 rows: mixed groups, left padding, a text-only prompt."""
+    model, ids, rows = tiny64
+    plain = step_logits(model, ids, rows, shared=False)
+    shared = step_logits(model, ids, rows, shared=True)
+    assert len(plain) == len(shared) == GREEDY.max_new_tokens
+    assert logits_differ(plain, shared) < 1e-9
+
+
+def test_text_only_chunk_after_an_image_chunk(tiny64):
+    """A stale M-RoPE offset from an earlier image prompt must not shift a text-only prompt."""
+    model, ids, rows = tiny64
+    step_logits(model, ids, rows[:3], shared=True)  # leaves the image prompt's offsets behind
+    text_rows = rows[9:]
+    assert not text_rows[0].image_inputs
+    shared = step_logits(model, ids, text_rows, shared=True)  # right after: offsets still there
+    assert logits_differ(step_logits(model, ids, text_rows, shared=False), shared) < 1e-9
+
+
+@pytest.mark.parametrize("batch_size", [12, 5, 2])
+def test_sampled_completions_equal(tiny64, batch_size):
+    """5 and 2 rows per chunk split groups across chunks and put parts of two groups in one."""
+    model, ids, rows = tiny64
+    seeds = row_seeds(7, 3, 0, len(rows))
+    plain, shared, on = both(model, ids, rows, SAMPLING, batch_size, seeds)
+    assert on is True
+    assert [c.tolist() for c in plain] == [c.tolist() for c in shared]
+    assert len({tuple(c.tolist()) for c in plain[:3]}) > 1  # the group's rows differ
+
+
+def test_greedy_completions_equal(tiny64):
+    model, ids, rows = tiny64
+    plain, shared, on = both(model, ids, rows, GREEDY, 8)
+    assert on is True
+    assert [c.tolist() for c in plain] == [c.tolist() for c in shared]
+
+
+def test_through_the_log_prob_root(tiny64):
+    """Under FSDP the policy is r1fit's log-prob root: the prefill goes through it too."""
+    model, ids, rows = tiny64
+    seeds = row_seeds(1, 0, 0, 6)
+    plain, shared, on = both(CompletionLogProbs(model), ids, rows[:6], SAMPLING, 6, seeds)
+    assert on is True
+    assert [c.tolist() for c in plain] == [c.tolist() for c in shared]
+
+
+def test_lora_model(tiny_dir, float64_model):
+    model, ids, rows = setup(float64_model, tiny_dir, lora_r=4)
+    assert type(model).__name__.startswith("Peft")
+    assert logits_differ(step_logits(model, ids, rows[:6], shared=False),
+                         step_logits(model, ids, rows[:6], shared=True)) < 1e-9
+
+
+def test_no_repeated_prompt_takes_the_plain_path(tiny64):
+    model, ids, rows = tiny64
+    sharing = PrefillSharing("auto")
+    config = generation_config(GREEDY, ids)
+    assert sharing.use(model, rows[::3], config, ids.pad, CPU) is False
+    assert sharing.on is None  # nothing to decide yet: the next batch with a group decides
+    assert sharing.use(model, rows[:4], config, ids.pad, CPU) is True
+    assert PrefillSharing(False).use(model, rows, config, ids.pad, CPU) is False
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3vl", "tiny-gemma3"])
+def test_auto_per_architecture(builtin_folder, float64_model, name):
+    """Qwen3-VL (M-RoPE offsets, deepstack features) shares exactly. Gemma 3 does not on
+    left-padded rows (it does on rows of one prompt with no padding): the check pads every row,
+    so even one group of one length shows it; ``auto`` says why and keeps the per-row path,
+    whose completions are then unchanged."""
+    model, ids, rows = setup(float64_model, builtin_folder(name))
+    config = generation_config(GREEDY, ids)
+    for checked in (rows, rows[:3]):
+        exact, why = prefill_is_exact(model, checked, config, ids.pad, CPU)
+        if name == "tiny-gemma3":
+            assert not exact and "differ from the per-row path's" in why
+        else:
+            assert exact, why
+    if name == "tiny-gemma3":  # one prompt, no padding: equal, which the check must not trust
+        assert logits_differ(step_logits(model, ids, rows[:2], shared=False),
+                             step_logits(model, ids, rows[:2], shared=True)) < 1e-9
+    seeds = row_seeds(3, 1, 0, 6)
+    plain, shared, on = both(model, ids, rows[:6], SAMPLING, 6, seeds)
+    assert on is exact
+    assert [c.tolist() for c in plain] == [c.tolist() for c in shared]
