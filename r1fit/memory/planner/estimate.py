@@ -6,7 +6,9 @@ allocates it:
 
 - for the whole run: weights, AdamW states (after the first update), the KL reference copy;
 - generation (r1fit/rollout/generate.py): ``memory.generation_batch`` rows at a time under
-  ``no_grad``, KV cache on; the gradients were freed by the previous update;
+  ``no_grad``, KV cache on; the gradients were freed by the previous update. With
+  ``rollout.share_prefill=true`` the prefill runs each prompt a chunk touches once
+  (r1fit/rollout/prefill.py); ``auto`` is planned as the per-row prefill, never smaller;
 - reference log-probs, and with ``algo.kl_in_reward`` the policy's (r1fit/train/forward.py,
   ``no_grad``): a micro-batch at a time; only with ``algo.beta > 0``. A reused rollout's old
   log-probs come from the first update's forwards: no pass of their own;
@@ -344,7 +346,8 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
                      share_prefix=bool(cfg.memory.share_prefix), group=cfg.algo.num_generations,
                      rows_per_gpu=s.rows, gpus=s.gpus, packed_tokens=s.tokens,
                      flash=cfg.model.attn_implementation.startswith("flash"),
-                     fused_loss=cfg.fuses_loss())
+                     fused_loss=cfg.fuses_loss(),
+                     share_prefill=cfg.rollout.engine == "hf" and cfg.rollout.share_prefill is True)
     if s.tokens is not None:  # packed by tokens: the most rows a micro-batch takes, how many
         cut = step.token_cut()
         s = replace(s, micro=cut.rows)
@@ -555,6 +558,9 @@ class StepShape:
     #: memory.fused_loss on: the LM head's gradients are made in its forward
     #: (r1fit/algorithms/logprobs.py fused_head_loss), nothing of it is kept for backward
     fused_loss: bool = False
+    #: rollout.share_prefill=true: a generation chunk prefills each prompt it touches once
+    #: (r1fit/rollout/prefill.py)
+    share_prefill: bool = False
 
     @property
     def mask(self) -> str:
@@ -619,6 +625,12 @@ class StepShape:
             return 1, self.token_cut().tokens
         if not self.share_prefix:
             return rows, self.length
+        groups, completions = self.groups_touched(rows)
+        return groups, self.prompt.tokens + completions * self.completion
+
+    def groups_touched(self, rows: int) -> tuple[int, int]:
+        """Cutting every GPU's contiguous share of the step's rows into chunks of ``rows``: the
+        most groups a chunk touches, and the most completions of one group in a chunk."""
         groups = completions = 1
         for gpu in range(self.gpus):
             first = gpu * self.rows_per_gpu
@@ -628,7 +640,7 @@ class StepShape:
                 groups = max(groups, len(touched))
                 completions = max(completions, *(min(end, (g + 1) * self.group)
                                                  - max(start, g * self.group) for g in touched))
-        return groups, self.prompt.tokens + completions * self.completion
+        return groups, completions
 
 
 @dataclass(frozen=True)
@@ -646,11 +658,17 @@ def generation_bytes(step: StepShape, rows: int, sampling: int) -> int:
     """A generation chunk of ``rows`` rows under no_grad, KV cache on: its largest moment."""
     t, v, b = step.facts.text, step.facts.vision, step.b
     P, T = step.prompt.tokens, step.length
-    patches = rows * step.patches
+    # with share_prefill the prefill runs each prompt the chunk touches once, then its cache is
+    # copied to the chunk's rows (the copies and the prompts' own cache at once, at most)
+    prompts = min(rows, step.groups_touched(rows)[0]) if step.share_prefill else rows
+    shared = prompts < rows  # no prompt repeats: generate prefills every row as usual
+    patches = prompts * step.patches
     # the vision tower runs after the text embeddings exist, and its output is merged into them
     prefill_vision = (vision_forward_bytes(v, b, patches)
-                      + rows * (P + step.prompt.image_tokens) * t.hidden * b)
-    prefill = kv_cache_bytes(t, b, rows, P) + lm_forward_bytes(t, b, rows, P, step.eager)
+                      + prompts * (P + step.prompt.image_tokens) * t.hidden * b)
+    prefill = kv_cache_bytes(t, b, prompts, P) + lm_forward_bytes(t, b, prompts, P, step.eager)
+    if shared:
+        prefill = max(prefill, kv_cache_bytes(t, b, rows + prompts, P))
     decode = (kv_cache_bytes(t, b, rows, T)
               + rows * T * t.kv_dim * b  # torch.cat grows one layer's K (or V)
               + rows * t.vocab * (b + sampling * F32 + 1))  # + the model's logits and a bool mask

@@ -20,6 +20,7 @@ from r1fit.memory.planner.estimate import (
     backward_end_bytes,
     engine_memory,
     fsdp_buffers,
+    generation_bytes,
     head_chunk_bytes,
     layer_backward_bytes,
     lm_activations,
@@ -28,6 +29,7 @@ from r1fit.memory.planner.estimate import (
     vision_activations,
 )
 from r1fit.memory.planner.facts import ModelFacts, PromptShape, TextDims, VisionDims
+from r1fit.memory.planner.formulas import kv_cache_bytes, lm_forward_bytes, vision_forward_bytes
 
 PROMPT = PromptShape(tokens=10, image_tokens=4, patches=16, how="by hand")
 
@@ -260,3 +262,23 @@ def test_the_fused_head_holds_its_chunk_and_gradients_at_once_in_forward(step):
     # and its input beside the chunk, as the recomputing one's forward does, plus hidden[mask]
     assert head_chunk_bytes(step(fused_loss=True, lora_r=8), 2, 12) \
         == head_chunk_bytes(step(lora_r=8), 2, 12) + 1_536
+
+
+def test_a_shared_prefill_runs_each_prompt_of_a_generation_chunk_once(step):
+    """8 rows of one group: the prefill (vision tower, layers) runs 1 prompt instead of 8, and
+    its cache is copied to the 8 rows beside its own; the decode is the per-row path's. Rows of
+    distinct prompts (group 1) are generated as usual."""
+    per_row = step(group=8, rows_per_gpu=8)
+    shared = replace(per_row, share_prefill=True)
+    t, v, b, P = per_row.facts.text, per_row.facts.vision, per_row.b, PROMPT.tokens
+    vision_1 = vision_forward_bytes(v, b, PROMPT.patches) + (P + PROMPT.image_tokens) * t.hidden * b
+    prefill_1 = max(kv_cache_bytes(t, b, 1, P) + lm_forward_bytes(t, b, 1, P, False),
+                    kv_cache_bytes(t, b, 9, P))
+    decode = (kv_cache_bytes(t, b, 8, per_row.length) + 8 * per_row.length * t.kv_dim * b
+              + 8 * t.vocab * (b + 1))
+    assert generation_bytes(shared, 8, 0) == per_row.pixels(8) + max(vision_1, prefill_1, decode)
+    assert generation_bytes(shared, 8, 0) < generation_bytes(per_row, 8, 0)
+    # chunks of 3 rows of groups of 2 touch 2 prompts: [0:3] = group 0 and row 2 of group 1
+    assert replace(shared, group=2).groups_touched(3) == (2, 2)
+    distinct = replace(shared, group=1)
+    assert generation_bytes(distinct, 8, 0) == generation_bytes(replace(per_row, group=1), 8, 0)
