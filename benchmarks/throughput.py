@@ -25,12 +25,15 @@ float32 on CPU. Variants, each a fresh child process with the same seed:
   chunks in backward instead of making its gradient in forward); ``+chunk256``, with
   ``memory.logits_chunk=256``; ``+release_freed``, with ``memory.release_freed=true`` (glibc
   hands freed blocks of 1 MiB and more back at once: the RSS follows the live tensors, at the
-  cost of page faults), to measure both sides of each trade;
+  cost of page faults); ``+row_prefill``, with ``rollout.share_prefill=false`` (generation
+  prefills every row's prompt instead of each distinct prompt once), to measure both sides of
+  each trade;
 - ``per_row@base`` (with ``--baseline-src DIR``): the per-row path of the r1fit package in DIR,
   e.g. a git worktree of the commit an issue was filed against (``git worktree add /tmp/base
   <commit>``), run from this script with DIR first on the child's PYTHONPATH.
 
-Per run, medians over steps 2.. (step 1 pays one-off costs): ``seconds_update`` (old log-probs +
+Per run, medians over steps 2.. (step 1 pays one-off costs): ``seconds_generate`` (the
+rollouts), ``seconds_update`` (old log-probs +
 updates), tokens/s (completion tokens per second of the whole step), ``mfu`` (r1fit's own per-step
 MFU, r1fit/memory/flops.py); and the peak memory of the run: the largest per-step
 ``peak_memory_bytes`` (RSS) minus the RSS before the model loaded. The floor is what any step of
@@ -86,7 +89,8 @@ MODES = ("full", "lora")
 #: chunks in backward instead of making its gradient in forward), ``memory.logits_chunk=256``,
 #: ``memory.release_freed=true`` (glibc hands freed blocks of 1 MiB and more back at once)
 SUFFIXES = {"+recompute": "memory.fused_loss=false", "+chunk256": "memory.logits_chunk=256",
-            "+release_freed": "memory.release_freed=true"}
+            "+release_freed": "memory.release_freed=true",
+            "+row_prefill": "rollout.share_prefill=false"}
 
 
 def base_variant(variant: str) -> str:
@@ -112,6 +116,7 @@ class RunResult:
     """What one child run measured."""
 
     seconds_update: list[float]  # per step, steps 2..
+    seconds_generate: list[float]  # per step, steps 2..
     tokens_per_second: list[float]  # per step, steps 2..
     mfu: list[float]  # per step, steps 2..
     peak_bytes: int  # largest per-step peak RSS minus the RSS before the model loaded
@@ -141,6 +146,7 @@ class Setting(RepeatedRuns):
 
     def to_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "generations": self.generations, "variant": self.variant,
+                "seconds_generate": self.median("seconds_generate"),
                 "seconds_update": self.median("seconds_update"),
                 "tokens_per_second": self.median("tokens_per_second"),
                 "mfu": self.median("mfu"), "peak_bytes": self.peak, "floor_bytes": self.floor,
@@ -204,6 +210,7 @@ def summarise_run(out: Path, floor: int, unread: int = 0) -> RunResult:
     later = steps[1:]
     return RunResult(
         seconds_update=[float(r["seconds_update"]) for r in later],
+        seconds_generate=[float(r["seconds_generate"]) for r in later],
         tokens_per_second=[float(r["tokens_per_second"]) for r in later],
         mfu=[float(r["mfu"]) for r in later],
         peak_bytes=max(int(r["peak_memory_bytes"]) for r in steps) - rss_before_load,
@@ -257,7 +264,7 @@ def print_table(settings: list[Setting]) -> None:
 
     table = Table(title="GRPO step: per-row vs shared prefix (medians over repeats)")
     baseline = any(s.variant == BASELINE for s in settings)
-    for name in ("mode", "G", "variant", "update s", "x per_row",
+    for name in ("mode", "G", "variant", "generate s", "update s", "x per_row",
                  *(("x " + BASELINE,) if baseline else ()), "tokens/s", "mfu",
                  "peak (MiB)", "unread (MiB)", "floor (MiB)", "peak / floor",
                  "+ unread / floor"):
@@ -269,7 +276,8 @@ def print_table(settings: list[Setting]) -> None:
         return f"{s.median('seconds_update') / ref.median('seconds_update'):.2f}" if ref else "-"
 
     for s in settings:
-        table.add_row(s.mode, str(s.generations), s.variant, f"{s.median('seconds_update'):.2f}",
+        table.add_row(s.mode, str(s.generations), s.variant,
+                      f"{s.median('seconds_generate'):.2f}", f"{s.median('seconds_update'):.2f}",
                       ratio(s, "per_row"), *((ratio(s, BASELINE),) if baseline else ()),
                       f"{s.median('tokens_per_second'):.1f}", f"{s.median('mfu'):.4f}",
                       f"{s.peak / MIB:,.0f}", f"{s.unread / MIB:,.0f}", f"{s.floor / MIB:,.0f}",

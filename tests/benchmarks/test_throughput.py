@@ -23,7 +23,8 @@ def _fake_run(folder: Path, before: int, rows: list[dict]) -> Path:
 
 
 def _row(update: float, tps: float, mfu: float, peak: int, length: float = 16.0) -> dict:
-    return {"seconds_update": update, "tokens_per_second": tps, "mfu": mfu,
+    return {"seconds_update": update, "seconds_generate": 2 * update, "tokens_per_second": tps,
+            "mfu": mfu,
             "peak_memory_bytes": peak, "completion_len_mean": length}
 
 
@@ -34,6 +35,7 @@ def test_summarise_run_skips_step_one_and_subtracts_the_rss_before_load(tmp_path
         _row(3.0, 6.0, 0.3, 1700 * MIB, 14.0)])
     result = tp.summarise_run(out, floor=1000 * MIB)
     assert result.seconds_update == [2.0, 3.0]
+    assert result.seconds_generate == [4.0, 6.0]
     assert result.tokens_per_second == [4.0, 6.0]
     assert result.mfu == [0.2, 0.3]
     assert result.peak_bytes == 1400 * MIB  # the largest step, step 1 included, minus 500
@@ -52,7 +54,7 @@ def test_summarise_run_needs_two_steps_and_the_baseline(tmp_path):
 
 
 def _setting(mode: str, g: int, variant: str, update: float, peak: int, floor: int):
-    run = tp.RunResult([update], [1.0], [0.01], peak, floor, 16.0)
+    run = tp.RunResult([update], [2.0], [1.0], [0.01], peak, floor, 16.0)
     return tp.Setting(mode, g, variant, [run])
 
 
@@ -73,7 +75,8 @@ def test_targets_compare_shared_with_per_row_at_g8_and_every_peak_with_its_floor
 
 
 def test_mapped_weights_the_rss_never_held_count_toward_the_floor_target():
-    run = tp.RunResult([1.0], [1.0], [0.01], 100 * MIB, 100 * MIB, 16.0, unread_weight_bytes=30 * MIB)
+    run = tp.RunResult([1.0], [2.0], [1.0], [0.01], 100 * MIB, 100 * MIB, 16.0,
+                       unread_weight_bytes=30 * MIB)
     met, verdicts = tp.check_targets([tp.Setting("lora", 8, "shared", [run])],
                                      max_update_ratio=0.6, max_floor_ratio=1.25)
     assert not met  # 1.00x in RSS, 1.30x with the unread weights
@@ -101,9 +104,9 @@ def test_the_baseline_variant_runs_the_per_row_path_from_the_other_tree(tmp_path
 
 
 def test_setting_medians_over_repeats():
-    runs = [tp.RunResult([1.0, 3.0], [5.0], [0.1], 300, 10, 16.0),
-            tp.RunResult([4.0, 4.0], [7.0], [0.2], 100, 10, 16.0),
-            tp.RunResult([9.0, 5.0], [6.0], [0.3], 200, 10, 16.0)]
+    runs = [tp.RunResult([1.0, 3.0], [2.0], [5.0], [0.1], 300, 10, 16.0),
+            tp.RunResult([4.0, 4.0], [2.0], [7.0], [0.2], 100, 10, 16.0),
+            tp.RunResult([9.0, 5.0], [2.0], [6.0], [0.3], 200, 10, 16.0)]
     setting = tp.Setting("full", 8, "shared", runs)
     assert setting.median("seconds_update") == 4.0  # median of the per-run medians 2, 4, 7
     assert setting.peak == 200
