@@ -11,7 +11,10 @@ The continuation is ``generate``'s own: it takes the rows' full ``input_ids`` an
 computes their positions and masks, and only skips the cached columns. Qwen-VL models keep their
 prefill's M-RoPE offsets (``rope_deltas``, one per row: how far an image's 3-D positions moved
 the text after it) on the backbone and add them to every later position; they are copied to the
-rows like the cache. The image inputs are not passed to ``generate``: their tokens are cached.
+rows like the cache. A model without a position rule of its own (no ``get_rope_index``) gets
+its prefill's positions counted from each row's first real token, as ``generate`` counts them;
+its forward alone would count the left padding too. The image inputs are not passed to
+``generate``: their tokens are cached.
 
 Each row's cache is the one its own prefill would build (the same weights over the same tokens at
 the same positions), so the logits equal the per-row path's up to float rounding between batch
@@ -35,11 +38,12 @@ from r1fit.models.logprobs import CompletionLogProbs
 
 log = logging.getLogger("r1fit.rollout")
 
-#: the most the two paths' per-step log-softmax may differ by (max over the vocabulary), by the
-#: model's dtype: float rounding between batch shapes (0 measured in float64, ~1e-6 in float32),
-#: well below what positions shifted by one move it on the random-weight test models (~1e-3).
-#: bfloat16 logits of magnitude 32 are 0.25 apart, which rounding alone can reach.
-TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4}
+#: the most the two paths' per-step log-softmax may differ by (max over the vocabulary) in a
+#: float32 or float64 model: float rounding between batch shapes, well below what positions
+#: shifted by one move it on the random-weight test models (~1e-3)
+TOLERANCE = 1e-4
+#: the same in a 16-bit model, whose logits of magnitude 32 are 0.25 apart in bfloat16: rounding
+#: alone can reach that
 HALF_TOLERANCE = 0.25
 
 
@@ -93,6 +97,11 @@ def prefilled_inputs(model: Any, rows: Sequence[Prompt], inputs: dict[str, torch
     for module in holders:  # a stale value from an earlier call must not be reused
         module.rope_deltas = None
     kwargs: dict[str, Any] = {name: cache, "use_cache": True}
+    if not any(hasattr(m, "get_rope_index") for m in (unwrap(model), *holders)):
+        # a model without its own position rule counts positions from the first real token, as
+        # ``generate`` does (its forward alone would count padding too)
+        mask = prefix["attention_mask"]
+        kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill_(mask == 0, 0)
     if "logits_to_keep" in inspect.signature(unwrap(model).forward).parameters:
         kwargs["logits_to_keep"] = 1  # the prefill's logits are not needed: skip [L x vocab]
     # through r1fit's log-prob root when it holds the model (FSDP gathers around its methods)
@@ -165,7 +174,7 @@ def prefill_is_exact(model: Any, rows: Sequence[Prompt], config: GenerationConfi
             NotImplementedError) as err:
         return False, f"generate from a copied cache fails ({type(err).__name__}: {err})"
     dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
-    tolerance = TOLERANCE.get(dtype, HALF_TOLERANCE)
+    tolerance = TOLERANCE if dtype in (torch.float32, torch.float64) else HALF_TOLERANCE
     worst = logits_differ(plain.logits, shared.logits)
     if worst > tolerance:
         return False, (f"its logits differ from the per-row path's by {worst:.3g} "

@@ -1,6 +1,7 @@
 """Shared prefill: generate from each distinct prompt's KV cache copied to its rows gives the
 per-row path's logits and completions (float64, mixed groups, padding, chunks that split a group,
-text-only rows, LoRA, r1fit's log-prob root), and ``auto`` turns it off where it is not exact."""
+text-only rows, LoRA, r1fit's log-prob root, three architectures), and the check behind ``auto``
+sees a cache whose positions are off."""
 
 from __future__ import annotations
 
@@ -149,23 +150,35 @@ def test_no_repeated_prompt_takes_the_plain_path(tiny64):
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3vl", "tiny-gemma3"])
-def test_auto_per_architecture(builtin_folder, float64_model, name):
-    """Qwen3-VL (M-RoPE offsets, deepstack features) shares exactly. Gemma 3 does not on
-    left-padded rows (it does on rows of one prompt with no padding): the check pads every row,
-    so even one group of one length shows it; ``auto`` says why and keeps the per-row path,
-    whose completions are then unchanged."""
+def test_other_architectures(builtin_folder, float64_model, name):
+    """Qwen3-VL (M-RoPE offsets, deepstack features) and Gemma 3 (no position rule of its own:
+    r1fit counts positions from each row's first real token, as ``generate`` does; sliding
+    window layers; bidirectional attention within images) share exactly, padded or not."""
     model, ids, rows = setup(float64_model, builtin_folder(name))
     config = generation_config(GREEDY, ids)
     for checked in (rows, rows[:3]):
         exact, why = prefill_is_exact(model, checked, config, ids.pad, CPU)
-        if name == "tiny-gemma3":
-            assert not exact and "differ from the per-row path's" in why
-        else:
-            assert exact, why
-    if name == "tiny-gemma3":  # one prompt, no padding: equal, which the check must not trust
-        assert logits_differ(step_logits(model, ids, rows[:2], shared=False),
-                             step_logits(model, ids, rows[:2], shared=True)) < 1e-9
+        assert exact, why
+    assert logits_differ(step_logits(model, ids, rows, shared=False),
+                         step_logits(model, ids, rows, shared=True)) < 1e-9
     seeds = row_seeds(3, 1, 0, 6)
     plain, shared, on = both(model, ids, rows[:6], SAMPLING, 6, seeds)
-    assert on is exact
+    assert on is True
+    assert [c.tolist() for c in plain] == [c.tolist() for c in shared]
+
+
+def test_the_check_catches_positions_that_are_off(tiny64, monkeypatch):
+    """With the M-RoPE offsets neither cleared nor copied (as if r1fit did not know where a
+    model keeps them), the check sees the shifted positions and ``auto`` stays off; the
+    completions are the per-row path's."""
+    import r1fit.rollout.prefill as prefill
+
+    model, ids, rows = tiny64
+    monkeypatch.setattr(prefill, "_rope_holders", lambda model: [])
+    step_logits(model, ids, rows[:3], shared=False)  # leaves one image prompt's offset behind
+    exact, why = prefill_is_exact(model, rows, generation_config(GREEDY, ids), ids.pad, CPU)
+    assert not exact and "differ from the per-row path's" in why
+    seeds = row_seeds(5, 0, 0, len(rows))
+    plain, shared, on = both(model, ids, rows, SAMPLING, 12, seeds)
+    assert on is False
     assert [c.tolist() for c in plain] == [c.tolist() for c in shared]
