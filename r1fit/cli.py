@@ -50,6 +50,7 @@ def _config(args: list[str]) -> Config:
 def _run(command: str, cfg: Config) -> None:
     from r1fit.distributed.context import close_distributed
 
+    finished = False
     try:
         if command == "train":
             from r1fit.train.grpo import train_grpo
@@ -59,8 +60,9 @@ def _run(command: str, cfg: Config) -> None:
             from r1fit.train.sft import train_sft
 
             train_sft(cfg)
+        finished = True
     finally:
-        close_distributed()
+        close_distributed(barrier=finished)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,12 +99,17 @@ def init_distributed(device_type: str) -> World:
     return _WORLD
 
 
-def close_distributed() -> None:
+def close_distributed(*, barrier: bool = False) -> None:
     """Leave the process group of a torchrun run (at its end; a crash leaves it to torchrun).
     A one-process run has none of its own; a group a library made (vLLM makes one for its engine)
-    is the library's to close."""
+    is the library's to close. ``barrier`` (a run that finished on every process): wait for the
+    others first, so that no process tears its gloo connections down while another still works
+    (rank 0 writes the report last); once, a rank that left first aborted at exit
+    ("terminate called without an active exception")."""
     global _WORLD
     if _WORLD.distributed and dist.is_initialized():
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
     _WORLD = World()
 
