@@ -61,13 +61,6 @@ def distinct_prompts(rows: Sequence[Prompt]) -> tuple[list[Prompt], torch.Tensor
     return unique, torch.tensor(index, dtype=torch.long)
 
 
-def _cache_argument(model: Any) -> str:
-    """The forward's name for the KV cache: ``cache`` from transformers 5.24 on, before it
-    ``past_key_values``."""
-    params = inspect.signature(unwrap(model).forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def _rope_holders(model: Any) -> list[torch.nn.Module]:
     """The modules that keep the prefill's per-row M-RoPE offsets (Qwen-VL's backbone)."""
     top = unwrap(model)
@@ -91,7 +84,10 @@ def prefilled_inputs(model: Any, rows: Sequence[Prompt], inputs: dict[str, torch
     token_keys = _token_keys(rows)
     prefix = {k: v[first, :-1] for k, v in inputs.items() if k in token_keys}
     prefix.update({k: v.to(device) for k, v in image_inputs(unique).items()})
-    name = _cache_argument(model)
+    params = inspect.signature(unwrap(model).forward).parameters
+    # the forward's name for the KV cache: ``cache`` from transformers 5.24 on, before it
+    # ``past_key_values``
+    name = "cache" if "cache" in params else "past_key_values"
     cache = DynamicCache(config=unwrap(model).config)
     holders = _rope_holders(model)
     for module in holders:  # a stale value from an earlier call must not be reused
@@ -102,7 +98,7 @@ def prefilled_inputs(model: Any, rows: Sequence[Prompt], inputs: dict[str, torch
         # ``generate`` does (its forward alone would count padding too)
         mask = prefix["attention_mask"]
         kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill_(mask == 0, 0)
-    if "logits_to_keep" in inspect.signature(unwrap(model).forward).parameters:
+    if "logits_to_keep" in params:
         kwargs["logits_to_keep"] = 1  # the prefill's logits are not needed: skip [L x vocab]
     # through r1fit's log-prob root when it holds the model (FSDP gathers around its methods)
     (model.prefill if isinstance(model, CompletionLogProbs) else model)(**prefix, **kwargs)
