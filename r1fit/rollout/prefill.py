@@ -141,8 +141,9 @@ def _padded_left(inputs: dict[str, torch.Tensor], keys: set[str], columns: int, 
     return out
 
 
-#: padding columns the check adds to every row: a model whose cached decoding treats padding
-#: differently (Gemma 3 here) must show it even when the checked prompts are of equal length
+#: padding columns the check adds to every row: a prefill whose positions count the padding (as
+#: Gemma 3's forward alone does, before r1fit passes positions) must show even when the checked
+#: prompts are of equal length
 CHECK_PADDING = 3
 
 
