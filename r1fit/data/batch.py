@@ -174,10 +174,13 @@ class Batch:
 
 
 def collate(prompts: Sequence[Prompt], completions: Sequence[torch.Tensor] | None,
-            pad_id: int, masks: Sequence[torch.Tensor | None] | None = None) -> Batch:
+            pad_id: int, masks: Sequence[torch.Tensor | None] | None = None, *,
+            images: bool = True) -> Batch:
     """Left-pad the prompts to a common length and right-pad the completions after them.
     ``masks[i]`` (1 = scored) replaces the all-ones mask of completion ``i`` where given (SFT
-    on multi-turn rows scores the assistant turns only)."""
+    on multi-turn rows scores the assistant turns only). ``images=False`` leaves the image
+    tensors out (their tokens' columns stay): for a caller that feeds each distinct prompt's
+    images itself."""
     rows = len(prompts)
     prompt_len = max(p.length for p in prompts)
     comps = list(completions) if completions is not None else [torch.zeros(0, dtype=torch.long)] * rows
@@ -207,7 +210,7 @@ def collate(prompts: Sequence[Prompt], completions: Sequence[torch.Tensor] | Non
         mask = masks[i] if masks is not None else None
         completion_mask[i, :n] = 1.0 if mask is None else mask.to(torch.float32)
     inputs: dict[str, torch.Tensor] = {"input_ids": input_ids, "attention_mask": attention, **extras,
-                                       **image_inputs(prompts)}
+                                       **(image_inputs(prompts) if images else {})}
     return Batch(inputs, prompt_len, completion_ids, completion_mask)
 
 

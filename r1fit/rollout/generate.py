@@ -192,7 +192,10 @@ def generate_completions(model: Any, rows: Sequence[Prompt], *, seeds: Sequence[
     try:
         for start in range(0, len(rows), batch_size):
             chunk = rows[start:start + batch_size]
-            batch = collate(chunk, None, ids.pad).to(device)
+            shared = sharing is not None and sharing.use(model, chunk, gen_config, ids.pad, device)
+            # a shared prefill takes each distinct prompt's images itself: the rows' copies of
+            # them (G per prompt) are not collated
+            batch = collate(chunk, None, ids.pad, images=not shared).to(device)
             processors = LogitsProcessorList()
             if seeds is not None:  # fresh streams per chunk: row i's draws start at its position 0
                 processors.append(SeededSampler(seeds[start:start + batch_size],
@@ -200,9 +203,7 @@ def generate_completions(model: Any, rows: Sequence[Prompt], *, seeds: Sequence[
             # synced_gpus=False: transformers would otherwise sync every token step across
             # ranks for an FSDP model; r1fit gathers the weights first (gathered()) and each rank
             # decodes its own rows to their own lengths, with no collectives
-            inputs = batch.inputs
-            if sharing is not None and sharing.use(model, chunk, gen_config, ids.pad, device):
-                inputs = prefilled_inputs(model, chunk, batch.inputs)
+            inputs = prefilled_inputs(model, chunk, batch.inputs) if shared else batch.inputs
             out = model.generate(**inputs, generation_config=gen_config,
                                  logits_processor=processors, synced_gpus=False)
             new_tokens = out[:, batch.prompt_len:].cpu()

@@ -39,6 +39,14 @@ def test_collate_without_completions_is_a_generation_batch():
     assert batch.completion_ids.shape == (2, 0)
 
 
+def test_collate_without_images_keeps_the_token_columns():
+    rows = [prompt([5, 6, 7], [0, 1, 0], 2), prompt([8, 9], [1, 0], 3)]
+    full, text = collate(rows, None, PAD), collate(rows, None, PAD, images=False)
+    assert set(full.inputs) - set(text.inputs) == {"pixel_values", "image_grid_thw"}
+    for key, value in text.inputs.items():
+        assert torch.equal(value, full.inputs[key]), key
+
+
 def test_text_only_prompt_next_to_image_prompt():
     text_only = Prompt(torch.tensor([4, 4]), {}, {}, Sample([], "q", "a", "t"))
     batch = collate([prompt([5, 6], [1, 0], 2), text_only], None, PAD)
