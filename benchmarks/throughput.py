@@ -27,7 +27,10 @@ float32 on CPU. Variants, each a fresh child process with the same seed:
   hands freed blocks of 1 MiB and more back at once: the RSS follows the live tensors, at the
   cost of page faults); ``+row_prefill``, with ``rollout.share_prefill=false`` (generation
   prefills every row's prompt instead of each distinct prompt once), to measure both sides of
-  each trade;
+  each trade; ``+tensors``, with ``memory.cpu_peak=tensors``: the peak is then the live tensors'
+  (the probe, r1fit/memory/probe.py: what r1fit logs on a GPU, ``max_memory_allocated``, and
+  what ``r1fit plan`` predicts), every weight counted, so no unread bytes are added; the probe
+  slows every op, so its speeds are not comparable with the other variants';
 - ``per_row@base`` (with ``--baseline-src DIR``): the per-row path of the r1fit package in DIR,
   e.g. a git worktree of the commit an issue was filed against (``git worktree add /tmp/base
   <commit>``), run from this script with DIR first on the child's PYTHONPATH.
@@ -90,7 +93,8 @@ MODES = ("full", "lora")
 #: ``memory.release_freed=true`` (glibc hands freed blocks of 1 MiB and more back at once)
 SUFFIXES = {"+recompute": "memory.fused_loss=false", "+chunk256": "memory.logits_chunk=256",
             "+release_freed": "memory.release_freed=true",
-            "+row_prefill": "rollout.share_prefill=false"}
+            "+row_prefill": "rollout.share_prefill=false",
+            "+tensors": "memory.cpu_peak=tensors"}
 
 
 def base_variant(variant: str) -> str:
@@ -119,7 +123,8 @@ class RunResult:
     seconds_generate: list[float]  # per step, steps 2..
     tokens_per_second: list[float]  # per step, steps 2..
     mfu: list[float]  # per step, steps 2..
-    peak_bytes: int  # largest per-step peak RSS minus the RSS before the model loaded
+    peak_bytes: int  # largest per-step peak RSS minus the RSS before the model loaded (+tensors:
+    # the largest per-step peak of live tensors)
     floor_bytes: int
     completion_len_mean: float
     # mapped checkpoint bytes not resident at the run's end (benchkit.UnreadWeights): weights a
@@ -190,12 +195,16 @@ def run_one(args: argparse.Namespace) -> int:
     cfg = load_config(None, run_overrides(args, mode, generations, variant, out))
     with UnreadWeights() as unread:
         train_grpo(cfg)
-    print_result(NAME, asdict(summarise_run(out, floor_bytes(cfg), unread.bytes)))
+    tensors = cfg.memory.cpu_peak == "tensors"
+    print_result(NAME, asdict(summarise_run(out, floor_bytes(cfg), 0 if tensors else unread.bytes,
+                                            tensors=tensors)))
     return 0
 
 
-def summarise_run(out: Path, floor: int, unread: int = 0) -> RunResult:
-    """One run's metrics.jsonl and summary.json reduced to a :class:`RunResult`."""
+def summarise_run(out: Path, floor: int, unread: int = 0, *, tensors: bool = False) -> RunResult:
+    """One run's metrics.jsonl and summary.json reduced to a :class:`RunResult`. ``tensors``:
+    the run logged live-tensor peaks (``memory.cpu_peak=tensors``), which count every tensor the
+    process holds, so nothing is subtracted from them."""
     from r1fit.report.metrics import read_metrics  # plain json; no torch
 
     summary = json.loads((out / "summary.json").read_text())
@@ -213,7 +222,8 @@ def summarise_run(out: Path, floor: int, unread: int = 0) -> RunResult:
         seconds_generate=[float(r["seconds_generate"]) for r in later],
         tokens_per_second=[float(r["tokens_per_second"]) for r in later],
         mfu=[float(r["mfu"]) for r in later],
-        peak_bytes=max(int(r["peak_memory_bytes"]) for r in steps) - rss_before_load,
+        peak_bytes=max(int(r["peak_memory_bytes"]) for r in steps) - (0 if tensors else
+                                                                       rss_before_load),
         floor_bytes=floor,
         completion_len_mean=statistics.mean(float(r["completion_len_mean"]) for r in steps),
         unread_weight_bytes=unread)

@@ -43,6 +43,15 @@ def test_summarise_run_skips_step_one_and_subtracts_the_rss_before_load(tmp_path
     assert result.completion_len_mean == 14.0
 
 
+def test_a_live_tensor_run_keeps_its_peak_whole(tmp_path):
+    # memory.cpu_peak=tensors logs every live tensor, weights included: nothing to subtract
+    out = _fake_run(tmp_path / "run", 500 * MIB, [
+        _row(9.0, 1.0, 0.1, 1900 * MIB), _row(2.0, 4.0, 0.2, 1800 * MIB)])
+    assert tp.summarise_run(out, floor=1000 * MIB, tensors=True).peak_bytes == 1900 * MIB
+    assert tp.run_overrides(tp.parse_args(["--quick"]), "lora", 4, "shared+tensors", tmp_path)[-1] \
+        == "memory.cpu_peak=tensors"
+
+
 def test_summarise_run_needs_two_steps_and_the_baseline(tmp_path):
     one = _fake_run(tmp_path / "one", 1, [_row(1.0, 1.0, 0.1, 2)])
     with pytest.raises(BenchmarkError, match="1 step rows"):
