@@ -15,7 +15,8 @@ process with ``memory.cpu_peak=tensors`` (the probe: peak bytes of live tensors,
 the largest per-step ``peak_memory_bytes``. The grid varies num_generations, micro_batch,
 max_new_tokens, max_pixels, LoRA vs full fine-tuning, gradient checkpointing, the KL reference,
 the shared prompt and packed micro-batches on builtin:tiny and builtin:small-realvocab, and
-covers the other built-in architectures (builtin:tiny-gemma3, builtin:tiny-qwen3vl) and a real
+covers the other built-in architectures (builtin:tiny-gemma3, builtin:tiny-qwen3vl,
+builtin:tiny-qwen2vl) and a real
 model's widths in bfloat16 (builtin:bench-3b-cut: Qwen2.5-VL-3B cut to 4 layers, 0.74B parameters). Target: every plan
 between 5% under the probe (``--low-tolerance``: low is the side where a plan means an OOM) and
 15% over it (``--tolerance``). Exit status: 0 when met, 1 when a configuration misses it, 2 on a
@@ -45,6 +46,7 @@ COMMON = ["train.max_steps=2", "sft.format_warmup_steps=0", "eval.every=0", "dat
           "memory.share_prefix=false"]
 TINY, SMALL = "model.path=builtin:tiny", "model.path=builtin:small-realvocab"
 GEMMA3, QWEN3VL = "model.path=builtin:tiny-gemma3", "model.path=builtin:tiny-qwen3vl"
+QWEN2VL = "model.path=builtin:tiny-qwen2vl"
 CUT3B = "model.path=builtin:bench-3b-cut"
 # name -> overrides (on top of COMMON); each differs from a neighbour in one or two settings
 GRID: dict[str, list[str]] = {
@@ -106,6 +108,11 @@ GRID: dict[str, list[str]] = {
                         "algo.max_new_tokens=16", "algo.beta=0", "data.shapes.image_size=64",
                         "data.max_pixels=4096"],
     "qwen3vl-lora-kl": [QWEN3VL, "model.lora.r=8", "algo.num_generations=8",
+                        "memory.micro_batch=4", "algo.max_new_tokens=32", "algo.beta=0.04"],
+    # Qwen2-VL's tower (LayerNorm blocks, a QuickGELU MLP, full attention), full and LoRA
+    "qwen2vl-full-g8": [QWEN2VL, "algo.num_generations=8", "memory.micro_batch=4",
+                        "algo.max_new_tokens=16", "algo.beta=0"],
+    "qwen2vl-lora-kl": [QWEN2VL, "model.lora.r=8", "algo.num_generations=8",
                         "memory.micro_batch=4", "algo.max_new_tokens=32", "algo.beta=0.04"],
     # a real model's widths in bfloat16: Qwen2.5-VL-3B cut to 4 layers and 4 vision blocks (0.74B;
     # each probe takes minutes on 2 cores)

@@ -2,6 +2,8 @@
 
 `builtin:tiny`, `builtin:tiny-hd32` and `builtin:small-realvocab` are real
 `Qwen2_5_VLForConditionalGeneration` checkpoints with real Qwen2.5-VL processors;
+`builtin:tiny-qwen2vl` is a real `Qwen2VLForConditionalGeneration` (LayerNorm vision blocks,
+no window attention) with a Qwen2-VL processor;
 `builtin:tiny-qwen3vl` is a real `Qwen3VLForConditionalGeneration` (interleaved M-RoPE,
 DeepStack, 16 px patches) with a Qwen3-VL processor; `builtin:tiny-gemma3` is a real
 `Gemma3ForConditionalGeneration` (SigLIP tower on fixed 64 px images, sliding-window and global
@@ -22,7 +24,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +44,10 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
     Qwen2_5_VLProcessor,
     Qwen2Tokenizer,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
     Qwen2VLImageProcessor,
+    Qwen2VLProcessor,
     Qwen2VLVideoProcessor,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
@@ -107,39 +112,35 @@ class BuiltinSpec:
     max_pixels: int | None = None
 
 
+#: builtin:tiny, whose shapes the other tiny architectures share
+TINY = BuiltinSpec(
+    name="tiny",
+    description="~0.36M params, vocab = tokenizer size, tied head; for unit tests",
+    seed=1234,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=128,
+    mrope_section=(2, 3, 3),  # sums to head_dim / 2 = 8 (Qwen: 16, 24, 24 of 64)
+    vision_hidden=64,
+    vision_depth=2,
+    vision_heads=4,
+    vision_intermediate=128,
+    tie_word_embeddings=True,
+)
+
+
 BUILTINS: dict[str, BuiltinSpec] = {
-    "tiny": BuiltinSpec(
-        name="tiny",
-        description="~0.36M params, vocab = tokenizer size, tied head; for unit tests",
-        seed=1234,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        mrope_section=(2, 3, 3),  # sums to head_dim / 2 = 8 (Qwen: 16, 24, 24 of 64)
-        vision_hidden=64,
-        vision_depth=2,
-        vision_heads=4,
-        vision_intermediate=128,
-        tie_word_embeddings=True,
-    ),
-    "tiny-hd32": BuiltinSpec(
+    "tiny": TINY,
+    "tiny-hd32": replace(
+        TINY,
         name="tiny-hd32",
         description="tiny with 2 attention heads of 32 dims, the smallest head size vLLM's CPU "
         "attention runs; for rollout.engine=vllm tests",
-        seed=1234,
-        hidden_size=64,
-        num_layers=2,
         num_heads=2,
         num_kv_heads=1,
-        intermediate_size=128,
         mrope_section=(4, 6, 6),  # sums to head_dim / 2 = 16
-        vision_hidden=64,
-        vision_depth=2,
-        vision_heads=4,
-        vision_intermediate=128,
-        tie_word_embeddings=True,
     ),
     "small-realvocab": BuiltinSpec(
         name="small-realvocab",
@@ -199,41 +200,28 @@ BUILTINS: dict[str, BuiltinSpec] = {
         tie_word_embeddings=True,
         vocab_size=151_936,
     ),
-    "tiny-qwen3vl": BuiltinSpec(
+    "tiny-qwen2vl": replace(
+        TINY,
+        name="tiny-qwen2vl",
+        description="Qwen2-VL architecture at tiny's size (LayerNorm vision blocks with a "
+        "QuickGELU MLP of 2x their width, full attention in every block, M-RoPE); for "
+        "architecture coverage",
+        family="qwen2_vl",
+    ),
+    "tiny-qwen3vl": replace(
+        TINY,
         name="tiny-qwen3vl",
         description="Qwen3-VL architecture at tiny's size (interleaved M-RoPE, DeepStack features "
         "from the first vision block, 16 px patches); for architecture coverage",
-        seed=1234,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        mrope_section=(2, 3, 3),  # sums to head_dim / 2 = 8 (Qwen3-VL: 24, 20, 20 of 64)
-        vision_hidden=64,
-        vision_depth=2,
-        vision_heads=4,
-        vision_intermediate=128,
-        tie_word_embeddings=True,
         family="qwen3_vl",
     ),
-    "tiny-gemma3": BuiltinSpec(
+    "tiny-gemma3": replace(
+        TINY,
         name="tiny-gemma3",
         description="Gemma 3 architecture at tiny's size (SigLIP tower on 64 px images pooled to 4 "
         "tokens, a sliding-window then a global attention layer, bidirectional attention over "
         "image tokens); for architecture coverage",
-        seed=1234,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
         mrope_section=(0, 0, 0),  # no M-RoPE: Gemma 3 uses 1-D positions
-        vision_hidden=64,
-        vision_depth=2,
-        vision_heads=4,
-        vision_intermediate=128,
-        tie_word_embeddings=True,
         family="gemma3",
         image_size=64,
         patch_size=16,
@@ -354,6 +342,18 @@ def make_processor(
     )
 
 
+def make_qwen2vl_processor(tokenizer: Qwen2Tokenizer) -> Qwen2VLProcessor:
+    """A Qwen2-VL processor around `tokenizer`: the same image and video preprocessing and chat
+    template as the Qwen2.5-VL built-ins (Qwen2-VL's own), in Qwen2-VL's processor class."""
+    size = {"shortest_edge": DEFAULT_MIN_PIXELS, "longest_edge": DEFAULT_MAX_PIXELS}
+    return Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(size=size, patch_size=14, temporal_patch_size=2, merge_size=2),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(size=size, patch_size=14, temporal_patch_size=2, merge_size=2),
+        chat_template=QWEN2VL_CHAT_TEMPLATE,
+    )
+
+
 def make_qwen3vl_processor(tokenizer: Qwen2Tokenizer) -> Qwen3VLProcessor:
     """A Qwen3-VL processor around `tokenizer`: Qwen3-VL's preprocessor settings (16 px patches,
     2x2 merge, mean/std 0.5) with the same small pixel budget as the Qwen2.5-VL built-ins, rounded
@@ -445,6 +445,30 @@ def _qwen2_5_vl_config(spec: BuiltinSpec, tokenizer: Qwen2Tokenizer) -> Qwen2_5_
         "tokens_per_second": 2,
     }
     return Qwen2_5_VLConfig(
+        text_config=_text_config(spec, tokenizer, {"rope_theta": 1_000_000.0}),
+        vision_config=vision_config,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        **_token_config(tokenizer),
+    )
+
+
+def _qwen2_vl_config(spec: BuiltinSpec, tokenizer: Qwen2Tokenizer) -> Qwen2VLConfig:
+    # Qwen2-VL-2B-Instruct's vision config: blocks embed_dim wide with an MLP of mlp_ratio x that,
+    # every block attending over the whole image (no windows), the merger out to hidden_size
+    if spec.vision_intermediate % spec.vision_hidden:
+        raise ModelConfigError(f"built-in {spec.name}: Qwen2-VL's vision MLP is a whole multiple "
+                               f"of its width ({spec.vision_intermediate} / {spec.vision_hidden})")
+    vision_config = {
+        "depth": spec.vision_depth,
+        "embed_dim": spec.vision_hidden,
+        "mlp_ratio": spec.vision_intermediate // spec.vision_hidden,
+        "num_heads": spec.vision_heads,
+        "hidden_size": spec.hidden_size,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    }
+    return Qwen2VLConfig(
         text_config=_text_config(spec, tokenizer, {"rope_theta": 1_000_000.0}),
         vision_config=vision_config,
         tie_word_embeddings=spec.tie_word_embeddings,
@@ -575,6 +599,8 @@ class Family:
 FAMILIES: dict[str, Family] = {
     "qwen2_5_vl": Family(build_tokenizer, _qwen2_5_vl_config, Qwen2_5_VLForConditionalGeneration,
                          make_processor, _qwen_generation),
+    "qwen2_vl": Family(build_tokenizer, _qwen2_vl_config, Qwen2VLForConditionalGeneration,
+                       make_qwen2vl_processor, _qwen_generation),
     "qwen3_vl": Family(build_tokenizer, _qwen3_vl_config, Qwen3VLForConditionalGeneration,
                        make_qwen3vl_processor, _qwen_generation),
     "gemma3": Family(build_gemma3_tokenizer, _gemma3_config, Gemma3ForConditionalGeneration,

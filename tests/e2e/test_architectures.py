@@ -24,6 +24,7 @@ from .test_resume import TINY, straight_and_resumed
 
 #: built-in name -> the transformers class its config.json names
 ARCHITECTURES = {"tiny-gemma3": "Gemma3ForConditionalGeneration",
+                 "tiny-qwen2vl": "Qwen2VLForConditionalGeneration",
                  "tiny-qwen3vl": "Qwen3VLForConditionalGeneration"}
 SMALL = [*TINY, "train.max_steps=3", "sft.format_warmup_steps=2", "eval.every=3",
          "checkpoint.every=0"]

@@ -24,7 +24,7 @@ from r1fit.models.prefix import pack_groups, packed_tokens, packing_is_exact
 def model_dirs(tiny_cache: Path) -> dict[str, Path]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("R1FIT_CACHE", str(tiny_cache))
-        return {name: ensure_builtin(name) for name in ("tiny", "tiny-qwen3vl")}
+        return {name: ensure_builtin(name) for name in ("tiny", "tiny-qwen3vl", "tiny-qwen2vl")}
 
 
 @pytest.fixture
@@ -70,7 +70,8 @@ def grads(model, logp, weights):
 
 
 @pytest.mark.parametrize("name,lora_r,checkpointing", [
-    ("tiny", 0, True), ("tiny", 4, False), ("tiny-qwen3vl", 0, False), ("tiny-qwen3vl", 4, True)])
+    ("tiny", 0, True), ("tiny", 4, False), ("tiny-qwen3vl", 0, False), ("tiny-qwen3vl", 4, True),
+    ("tiny-qwen2vl", 0, True), ("tiny-qwen2vl", 4, False)])
 def test_equal_to_the_per_row_path(model_dirs, setup, name, lora_r, checkpointing):
     model, pad, prompts, groups, rows, completions, per_row = case(
         model_dirs, setup, name, lora_r=lora_r, checkpointing=checkpointing)

@@ -149,11 +149,12 @@ def test_no_repeated_prompt_takes_the_plain_path(tiny64):
     assert PrefillSharing(False).use(model, rows, config, ids.pad, CPU) is False
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3vl", "tiny-gemma3"])
+@pytest.mark.parametrize("name", ["tiny-qwen2vl", "tiny-qwen3vl", "tiny-gemma3"])
 def test_other_architectures(builtin_folder, float64_model, name):
-    """Qwen3-VL (M-RoPE offsets, deepstack features) and Gemma 3 (no position rule of its own:
-    r1fit counts positions from each row's first real token, as ``generate`` does; sliding
-    window layers; bidirectional attention within images) share exactly, padded or not."""
+    """Qwen2-VL and Qwen3-VL (M-RoPE offsets; Qwen3-VL's deepstack features) and Gemma 3 (no
+    position rule of its own: r1fit counts positions from each row's first real token, as
+    ``generate`` does; sliding window layers; bidirectional attention within images) share
+    exactly, padded or not."""
     model, ids, rows = setup(float64_model, builtin_folder(name))
     config = generation_config(GREEDY, ids)
     for checked in (rows, rows[:3]):

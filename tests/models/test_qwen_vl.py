@@ -1,7 +1,8 @@
-"""builtin:tiny-qwen3vl: a real Qwen3-VL (interleaved M-RoPE, DeepStack, 16 px patches) that
-round-trips through from_pretrained, and r1fit's padded batches give it the positions it needs:
-chunked log-probs equal the model's own logits, a row does not depend on its batch, and greedy
-generation agrees with the teacher-forced forward that training runs."""
+"""builtin:tiny-qwen3vl, a real Qwen3-VL (interleaved M-RoPE, DeepStack, 16 px patches), and
+builtin:tiny-qwen2vl, a real Qwen2-VL (LayerNorm vision blocks, full attention in every block),
+round-trip through from_pretrained, and r1fit's padded batches give both the positions they
+need: chunked log-probs equal the model's own logits, a row does not depend on its batch, and
+greedy generation agrees with the teacher-forced forward that training runs."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoModelForImageTextToText, AutoProcessor, Qwen3VLForConditionalGeneration
+from transformers import (
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    Qwen2VLForConditionalGeneration,
+    Qwen3VLForConditionalGeneration,
+)
 
 from r1fit.data.batch import collate
 from r1fit.models.builtin import MARKER_FILE, create_model, ensure_builtin
@@ -29,6 +35,14 @@ def qwen3_dir(tiny_cache: Path) -> Path:
         return ensure_builtin("tiny-qwen3vl")
 
 
+def assert_reloads_bit_exact(name: str, loaded: torch.nn.Module) -> None:
+    built, _ = create_model(name)
+    expected, got = built.state_dict(), loaded.state_dict()
+    assert expected.keys() == got.keys()
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), key
+
+
 def test_builds_a_real_qwen3vl_that_reloads_bit_exact(qwen3_dir: Path) -> None:
     loaded = AutoModelForImageTextToText.from_pretrained(qwen3_dir)
     assert isinstance(loaded, Qwen3VLForConditionalGeneration)
@@ -37,11 +51,22 @@ def test_builds_a_real_qwen3vl_that_reloads_bit_exact(qwen3_dir: Path) -> None:
     assert cfg.text_config.rope_parameters["mrope_interleaved"] is True
     assert list(cfg.vision_config.deepstack_visual_indexes) == [0]
     assert cfg.vision_config.patch_size == 16
-    built, _ = create_model("tiny-qwen3vl")
-    expected, got = built.state_dict(), loaded.state_dict()
-    assert expected.keys() == got.keys()
-    for key in expected:
-        assert torch.equal(expected[key], got[key]), key
+    assert_reloads_bit_exact("tiny-qwen3vl", loaded)
+
+
+def test_builds_a_real_qwen2vl_that_reloads_bit_exact(builtin_folder) -> None:
+    folder = builtin_folder("tiny-qwen2vl")
+    loaded = AutoModelForImageTextToText.from_pretrained(folder)
+    assert isinstance(loaded, Qwen2VLForConditionalGeneration)
+    vision = loaded.config.vision_config
+    # Qwen2-VL's tower: LayerNorm blocks with a fc1 -> QuickGELU -> fc2 MLP of mlp_ratio x the
+    # block width, no attention windows (Qwen2.5-VL's window_size/fullatt_block_indexes)
+    assert (vision.embed_dim, vision.mlp_ratio, vision.hidden_act) == (64, 2, "quick_gelu")
+    assert not hasattr(vision, "fullatt_block_indexes")
+    block = loaded.model.visual.blocks[0]
+    assert isinstance(block.norm1, torch.nn.LayerNorm) and hasattr(block.mlp, "fc1")
+    assert type(AutoProcessor.from_pretrained(folder)).__name__ == "Qwen2VLProcessor"
+    assert_reloads_bit_exact("tiny-qwen2vl", loaded)
 
 
 def test_chat_template_renders_like_qwen3vl_instruct(qwen3_dir: Path) -> None:
@@ -71,19 +96,20 @@ def test_processor_makes_32px_tokens(qwen3_dir: Path) -> None:
     assert torch.equal(batch["mm_token_type_ids"], (batch["input_ids"] == image_id).long())
 
 
-@pytest.fixture
-def qwen3(qwen3_dir: Path, float64_model, completions_for):
-    """The model in float64, 3 shapes prompts of different lengths x 2 rows, random completions."""
-    model, processor, prompts = float64_model(qwen3_dir, checkpointing=False, max_pixels=4096,
-                                              indices=(0, 2, 1))
+@pytest.fixture(params=["tiny-qwen3vl", "tiny-qwen2vl"])
+def qwen_vl(request, builtin_folder, float64_model, completions_for):
+    """Each model in float64, 3 shapes prompts of different lengths x 2 rows, random
+    completions."""
+    model, processor, prompts = float64_model(builtin_folder(request.param), checkpointing=False,
+                                              max_pixels=4096, indices=(0, 2, 1))
     rows = [p for p in prompts for _ in range(2)]
     completions = completions_for(len(processor.tokenizer),
                                   [3 + (i * 5) % 7 for i in range(len(rows))])
     return model, processor, rows, completions
 
 
-def test_padded_batch_logprobs_equal_the_model_and_each_row_alone(qwen3) -> None:
-    model, processor, rows, completions = qwen3
+def test_padded_batch_logprobs_equal_the_model_and_each_row_alone(qwen_vl) -> None:
+    model, processor, rows, completions = qwen_vl
     assert len({r.length for r in rows}) > 1  # left padding differs between rows
     pad = TokenIds.of(model, processor).pad
     batch = collate(rows, completions, pad)
@@ -94,8 +120,8 @@ def test_padded_batch_logprobs_equal_the_model_and_each_row_alone(qwen3) -> None
     full = torch.log_softmax(logits[:, start:start + width], -1).gather(
         -1, batch.completion_ids.unsqueeze(-1)).squeeze(-1) * batch.completion_mask
     torch.testing.assert_close(chunked, full, rtol=0, atol=1e-10)
-    # Qwen3-VL's 3-D positions come from mm_token_type_ids (it refuses images without them):
-    # collate marks exactly the image tokens, none in the pads or completions
+    # Qwen-VL's 3-D positions come from mm_token_type_ids (Qwen3-VL refuses images without
+    # them): collate marks exactly the image tokens, none in the pads or completions
     image_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     marks = (batch.inputs["input_ids"] == image_id) & batch.inputs["attention_mask"].bool()
     assert torch.equal(batch.inputs["mm_token_type_ids"], marks.long())
@@ -106,10 +132,10 @@ def test_padded_batch_logprobs_equal_the_model_and_each_row_alone(qwen3) -> None
         torch.testing.assert_close(alone[0, :n], chunked[i, :n], rtol=0, atol=1e-9)
 
 
-def test_greedy_generation_matches_the_training_forward(qwen3) -> None:
+def test_greedy_generation_matches_the_training_forward(qwen_vl) -> None:
     """Generation (KV cache, M-RoPE deltas) and the teacher-forced training forward must place
     the completion at the same positions: every greedy token is the training forward's argmax."""
-    model, processor, rows, _ = qwen3
+    model, processor, rows, _ = qwen_vl
     ids = TokenIds.of(model, processor)
     prompts = rows[::2]
     greedy = SamplingSettings(max_new_tokens=6, greedy=True)
