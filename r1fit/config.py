@@ -446,9 +446,9 @@ class RolloutConfig:
         "auto", "rollout.engine=hf: prefill each distinct prompt of a generation batch once (its "
         "image tokens and vision tower included) and copy its KV cache to the rows that share "
         "it, instead of prefilling every row (r1fit/rollout/prefill.py). 'auto': on when a "
-        "2-token greedy check on the run's first batch gives the per-row path's logits (true "
-        "for the built-in Qwen2.5-VL, Qwen2-VL, Qwen3-VL and Gemma 3 models), else off, logged "
-        "once. vLLM shares prompts through its own prefix cache.")
+        "2-token greedy check on the run's first batch gives the per-row path's logits and "
+        "cached keys (true for the built-in Qwen2.5-VL, Qwen2-VL, Qwen3-VL and Gemma 3 "
+        "models), else off, logged once. vLLM shares prompts through its own prefix cache.")
     vllm: VllmConfig = opt(VllmConfig(), "Settings of rollout.engine=vllm.")
 
 

@@ -43,8 +43,16 @@ log = logging.getLogger("r1fit.rollout")
 #: shifted by one move it on the random-weight test models (~1e-3)
 TOLERANCE = 1e-4
 #: the same in a 16-bit model, whose logits of magnitude 32 are 0.25 apart in bfloat16: rounding
-#: alone can reach that
+#: alone can reach that. It catches gross errors only: on the random-weight built-ins, M-RoPE
+#: offsets left off move the log-softmax by 0.001-0.08, within 16-bit rounding of it
 HALF_TOLERANCE = 0.25
+#: the most the two paths' cached keys of real tokens may differ by, relative to the keys' largest
+#: magnitude, in any layer: rotary positions rotate keys, so a position error shows there at full
+#: size (measured on the built-ins: 1.3-1.9 with the M-RoPE offsets left off) where rounding
+#: between batch shapes stays near one unit of the dtype (at most 5.3e-3 in bfloat16, 7e-4 in
+#: float16, 4e-7 in float32)
+KEY_TOLERANCE = 1e-4
+HALF_KEY_TOLERANCE = 0.05
 
 
 def distinct_prompts(rows: Sequence[Prompt]) -> tuple[list[Prompt], torch.Tensor]:
@@ -122,6 +130,29 @@ def logits_differ(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float
                 for x, y in zip(a, b)), default=0.0)
 
 
+def keys_differ(a: Any, b: Any, mask: torch.Tensor) -> float | None:
+    """The largest relative difference between two caches' keys (``Cache.layers[i].keys``,
+    [rows, heads, length, dim]) over the columns ``mask`` marks (its last ``length`` columns
+    for a layer that keeps fewer, as sliding-window layers do): max |a - b| / max |b| per layer,
+    the worst layer. Infinite when their shapes differ; None when a cache has no such keys (a
+    model whose cache r1fit cannot read: the check then rests on the logits)."""
+    layers_a, layers_b = getattr(a, "layers", None), getattr(b, "layers", None)
+    if not layers_a or not layers_b or len(layers_a) != len(layers_b):
+        return None
+    worst = 0.0
+    for layer_a, layer_b in zip(layers_a, layers_b):
+        ka, kb = getattr(layer_a, "keys", None), getattr(layer_b, "keys", None)
+        if not isinstance(ka, torch.Tensor) or not isinstance(kb, torch.Tensor):
+            return None
+        if ka.shape != kb.shape or ka.shape[2] > mask.shape[1]:
+            return float("inf")
+        real = mask[:, -ka.shape[2]:].to(ka.device).bool()[:, None, :, None]
+        diff = ((ka.double() - kb.double()).abs() * real).amax()
+        scale = (kb.double().abs() * real).amax().clamp_min(torch.finfo(torch.float64).tiny)
+        worst = max(worst, float(diff / scale))
+    return worst
+
+
 def _sample_rows(rows: Sequence[Prompt]) -> list[Prompt]:
     """Two rows of each of the first two prompts that have two: the smallest check of a copied
     cache, and of copies of different prompts in one batch."""
@@ -159,6 +190,7 @@ def prefill_is_exact(model: Any, rows: Sequence[Prompt], config: GenerationConfi
     check = copy.deepcopy(config)
     check.max_new_tokens, check.min_new_tokens = steps, None
     check.output_logits, check.return_dict_in_generate = True, True
+    check.use_cache = True  # the caches' keys are compared too
     inputs = _padded_left(collate(sample, None, pad_id).to(device).inputs, _token_keys(sample),
                           CHECK_PADDING, pad_id)
     plain = model.generate(**inputs, generation_config=check, synced_gpus=False)
@@ -171,12 +203,23 @@ def prefill_is_exact(model: Any, rows: Sequence[Prompt], config: GenerationConfi
             NotImplementedError) as err:
         return False, f"generate from a copied cache fails ({type(err).__name__}: {err})"
     dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
-    tolerance = TOLERANCE if dtype in (torch.float32, torch.float64) else HALF_TOLERANCE
+    full = dtype in (torch.float32, torch.float64)
+    tolerance = TOLERANCE if full else HALF_TOLERANCE
     worst = logits_differ(plain.logits, shared.logits)
     if worst > tolerance:
         return False, (f"its logits differ from the per-row path's by {worst:.3g} "
                        f"(tolerance {tolerance:g})")
-    return True, f"logits equal the per-row path's within {worst:.2g}"
+    # the cache holds the prompt and every generated token but the last
+    mask = inputs["attention_mask"]
+    mask = torch.cat([mask, mask.new_ones(mask.shape[0], max(len(plain.logits) - 1, 0))], dim=1)
+    keys = keys_differ(shared.past_key_values, plain.past_key_values, mask)
+    key_tolerance = KEY_TOLERANCE if full else HALF_KEY_TOLERANCE
+    if keys is not None and keys > key_tolerance:
+        return False, (f"its cached keys differ from the per-row path's by {keys:.3g} of their "
+                       f"magnitude (tolerance {key_tolerance:g}): positions differ")
+    return True, (f"logits equal the per-row path's within {worst:.2g}" +
+                  (f", cached keys within {keys:.2g}" if keys is not None else
+                   "; its cache's keys are not readable, so only the logits were compared"))
 
 
 class PrefillSharing:

@@ -5,6 +5,8 @@ sees a cache whose positions are off."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -21,6 +23,7 @@ from r1fit.rollout.generate import (
 from r1fit.rollout.prefill import (
     PrefillSharing,
     distinct_prompts,
+    keys_differ,
     logits_differ,
     prefill_is_exact,
     prefilled_inputs,
@@ -83,6 +86,25 @@ def test_logits_differ_on_hand_numbers():
     assert logits_differ([x], [y]) == pytest.approx(0.620115, abs=1e-6)
     assert logits_differ([x, x], [x + 5, x]) == 0.0  # a shift of all logits changes nothing
     assert logits_differ([x], [x, x]) == float("inf")
+
+
+def cache(*keys):
+    return SimpleNamespace(layers=[SimpleNamespace(keys=k) for k in keys])
+
+
+def test_keys_differ_on_hand_numbers():
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    base = torch.ones(2, 1, 3, 2)
+    moved = base.clone()
+    moved[0, 0, 0] = 100.0  # a padding column: not compared
+    moved[1, 0, 2, 1] = 1.5  # a real one: 0.5 of the largest key
+    assert keys_differ(cache(moved), cache(base), mask) == 0.5
+    # a sliding-window layer keeps the last 2 columns: the mask's last 2 apply to it
+    window = torch.ones(2, 1, 2, 2)
+    window[0, 0, 0, 0] = 1.25
+    assert keys_differ(cache(base, window), cache(base, torch.ones(2, 1, 2, 2)), mask) == 0.25
+    assert keys_differ(cache(base), cache(base[:, :, :2]), mask) == float("inf")
+    assert keys_differ(SimpleNamespace(), cache(base), mask) is None  # not a readable cache
 
 
 def test_step_logits_equal_the_per_row_path(tiny64):
@@ -183,3 +205,24 @@ def test_the_check_catches_positions_that_are_off(tiny64, monkeypatch):
     plain, shared, on = both(model, ids, rows, SAMPLING, 12, seeds)
     assert on is False
     assert [c.tolist() for c in plain] == [c.tolist() for c in shared]
+
+
+def test_the_check_catches_positions_that_are_off_in_bfloat16(tiny_dir, float64_model,
+                                                             monkeypatch):
+    """In bfloat16 the same position error moves the logits by less than rounding may (0.008
+    against a 0.25 tolerance on this model), but the cached keys of the generated tokens are
+    rotated to other positions: the check refuses on them, and accepts the real sharing."""
+    import r1fit.rollout.prefill as prefill
+
+    model, ids, rows = setup(float64_model, tiny_dir)
+    model = model.to(torch.bfloat16)
+    for prompt in distinct_prompts(rows)[0]:
+        if "pixel_values" in prompt.image_inputs:  # not the text-only one
+            prompt.image_inputs["pixel_values"] = prompt.image_inputs["pixel_values"].bfloat16()
+    config = generation_config(GREEDY, ids)
+    exact, why = prefill_is_exact(model, rows, config, ids.pad, CPU)
+    assert exact, why
+    monkeypatch.setattr(prefill, "_rope_holders", lambda model: [])
+    step_logits(model, ids, rows[:3], shared=False)  # leaves one image prompt's offset behind
+    exact, why = prefill_is_exact(model, rows, config, ids.pad, CPU)
+    assert not exact and "cached keys differ" in why, why
