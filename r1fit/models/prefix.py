@@ -189,10 +189,10 @@ def packed_tokens(prompts: Sequence[Prompt], groups: Sequence[Sequence[torch.Ten
 TOLERANCE = 1e-4
 #: the same in a 16-bit model, where rounding between batch shapes alone moves a log-prob by up
 #: to 4e-3 (bfloat16 on the built-ins; 5e-4 in float16), while Gemma 3's bidirectional image
-#: attention, which packing breaks, moves it by 0.3 in every dtype. With 1e-4 every 16-bit
-#: model failed the check (sharing off, packing refused). What this cannot see in 16-bit is a
-#: change as small as a random-weight model's response to wrong positions (float64 tests cover
-#: those)
+#: attention, which packing breaks, moves it by 0.3 in every dtype. With 1e-4, 16-bit built-ins
+#: failed the check on rounding alone (sharing off, packing refused). What this cannot see in
+#: 16-bit is a change as small as a random-weight model's response to wrong positions (float64
+#: tests cover those)
 HALF_TOLERANCE = 0.05
 
 
