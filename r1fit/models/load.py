@@ -317,6 +317,17 @@ def load_frozen(path: str, *, dtype: str, device: torch.device | str,
     return ref.eval().requires_grad_(False)
 
 
+def compute_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype a model computes in: its first floating-point parameter's."""
+    return next(p for p in model.parameters() if p.is_floating_point()).dtype
+
+
+def is_16_bit(model: nn.Module) -> bool:
+    """Whether the model computes in bfloat16 or float16, where rounding between batch shapes is
+    far larger than in float32 (the exactness checks of shared prompts take wider bounds)."""
+    return compute_dtype(model) not in (torch.float32, torch.float64)
+
+
 def unwrap(model: nn.Module) -> PreTrainedModel:
     """The underlying transformers model, through peft, `torch.compile` and DDP wrappers, and
     r1fit's log-prob wrapper (the FSDP root), which holds the model as its ``model`` submodule."""

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from r1fit.data.batch import Prompt
-from r1fit.models.load import unwrap
+from r1fit.models.load import compute_dtype, is_16_bit, unwrap
 
 
 @dataclass
@@ -207,7 +207,7 @@ def packing_is_exact(model: nn.Module, prompts: Sequence[Prompt],
     from r1fit.models.logprobs import completion_logprobs
 
     device = next(model.parameters()).device
-    dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+    dtype = compute_dtype(model)
     rows = [p for p, g in zip(prompts, groups) for _ in g]
     completions = [c for g in groups for c in g]
     with torch.no_grad():
@@ -216,6 +216,6 @@ def packing_is_exact(model: nn.Module, prompts: Sequence[Prompt],
         packed = pack_groups(model, prompts, groups, pad_id, dtype, one_row=one_row).to(device)
         shared = completion_logprobs(model, packed, chunk_size=chunk_size)
     if tolerance is None:
-        tolerance = TOLERANCE if dtype in (torch.float32, torch.float64) else HALF_TOLERANCE
+        tolerance = HALF_TOLERANCE if is_16_bit(model) else TOLERANCE
     width = min(per_row.shape[1], shared.shape[1])
     return bool((per_row[:, :width] - shared[:, :width]).abs().max() <= tolerance)

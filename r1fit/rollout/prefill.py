@@ -33,7 +33,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 
 from r1fit.data.batch import Prompt, collate, image_inputs
-from r1fit.models.load import unwrap
+from r1fit.models.load import is_16_bit, unwrap
 from r1fit.models.logprobs import CompletionLogProbs
 
 log = logging.getLogger("r1fit.rollout")
@@ -202,9 +202,8 @@ def prefill_is_exact(model: Any, rows: Sequence[Prompt], config: GenerationConfi
     except (RuntimeError, ValueError, TypeError, AttributeError, IndexError,
             NotImplementedError) as err:
         return False, f"generate from a copied cache fails ({type(err).__name__}: {err})"
-    dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
-    full = dtype in (torch.float32, torch.float64)
-    tolerance = TOLERANCE if full else HALF_TOLERANCE
+    half = is_16_bit(model)
+    tolerance = HALF_TOLERANCE if half else TOLERANCE
     worst = logits_differ(plain.logits, shared.logits)
     if worst > tolerance:
         return False, (f"its logits differ from the per-row path's by {worst:.3g} "
@@ -213,7 +212,7 @@ def prefill_is_exact(model: Any, rows: Sequence[Prompt], config: GenerationConfi
     mask = inputs["attention_mask"]
     mask = torch.cat([mask, mask.new_ones(mask.shape[0], max(len(plain.logits) - 1, 0))], dim=1)
     keys = keys_differ(shared.past_key_values, plain.past_key_values, mask)
-    key_tolerance = KEY_TOLERANCE if full else HALF_KEY_TOLERANCE
+    key_tolerance = HALF_KEY_TOLERANCE if half else KEY_TOLERANCE
     if keys is not None and keys > key_tolerance:
         return False, (f"its cached keys differ from the per-row path's by {keys:.3g} of their "
                        f"magnitude (tolerance {key_tolerance:g}): positions differ")

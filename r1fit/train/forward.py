@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 from r1fit.data.batch import Batch, Prompt, collate, consecutive_groups, micro_batches
 from r1fit.distributed.context import all_sum
 from r1fit.errors import R1fitError
-from r1fit.models.load import unwrap
+from r1fit.models.load import compute_dtype, unwrap
 from r1fit.models.logprobs import completion_logprobs
 from r1fit.models.prefix import PackedGroups, pack_groups, packing_is_exact
 from r1fit.rollout.record import Rollout
@@ -113,8 +113,7 @@ class BatchLayout:
             unique, groups = consecutive_groups(prompts, completions)
         else:
             unique, groups = list(prompts), [[c] for c in completions]
-        dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
-        return pack_groups(model, unique, groups, pad_id, dtype, one_row=packed,
+        return pack_groups(model, unique, groups, pad_id, compute_dtype(model), one_row=packed,
                            varlen=_flash_attention(model), masks=masks).to(device)
 
 
