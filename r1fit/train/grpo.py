@@ -81,7 +81,8 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
              "bad_rows": bad_rows, "rewards": scorer, "sizes": run.sizes, "rng": rng}
     start = run.checkpoints.restore("grpo", state)
     guard = run.guard(optimizer)
-    settings = SamplingSettings(algo.max_new_tokens, algo.temperature, algo.top_p)
+    settings = SamplingSettings(algo.max_new_tokens, algo.temperature, algo.top_p,
+                                min_new_tokens=cfg.rollout.min_new_tokens)
     engine = rollout_engine(run, settings)
     advantage = AdvantageSettings.of(algo)  # algo.advantage_estimator, overlong shaping
     if run.eval_set is not None and cfg.eval.before_train and start == 0:

@@ -36,7 +36,7 @@ from r1fit.report.logs import EarlyLog, setup_logging
 from r1fit.report.metrics import MetricsWriter
 from r1fit.report.sinks import Trackers, open_trackers, require_trackers
 from r1fit.report.summary import write_summary
-from r1fit.rng import seed_everything
+from r1fit.rng import seed_everything, use_deterministic_kernels
 from r1fit.rollout.generate import TokenIds
 from r1fit.train.forward import BatchLayout
 
@@ -134,6 +134,7 @@ def start_run(cfg: Config, kind: str) -> Run:
         log.info("%d processes (this is rank %d), %s backend", w.size, w.rank,
                  torch.distributed.get_backend())
     seed_everything(cfg.train.seed)
+    use_deterministic_kernels(cfg.train.deterministic)
     use_tensor_probe(cfg.memory.cpu_peak == "tensors" and device.type == "cpu")
     configure_host_allocator(cfg.memory.release_freed, cfg.memory.budget, device)
     train_set, eval_set = build_datasets(cfg)

@@ -86,6 +86,22 @@ def test_blocked_tokens_are_never_generated(tiny):
     assert not torch.isin(generated, torch.tensor(blocked)).any()
 
 
+@pytest.mark.parametrize("greedy", [False, True])
+def test_min_new_tokens_blocks_every_end_token_until_then(tiny, greedy, nearly_all_stop):
+    model, ids, rows = tiny
+    stop_ids = nearly_all_stop(model, ids)
+    eos = stop_ids.eos
+    seeds = None if greedy else row_seeds(0, 0, 0, len(rows))
+    free = generate(tiny, seeds=seeds, ids=stop_ids,
+                    settings=SamplingSettings(max_new_tokens=16, greedy=greedy))
+    assert max(len(c) for c in free) <= 2  # nearly every token ends it at once
+    forced = generate(tiny, seeds=seeds, ids=stop_ids,
+                      settings=SamplingSettings(max_new_tokens=16, greedy=greedy, min_new_tokens=6))
+    assert all(len(c) >= 7 for c in forced)
+    for completion in forced:
+        assert not torch.isin(completion[:6], torch.tensor(eos)).any()
+
+
 def test_seeds_must_match_the_decoding_mode(tiny):
     rows = tiny[2]
     greedy = SamplingSettings(max_new_tokens=4, greedy=True)

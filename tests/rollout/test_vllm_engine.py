@@ -133,3 +133,22 @@ def test_seeded_rows_do_not_depend_on_their_batch(setup, hd32_dir):
     assert together == apart
     # the two completions of a prompt differ: each row has its own stream
     assert any(together[2 * i][0] != together[2 * i + 1][0] for i in range(len(prompts)))
+
+
+def test_min_new_tokens_blocks_every_end_token_until_then(setup, hd32_dir, nearly_all_stop):
+    engine, processor, prompts = setup
+    model, _ = policy(hd32_dir)
+    engine.load_weights(full_named_weights(model))
+    stop_ids = nearly_all_stop(model, TokenIds.of(model, processor))
+
+    def lengths(minimum):
+        completions, _ = engine.generate(prompts, seeds=list(range(len(prompts))),
+                                         max_new_tokens=NEW_TOKENS, temperature=1.0, top_p=1.0,
+                                         eos=stop_ids.eos, blocked=stop_ids.blocked,
+                                         min_new_tokens=minimum)
+        for completion in completions:  # no end token before the minimum
+            assert not torch.isin(completion[:minimum], torch.tensor(stop_ids.eos)).any()
+        return [len(c) for c in completions]
+
+    assert max(lengths(0)) <= 2  # nearly every token ends it at once
+    assert min(lengths(6)) >= 7
