@@ -48,8 +48,6 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from rapidfuzz import fuzz
-
 from r1fit.errors import R1fitError
 from r1fit.rewards.answer import extract_answer, normalize
 from r1fit.rewards.iou import answers_iou
@@ -223,6 +221,8 @@ def _same(read: Callable[[str], object]) -> Callable[[str, str], float]:
 
 
 def _fuzzy(prediction: str, gold: str) -> float:
+    from rapidfuzz import fuzz  # here: a run that scores no fuzzy answers runs without rapidfuzz
+
     normalized_prediction, normalized_gold = normalize(prediction), normalize(gold)
     if not normalized_prediction or not normalized_gold:
         return 0.0  # two empty strings are "identical" to rapidfuzz; an empty answer is not right
