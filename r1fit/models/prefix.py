@@ -196,13 +196,18 @@ TOLERANCE = 1e-4
 HALF_TOLERANCE = 0.05
 
 
-def packing_is_exact(model: nn.Module, prompts: Sequence[Prompt],
+def packing_tolerance(model: nn.Module) -> float:
+    """The per-token bound :func:`packing_is_exact` holds ``model`` to: ``HALF_TOLERANCE`` in a
+    16-bit model, else ``TOLERANCE``."""
+    return HALF_TOLERANCE if is_16_bit(model) else TOLERANCE
+
+
+def packing_distance(model: nn.Module, prompts: Sequence[Prompt],
                      groups: Sequence[Sequence[torch.Tensor]], pad_id: int, *, chunk_size: int,
-                     one_row: bool = False, tolerance: float | None = None) -> bool:
-    """Whether the log-probs of these groups packed (:func:`pack_groups` with ``one_row``) equal
-    the per-row path's within ``tolerance`` (absolute, per token; by default ``TOLERANCE``, or
-    ``HALF_TOLERANCE`` for a 16-bit model): a model whose attention is not plain causal, or
-    whose positions do not follow from ``get_rope_index``, fails it."""
+                     one_row: bool = False) -> float:
+    """The largest absolute difference of a completion token's log-prob between these groups
+    packed (:func:`pack_groups` with ``one_row``) and the per-row path (NaN when either gives
+    NaN)."""
     from r1fit.data.batch import collate
     from r1fit.models.logprobs import completion_logprobs
 
@@ -215,7 +220,19 @@ def packing_is_exact(model: nn.Module, prompts: Sequence[Prompt],
                                       chunk_size=chunk_size)
         packed = pack_groups(model, prompts, groups, pad_id, dtype, one_row=one_row).to(device)
         shared = completion_logprobs(model, packed, chunk_size=chunk_size)
-    if tolerance is None:
-        tolerance = HALF_TOLERANCE if is_16_bit(model) else TOLERANCE
     width = min(per_row.shape[1], shared.shape[1])
-    return bool((per_row[:, :width] - shared[:, :width]).abs().max() <= tolerance)
+    return float((per_row[:, :width] - shared[:, :width]).abs().max())
+
+
+def packing_is_exact(model: nn.Module, prompts: Sequence[Prompt],
+                     groups: Sequence[Sequence[torch.Tensor]], pad_id: int, *, chunk_size: int,
+                     one_row: bool = False, tolerance: float | None = None) -> bool:
+    """Whether the log-probs of these groups packed (:func:`pack_groups` with ``one_row``) equal
+    the per-row path's within ``tolerance`` (absolute, per token; by default
+    :func:`packing_tolerance`): a model whose attention is not plain causal, or whose positions
+    do not follow from ``get_rope_index``, fails it. The distance: :func:`packing_distance`."""
+    if tolerance is None:
+        tolerance = packing_tolerance(model)
+    # NaN compares False: a NaN log-prob is never exact
+    return packing_distance(model, prompts, groups, pad_id, chunk_size=chunk_size,
+                            one_row=one_row) <= tolerance

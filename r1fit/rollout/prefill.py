@@ -27,6 +27,7 @@ import copy
 import inspect
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -178,15 +179,50 @@ def _padded_left(inputs: dict[str, torch.Tensor], keys: set[str], columns: int, 
 CHECK_PADDING = 3
 
 
-def prefill_is_exact(model: Any, rows: Sequence[Prompt], config: GenerationConfig, pad_id: int,
-                     device: torch.device, steps: int = 2) -> tuple[bool, str]:
-    """Whether ``generate`` from a shared prefill gives the per-row path's logits on a few of
-    ``rows``, each padded on the left (greedy, ``steps`` tokens), with the reason when not. Any
-    error of the shared path (a model whose cache cannot be copied by rows) counts as not
-    exact."""
+@dataclass(frozen=True)
+class PrefillCheck:
+    """What :func:`prefill_check` measured: the two paths' distances and the bounds they are held
+    to (16-bit models get the wider ``HALF_*`` ones)."""
+
+    logits: float  # largest log-softmax difference (:func:`logits_differ`); NaN when not run
+    keys: float | None  # largest relative key difference (:func:`keys_differ`); None: unreadable
+    logits_tolerance: float
+    keys_tolerance: float
+    error: str | None = None  # why the shared path could not be compared at all
+
+    @property
+    def exact(self) -> bool:
+        """Both distances within their bounds (NaN is not) and no error."""
+        return self.error is None and self.logits <= self.logits_tolerance and (
+            self.keys is None or self.keys <= self.keys_tolerance)
+
+    def reason(self) -> str:
+        """One line: why it is exact or not, with the distances."""
+        if self.error is not None:
+            return self.error
+        if not self.logits <= self.logits_tolerance:
+            return (f"its logits differ from the per-row path's by {self.logits:.3g} "
+                    f"(tolerance {self.logits_tolerance:g})")
+        if self.keys is not None and not self.keys <= self.keys_tolerance:
+            return (f"its cached keys differ from the per-row path's by {self.keys:.3g} of "
+                    f"their magnitude (tolerance {self.keys_tolerance:g}): positions differ")
+        return (f"logits equal the per-row path's within {self.logits:.2g}" +
+                (f", cached keys within {self.keys:.2g}" if self.keys is not None else
+                 "; its cache's keys are not readable, so only the logits were compared"))
+
+
+def prefill_check(model: Any, rows: Sequence[Prompt], config: GenerationConfig, pad_id: int,
+                  device: torch.device, steps: int = 2) -> PrefillCheck:
+    """Run ``generate`` from a shared prefill and per row on a few of ``rows``, each padded on
+    the left (greedy, ``steps`` tokens), and measure how far apart their logits and cached keys
+    are. Any error of the shared path (a model whose cache cannot be copied by rows) is recorded
+    as ``error`` (not exact)."""
+    half = is_16_bit(model)
+    bounds = ((HALF_TOLERANCE, HALF_KEY_TOLERANCE) if half else (TOLERANCE, KEY_TOLERANCE))
     sample = _sample_rows(rows)
     if not sample:
-        return False, "no prompt has two rows to share it"
+        return PrefillCheck(float("nan"), None, *bounds,
+                            error="no prompt has two rows to share it")
     check = copy.deepcopy(config)
     check.max_new_tokens, check.min_new_tokens = steps, None
     check.output_logits, check.return_dict_in_generate = True, True
@@ -201,24 +237,23 @@ def prefill_is_exact(model: Any, rows: Sequence[Prompt], config: GenerationConfi
         raise
     except (RuntimeError, ValueError, TypeError, AttributeError, IndexError,
             NotImplementedError) as err:
-        return False, f"generate from a copied cache fails ({type(err).__name__}: {err})"
-    half = is_16_bit(model)
-    tolerance = HALF_TOLERANCE if half else TOLERANCE
-    worst = logits_differ(plain.logits, shared.logits)
-    if worst > tolerance:
-        return False, (f"its logits differ from the per-row path's by {worst:.3g} "
-                       f"(tolerance {tolerance:g})")
+        return PrefillCheck(float("nan"), None, *bounds, error=(
+            f"generate from a copied cache fails ({type(err).__name__}: {err})"))
     # the cache holds the prompt and every generated token but the last
     mask = inputs["attention_mask"]
     mask = torch.cat([mask, mask.new_ones(mask.shape[0], max(len(plain.logits) - 1, 0))], dim=1)
-    keys = keys_differ(shared.past_key_values, plain.past_key_values, mask)
-    key_tolerance = HALF_KEY_TOLERANCE if half else KEY_TOLERANCE
-    if keys is not None and keys > key_tolerance:
-        return False, (f"its cached keys differ from the per-row path's by {keys:.3g} of their "
-                       f"magnitude (tolerance {key_tolerance:g}): positions differ")
-    return True, (f"logits equal the per-row path's within {worst:.2g}" +
-                  (f", cached keys within {keys:.2g}" if keys is not None else
-                   "; its cache's keys are not readable, so only the logits were compared"))
+    return PrefillCheck(logits_differ(plain.logits, shared.logits),
+                        keys_differ(shared.past_key_values, plain.past_key_values, mask), *bounds)
+
+
+def prefill_is_exact(model: Any, rows: Sequence[Prompt], config: GenerationConfig, pad_id: int,
+                     device: torch.device, steps: int = 2) -> tuple[bool, str]:
+    """Whether ``generate`` from a shared prefill gives the per-row path's logits on a few of
+    ``rows``, each padded on the left (greedy, ``steps`` tokens), with the reason when not
+    (:func:`prefill_check` has the distances). Any error of the shared path (a model whose
+    cache cannot be copied by rows) counts as not exact."""
+    check = prefill_check(model, rows, config, pad_id, device, steps)
+    return check.exact, check.reason()
 
 
 class PrefillSharing:

@@ -17,7 +17,15 @@ import torch
 from r1fit.data.batch import collate
 from r1fit.models.builtin import ensure_builtin
 from r1fit.models.logprobs import completion_logprobs
-from r1fit.models.prefix import pack_groups, packed_tokens, packing_is_exact
+from r1fit.models.prefix import (
+    HALF_TOLERANCE,
+    TOLERANCE,
+    pack_groups,
+    packed_tokens,
+    packing_distance,
+    packing_is_exact,
+    packing_tolerance,
+)
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +114,26 @@ def test_exactness_check(model_dirs, setup):
     model, pad, prompts, groups = setup(model_dirs["tiny-qwen3vl"], lora_r=0,
                                         checkpointing=False, max_pixels=4096)
     assert packing_is_exact(model, prompts, groups, pad, chunk_size=8)
+
+
+def test_the_distance_behind_the_check(model_dirs, setup):
+    """``packing_distance`` is what ``packing_is_exact`` bounds (``r1fit doctor --check`` prints
+    it): rounding only on builtin:tiny, Gemma 3's broken bidirectional image attention above
+    even the 16-bit bound; the bound is inclusive."""
+    model, pad, prompts, groups = setup(model_dirs["tiny"], lora_r=0, checkpointing=False,
+                                        max_pixels=3136)
+    assert packing_tolerance(model) == TOLERANCE
+    distance = packing_distance(model, prompts, groups, pad, chunk_size=8)
+    assert 0.0 <= distance < 1e-9
+    assert packing_is_exact(model, prompts, groups, pad, chunk_size=8, tolerance=distance)
+    model, pad, prompts, groups = setup(model_dirs["tiny-gemma3"], lora_r=0,
+                                        checkpointing=False, max_pixels=3136)
+    distance = packing_distance(model, prompts, groups, pad, chunk_size=8)
+    assert distance > HALF_TOLERANCE
+    assert packing_is_exact(model, prompts, groups, pad, chunk_size=8, tolerance=distance)
+    assert not packing_is_exact(model, prompts, groups, pad, chunk_size=8,
+                                tolerance=distance * 0.99)
+    assert packing_tolerance(model.to(torch.bfloat16)) == HALF_TOLERANCE
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -21,10 +21,15 @@ from r1fit.rollout.generate import (
     row_seeds,
 )
 from r1fit.rollout.prefill import (
+    HALF_KEY_TOLERANCE,
+    HALF_TOLERANCE,
+    KEY_TOLERANCE,
+    TOLERANCE,
     PrefillSharing,
     distinct_prompts,
     keys_differ,
     logits_differ,
+    prefill_check,
     prefill_is_exact,
     prefilled_inputs,
 )
@@ -188,6 +193,33 @@ def test_other_architectures(builtin_folder, float64_model, name):
     plain, shared, on = both(model, ids, rows[:6], SAMPLING, 6, seeds)
     assert on is True
     assert [c.tolist() for c in plain] == [c.tolist() for c in shared]
+
+
+def test_the_check_reports_its_distances(tiny64, monkeypatch):
+    """``prefill_check`` gives the distances behind ``prefill_is_exact`` (``r1fit doctor
+    --check`` prints them) and the bounds of the model's dtype: rounding only when sharing is
+    right, above the bound when the M-RoPE offsets are left behind, NaN and an error when no
+    prompt repeats."""
+    import r1fit.rollout.prefill as prefill
+
+    model, ids, rows = tiny64
+    config = generation_config(GREEDY, ids)
+    check = prefill_check(model, rows, config, ids.pad, CPU)
+    assert check.exact and check.error is None
+    assert 0.0 <= check.logits < 1e-9 and check.keys is not None and 0.0 <= check.keys < 1e-9
+    assert (check.logits_tolerance, check.keys_tolerance) == (TOLERANCE, KEY_TOLERANCE)
+    assert prefill_is_exact(model, rows, config, ids.pad, CPU) == (True, check.reason())
+    alone = prefill_check(model, distinct_prompts(rows)[0], config, ids.pad, CPU)
+    assert not alone.exact and alone.logits != alone.logits  # NaN: nothing was compared
+    assert alone.reason() == "no prompt has two rows to share it"
+    with monkeypatch.context() as m:
+        m.setattr(prefill, "_rope_holders", lambda model: [])
+        step_logits(model, ids, rows[:3], shared=False)  # leaves an image prompt's offset behind
+        wrong = prefill_check(model, rows, config, ids.pad, CPU)
+    assert not wrong.exact and wrong.logits > TOLERANCE and "differ" in wrong.reason()
+    # the bounds follow the dtype the model computes in (a stand-in: nothing is run without rows)
+    half = prefill_check(torch.nn.Linear(1, 1, dtype=torch.bfloat16), [], config, ids.pad, CPU)
+    assert (half.logits_tolerance, half.keys_tolerance) == (HALF_TOLERANCE, HALF_KEY_TOLERANCE)
 
 
 def test_the_check_catches_positions_that_are_off(tiny64, monkeypatch):
