@@ -194,6 +194,7 @@ def load_policy(
     folder = resolve_model_path(path)
     model = _from_pretrained(folder, path, dtype=dtype, device=device, attn_implementation=attn_implementation)
     processor = _load_processor(folder, path)
+    check_placeholder_tokens(model.config, processor, path)
     model.train()
 
     if freeze_vision:
@@ -443,6 +444,39 @@ PLACEHOLDER_TOKENS = (("image_pad", "image_token_id"), ("video_pad", "video_toke
 #: (and PaliGemma's) begin/end of image. The first one a config declares wins.
 DELIMITER_TOKENS = (("vision_start", ("vision_start_token_id", "boi_token_id")),
                     ("vision_end", ("vision_end_token_id", "eoi_token_id")))
+
+
+def check_placeholder_tokens(config: Any, processor: Any, path: str) -> None:
+    """Raise ``ModelConfigError`` when a placeholder id of the model config (``PLACEHOLDER_TOKENS``:
+    ``image_token_id``, ``video_token_id``) is not the id of the token the processor writes into a
+    prompt for each image (video) patch: the forward would find fewer placeholders than vision
+    features and stop in transformers ("Image features and image tokens do not match") in the
+    middle of the first step, e.g. after a hand-edited config.json or a tokenizer from another
+    model. The processor's token is its tokenizer's ``image_token`` (Gemma 3:
+    ``<image_soft_token>``), else the processor's own (Qwen-VL: ``<|image_pad|>``); a processor
+    that names none is not checked."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    for _, attr in PLACEHOLDER_TOKENS:
+        declared = getattr(config, attr, None)
+        kind = attr.removesuffix("_token_id")  # image, video
+        token = getattr(tokenizer, f"{kind}_token", None) or getattr(processor, f"{kind}_token", None)
+        if declared is None or not isinstance(token, str):
+            continue
+        used = tokenizer.convert_tokens_to_ids(token)
+        if used is not None and used == tokenizer.unk_token_id and token != tokenizer.unk_token:
+            used = None  # not in the vocabulary: the tokenizer maps it to its unknown token
+        if used == declared:
+            continue
+        if used is None:
+            raise ModelConfigError(
+                f"model {path!r}: config {attr}={declared} but the processor's {kind} token "
+                f"{token!r} is not in its tokenizer's vocabulary; use the tokenizer and processor "
+                "files the model was saved with")
+        raise ModelConfigError(
+            f"model {path!r}: config {attr}={declared} but the processor's {kind} token {token!r} "
+            f"is id {used}, so the model would not find the {kind} tokens in a prompt; "
+            f"set \"{attr}\": {used} in the model's config.json (or use the tokenizer the model "
+            "was saved with)")
 
 
 def special_token_ids(model: nn.Module, processor: ProcessorMixin) -> dict[str, int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from PIL import Image
@@ -51,3 +52,24 @@ def test_max_prompt_tokens_is_configurable(use_tiny_cache, tmp_path):
     log = (out / "log.txt").read_text()
     met = log.count("tokens, more than data.max_prompt_tokens=100")
     assert met >= 1 and rows[-1]["bad_rows"] == met
+
+
+def test_a_config_image_token_id_the_tokenizer_does_not_use_stops_before_the_first_step(
+        tiny_dir, use_tiny_cache, tmp_path, capsys):
+    # a hand-edited config.json: transformers would stop in the first step with "Image features
+    # and image tokens do not match"
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    used, config["image_token_id"] = config["image_token_id"], 5
+    (model / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "run"
+    assert main(["train", f"model.path={model}", f"train.output_dir={out}", *ARGS,
+                 "train.max_steps=1", "eval.before_train=false", "data.eval=null"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"r1fit: error: model '{model}': config image_token_id=5 but the processor's "
+                       f"image token '<|image_pad|>' is id {used}, so the model would not find the "
+                       f"image tokens in a prompt; set \"image_token_id\": {used} in the model's "
+                       "config.json (or use the tokenizer the model was saved with)")
+    assert not any("Traceback" in line for line in err)
+    assert not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text()

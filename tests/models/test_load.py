@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -10,12 +11,13 @@ from typing import Any
 import pytest
 import torch
 from peft import PeftModel
-from transformers import Qwen2_5_VLForConditionalGeneration
+from transformers import AutoConfig, AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
 from r1fit.models.errors import ModelConfigError
 from r1fit.models.load import (
     Reference,
     bad_weights_message,
+    check_placeholder_tokens,
     language_model_lora_regex,
     lm_backbone_and_head,
     load_frozen,
@@ -314,6 +316,58 @@ def test_special_token_ids(tiny_dir: Path) -> None:
     assert TokenIds.of(model, processor) == TokenIds(pad=ids["pad"], eos=[ids["eos"], ids["pad"]],
                                                      blocked=[ids["image_pad"], ids["video_pad"]])
 
+
+
+def _with_config(folder: Path, dest: Path, **values: Any) -> Path:
+    """A copy of model ``folder`` whose config.json has ``values`` (a hand-edited config)."""
+    shutil.copytree(folder, dest)
+    config = json.loads((dest / "config.json").read_text())
+    config.update(values)
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
+def test_a_config_image_token_id_the_processor_does_not_use_is_one_line(tiny_dir: Path,
+                                                                         tmp_path: Path) -> None:
+    pad = AutoProcessor.from_pretrained(tiny_dir).tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    edited = _with_config(tiny_dir, tmp_path / "edited", image_token_id=5)
+    with pytest.raises(ModelConfigError) as info:
+        _load(edited)
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"config image_token_id=5 but the processor's image token '<|image_pad|>' is id {pad}" in message
+    assert f'set "image_token_id": {pad} in the model\'s config.json' in message
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen3vl", "tiny-gemma3"])
+def test_placeholder_check_compares_the_token_each_processor_writes(builtin_folder, name: str) -> None:
+    folder = builtin_folder(name)
+    config, processor = AutoConfig.from_pretrained(folder), AutoProcessor.from_pretrained(folder)
+    check_placeholder_tokens(config, processor, name)  # a model as built: no complaint
+    # Gemma 3 writes <image_soft_token> per patch (its processor's image_token is <start_of_image>)
+    token = "<image_soft_token>" if name == "tiny-gemma3" else "<|image_pad|>"
+    assert config.image_token_id == processor.tokenizer.convert_tokens_to_ids(token)
+    config.image_token_id += 1
+    with pytest.raises(ModelConfigError, match=f"config image_token_id={config.image_token_id} but the "
+                       f"processor's image token '{token}' is id {config.image_token_id - 1}"):
+        check_placeholder_tokens(config, processor, name)
+
+
+def test_placeholder_check_covers_the_video_token(tiny_dir: Path) -> None:
+    config, processor = AutoConfig.from_pretrained(tiny_dir), AutoProcessor.from_pretrained(tiny_dir)
+    used = config.video_token_id
+    config.video_token_id = 3
+    with pytest.raises(ModelConfigError, match=f"config video_token_id=3 but the processor's video "
+                       f"token '<\\|video_pad\\|>' is id {used}"):
+        check_placeholder_tokens(config, processor, "builtin:tiny")
+
+
+def test_placeholder_check_names_a_token_missing_from_the_vocabulary(tiny_dir: Path) -> None:
+    config, processor = AutoConfig.from_pretrained(tiny_dir), AutoProcessor.from_pretrained(tiny_dir)
+    processor.image_token = "<|not_a_token|>"
+    with pytest.raises(ModelConfigError, match="image token '<\\|not_a_token\\|>' is not in its "
+                       "tokenizer's vocabulary"):
+        check_placeholder_tokens(config, processor, "builtin:tiny")
 
 # ---- reference --------------------------------------------------------------------------------
 
