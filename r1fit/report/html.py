@@ -21,7 +21,7 @@ from typing import Any
 
 from r1fit.errors import R1fitError
 from r1fit.report.alarms import AlarmWatch, check_alarms, grpo_rows
-from r1fit.report.metrics import plain, read_metrics
+from r1fit.report.metrics import plain, read_json_lines
 from r1fit.report.rollouts import read_rollouts, save_rollout
 from r1fit.rollout.record import Rollout
 from r1fit.units import format_bytes, parse_bytes
@@ -242,6 +242,14 @@ document.querySelectorAll("table.sortable th").forEach(function (th) {
 """
 
 
+def skipped_note(skipped: list[str]) -> str:
+    """What the page says of the lines of metrics.jsonl that could not be read (none: nothing)."""
+    if not skipped:
+        return ""
+    lines = "line" if len(skipped) == 1 else "lines"
+    return f" ({len(skipped)} unreadable {lines} skipped: {'; '.join(skipped)})"
+
+
 def build_report(run_dir: Path, out: Path | None = None) -> str:
     """The report page of the run in ``run_dir``, with links relative to ``out`` (default
     ``run_dir/report.html``)."""
@@ -250,7 +258,7 @@ def build_report(run_dir: Path, out: Path | None = None) -> str:
     if not metrics.is_file():
         raise NotARun(f"{run_dir} has no metrics.jsonl: not a run's output folder")
     out = Path(out) if out is not None else run_dir / "report.html"
-    rows = read_metrics(metrics)
+    rows, skipped = read_json_lines(metrics)  # a run killed mid-write: its whole lines, warned
     alarms = check_alarms(rows)
     alarm_html = ("".join(f'<div class="alarm"><b>{html.escape(name)}</b>: '
                           f'{html.escape(message)}</div>' for name, message in alarms.items())
@@ -270,7 +278,7 @@ def build_report(run_dir: Path, out: Path | None = None) -> str:
 <style>{CSS}</style></head><body>
 <h1>{html.escape(title)}</h1>
 <p>{html.escape(str(run_dir.resolve()))}: {html.escape(steps_done(rows))}, {len(rows)} metrics
-rows.</p>
+rows{html.escape(skipped_note(skipped))}.</p>
 <h2>Alarms</h2>
 {alarm_html}
 <h2>Metrics</h2>

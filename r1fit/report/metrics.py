@@ -4,16 +4,21 @@ on to the trackers of ``report.to`` (:mod:`r1fit.report.sinks`)."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from r1fit.errors import one_line
 
 if TYPE_CHECKING:
     from r1fit.report.sinks import Trackers
+
+log = logging.getLogger("r1fit.report")
 
 
 def plain(value: Any) -> Any:
@@ -66,10 +71,50 @@ class MetricsWriter:
         self.close()
 
 
+class JsonLines(NamedTuple):
+    """What :func:`read_json_lines` read: the rows, and one ``"<file>:<line>: <why>"`` per line
+    skipped."""
+
+    rows: list[dict[str, Any]]
+    skipped: list[str]
+
+
+def read_json_lines(path: Path) -> JsonLines:
+    """The JSON object of each whole line of a JSON-lines file (``metrics.jsonl``, saved
+    rollouts), blank lines ignored. A line that is not one is skipped, named and warned about once
+    per file: a half-written last line (the run was killed while writing it; a resume drops it
+    too) or a corrupt line further up. Reads bytes, so a line cut inside a UTF-8 character spoils
+    that line only."""
+    rows: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    data = Path(path).read_bytes()
+    lines = data.split(b"\n")
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            last = number == len(lines)  # no newline after it: the writer never finished it
+            why = ("a half-written last line (the run stopped while writing it)" if last
+                   else f"not JSON ({one_line(exc, 80)})")
+            skipped.append(f"{path}:{number}: {why}")
+            continue
+        if not isinstance(row, dict):
+            skipped.append(f"{path}:{number}: not a JSON object but {type(row).__name__}")
+            continue
+        rows.append(row)
+    if skipped:
+        shown = "; ".join(skipped[:3]) + (f"; and {len(skipped) - 3} more" if len(skipped) > 3 else "")
+        log.warning("%s: skipped %d unreadable line%s, read %d rows: %s", path, len(skipped),
+                    "" if len(skipped) == 1 else "s", len(rows), shown)
+    return JsonLines(rows, skipped)
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """All rows of a metrics.jsonl file."""
-    with Path(path).open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The rows of a metrics.jsonl file, skipping (with a warning) lines that are not whole JSON
+    objects (:func:`read_json_lines`)."""
+    return read_json_lines(path).rows
 
 
 def wait_for_device() -> None:

@@ -5,6 +5,7 @@ error)."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import subprocess
@@ -207,3 +208,18 @@ def test_training_rewrites_the_page_every_n_steps_on_rank_0_only(tmp_path):
     (run / "report.html").unlink()
     live.finish()
     assert (run / "report.html").is_file()
+
+
+def test_report_of_a_run_killed_while_writing_metrics_reads_the_whole_lines(tmp_path, caplog):
+    run = synthetic_run(tmp_path / "run")
+    metrics = run / "metrics.jsonl"
+    whole = len(metrics.read_text().splitlines())
+    with metrics.open("a") as f:
+        f.write('{"step": 13, "loss": 0.1, "rew')  # the run was killed mid-row
+    with caplog.at_level(logging.WARNING, logger="r1fit"):
+        assert main(["report", str(run)]) == 0
+    warned = f"{metrics}:{whole + 1}: a half-written last line (the run stopped while writing it)"
+    assert any(warned in r.getMessage() for r in caplog.records)
+    page = (run / "report.html").read_text()
+    assert f"{whole} metrics\nrows (1 unreadable line skipped: {warned})." in page
+    assert "12 GRPO steps (last step 12)" in page

@@ -1,42 +1,58 @@
-"""The step timers: wall time per phase, and on a GPU the phase's own device work (a
-synchronisation at each end)."""
+"""Reading metrics.jsonl back: whole lines are rows, a half-written or corrupt line is skipped,
+named (file:line) and counted, never a JSONDecodeError."""
 
 from __future__ import annotations
 
-import time
+import json
+import logging
 
-import torch
+from r1fit.report.metrics import MetricsWriter, read_json_lines, read_metrics
 
-from r1fit.report.metrics import timed
-
-
-def test_timed_adds_wall_time_per_key():
-    times: dict[str, float] = {}
-    for _ in range(2):
-        with timed(times, "seconds_generate"):
-            time.sleep(0.01)
-    assert set(times) == {"seconds_generate"} and 0.02 <= times["seconds_generate"] < 1
+ROWS = [{"step": s, "loss": 0.5 / s} for s in range(1, 5)]
 
 
-def test_timed_waits_for_the_gpu_at_both_ends_once_cuda_is_in_use(monkeypatch):
-    calls = []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("sync"))
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # a CPU run
-    times: dict[str, float] = {}
-    with timed(times, "seconds_update"):
-        calls.append("body")
-    assert calls == ["body"]
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    with timed(times, "seconds_update"):
-        calls.append("body")
-    assert calls == ["body", "sync", "body", "sync"]
+def _write(path, rows=ROWS) -> bytes:
+    with MetricsWriter(path) as writer:
+        for row in rows:
+            writer.write(row)
+    return path.read_bytes()
 
 
-def test_timed_counts_the_block_even_when_it_raises():
-    times: dict[str, float] = {}
-    try:
-        with timed(times, "seconds_score"):
-            raise RuntimeError("out of memory")
-    except RuntimeError:
-        pass
-    assert times["seconds_score"] >= 0
+def test_a_half_written_last_line_is_skipped_with_a_warning_naming_it(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    whole = _write(path)
+    path.write_bytes(whole + b'{"step": 5, "lo')  # killed while writing row 5
+    with caplog.at_level(logging.WARNING, logger="r1fit"):
+        read = read_json_lines(path)
+    assert read.rows == ROWS
+    assert read.skipped == [f"{path}:5: a half-written last line (the run stopped while writing it)"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}: skipped 1 unreadable line, read 4 rows: {path}:5: a half-written last line (the "
+        "run stopped while writing it)"]
+    assert read_metrics(path) == ROWS
+
+
+def test_a_corrupt_line_in_the_middle_is_skipped_named_and_counted(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    lines = _write(path).split(b"\n")
+    lines[1] = b'{"step": 2, "loss": \xff\xfe}'  # garbage bytes, not even UTF-8
+    lines[2] = b"[3]"  # JSON, but not a row
+    path.write_bytes(b"\n".join(lines))
+    with caplog.at_level(logging.WARNING, logger="r1fit"):
+        read = read_json_lines(path)
+    assert read.rows == [ROWS[0], ROWS[3]]
+    assert len(read.skipped) == 2
+    assert read.skipped[0].startswith(f"{path}:2: not JSON (")
+    assert read.skipped[1] == f"{path}:3: not a JSON object but list"
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert message.startswith(f"{path}: skipped 2 unreadable lines, read 2 rows: {path}:2: ")
+    assert "\n" not in message
+
+
+def test_whole_files_and_blank_lines_read_silently(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(_write(path) + b"\n  \n")
+    with caplog.at_level(logging.WARNING, logger="r1fit"):
+        assert read_json_lines(path) == (ROWS, [])
+    assert not caplog.records
+    assert json.loads(path.read_text().splitlines()[0]) == ROWS[0]
