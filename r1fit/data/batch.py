@@ -139,15 +139,35 @@ def conversation_target(processor: Any, sample: Sample, system_prompt: str, answ
     return prompt, torch.tensor(ids, dtype=torch.long), torch.tensor(mask)
 
 
+class TooLong(str):
+    """The message of a row refused because its prompt is longer than ``data.max_prompt_tokens``:
+    a ``str`` like every bad-row message, that also keeps the ``length`` and the ``limit``, so a
+    summary of many refusals can say how long the prompts were."""
+
+    source: str
+    length: int
+    limit: int
+
+    def __new__(cls, source: str, length: int, limit: int) -> TooLong:
+        message = super().__new__(cls, f"{source}: the prompt has {length} tokens, more than "
+                                       f"data.max_prompt_tokens={limit}")
+        message.source, message.length, message.limit = source, length, limit
+        return message
+
+    def __getnewargs__(self) -> tuple[str, int, int]:  # type: ignore[override]
+        return self.source, self.length, self.limit  # so copies and pickles rebuild it
+
+
 def split_too_long(prompts: Sequence[Prompt], max_tokens: int | None
                    ) -> tuple[list[Prompt], list[str]]:
-    """(prompts of at most ``max_tokens`` tokens, one ``"<source>: ..."`` message per longer one).
-    A long prompt is never truncated: that would cut image tokens out of it."""
-    kept, errors = [], []
+    """(prompts of at most ``max_tokens`` tokens, one ``"<source>: ..."`` message (a
+    :class:`TooLong`) per longer one). A long prompt is never truncated: that would cut image
+    tokens out of it."""
+    kept: list[Prompt] = []
+    errors: list[str] = []
     for prompt in prompts:
         if max_tokens is not None and prompt.length > max_tokens:
-            errors.append(f"{prompt.sample.source}: the prompt has {prompt.length} tokens, more "
-                          f"than data.max_prompt_tokens={max_tokens}")
+            errors.append(TooLong(prompt.sample.source, prompt.length, max_tokens))
         else:
             kept.append(prompt)
     return kept, errors

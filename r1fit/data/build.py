@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from r1fit.config import Config
-from r1fit.data.batch import Prompt
+from r1fit.data.batch import Prompt, TooLong
 from r1fit.data.dataset import PromptDataset, PromptSampler, load_dataset
 from r1fit.data.errors import DataError
 from r1fit.data.rows import FormatOptions
@@ -81,15 +81,42 @@ class BadRowCounter:
         """``k`` good prompts from the sampler's stream, skipping (and counting) bad rows: rows
         whose image fails to decode, and those ``encode`` refuses (a prompt too long)."""
         good: list[Prompt] = []
-        attempts = 0
+        skipped: list[str] = []
+        tries = 0
         while len(good) < k:
+            if tries == FETCH_TRIES:
+                raise DataError(f"{dataset.name}: could not fetch {k} good rows in {FETCH_TRIES} "
+                                f"tries; {why_no_good_rows(skipped)}")
+            tries += 1
             samples, errors = dataset.fetch(sampler.next_batch(k - len(good)))
             prompts, refused = encode(samples)
             good.extend(prompts)
             for message in errors + refused:
                 self.skip(message)
-            attempts += 1
-            if attempts > 100:
-                raise DataError(f"{dataset.name}: could not fetch {k} good rows in 100 tries; "
-                                "the data is mostly bad")
+            skipped += errors + refused
         return good
+
+
+#: Batches of rows :meth:`BadRowCounter.fetch` draws before it gives up on the data.
+FETCH_TRIES = 100
+
+
+def why_no_good_rows(skipped: list[str]) -> str:
+    """Why the rows drawn in vain were refused, for the end of the one-line error: for prompts
+    too long (:class:`TooLong`) their lengths and the key to raise; the count of each cause when
+    there are several."""
+    too_long = [m for m in skipped if isinstance(m, TooLong)]
+    other = [m for m in skipped if not isinstance(m, TooLong)]
+    if not too_long:
+        return "the data is mostly bad"
+    shortest, longest = min(m.length for m in too_long), max(m.length for m in too_long)
+    limit = too_long[0].limit
+    lengths = f"{shortest} tokens" if shortest == longest else f"{shortest} to {longest} tokens"
+    if not other:
+        return (f"all {len(too_long)} rows drawn have a prompt longer than "
+                f"data.max_prompt_tokens={limit} ({lengths}): raise data.max_prompt_tokens to at "
+                f"least {longest} (within the model's context) or shorten the prompts (a lower "
+                "data.max_pixels gives an image fewer tokens)")
+    return (f"of the {len(skipped)} rows drawn, {len(too_long)} have a prompt longer than "
+            f"data.max_prompt_tokens={limit} ({lengths}: raise it to at least {longest} to keep "
+            f"them) and {len(other)} are bad otherwise (e.g. {other[0]})")

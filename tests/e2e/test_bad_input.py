@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -73,3 +74,23 @@ def test_a_config_image_token_id_the_tokenizer_does_not_use_stops_before_the_fir
                        "config.json (or use the tokenizer the model was saved with)")
     assert not any("Traceback" in line for line in err)
     assert not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text()
+
+
+def test_max_prompt_tokens_below_every_prompt_says_how_long_the_prompts_are(use_tiny_cache,
+                                                                             tmp_path, capsys):
+    data = _data(tmp_path, 30)  # prompts of two lengths
+    out = tmp_path / "run"
+    assert main(["train", f"train.output_dir={out}", *ARGS, f"data.train={data}",
+                 "data.eval=null", "eval.before_train=false", "data.max_prompt_tokens=10"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    found = re.fullmatch(
+        r"r1fit: error: \S*train.jsonl: could not fetch 2 good rows in 100 tries; all 200 rows "
+        r"drawn have a prompt longer than data.max_prompt_tokens=10 \((\d+) to (\d+) tokens\): "
+        r"raise data.max_prompt_tokens to at least (\d+) \(within the model's context\) or "
+        r"shorten the prompts \(a lower data.max_pixels gives an image fewer tokens\)", err[-1])
+    assert found, err[-1]
+    # the lengths are those of the rows skipped on the way, each warned about
+    seen = [int(n) for n in re.findall(r"skipping .*: the prompt has (\d+) tokens, more than "
+                                       r"data.max_prompt_tokens=10", (out / "log.txt").read_text())]
+    assert len(seen) == 200 and len(set(seen)) == 2
+    assert (int(found[1]), int(found[2]), int(found[3])) == (min(seen), max(seen), max(seen))
