@@ -6,7 +6,7 @@
     r1fit plan my.yaml --device-memory 80GiB  # peak memory per device, before launch (no weights)
     r1fit plan Qwen/Qwen2.5-VL-7B-Instruct    # a model instead of a config: model.path=...
     r1fit plan my.yaml --sft                  # a step of r1fit sft instead of a GRPO step
-    r1fit config [my.yaml ...]       # print the resolved config; --reference for every key
+    r1fit config [my.yaml ...]       # each key's value and where it came from; --json; --reference
     r1fit inspect runs/demo          # its checkpoints, newest first; or one checkpoint's files
     r1fit export runs/demo/checkpoint-40 my-model [--merge-lora]   # a plain Hugging Face folder
     r1fit report runs/demo [--out FILE]   # one HTML file: plots, alarms, sampled rollouts
@@ -20,7 +20,7 @@ import signal
 import sys
 from pathlib import Path
 
-from r1fit.config import Config, ConfigError, config_reference_markdown, load_config
+from r1fit.config import Config, ConfigError, config_reference_markdown, resolve_config
 from r1fit.errors import R1fitError
 
 
@@ -41,10 +41,38 @@ def _model_first(args: list[str]) -> list[str]:
 
 
 def _config(args: list[str]) -> Config:
+    return _resolved(args)[0]
+
+
+def _resolved(args: list[str]) -> tuple[Config, dict[str, str]]:
+    """The config of ``CONFIG.yaml key=value ...`` and each key's source (see resolve_config)."""
     path, overrides = _split_args(args)
     if path is not None and not Path(path).is_file():
         raise ConfigError(f"config file not found: {path} (overrides look like key.sub=value)")
-    return load_config(path, overrides)
+    return resolve_config(path, overrides)
+
+
+#: longest value `r1fit config` shows in full (a system prompt is cut; --json has it whole)
+SHOWN_VALUE = 60
+
+
+def print_sources(cfg: Config, sources: dict[str, str]) -> None:
+    """``r1fit config``: one line per key, its value and where it came from."""
+    values = {}
+    for key in sources:
+        value: object = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        shown = json.dumps(list(value) if isinstance(value, tuple) else value)
+        values[key] = shown if len(shown) <= SHOWN_VALUE else shown[:SHOWN_VALUE - 3] + "..."
+    preset = cfg.applied_preset()
+    why = (" (model.path is a built-in random-weight model)" if cfg.preset == "auto" else "") \
+        if preset else ""
+    print(f"# preset: {preset or 'none'}{why}; sources: default, preset, file, override")
+    width = max(map(len, sources))
+    value_width = max(map(len, values.values()))
+    for key, source in sources.items():
+        print(f"{key:<{width}}  {values[key]:<{value_width}}  {source}")
 
 
 def _run(command: str, cfg: Config) -> None:
@@ -90,9 +118,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="plan a step of `r1fit sft` (sft.batch_size rows, answers of "
                         "sft.max_answer_tokens tokens) instead of a GRPO step of `r1fit train`")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p = sub.add_parser("config", help="print the resolved config (or the key reference)")
+    text = ("print each key's value and where it came from (default, preset, file, override), "
+            "or the key reference")
+    p = sub.add_parser("config", help=text, description=text)
     p.add_argument("args", nargs="*", metavar="CONFIG.yaml | key.sub=value")
     p.add_argument("--reference", action="store_true", help="print every key with its help text")
+    p.add_argument("--json", action="store_true",
+                   help="print the resolved config as JSON (as the run's config.json records it)")
     text = "what a checkpoint, a run's output folder or a model folder holds; can a run resume"
     p = sub.add_parser("inspect", help=text, description=text)
     p.add_argument("path", metavar="PATH", type=Path)
@@ -123,8 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "config":
             if ns.reference:
                 print(config_reference_markdown())
-            else:
+            elif ns.json:
                 print(json.dumps(_config(ns.args).to_dict(), indent=2))
+            else:
+                print_sources(*_resolved(ns.args))
             return 0
         if ns.command == "plan":
             from r1fit.memory.planner import plan_memory, render

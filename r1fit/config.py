@@ -1,9 +1,12 @@
 """The typed config tree: one dataclass per section, one help text per field.
 
-A config is built from the defaults (which are the built-in demo), then a YAML file, then dotted
-``key.sub=value`` overrides, in that order. Every field carries its help text in ``metadata["help"]``;
-``r1fit config-help`` prints them and the README's reference is generated from the same text.
-Unknown keys and bad values raise :class:`ConfigError` with one line naming the key and what is allowed.
+A config is built from the defaults (made for pre-trained VLMs; each help text says where its
+value comes from), then a preset (``preset``: the built-in demo's values for a random-weight
+built-in model, ``r1fit/presets/demo.yaml``), then a YAML file, then dotted ``key.sub=value``
+overrides, in that order; ``r1fit config`` shows which of these gave each value. Every field
+carries its help text in ``metadata["help"]``; ``r1fit config --reference`` prints them and the
+README's reference is generated from the same text. Unknown keys and bad values raise
+:class:`ConfigError` with one line naming the key and what is allowed.
 """
 
 from __future__ import annotations
@@ -145,8 +148,11 @@ class DataConfig:
     reward_method_key: str = opt("accu_reward_method", "Column a row names its own accuracy "
                                  "method in (VLM-R1's); it wins over data.reward_method.")
     eval_size: int = opt(200, "Evaluate on at most this many held-out questions.", ge=1)
-    max_pixels: int = opt(112 * 112, "Images are resized (aspect kept) to at most this many "
-                          "pixels.", ge=28 * 28)
+    max_pixels: int = opt(4194304, "Images are resized (aspect kept) to at most this many "
+                          "pixels (4,194,304 = 2048 x 2048: EasyR1's examples/config.yaml; up to "
+                          "5,350 image tokens on Qwen2.5-VL, so lower it to fit a smaller "
+                          "card, e.g. 401408 = 512 image tokens). The demo preset: 12544 "
+                          "(112 x 112).", ge=28 * 28)
     min_pixels: int = opt(28 * 28, "Images are resized (aspect kept) to at least this many pixels.",
                           ge=28 * 28)
     max_images: int = opt(1, "Most images per row; rows with more are bad rows.", ge=0)
@@ -168,11 +174,12 @@ class AlgoConfig:
     num_generations: int = opt(8, "Completions sampled per prompt (the GRPO group size, G).", ge=2)
     num_iterations: int = opt(1, "Optimizer updates per rollout batch (mu); > 1 reuses the rollout "
                               "with PPO clipping against the old log-probs.", ge=1)
-    beta: float = opt(0.05, "Weight of the KL penalty to the reference model (the model GRPO "
+    beta: float = opt(0.04, "Weight of the KL penalty to the reference model (the model GRPO "
                       "starts from): k3 per token in the loss, or k1 per completion in the reward "
-                      "with kl_in_reward; 0 loads no reference at all. In the demo it keeps the policy "
-                      "exploring: at 0 its answers turn deterministic at 50% accuracy, at 0.05 it "
-                      "reaches 75%.", ge=0)
+                      "with kl_in_reward; 0 loads no reference at all. 0.04: the GRPO paper's "
+                      "(DeepSeekMath); TRL 1.16 defaults to 0, EasyR1's example to 0.01. The demo "
+                      "preset: 0.05 (at 0 the demo's answers turn deterministic at 50% accuracy, at "
+                      "0.05 it reaches 75%).", ge=0)
     kl_in_reward: bool = opt(False, "Subtract beta x the completion's k1 KL (sum over its tokens of "
                              "log pi - log pi_ref) from its reward before the advantages, instead of "
                              "a KL term in the loss (REINFORCE++, verl's use_kl_in_reward). Needs "
@@ -200,7 +207,9 @@ class AlgoConfig:
                               "3e-4). epsilon/epsilon_high are not used there.", gt=0)
     gspo_epsilon_high: float | None = opt(4e-4, "Clip range above 1 of the sequence-level ratio "
                                           "(GSPO paper's 4e-4); null means gspo_epsilon.", gt=0)
-    max_new_tokens: int = opt(24, "Longest completion in tokens.", ge=1)
+    max_new_tokens: int = opt(512, "Longest completion in tokens (512: TRL 1.16's "
+                              "max_completion_length; EasyR1's example uses 2048). The demo "
+                              "preset: 24.", ge=1)
     overlong_buffer: int = opt(0, "DAPO's soft overlong punishment: a completion longer than "
                                "max_new_tokens - overlong_buffer tokens gets a penalty growing "
                                "linearly to -overlong_penalty at max_new_tokens, added to its "
@@ -311,8 +320,9 @@ class TrainConfig:
     prompts_per_step: int = opt(32, "Prompts per step; each gets num_generations completions. "
                                 "Under torchrun the step's rows (x num_generations) are split "
                                 "evenly over the processes.", ge=1)
-    learning_rate: float = opt(3e-3, "Peak learning rate of AdamW (the demo's value, for a "
-                               "random-init tiny model; use ~1e-6..1e-5 for a pre-trained VLM).",
+    learning_rate: float = opt(1e-6, "Peak learning rate of AdamW for GRPO (1e-6: TRL 1.16's "
+                               "GRPOConfig and EasyR1's example, for full fine-tuning; with LoRA "
+                               "use ~1e-5). The demo preset: 3e-3 (a random-weight tiny model).",
                                gt=0)
     lr_schedule: Literal["constant", "cosine", "linear"] = opt(
         "cosine", "Learning-rate shape after warm-up (decays to 10% of the peak).")
@@ -338,20 +348,27 @@ class TrainConfig:
 class SFTConfig:
     steps: int = opt(100, "Steps of `r1fit sft` (learning each row's solution).", ge=0)
     format_warmup_steps: int = opt(
-        60, "Steps of the format warm-up that `r1fit train` runs before GRPO: SFT on the "
+        0, "Steps of the format warm-up that `r1fit train` runs before GRPO: SFT on the "
         "<think>/<answer> format with the answer of a random row, teaching the format but not the "
-        "task, so that GRPO's first rewards are not all zero. Set 0 for an instruct model.", ge=0)
+        "task, so that GRPO's first rewards are not all zero. 0 (none): an instruct model "
+        "already follows the format from its system prompt, as TRL and EasyR1 assume. The demo "
+        "preset: 60 (random weights know no format).", ge=0)
     batch_size: int = opt(16, "Rows per supervised step (under torchrun: split evenly over the "
                           "processes).", ge=1)
-    learning_rate: float = opt(1e-2, "Peak learning rate of the supervised steps (demo value; "
-                               "~1e-5 for a pre-trained VLM).", gt=0)
+    learning_rate: float = opt(2e-5, "Peak learning rate of the supervised steps (`r1fit sft` "
+                               "and the format warm-up). 2e-5: TRL 1.16's SFTConfig, for full "
+                               "fine-tuning; with LoRA use ~1e-4. The demo preset: 1e-2.", gt=0)
     max_answer_tokens: int = opt(
         1024, "Tokens of a row's answer (a multi-turn row: its conversation after the prompt, the "
         "assistant turns scored) beyond which SFT cuts it; each cut answer is counted "
         "(truncated_answers in the step's row) and the first one warned about. `r1fit plan --sft` "
         "and the auto sizes of `r1fit sft` plan every answer this long.", ge=1)
-    think: str = opt("I look at the image.", "Text put inside <think> </think> in warm-up targets and "
-                     "in solutions that lack the tags.")
+    think: str | None = opt(
+        None, "null: `r1fit sft` learns each answer exactly as the data writes it, and the format "
+        "warm-up's targets have an empty <think></think>. A text: put inside <think> </think> "
+        "of the warm-up's targets, and `r1fit sft` rewrites every answer that lacks the "
+        "<think>/<answer> tags into <think>TEXT</think><answer>ANSWER</answer>. The demo preset: "
+        "'I look at the image.'.")
 
 
 @dataclass(frozen=True)
@@ -512,8 +529,19 @@ class ReportConfig:
                      "end of training; `r1fit report RUN_DIR` writes it at any time).", ge=0)
 
 
+#: where the preset files live (package data)
+PRESETS_DIR = Path(__file__).resolve().parent / "presets"
+PRESETS = ("demo",)
+
+
 @dataclass(frozen=True)
 class Config:
+    preset: Literal["auto", "demo", "none"] = opt(
+        "auto", "Values applied over the defaults and under the config file and overrides: "
+        "'demo' (r1fit/presets/demo.yaml: the built-in demo's learning rates, 24-token "
+        "completions, 60-step format warm-up, 112 px images), 'none', or 'auto': demo for a "
+        "built-in random-weight model (model.path builtin:*), else none. `r1fit config` shows "
+        "which values it gave.")
     model: ModelConfig = opt(ModelConfig(), "The policy model.")
     data: DataConfig = opt(DataConfig(), "Prompts and images.")
     algo: AlgoConfig = opt(AlgoConfig(), "GRPO settings.")
@@ -527,6 +555,13 @@ class Config:
     eval: EvalConfig = opt(EvalConfig(), "Held-out evaluation.")
     checkpoint: CheckpointConfig = opt(CheckpointConfig(), "Checkpoints and resume.")
     report: ReportConfig = opt(ReportConfig(), "Metric trackers and the run report.")
+
+    def applied_preset(self) -> str | None:
+        """The preset this config's values were built on (``preset``, with 'auto' resolved), or
+        None."""
+        if self.preset == "auto":
+            return "demo" if self.model.path.startswith("builtin:") else None
+        return None if self.preset == "none" else self.preset
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able data (tuples as lists), as ``config.json`` records it."""
@@ -755,31 +790,85 @@ def _check_consistency(cfg: Config) -> None:
                           "resized")
 
 
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+
+
+def preset_values(name: str) -> dict[str, Any]:
+    """The nested values of preset ``name`` (``r1fit/presets/NAME.yaml``)."""
+    return _read_yaml(PRESETS_DIR / f"{name}.yaml")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults, then the YAML file (if any), then ``key.sub=value`` overrides; validated."""
-    cfg = Config()
+    """Defaults, then the preset, then the YAML file (if any), then ``key.sub=value`` overrides;
+    validated."""
+    return resolve_config(path, overrides)[0]
+
+
+def resolve_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+                   ) -> tuple[Config, dict[str, str]]:
+    """:func:`load_config`'s config, and where each leaf key's value came from: 'default',
+    'preset NAME', 'file PATH' or 'override'.
+
+    Which preset applies depends on the final ``preset`` and ``model.path`` (a file or an
+    override may set either), so they are resolved first without it, then the layers are
+    applied in order."""
+    data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f":{mark.line + 1}" if mark is not None else ""
-            raise ConfigError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
-        cfg = _apply(cfg, data, "")
-    return _validated(cfg, [_parse_override(item) for item in overrides])
+        data = _read_yaml(path)
+    changes = [_parse_override(item) for item in overrides]
+    preset = _changed(_apply(Config(), data, ""), changes).applied_preset()
+    preset_data = preset_values(preset) if preset else {}
+    cfg = _validated(_apply(_apply(Config(), preset_data, ""), data, ""), changes)
+    sources = dict.fromkeys(_leaf_keys(cfg.to_dict()), "default")
+    sources.update(dict.fromkeys(_leaf_keys(preset_data), f"preset {preset}"))
+    sources.update(dict.fromkeys(_leaf_keys(data), f"file {path}"))
+    sources.update(dict.fromkeys(_override_keys(changes), "override"))
+    return cfg, sources
 
 
-def _validated(cfg: Config, changes: list[tuple[list[str], Any]]) -> Config:
-    """``cfg`` with each (dotted path, value) applied in order, then checked as a whole."""
+def _leaf_keys(data: Any, prefix: str = "") -> list[str]:
+    """Dotted keys of a nested mapping's leaves; ``rewards`` is one leaf (a mapping value)."""
+    if not isinstance(data, dict) or prefix == "rewards.":
+        return [prefix.rstrip(".")]
+    return [key for name, value in data.items() for key in _leaf_keys(value, f"{prefix}{name}.")]
+
+
+def _override_keys(changes: list[tuple[list[str], Any]]) -> list[str]:
+    """The leaf keys ``key=value`` overrides set (``rewards.NAME`` sets the ``rewards`` leaf; an
+    override of a whole section sets each key it names)."""
+    keys = []
+    for path, value in changes:
+        if path[0] == "rewards":
+            keys.append("rewards")
+        else:
+            keys.extend(_leaf_keys(value, ".".join(path) + "."))
+    return keys
+
+
+def _changed(cfg: Config, changes: list[tuple[list[str], Any]]) -> Config:
+    """``cfg`` with each (dotted path, value) applied in order (each value checked, the whole
+    not)."""
     for keys, value in changes:
         if keys[0] == "rewards" and len(keys) > 1:
             # a reward name may contain dots ('pkg.mod:fn'): everything after 'rewards.' is the name
             cfg = _apply(cfg, {"rewards": {**cfg.rewards, ".".join(keys[1:]): value}}, "")
             continue
         cfg = _apply(cfg, _nest(keys, value), "")
+    return cfg
+
+
+def _validated(cfg: Config, changes: list[tuple[list[str], Any]]) -> Config:
+    """``cfg`` with each (dotted path, value) applied in order, then checked as a whole."""
+    cfg = _changed(cfg, changes)
     _check_consistency(cfg)
     return cfg
 

@@ -3,10 +3,23 @@ import json
 from r1fit.cli import main
 
 
-def test_config_prints_resolved_values(capsys):
-    assert main(["config", "algo.num_generations=4", "model.lora.r=8"]) == 0
+def test_config_json_prints_resolved_values(capsys):
+    assert main(["config", "--json", "algo.num_generations=4", "model.lora.r=8"]) == 0
     cfg = json.loads(capsys.readouterr().out)
     assert cfg["algo"]["num_generations"] == 4 and cfg["model"]["lora"]["r"] == 8
+
+
+def test_config_shows_each_value_and_its_source(capsys, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("algo:\n  num_generations: 4\n")
+    assert main(["config", str(path), "model.lora.r=8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("# preset: demo (model.path is a built-in random-weight model)")
+    rows = {line.split()[0]: line.split(maxsplit=2)[1:] for line in lines[1:]}
+    assert rows["algo.num_generations"] == ["4", f"file {path}"]
+    assert rows["model.lora.r"] == ["8", "override"]
+    assert rows["train.learning_rate"] == ["0.003", "preset demo"]
+    assert rows["algo.epsilon"] == ["0.2", "default"]
 
 
 def test_config_reference_lists_every_key(capsys):

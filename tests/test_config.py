@@ -1,17 +1,88 @@
-"""Config: defaults are the demo, YAML + overrides, one-line errors naming the key."""
+"""Config: the demo by default (its preset over defaults made for real models), YAML +
+overrides, each key's source, one-line errors naming the key."""
 
 import pytest
 
-from r1fit.config import Config, ConfigError, config_reference_markdown, iter_fields, load_config
+from r1fit.config import (
+    Config,
+    ConfigError,
+    config_reference_markdown,
+    iter_fields,
+    load_config,
+    preset_values,
+    resolve_config,
+)
+
+#: the demo's values (before defaults were made for real models; its preset keeps them)
+DEMO = {"train.learning_rate": 3e-3, "sft.learning_rate": 1e-2, "algo.max_new_tokens": 24,
+        "algo.beta": 0.05, "sft.format_warmup_steps": 60, "sft.think": "I look at the image.",
+        "data.max_pixels": 112 * 112}
 
 
-def test_defaults_are_the_demo():
+def value(cfg, key):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def test_no_arguments_is_the_demo():
     cfg = load_config()
     assert cfg.model.path == "builtin:tiny"
     assert cfg.data.train == "builtin:shapes"
     assert cfg.model.lora.r == 0
     # the checkpoint's dtype, float32 for builtin:tiny (tests/models/test_dtype.py loads it)
     assert cfg.model.dtype == "auto"
+    assert cfg.applied_preset() == "demo"
+    assert {key: value(cfg, key) for key in DEMO} == DEMO
+
+
+def test_defaults_are_made_for_real_models():
+    cfg = load_config(None, ["model.path=Qwen/Qwen2.5-VL-3B-Instruct"])
+    assert cfg.applied_preset() is None
+    assert cfg.train.learning_rate == 1e-6 and cfg.sft.learning_rate == 2e-5
+    assert cfg.algo.max_new_tokens == 512 and cfg.sft.format_warmup_steps == 0
+    assert cfg.sft.think is None  # a user's answers are not rewritten
+    # every value of the demo preset differs from its default: the preset is what keeps the demo
+    defaults = Config()
+    assert all(value(defaults, key) != demo for key, demo in DEMO.items())
+
+
+def test_demo_preset_file_holds_exactly_the_demo_values():
+    flat = {f"{section}.{key}": v for section, keys in preset_values("demo").items()
+            for key, v in keys.items()}
+    assert flat == DEMO
+
+
+@pytest.mark.parametrize("overrides, preset", [
+    ([], "demo"),                                                  # builtin:tiny, preset=auto
+    (["model.path=builtin:small-realvocab"], "demo"),
+    (["model.path=/models/my-qwen"], None),
+    (["preset=none"], None),                                       # builtin, asked for none
+    (["model.path=/models/tiny-copy", "preset=demo"], "demo"),     # a folder, asked for demo
+])
+def test_which_preset_applies(overrides, preset):
+    cfg = load_config(None, overrides)
+    assert cfg.applied_preset() == preset
+    assert (cfg.train.learning_rate == 3e-3) == (preset == "demo")
+
+
+def test_layers_in_order_and_each_key_names_its_source(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("algo:\n  max_new_tokens: 40\n  beta: 0.1\ntrain:\n  learning_rate: 1.0e-3\n")
+    cfg, sources = resolve_config(path, ["algo.beta=0.2", "rewards.format=1.0"])
+    assert cfg.algo.max_new_tokens == 40 and cfg.algo.beta == 0.2  # file over preset, override over file
+    assert cfg.sft.learning_rate == 1e-2 and cfg.train.learning_rate == 1e-3
+    assert sources["algo.max_new_tokens"] == f"file {path}"
+    assert sources["algo.beta"] == "override"
+    assert sources["rewards"] == "override"
+    assert sources["sft.learning_rate"] == "preset demo"
+    assert sources["algo.num_generations"] == "default"
+    # one source per leaf key of the tree, no more
+    assert set(sources) == {key for key, _, _ in iter_fields()}
+    # the preset follows the final model.path: a file naming a real model gets no demo values
+    path.write_text("model:\n  path: /models/my-qwen\n")
+    cfg, sources = resolve_config(path)
+    assert cfg.train.learning_rate == 1e-6 and "preset demo" not in sources.values()
 
 
 def test_yaml_then_overrides(tmp_path):

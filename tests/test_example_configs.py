@@ -22,6 +22,17 @@ def test_example_config_is_valid_and_says_how_to_run_it(path):
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_a_config_for_a_real_model_has_learning_rates_it_survives(path):
+    # 1e-2 (the demo's SFT rate) or 3e-3 would wreck a pre-trained 3B model in a few steps
+    cfg = load_config(path)
+    if cfg.model.path.startswith("builtin:"):
+        assert cfg.applied_preset() == "demo"  # random weights: the demo's rates are right there
+        return
+    assert cfg.applied_preset() is None
+    assert cfg.train.learning_rate <= 1e-4 and cfg.sft.learning_rate <= 1e-4
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_example_config_plans_offline(path, use_tiny_cache, monkeypatch):
     # a hub model's config.json ships with r1fit: `r1fit plan CONFIG` needs no network, and
     # model.dtype=auto plans a Qwen checkpoint in its own bfloat16

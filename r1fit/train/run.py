@@ -159,6 +159,10 @@ def start_run(cfg: Config, kind: str) -> Run:
     log.info("%s run: model %s (%.2fM params, %.2fM trainable) on %s -> %s", kind,
              cfg.model.path + (f" resumed from {resume.path}" if resume else ""), total / 1e6,
              trainable / 1e6, device, out)
+    if preset := cfg.applied_preset():
+        log.info("preset %s (config key preset=%s): its values (r1fit/presets/%s.yaml) stand under "
+                 "the config file and overrides; `r1fit config` shows each key's source", preset,
+                 cfg.preset, preset)
     trackers = open_trackers(cfg, out) if w.main else Trackers([])
     return Run(cfg, kind, out, w, device, model, processor, policy, TokenIds.of(model, processor),
                train_set, eval_set, sizes, max_prompt_tokens,

@@ -38,22 +38,25 @@ from r1fit.train.run import Run, start_run
 log = logging.getLogger("r1fit.sft")
 
 
-def target_text(solution: str, think: str) -> str:
-    """The assistant turn to learn: the solution as is when it already thinks, else wrapped in the
-    ``<think>..</think><answer>..</answer>`` format."""
-    if "<think>" in solution and "<answer>" in solution:
+def target_text(solution: str, think: str | None) -> str:
+    """The assistant turn to learn: the solution as is when it already thinks or ``think`` is
+    None (``sft.think`` unset: a user's answers are never rewritten unless asked), else wrapped
+    in the ``<think>..</think><answer>..</answer>`` format with ``think`` inside the first."""
+    if think is None or ("<think>" in solution and "<answer>" in solution):
         return solution.strip()
     answer = extract_answer(solution) or solution.strip()
     return f"<think>{think}</think><answer>{answer}</answer>"
 
 
-def build_targets(samples: list[Sample], think: str, rng: random.Random | None) -> list[str]:
+def build_targets(samples: list[Sample], think: str | None, rng: random.Random | None) -> list[str]:
     """Targets of one batch. With ``rng`` (the format warm-up) each row gets the answer of a random
-    row of the batch: right format, answers from the data's own distribution, no link to the
-    image. Without, each row's own solution."""
+    row of the batch in the think/answer format (``think`` or an empty think block): right
+    format, answers from the data's own distribution, no link to the image. Without, each row's
+    own solution (rewritten into the format only when ``think`` is set)."""
     solutions = [s.solution for s in samples]
     if rng is not None:
         solutions = [rng.choice(solutions) for _ in samples]
+        think = think or ""  # the warm-up exists to teach the format
     return [target_text(sol, think) for sol in solutions]
 
 

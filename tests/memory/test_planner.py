@@ -66,7 +66,8 @@ def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def cfg_for(folder: Path, *overrides: str):
-    return load_config(None, [f"model.path={folder}", "train.prompts_per_step=2",
+    # the demo's settings (24-token completions, 112 px images) that the hand counts assume
+    return load_config(None, [f"model.path={folder}", "preset=demo", "train.prompts_per_step=2",
                               "algo.num_generations=8", *overrides])
 
 

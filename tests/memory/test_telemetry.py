@@ -23,17 +23,19 @@ def test_reset_peak_starts_a_new_window():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM/clear_refs are Linux-only")
 def test_child_peak_is_not_inherited_from_a_big_parent(tmp_path):
-    """ru_maxrss of a child starts at its parent's peak; the per-step peak must not."""
+    """ru_maxrss of a child starts at its parent's peak; the per-step peak must not. (A child
+    that imports torch 2.14.1's CUDA wheel holds ~714 MB by itself here: the parent's block is
+    2 GiB, so an inherited peak stands far above a child's own.)"""
     import subprocess
 
     child = ("import torch; from r1fit.memory.telemetry import peak_memory_bytes, reset_peak; "
              "reset_peak(torch.device('cpu')); print(peak_memory_bytes(torch.device('cpu')))")
-    parent = ("import subprocess, sys; block = bytearray(800 * 2**20); block[::4096] = b'x' * "
+    parent = ("import subprocess, sys; block = bytearray(2048 * 2**20); block[::4096] = b'x' * "
               "len(block[::4096]); print(subprocess.run([sys.executable, '-c', sys.argv[1]], "
               "capture_output=True, text=True, check=True).stdout)")
     out = subprocess.run([sys.executable, "-c", parent, child], capture_output=True, text=True,
                          check=True).stdout
-    assert int(out.strip()) < 700 * 2**20
+    assert int(out.strip()) < 1536 * 2**20
 
 
 def test_cuda_allocator_gets_expandable_segments_unless_configured(monkeypatch):

@@ -11,6 +11,17 @@ def test_target_text_wraps_bare_and_tagged_solutions():
     assert target_text(full, "look") == full
 
 
+def test_answers_are_learnt_as_written_unless_think_is_set():
+    # sft.think unset (the default for user data): nothing is rewritten
+    for solution in ("red", "<answer> 3 </answer>", "It is 3.\n"):
+        assert target_text(solution, None) == solution.strip()
+    samples = [Sample([], "q", "red", "t"), Sample([], "q", "<answer>blue</answer>", "t")]
+    assert build_targets(samples, None, None) == ["red", "<answer>blue</answer>"]
+    # the format warm-up teaches the format all the same, with an empty think block
+    warm = build_targets(samples, None, random.Random(0))
+    assert set(warm) <= {"<think></think><answer>red</answer>", "<think></think><answer>blue</answer>"}
+
+
 def test_format_only_targets_use_answers_of_the_batch_not_the_row():
     samples = [Sample([], f"q{i}", answer, "t") for i, answer in
                enumerate(["red", "blue", "green", "yellow"] * 25)]
