@@ -10,6 +10,7 @@
     r1fit inspect runs/demo          # its checkpoints, newest first; or one checkpoint's files
     r1fit export runs/demo/checkpoint-40 my-model [--merge-lora]   # a plain Hugging Face folder
     r1fit report runs/demo [--out FILE]   # one HTML file: plots, alarms, sampled rollouts
+    r1fit doctor [--json] [--check]  # versions, GPUs, kernels for a bug report; --check: self-check
 """
 
 from __future__ import annotations
@@ -140,6 +141,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="a run's output folder")
     p.add_argument("--out", metavar="FILE", type=Path,
                    help="where to write it (default: RUN_DIR/report.html)")
+    text = "versions, GPUs, attention kernels, TF32, peak FLOP/s, CPU: the facts for a bug report"
+    p = sub.add_parser("doctor", help=text, description=text)
+    p.add_argument("--json", action="store_true", help="print the facts as one JSON object")
+    p.add_argument("--check", action="store_true",
+                   help="also run a self-check of about a minute on the first device (memory "
+                        "plan vs measured, shared-prompt/prefill numerics, kill and resume); "
+                        "exit status 1 when an item fails")
+    p.add_argument("--out", metavar="DIR", type=Path,
+                   help="--check: where its runs go, a new or empty folder (default: a "
+                        "temporary folder, removed afterwards)")
     ns, extra = parser.parse_known_args(argv)
     # overrides after a flag (`r1fit plan my.yaml --sft sft.batch_size=8`): argparse ends a
     # positional list at the first flag, so the rest comes back unparsed
@@ -148,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
 
+    if ns.command == "doctor":  # before the imports below (peft, transformers): seconds
+        from r1fit.doctor.command import doctor
+
+        return doctor(json_out=ns.json, check=ns.check, out=ns.out)
     # imported late: `r1fit config` and `--help` should not pay for importing torch/transformers
     from r1fit.checkpoint.manager import RunStopped
 

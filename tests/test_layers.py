@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("r1fit.report",),  # logs, metrics, summary, printing
     ("r1fit.memory", "r1fit.checkpoint"),  # planner, guard, telemetry; checkpoints
     ("r1fit.train",),  # the run and its loops
+    ("r1fit.doctor",),  # r1fit doctor: the machine's facts, a self-check that runs GRPO
     ("r1fit.cli", "r1fit.__main__"),
 ]
 

@@ -1,0 +1,55 @@
+"""``r1fit doctor [--json] [--check] [--out DIR]``: print the facts, run the self-check, return
+the exit status (0; 1 when a check failed; 2 when it could not start)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from r1fit.doctor.env import collect_env, render_env
+from r1fit.errors import R1fitError
+from r1fit.report.blocks import print_blocks
+
+
+def doctor(*, json_out: bool = False, check: bool = False, out: Path | None = None) -> int:
+    """Print this machine's facts (``json_out``: as one JSON object); with ``check`` run the
+    self-check into ``out`` (default: a temporary folder, removed when every item passes, kept
+    and named when one fails) and add its verdicts. Returns 0, or 1 when an item failed."""
+    env = collect_env()
+    if not check:
+        if json_out:
+            print(json.dumps(env, indent=2))
+        else:
+            render_env(env, rich=sys.stdout.isatty())
+        return 0
+    from r1fit.doctor.selfcheck import run_selfcheck
+
+    if not json_out:  # the facts first: they explain a failure below
+        render_env(env, rich=sys.stdout.isatty())
+        sys.stdout.flush()
+    folder = out if out is not None else Path(tempfile.mkdtemp(prefix="r1fit-doctor-"))
+    began = time.perf_counter()
+    try:
+        verdicts = run_selfcheck(folder)
+    except R1fitError as exc:  # e.g. --out holds files: one line, as the other commands say it
+        print(f"r1fit: error: {exc}", file=sys.stderr)
+        return 2
+    seconds = time.perf_counter() - began
+    ok = all(v.ok for v in verdicts)
+    if out is None and ok:
+        shutil.rmtree(folder, ignore_errors=True)
+    if json_out:
+        print(json.dumps({**env, "check": {"ok": ok, "seconds": round(seconds, 1),
+                                           "out": str(folder) if out or not ok else None,
+                                           "items": [v.to_dict() for v in verdicts]}}, indent=2))
+    else:
+        failed = sum(not v.ok for v in verdicts)
+        lines = ["", f"self-check ({seconds:.0f} s): {len(verdicts) - failed} ok, {failed} failed"
+                 + ("" if ok and out is None else f"; its runs are in {folder}"),
+                 *(f"  {v.line()}" for v in verdicts)]
+        print_blocks(lines, rich=sys.stdout.isatty())
+    return 0 if ok else 1
