@@ -482,10 +482,12 @@ def run_selfcheck(out: Path, *, device: torch.device | None = None,
         except Exception as exc:  # a crashed stage is a failed check, with its message
             found = [Verdict(n, False, f"{type(exc).__name__}: {exc}") for n in names]
         _synchronize(device)
+        seconds = time.perf_counter() - began
         for verdict in found:
-            verdict.numbers["seconds"] = round(time.perf_counter() - began, 2)
+            verdict.numbers["seconds"] = round(seconds, 2)
             verdicts.append(verdict)
             progress(f"      {verdict.line()}")
+        progress(f"      ({seconds:.1f} s)")
 
     def uninterrupted() -> list[Verdict]:
         straight.append(run_train(spec, out / "straight"))
