@@ -45,7 +45,8 @@ def first_device() -> torch.device:
 def half_dtype(device: torch.device) -> torch.dtype:
     """The device's 16-bit dtype: bfloat16 where it is supported (a CPU, a GPU of compute
     capability 8.0 or more), else float16."""
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    # not torch.cuda.is_bf16_supported(): it says yes where bfloat16 is only emulated (slowly)
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
         return torch.float16
     return torch.bfloat16
 

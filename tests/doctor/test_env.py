@@ -85,7 +85,9 @@ def test_gpus_and_their_data_sheet_peak(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props[i])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: props[0].name)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    capability = {"cuda:0": (9, 0), "cuda:1": (7, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability",
+                        lambda device=None: capability[str(device)])
     from r1fit.doctor import env as doctor_env
 
     gpus = doctor_env._gpus()
@@ -95,6 +97,8 @@ def test_gpus_and_their_data_sheet_peak(monkeypatch):
         {"index": 1, "name": "Tesla V100-SXM2-32GB", "memory_bytes": 34_000_000_000,
          "compute_capability": "7.0", "bf16": False}]
     assert first_device() == torch.device("cuda:0")
+    assert half_dtype(torch.device("cuda:0")) == torch.bfloat16
+    assert half_dtype(torch.device("cuda:1")) == torch.float16  # a V100 emulates bfloat16
     peak = peak_flops(torch.device("cuda:0"))
     assert peak["bfloat16"] == {"flops": 989e12, "source": "NVIDIA H100 80GB HBM3 data sheet"}
     assert peak["float32"]["flops"] == 494e12
