@@ -328,6 +328,60 @@ def create_model(name: str) -> tuple[PreTrainedModel, ProcessorMixin]:
     return model, make_processor(tokenizer, max_pixels=spec.max_pixels)
 
 
+def build_from_config(hub_id: str, dest: str | os.PathLike[str], *, device: str = "cpu",
+                      dtype: torch.dtype = torch.bfloat16, max_pixels: int = 448 * 448,
+                      text: dict[str, Any] | None = None, vision: dict[str, Any] | None = None,
+                      seed: int = 0) -> Path:
+    """Write a random-weight model of hub model `hub_id` (Qwen2-VL / Qwen2.5-VL) into `dest`, from
+    the config.json r1fit ships (r1fit/models/configs/) with nothing downloaded: its weights drawn
+    by transformers' initialisation straight on `device` in `dtype`, the built-in tokenizer with
+    the filler tokens that put its specials at Qwen's ids (151643..), so the config's token ids
+    hold as they are, a Qwen2.5-VL processor capped at `max_pixels` per image, and Qwen's
+    generation config. Memory and speed depend on the shapes only. `text` / `vision`: config keys
+    to change (a cut-down model for CPU tests). Returns `dest`."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from r1fit.models.load import shipped_config
+    from r1fit.models.tokenizer import QWEN_FIRST_SPECIAL_ID
+
+    folder = shipped_config(hub_id)
+    if folder is None:
+        raise ModelConfigError(f"r1fit ships no config.json of {hub_id!r} (r1fit/models/configs/)")
+    config = AutoConfig.from_pretrained(folder)
+    if config.model_type not in ("qwen2_vl", "qwen2_5_vl"):
+        raise ModelConfigError(f"{hub_id}: a {config.model_type} model; only Qwen2-VL and "
+                               "Qwen2.5-VL use the Qwen-id tokenizer and processor built here")
+    for part, changes in ((config.text_config, text), (config.vision_config, vision)):
+        for key, value in (changes or {}).items():
+            if not hasattr(part, key):
+                raise ModelConfigError(f"{hub_id}: its config has no {key!r} to change")
+            setattr(part, key, value)
+    layers = config.text_config.num_hidden_layers
+    if getattr(config.text_config, "layer_types", None):  # one entry per layer, checked on load
+        config.text_config.layer_types = config.text_config.layer_types[:layers]
+    tokenizer = build_tokenizer(first_special_id=QWEN_FIRST_SPECIAL_ID)
+    wanted = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+              "vision_start_token_id": "<|vision_start|>"}
+    for key, token in wanted.items():
+        if getattr(config, key) != tokenizer.convert_tokens_to_ids(token):
+            raise ModelConfigError(f"{hub_id}: config {key}={getattr(config, key)} is not "
+                                   f"Qwen's id of {token}")
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(config, dtype=dtype).eval()
+    model.generation_config = _qwen_generation(tokenizer)
+    dest = Path(dest)
+    model.save_pretrained(dest)
+    make_processor(tokenizer, max_pixels=max_pixels).save_pretrained(dest)
+    marker = {"name": hub_id, "builder_version": BUILDER_VERSION, "seed": seed,
+              "description": f"random weights of {hub_id}'s config.json"
+                             + (f", changed: {text or {}} {vision or {}}" if text or vision else ""),
+              "num_parameters": sum(p.numel() for p in model.parameters())}
+    (dest / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+    del model
+    return dest
+
+
 def make_processor(
     tokenizer: Qwen2Tokenizer, *, min_pixels: int = DEFAULT_MIN_PIXELS, max_pixels: int = DEFAULT_MAX_PIXELS
 ) -> Qwen2_5_VLProcessor:

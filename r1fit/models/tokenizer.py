@@ -274,14 +274,40 @@ def _gemma_bpe(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
     return _train_bpe(tok, trainer)
 
 
-def build_tokenizer(bpe_vocab_size: int = BPE_VOCAB_SIZE) -> Qwen2Tokenizer:
+#: Qwen's id of its first special token, `<|endoftext|>`: Qwen2/2.5/3-VL's BPE fills ids 0..151642
+#: and their config.json files name the image, video and vision tokens at 151652..151656
+QWEN_FIRST_SPECIAL_ID = 151_643
+
+
+def _padded_to(vocab: dict[str, int], size: int) -> dict[str, int]:
+    """`vocab` grown to `size` ids with filler tokens `<|unused_N|>`. No merge makes them, so text
+    never tokenizes to them; a model may still sample them, and they decode to their own text (all
+    their characters are printable ASCII, which byte-level BPE maps to itself)."""
+    if len(vocab) > size:
+        raise ValueError(f"the trained BPE has {len(vocab)} tokens, more than the {size} asked for")
+    padded = dict(vocab)
+    fillers = (f"<|unused_{n}|>" for n in itertools.count())
+    while len(padded) < size:
+        token = next(fillers)
+        if token not in padded:
+            padded[token] = len(padded)
+    return padded
+
+
+def build_tokenizer(bpe_vocab_size: int = BPE_VOCAB_SIZE, *, first_special_id: int | None = None
+                    ) -> Qwen2Tokenizer:
     """Build the built-in tokenizer: trained BPE + Qwen2-VL specials + atomic reasoning tags.
 
     Ids: the BPE vocabulary first (0..n-1), then the 14 Qwen2-VL special tokens in Qwen's order,
     then `<think>`, `</think>`, `<answer>`, `</answer>`. eos is `<|im_end|>`, pad `<|endoftext|>`,
     no bos and no unk (byte-level BPE never needs one), as in Qwen2-VL-Instruct.
+    `first_special_id` (e.g. `QWEN_FIRST_SPECIAL_ID`): filler tokens (`_padded_to`) between the BPE
+    and the specials, so the specials have a real checkpoint's ids and its config.json holds as it
+    is; the trained BPE, and so the ids of text without added tokens, stay the same.
     """
     vocab, merges = _qwen_bpe(bpe_vocab_size)
+    if first_special_id is not None:
+        vocab = _padded_to(vocab, first_special_id)
     tokenizer = Qwen2Tokenizer(
         vocab=vocab,
         merges=merges,
