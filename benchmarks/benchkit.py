@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -86,20 +88,32 @@ def child_error(stderr: str, name: str) -> str | None:
 
 
 def run_child(command: Sequence[str], what: str, name: str, *,
-              env: Mapping[str, str] | None = None, timeout: float | None = None) -> str:
+              env: Mapping[str, str] | None = None, timeout: float | None = None,
+              log: Path | None = None, group: bool = False) -> str:
     """Run ``command`` to its end (output captured) and return its stdout. ``what`` says what the
     child does, for the errors; ``name`` is the script (or program: ``r1fit``) whose one-line
-    errors the child prints.
+    errors the child prints. ``log``: a file the child's stdout and stderr are appended to, under
+    a ``==== <what> ====`` header, whatever its end (what it printed before a timeout too).
+    ``group``: the child leads a process group of its own, and a timeout kills the whole group
+    (the processes it started too, which would otherwise run on holding memory).
 
     A failed child raises :class:`BenchmarkError`: ``<what>: <message>`` with the child's own
     one-line error when it printed one, else ``<what> failed (exit N):`` and the last
     :data:`TAIL_LINES` lines of its stderr (a traceback); ``<what>: no result in T s`` when it
     runs longer than ``timeout`` seconds."""
-    try:
-        done = subprocess.run(list(command), capture_output=True, text=True, env=env,
-                              timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
-        raise BenchmarkError(f"{what}: no result in {timeout:.0f} s") from None
+    with subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=env, start_new_session=group) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            if group:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.kill()
+            stdout, stderr = proc.communicate()
+            append_log(log, f"{what} (no result in {timeout:.0f} s)", stdout, stderr)
+            raise BenchmarkError(f"{what}: no result in {timeout:.0f} s") from None
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    append_log(log, f"{what} (exit {done.returncode})", done.stdout, done.stderr)
     if done.returncode == 0:
         return done.stdout
     own = child_error(done.stderr, name)
@@ -107,6 +121,19 @@ def run_child(command: Sequence[str], what: str, name: str, *,
         raise BenchmarkError(f"{what}: {own}")
     raise BenchmarkError(f"{what} failed (exit {done.returncode}):\n"
                          + failure_text(done.stderr))
+
+
+def append_log(log: Path | None, header: str, *texts: str | bytes | None) -> None:
+    """Append ``texts`` (a child's outputs; a timeout's may be bytes or None) to ``log``."""
+    if log is None:
+        return
+    with open(log, "a", encoding="utf-8") as f:
+        f.write(f"==== {header} ====\n")
+        for text in texts:
+            if isinstance(text, bytes):
+                text = text.decode("utf-8", "replace")
+            if text:
+                f.write(text if text.endswith("\n") else text + "\n")
 
 
 def failure_text(stderr: str) -> str:

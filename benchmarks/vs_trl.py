@@ -7,6 +7,10 @@ Command (needs TRL: ``pip install -e ".[bench]"``; 9 minutes on 2 CPU cores, mea
     # = --model builtin:small-realvocab --generations 8 16 --micro-batch 4 --max-new-tokens 64
     #   --image-size 112 --steps 4 --repeats 3
 
+On a GPU (``--device cuda``, as benchmarks/gpu_check.py runs it): both sides in bfloat16 on the
+GPU, peaks in CUDA's allocated bytes (reset at each step's start) over what was allocated after
+the load (r1fit: its weights); ``--min-new-tokens`` forces the completion lengths on both sides.
+
 Both train GRPO on one prompt x G completions per step (``builtin:shapes`` questions with one
 112 px image, 16 image tokens), full fine-tuning in float32 on CPU, gradient checkpointing on,
 no KL term (``beta=0``: no reference model), one update per rollout (``num_iterations=1``), DAPO's
@@ -115,14 +119,16 @@ class Setting:
 def r1fit_overrides(args: argparse.Namespace, generations: int, output_dir: Path) -> list[str]:
     """The r1fit run's config; TRL's child reads its data (and model) from the same config."""
     size = args.image_size
-    return [f"model.path={args.model}", "model.lora.r=0", "model.dtype=float32",
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    return [f"model.path={args.model}", "model.lora.r=0", f"model.dtype={dtype}",
             f"algo.num_generations={generations}", "train.prompts_per_step=1",
             f"memory.micro_batch={args.micro_batch}", f"memory.generation_batch={generations}",
             f"algo.max_new_tokens={args.max_new_tokens}", "algo.beta=0", "algo.num_iterations=1",
             "algo.temperature=1.0", "memory.gradient_checkpointing=true",
             "sft.format_warmup_steps=0", "data.eval=null", "data.shapes.train_size=64",
             f"data.shapes.image_size={size}", f"data.max_pixels={size * size}",
-            f"train.max_steps={args.steps}", "train.device=cpu", "checkpoint.every=0",
+            f"train.max_steps={args.steps}", f"train.device={args.device}", "checkpoint.every=0",
+            f"rollout.min_new_tokens={args.min_new_tokens}",
             "report.rollouts_every=0", f"train.output_dir={output_dir}", "train.overwrite=true",
             f"train.seed={args.seed}", "rewards.accuracy=0", "rewards.format=0",
             "rewards.vs_trl_reward:length=1.0"]
@@ -141,11 +147,13 @@ def run_r1fit(args: argparse.Namespace, generations: int) -> RunResult:
         steps = sorted((r for r in read_metrics(out / "metrics.jsonl") if STEP_KEY in r),
                        key=lambda r: r["step"])
     seconds = time.perf_counter() - started
+    # after load: the RSS then on CPU; on CUDA the weights, all r1fit has on the GPU by then
+    after_load = (int(summary["rss_after_load_bytes"]) if args.device == "cpu" else
+                  weight_bytes(args))
     return RunResult(
         tokens_per_second=[float(r["tokens_per_second"]) for r in steps[1:]],
         completion_len_mean=statistics.mean(float(r["completion_len_mean"]) for r in steps),
-        peak_over_load=max(int(r["peak_memory_bytes"]) for r in steps)
-        - int(summary["rss_after_load_bytes"]),
+        peak_over_load=max(int(r["peak_memory_bytes"]) for r in steps) - after_load,
         other_cpu=other_cores(ticks, cpu_ticks(), seconds, os.sysconf("SC_CLK_TCK")),
         seconds=seconds)
 
@@ -187,9 +195,11 @@ def run_trl(args: argparse.Namespace, generations: int) -> RunResult:
     from r1fit.models.load import resolve_model_path
 
     started, ticks = time.perf_counter(), cpu_ticks()
+    cuda = args.device == "cuda"
     dataset = Dataset.from_list(trl_rows(args, generations))
     folder = resolve_model_path(args.model)
-    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(
+        folder, dtype=torch.bfloat16 if cuda else torch.float32)
     processor = AutoProcessor.from_pretrained(folder)
 
     from vs_trl_reward import length  # r1fit's reward plugin: the same function
@@ -200,16 +210,25 @@ def run_trl(args: argparse.Namespace, generations: int) -> RunResult:
     steps: list[dict[str, float]] = []
 
     class StepMeter(TrainerCallback):
-        """Each optimizer step's wall time and RSS high-water mark (reset at its start)."""
+        """Each optimizer step's wall time and memory high-water mark (reset at its start): the
+        RSS's on CPU, CUDA's allocated bytes on a GPU (what r1fit logs there), the GPU waited
+        for at both ends."""
 
         def on_step_begin(self, *_: Any, **__: Any) -> None:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            else:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
             steps.append({"start": time.perf_counter()})
 
         def on_step_end(self, *_: Any, **__: Any) -> None:
+            if cuda:
+                torch.cuda.synchronize()
             steps[-1].update(seconds=time.perf_counter() - steps[-1]["start"],
-                             peak=read_status("VmHWM"))
+                             peak=torch.cuda.max_memory_allocated() if cuda else
+                             read_status("VmHWM"))
 
         def on_log(self, _args: Any, _state: Any, _control: Any, logs: dict | None = None,
                    **__: Any) -> None:
@@ -222,13 +241,15 @@ def run_trl(args: argparse.Namespace, generations: int) -> RunResult:
             per_device_train_batch_size=args.micro_batch,
             gradient_accumulation_steps=generations // args.micro_batch,
             max_completion_length=args.max_new_tokens, temperature=1.0, beta=0.0,
-            num_iterations=1, gradient_checkpointing=True, use_cpu=True, bf16=False,
+            num_iterations=1, gradient_checkpointing=True, use_cpu=not cuda, bf16=cuda,
+            generation_kwargs=({"min_new_tokens": args.min_new_tokens}
+                               if args.min_new_tokens else None),
             learning_rate=1e-6, logging_steps=1, save_strategy="no", report_to=[],
             seed=args.seed, dataloader_num_workers=0, disable_tqdm=True)
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config,
                               train_dataset=dataset, processing_class=processor,
                               callbacks=[StepMeter()])
-        after_load = read_status("VmRSS")
+        after_load = torch.cuda.memory_allocated() if cuda else read_status("VmRSS")
         trainer.train()
     if len(steps) != args.steps or any("length" not in s for s in steps):
         raise BenchmarkError(f"TRL ran {len(steps)} steps with lengths logged for "
@@ -265,6 +286,15 @@ def run_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def weight_bytes(args: argparse.Namespace) -> int:
+    """The model's weights in bytes, as the planner counts them (exact parameter counts)."""
+    from r1fit.config import load_config
+    from r1fit.memory.planner import plan_memory
+
+    cfg = load_config(None, r1fit_overrides(args, args.micro_batch, Path(tempfile.gettempdir())))
+    return int(plan_memory(cfg, device_type="cpu").parts["weights"])
+
+
 def state_bytes(args: argparse.Namespace) -> int:
     """What any full fine-tuning step with AdamW holds at least, as the planner counts it (exact
     parameter counts of the model built on the meta device): weights, gradients and AdamW's two
@@ -287,7 +317,8 @@ def child_command(args: argparse.Namespace, *mode: str) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), *mode, "--model", args.model,
             "--steps", str(args.steps), "--max-new-tokens", str(args.max_new_tokens),
             "--image-size", str(args.image_size), "--micro-batch", str(args.micro_batch),
-            "--seed", str(args.seed)]
+            "--seed", str(args.seed), "--device", args.device,
+            "--min-new-tokens", str(args.min_new_tokens)]
 
 
 def child_env() -> dict[str, str]:
@@ -416,6 +447,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=positive, default=4,
                    help="rows per forward/backward on both sides (must divide every G)")
     p.add_argument("--max-new-tokens", type=positive, default=64)
+    p.add_argument("--min-new-tokens", type=int, default=0,
+                   help="no EOS before this many tokens, on both sides (r1fit's "
+                   "rollout.min_new_tokens, TRL's generation_kwargs): forced lengths")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: both sides on the GPU in bfloat16, peaks in allocated bytes")
     p.add_argument("--image-size", type=positive, default=112,
                    help="builtin:shapes image side in px (a multiple of 28)")
     p.add_argument("--steps", type=positive, default=4, help="GRPO steps per run (>= 2)")

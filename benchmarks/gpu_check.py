@@ -1,0 +1,827 @@
+"""The GPU evidence in one command, sized for a 15-minute device lease: planner vs CUDA, auto-fit and
+the OOM guard on a real OOM, speed and MFU, bf16 numerics of the shared paths, kill-and-resume
+(deterministic off and on), and r1fit against TRL's GRPOTrainer, on random-weight models of real
+configuration built on the GPU.
+
+Device command (one H100, from the repository root; first, on a machine with pip and internet,
+``bash benchmarks/gpu_wheels.sh`` puts TRL and what it needs into ``.whl/``; the device call carries
+``.whl``; about 8 minutes; ``$OUT`` comes back):
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py
+
+CI and this machine (every stage on builtin:tiny on CPU, about 2 minutes on 2 busy cores):
+
+    python benchmarks/gpu_check.py --cpu-smoke [--only STAGE ...] [--out DIR]
+
+Nothing is downloaded: the ``build`` stage draws the weights of Qwen2.5-VL-3B-Instruct (and, for
+the last stage, 7B) from the config.json files r1fit ships, in bfloat16 straight on the GPU, with a
+locally trained tokenizer whose special tokens have Qwen's ids
+(r1fit.models.builtin.build_from_config), saved once under ``--models`` (default /dev/shm when it
+has room) and reused by every stage. Memory and speed depend on shapes only; completions are
+forced to their full length (``rollout.min_new_tokens`` = ``algo.max_new_tokens``: random weights
+would stop at random lengths). The reward is a completion's length in characters / 10
+(benchmarks/vs_trl_reward.py), so groups have differing rewards and every step updates.
+
+Stages, in this order (the most valuable first), each in a child process with a time cap, each
+result written to ``gpu_check.json`` as soon as it is known (a timeout still leaves the earlier
+ones); the whole run stops starting stages when ``--budget`` seconds are spent:
+
+- ``build``: the 3B model folder; the CUDA context's size (after a bf16 matmul) and the versions.
+- ``plan``: ``r1fit plan`` (r1fit.memory.planner.plan_memory) against the largest per-step
+  ``torch.cuda.max_memory_allocated`` (r1fit's ``peak_memory_bytes``) of 2-step GRPO runs: 3B
+  LoRA and 3B full fine-tuning, G=8, 448 px, 256-token completions, bf16. Compared: the plan's
+  allocated peak (``r1fit plan``'s peak less its ``overhead`` part, CUDA context + allocator
+  slack); that overhead is printed against the measured reserved peak + context. Target: every
+  plan from -5% to +10% of the measurement. The same runs give the **speed** rows: step 2's
+  seconds of generate / score / update (the step timers wait for the GPU at each phase's ends),
+  completion tokens/s, MFU (bf16 data-sheet peak, r1fit/memory/flops.py), peak over the floor
+  (weights + gradients + AdamW states + one row's activations, as planned), and the **numerics**
+  verdicts of ``memory.share_prefix=auto`` / ``rollout.share_prefill=auto`` with their distances
+  (from the runs' logs).
+- ``oom``: 3B full fine-tuning with ``memory.micro_batch`` = G where the planner says the card
+  cannot hold it: the run meets a real ``torch.OutOfMemoryError``, the guard halves micro_batch
+  and redoes the step. Target: ``oom_retries`` > 0, micro_batch lowered, every step present.
+  (``--cpu-smoke``: an OOM raised by a wrapper around the first log-prob pass, labelled
+  simulated: a tiny model cannot run out of memory.)
+- ``autofit``: ``memory.micro_batch=auto`` and ``generation_batch=auto`` under ``memory.budget``
+  = 35% of the card, 3B full fine-tuning, G=16. Target: no OOM retry, every step, and the
+  reserved peak within the budget.
+- ``trl``: benchmarks/vs_trl.py on the GPU (``--device cuda``): TRL's GRPOTrainer (HF generate, no
+  vLLM) and r1fit, same 3B model in bf16, data, G=8, micro-batch 4, 256-token completions forced on
+  both sides: tokens/s and peak allocated over load, one run each. No target (printed).
+- ``numerics``: r1fit doctor's numerics check on the 3B model (LoRA, G=4, 32 tokens) in bf16 on
+  the GPU: the shared prompt's and shared prefill's distances from the per-row paths, and bounds.
+- ``resume``: 3B LoRA, G=4, 32 tokens, 4 steps uninterrupted against 4 steps SIGKILLed once
+  checkpoint 2 exists, then resumed; with ``train.deterministic=false`` and ``=true`` (seconds of
+  both, i.e. the cost of deterministic mode). Reported: which metrics and which final weights
+  differ. Target: none differ with ``train.deterministic=true``.
+- ``plan7b``: builds 7B, then its LoRA G=8 plan-vs-measured run (last: the costliest build).
+
+Every r1fit run goes through r1fit's CLI with ``datasets``, ``rapidfuzz``, ``math_verify``, ``trl``
+and ``vllm`` made unimportable (the device image has none of them: this proves r1fit needs none).
+Exit status: 0 when every target is met, 1 when one is missed, 2 when a stage failed or timed out
+(and none missed) or on bad arguments. The vLLM engine is not checked here (its wheel cannot be
+carried to the device).
+"""  # noqa: E501 (the device command is one line)
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository: r1fit as it is checked out
+if str(ROOT) not in sys.path:  # r1fit from this checkout, installed or not (the device)
+    sys.path.insert(1, str(ROOT))
+
+import benchkit  # noqa: E402
+from benchkit import BenchmarkError, print_result, read_result, run_child  # noqa: E402
+
+NAME = "gpu_check"
+MIB, GIB = 2**20, 2**30
+STEP_KEY = "reward_mean"  # in GRPO step rows of metrics.jsonl only
+#: not on the device image; r1fit's runs here must not need them
+MISSING_ON_DEVICE = ("datasets", "rapidfuzz", "math_verify", "trl", "vllm")
+#: ``python -c`` program: the r1fit CLI with MISSING_ON_DEVICE unimportable
+LAUNCHER = (f"import sys\nfor name in {MISSING_ON_DEVICE!r}:\n    sys.modules[name] = None\n"
+            "from r1fit.cli import main\nsys.exit(main(sys.argv[1:]))")
+HUB = {"3b": "Qwen/Qwen2.5-VL-3B-Instruct", "7b": "Qwen/Qwen2.5-VL-7B-Instruct"}
+#: the smoke's model of the build stage: the 3B config cut to one small layer, Qwen's vocabulary
+CUT = {"text": {"num_hidden_layers": 1, "hidden_size": 256, "intermediate_size": 512,
+                "num_attention_heads": 2, "num_key_value_heads": 1},
+       "vision": {"depth": 1, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2,
+                  "out_hidden_size": 256, "fullatt_block_indexes": [0]}}
+PLAN_HIGH, PLAN_LOW = 0.10, 0.05  # a plan may be 10% over the measurement, 5% under it
+#: metrics that differ between identical runs by nature (clocks, memory)
+VOLATILE = ("seconds_", "peak_", "tokens_per_second", "mfu")
+#: the full log (``--out``/gpu_check.log): every child's output is appended to it (set by main)
+LOG: Path | None = None
+
+
+@dataclass(frozen=True)
+class Scale:
+    """What the stages run at: the GPU's real configurations, or the CPU smoke's tiny ones."""
+
+    gpu: bool
+    generations: int
+    new_tokens: int
+    image_size: int
+    micro_batch: int
+    lora_r: int
+    steps: int
+    #: (G, tokens, image px) of the resume and numerics runs: short steps
+    short: tuple[int, int, int]
+    #: G and the micro_batch sizes tried for the OOM stage (the first the card cannot hold)
+    oom_generations: tuple[int, ...]
+    autofit_generations: int
+    autofit_fraction: float  # of the card: memory.budget of the autofit stage
+
+
+GPU = Scale(gpu=True, generations=8, new_tokens=256, image_size=448, micro_batch=8, lora_r=16,
+            steps=2, short=(4, 32, 112), oom_generations=(16, 32, 64), autofit_generations=16,
+            autofit_fraction=0.35)
+SMOKE = Scale(gpu=False, generations=4, new_tokens=8, image_size=56, micro_batch=4, lora_r=8,
+              steps=2, short=(4, 4, 56), oom_generations=(8,), autofit_generations=4,
+              autofit_fraction=0.0)
+SMOKE_BUDGET = "2GiB"  # the smoke's autofit memory.budget (CPU: a cap on RSS over the baseline)
+
+
+# ----------------------------------------------------------------------------------------------
+# r1fit runs
+
+
+def model_path(args: argparse.Namespace, role: str) -> str:
+    """model.path of ``role`` ("3b", "7b"): the built folder on a GPU, builtin:tiny in the smoke."""
+    return str(Path(args.models) / HUB[role].split("/")[1]) if not args.cpu_smoke \
+        else "builtin:tiny"
+
+
+def overrides(args: argparse.Namespace, role: str, *, lora: bool, generations: int | None = None,
+              new_tokens: int | None = None, image_size: int | None = None,
+              steps: int | None = None) -> list[str]:
+    """One run's config: every key the check depends on set here (r1fit's defaults move)."""
+    s = scale_of(args)
+    g, n = generations or s.generations, new_tokens or s.new_tokens
+    px = image_size or s.image_size
+    return [f"model.path={model_path(args, role)}",
+            f"model.dtype={'bfloat16' if s.gpu else 'float32'}",
+            f"model.lora.r={s.lora_r if lora else 0}", "model.lora.alpha=32",
+            f"train.device={'cuda' if s.gpu else 'cpu'}", f"train.max_steps={steps or s.steps}",
+            "train.prompts_per_step=1", "train.seed=0", "train.learning_rate=1e-5",
+            "train.lr_schedule=constant", "train.warmup_steps=0", "train.weight_decay=0",
+            "train.max_grad_norm=1.0", "train.overwrite=true", "train.deterministic=false",
+            f"algo.num_generations={g}", f"algo.max_new_tokens={n}",
+            f"rollout.min_new_tokens={n}", "rollout.engine=hf", "rollout.share_prefill=auto",
+            "algo.beta=0", "algo.num_iterations=1", "algo.temperature=1.0", "algo.top_p=1.0",
+            f"memory.micro_batch={min(s.micro_batch, g)}", f"memory.generation_batch={g}",
+            "memory.gradient_checkpointing=true", "memory.share_prefix=auto",
+            *([] if s.gpu else ["memory.cpu_peak=tensors"]),
+            "sft.format_warmup_steps=0", "data.eval=null", "eval.every=0",
+            "eval.before_train=false", "data.shapes.train_size=64",
+            f"data.shapes.image_size={px}", f"data.max_pixels={px * px}",
+            "checkpoint.every=0", "report.rollouts_every=0", "report.to=[]",
+            "rewards.accuracy=0", "rewards.format=0", "rewards.vs_trl_reward:length=1.0"]
+
+
+def scale_of(args: argparse.Namespace) -> Scale:
+    return SMOKE if args.cpu_smoke else GPU
+
+
+def child_env() -> dict[str, str]:
+    """r1fit's source and this folder (the reward plugin vs_trl_reward) on the path, no hub."""
+    path = os.pathsep.join(p for p in (str(ROOT), str(benchkit.FOLDER),
+                                       os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "KINETO_LOG_LEVEL": "5",
+            "TOKENIZERS_PARALLELISM": "false"}
+
+
+@dataclass
+class RunOutput:
+    """What one r1fit run left: its step rows (the last row of each step), log and seconds."""
+
+    out: Path
+    rows: list[dict[str, Any]]
+    log: str
+    seconds: float
+
+    @property
+    def steps(self) -> list[int]:
+        return [r["step"] for r in self.rows]
+
+    def peak(self, key: str = "peak_memory_bytes") -> int:
+        return max(int(r[key] or 0) for r in self.rows)
+
+    def lines(self, marker: str) -> list[str]:
+        """The log's lines holding ``marker``, from the marker on."""
+        return [line[line.index(marker):] for line in self.log.splitlines() if marker in line]
+
+
+def read_run(out: Path, seconds: float) -> RunOutput:
+    from r1fit.report.metrics import read_metrics
+
+    by_step: dict[int, dict[str, Any]] = {}
+    for row in read_metrics(out / "metrics.jsonl"):
+        if STEP_KEY in row:
+            by_step[row["step"]] = row  # a resumed run may repeat a step: its last row counts
+    log = (out / "log.txt").read_text() if (out / "log.txt").is_file() else ""
+    return RunOutput(out, [by_step[k] for k in sorted(by_step)], log, seconds)
+
+
+def train(values: list[str], out: Path, what: str, *, timeout: float | None = None) -> RunOutput:
+    """``r1fit train`` in a fresh process (MISSING_ON_DEVICE unimportable) into ``out``."""
+    started = time.perf_counter()
+    run_child([sys.executable, "-c", LAUNCHER, "train", f"train.output_dir={out}", *values], what,
+              "r1fit", env=child_env(), timeout=timeout, log=LOG)
+    return read_run(out, time.perf_counter() - started)
+
+
+def plan_of(values: list[str], *, gpu: bool) -> dict[str, int]:
+    """``r1fit plan`` of a config: its peak, allocated peak (less the CUDA overhead) and parts."""
+    from r1fit.config import load_config
+    from r1fit.memory.planner import plan_memory
+
+    plan = plan_memory(load_config(None, values), device_type="cuda" if gpu else "cpu")
+    return {"peak": int(plan.peak_bytes), "allocated": int(plan.peak_bytes - plan.parts["overhead"]),
+            "overhead": int(plan.parts["overhead"]), "max_micro_batch": int(plan.max_micro_batch)}
+
+
+def floor_of(values: list[str]) -> int:
+    from r1fit.config import load_config
+
+    return benchkit.floor_bytes(load_config(None, values))
+
+
+# ----------------------------------------------------------------------------------------------
+# results: rows of the table, targets
+
+
+@dataclass
+class Row:
+    """One line of the table: what, the numbers, the target (empty: none) and whether met."""
+
+    item: str
+    value: str
+    target: str = ""
+    met: bool | None = None
+
+
+@dataclass
+class StageResult:
+    rows: list[Row] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, item: str, value: str, target: str = "", met: bool | None = None) -> None:
+        self.rows.append(Row(item, value, target, met))
+
+
+def plan_verdict(planned: int, measured: int, high: float = PLAN_HIGH,
+                 low: float = PLAN_LOW) -> tuple[float, bool]:
+    """(plan / measured - 1, whether it is within [-low, +high]; a bound itself is within)."""
+    error = planned / measured - 1
+    return error, -low <= round(error, 9) <= high
+
+
+def oom_verdict(rows: list[dict[str, Any]], steps: int, first_micro_batch: int) -> tuple[bool, str]:
+    """Whether a forced-OOM run recovered: some step retried, micro_batch lowered, no step lost."""
+    retries = max((int(r.get("oom_retries") or 0) for r in rows), default=0)
+    last = rows[-1]["micro_batch"] if rows else None
+    present = [r["step"] for r in rows] == list(range(1, steps + 1))
+    ok = retries > 0 and present and last is not None and last < first_micro_batch
+    return ok, (f"oom_retries {retries}, micro_batch {first_micro_batch} -> {last}, steps "
+                f"{[r['step'] for r in rows]} of {steps}")
+
+
+def differing(a: RunOutput, b: RunOutput) -> list[str]:
+    """Metrics (step:key) whose values differ between two runs of the same steps, clocks and
+    memory left out; a step only one run has counts as differing."""
+    out = []
+    rows_a, rows_b = {r["step"]: r for r in a.rows}, {r["step"]: r for r in b.rows}
+    for step in sorted(set(rows_a) | set(rows_b)):
+        if step not in rows_a or step not in rows_b:
+            out.append(f"{step}:missing")
+            continue
+        for key in sorted(set(rows_a[step]) | set(rows_b[step])):
+            if key.startswith(VOLATILE):
+                continue
+            if rows_a[step].get(key) != rows_b[step].get(key):
+                out.append(f"{step}:{key}")
+    return out
+
+
+def weights_differing(a: Path, b: Path) -> tuple[list[str], float]:
+    """Tensors of the two runs' final weights (every .safetensors under ``final/``) that are not
+    bit-identical, and the largest absolute difference."""
+    import torch
+    from safetensors.torch import load_file
+
+    def tensors(folder: Path) -> dict[str, torch.Tensor]:
+        found: dict[str, torch.Tensor] = {}
+        for path in sorted((folder / "final").rglob("*.safetensors")):
+            found.update({f"{path.name}:{k}": v for k, v in load_file(path).items()})
+        if not found:
+            raise BenchmarkError(f"{folder}/final holds no .safetensors weights")
+        return found
+
+    ta, tb = tensors(a), tensors(b)
+    names = [k for k in sorted(set(ta) | set(tb))
+             if k not in ta or k not in tb or not torch.equal(ta[k], tb[k])]
+    largest = max((float((ta[k].float() - tb[k].float()).abs().max()) for k in names
+                   if k in ta and k in tb), default=0.0)
+    return names, largest
+
+
+# ----------------------------------------------------------------------------------------------
+# stages (each runs in a child process: ``--stage NAME``)
+
+
+def stage_build(args: argparse.Namespace, work: Path) -> StageResult:
+    """The 3B folder (the smoke: the 3B config cut to one small layer), device and versions."""
+    import torch
+    import transformers
+
+    result = StageResult()
+    info = {"torch": torch.__version__, "transformers": transformers.__version__,
+            "python": sys.version.split()[0]}
+    for name in ("peft", "accelerate", "trl", "datasets"):
+        try:
+            info[name] = __import__(name).__version__
+        except ImportError:
+            info[name] = None
+    if args.cpu_smoke:
+        info["device"] = "cpu"
+        seconds, params = build(args, "3b", cut=True)
+    else:
+        info.update(cuda_facts())
+        seconds, params = build(args, "3b")
+    result.data.update(info=info, build_seconds=seconds, parameters=params)
+    result.add("device", f"{info['device']}; torch {info['torch']}, transformers "
+               f"{info['transformers']}, trl {info['trl']}")
+    if "context_bytes" in info:
+        result.add("CUDA context (after a bf16 matmul)", f"{info['context_bytes'] / MIB:,.0f} MiB "
+                   f"(planner assumes {info['planner_context_bytes'] / MIB:,.0f})")
+    result.add(f"built {HUB['3b']}" + (" (cut)" if args.cpu_smoke else ""),
+               f"{params / 1e9:.2f}B params, {seconds:.0f} s")
+    return result
+
+
+def cuda_facts() -> dict[str, Any]:
+    """The GPU's name and memory, and the CUDA context's size: device memory in use that the
+    caching allocator does not hold, after cuBLAS's first bf16 matmul."""
+    import torch
+
+    from r1fit.memory.planner.estimate import CUDA_CONTEXT_BYTES
+
+    a = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    (a @ a).sum().item()
+    free, total = torch.cuda.mem_get_info()
+    return {"device": torch.cuda.get_device_name(), "total_bytes": int(total),
+            "context_bytes": int(total - free - torch.cuda.memory_reserved()),
+            "planner_context_bytes": CUDA_CONTEXT_BYTES}
+
+
+def build(args: argparse.Namespace, role: str, *, cut: bool = False) -> tuple[float, int]:
+    """Build model ``role``'s folder under --models unless it is there: (seconds, parameters)."""
+    import torch
+
+    from r1fit.models.builtin import MARKER_FILE, build_from_config
+
+    dest = Path(args.models) / (HUB[role].split("/")[1] + ("-cut" if cut else ""))
+    marker = dest / MARKER_FILE
+    started = time.perf_counter()
+    if not marker.is_file():
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+        try:
+            build_from_config(HUB[role], tmp, device="cpu" if cut else "cuda",
+                              dtype=torch.bfloat16, **(CUT if cut else {}))
+            shutil.rmtree(dest, ignore_errors=True)
+            tmp.rename(dest)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return time.perf_counter() - started, json.loads(marker.read_text())["num_parameters"]
+
+
+def plan_runs(args: argparse.Namespace, work: Path, result: StageResult,
+              cases: Sequence[tuple[str, str, bool]]) -> None:
+    """Plan vs measured (and speed, numerics) for each (name, role, lora) of ``cases``."""
+    gpu = not args.cpu_smoke
+    for name, role, lora in cases:
+        values = overrides(args, role, lora=lora)
+        plan = plan_of(values, gpu=gpu)
+        run = train(values, work / name, f"plan {name}")
+        measured = run.peak()
+        error, met = plan_verdict(plan["allocated"], measured)
+        last = run.rows[-1]
+        reserved = run.peak("peak_reserved_bytes") if gpu else None
+        floor = floor_of(values)
+        speed = {k: float(last[k]) for k in ("seconds_generate", "seconds_score",
+                                              "seconds_update", "tokens_per_second", "mfu")}
+        result.data[name] = {"plan": plan, "measured_bytes": measured, "reserved_bytes": reserved,
+                             "error": error, "met": met, "floor_bytes": floor, "speed": speed,
+                             "completion_len_mean": [r["completion_len_mean"] for r in run.rows],
+                             "numerics": numerics_lines(run), "seconds": run.seconds}
+        result.add(f"plan {name}", f"plan {plan['allocated'] / MIB:,.0f} MiB vs measured "
+                   f"{measured / MIB:,.0f} MiB: {error:+.1%}", f"-{PLAN_LOW:.0%}..+{PLAN_HIGH:.0%}",
+                   met)
+        if reserved:
+            result.add(f"plan {name} overhead", f"planned context + slack "
+                       f"{plan['overhead'] / MIB:,.0f} MiB; measured reserved - allocated "
+                       f"{(reserved - measured) / MIB:,.0f} MiB (+ context, see build)")
+        result.add(f"speed {name} (step {last['step']})",
+                   f"generate {speed['seconds_generate']:.2f} s, score "
+                   f"{speed['seconds_score']:.2f} s, update {speed['seconds_update']:.2f} s; "
+                   f"{speed['tokens_per_second']:,.0f} tokens/s, MFU {speed['mfu']:.1%}; peak "
+                   f"{measured / floor:.2f}x the floor ({floor / MIB:,.0f} MiB); completions "
+                   f"{last['completion_len_mean']:.0f} tokens")
+        for line in numerics_lines(run):
+            result.add(f"numerics {name}", line)
+
+
+def numerics_lines(run: RunOutput) -> list[str]:
+    """The auto verdicts a run logged for its shared paths, with their distances."""
+    return run.lines("memory.share_prefix=auto:") + run.lines("rollout.share_prefill=auto:")
+
+
+def stage_plan(args: argparse.Namespace, work: Path) -> StageResult:
+    result = StageResult()
+    plan_runs(args, work, result, [("3b-lora-g8", "3b", True), ("3b-full-g8", "3b", False)])
+    return result
+
+
+def stage_plan7b(args: argparse.Namespace, work: Path) -> StageResult:
+    result = StageResult()
+    if not args.cpu_smoke:
+        seconds, params = build(args, "7b")
+        result.add(f"built {HUB['7b']}", f"{params / 1e9:.2f}B params, {seconds:.0f} s")
+    plan_runs(args, work, result, [("7b-lora-g8", "7b", True)])
+    return result
+
+
+def stage_numerics(args: argparse.Namespace, work: Path) -> StageResult:
+    """r1fit doctor's numerics check (r1fit/doctor/selfcheck.py) on the 3B model, LoRA, in this
+    process on the device: the shared prompt's and the shared prefill's distances from the per-row
+    paths, against the bounds ``auto`` holds them to."""
+    from r1fit.doctor.selfcheck import numerics_check
+
+    g, n, px = scale_of(args).short
+    verdicts = numerics_check(overrides(args, "3b", lora=True, generations=g, new_tokens=n,
+                                        image_size=px, steps=1))
+    result = StageResult(data={"verdicts": [v.to_dict() for v in verdicts]})
+    for v in verdicts:  # no target: a check that fails means auto runs that path per row here
+        result.add(f"numerics 3b-lora {v.name}", f"{'exact' if v.ok else 'NOT exact'}: "
+                   f"{v.summary}")
+    return result
+
+
+def stage_oom(args: argparse.Namespace, work: Path) -> StageResult:
+    """A micro_batch the device cannot hold: a real OOM on a GPU, halved and redone."""
+    s = scale_of(args)
+    result = StageResult()
+    if s.gpu:
+        total = cuda_total_bytes()
+        for g in s.oom_generations:  # the first G whose micro_batch=G the planner says overflows
+            values = overrides(args, "3b", lora=False, generations=g) + [
+                f"memory.micro_batch={g}", "memory.generation_batch=8"]
+            plan = plan_of(values, gpu=True)
+            if plan["peak"] > 1.1 * total:
+                break
+        result.data["plan"] = plan
+        run = train(values, work / "oom", "oom")
+        kind = "real"
+    else:
+        g = s.oom_generations[0]
+        values = overrides(args, "3b", lora=False, generations=g) + [f"memory.micro_batch={g}"]
+        run = simulated_oom_run(values, work / "oom", above=g // 4)
+        kind = "simulated"
+    ok, text = oom_verdict(run.rows, s.steps, g)
+    messages = run.lines("out of memory in")
+    result.data.update(generations=g, rows=len(run.rows), messages=messages, kind=kind,
+                       seconds=run.seconds)
+    result.add(f"OOM guard ({kind} OOM), 3b full G={g} micro_batch={g}", text,
+               "retried, lowered, no step lost", ok)
+    if messages:
+        result.add("  first OOM", messages[0][:150])
+    return result
+
+
+def cuda_total_bytes() -> int:
+    """The GPU's memory, read without keeping a CUDA context in this process (a child's)."""
+    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.mem_get_info()[1])"],
+                         capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[-1])
+
+
+def simulated_oom_run(values: list[str], out: Path, *, above: int) -> RunOutput:
+    """The smoke's OOM: ``r1fit train`` in this process, the log-prob pass raising
+    ``torch.OutOfMemoryError`` while the micro_batch is above ``above`` (a tiny model cannot run
+    out of memory; the guard's recovery and this check's reading of it are what run)."""
+    import torch
+
+    import r1fit.train.grpo as grpo
+    from r1fit.config import load_config
+
+    real = grpo.add_logprobs
+
+    def add_logprobs(rollout: Any, run: Any, reference: Any) -> Any:
+        if run.sizes.micro_batch > above:
+            raise torch.OutOfMemoryError(f"simulated: micro_batch {run.sizes.micro_batch} > {above}")
+        return real(rollout, run, reference)
+
+    grpo.add_logprobs = add_logprobs
+    started = time.perf_counter()
+    try:
+        grpo.train_grpo(load_config(None, [*values, f"train.output_dir={out}"]))
+    finally:
+        grpo.add_logprobs = real
+    return read_run(out, time.perf_counter() - started)
+
+
+def stage_autofit(args: argparse.Namespace, work: Path) -> StageResult:
+    s = scale_of(args)
+    budget = (f"{int(s.autofit_fraction * cuda_total_bytes())}" if s.gpu else SMOKE_BUDGET)
+    values = overrides(args, "3b", lora=False, generations=s.autofit_generations) + [
+        "memory.micro_batch=auto", "memory.generation_batch=auto", f"memory.budget={budget}"]
+    from r1fit.units import parse_bytes
+
+    run = train(values, work / "autofit", "autofit")
+    limit = parse_bytes(budget)
+    peak = run.peak("peak_reserved_bytes" if s.gpu else "peak_memory_bytes")
+    retries = max(int(r.get("oom_retries") or 0) for r in run.rows)
+    present = run.steps == list(range(1, s.steps + 1))
+    ok = retries == 0 and present and peak <= limit
+    chosen = run.lines("auto-fit for")
+    result = StageResult(data={"budget_bytes": limit, "peak_bytes": peak, "retries": retries,
+                               "steps": run.steps, "chosen": chosen, "seconds": run.seconds})
+    result.add(f"autofit 3b full G={s.autofit_generations}, budget {limit / GIB:.1f} GiB",
+               f"{chosen[0] if chosen else 'no auto-fit line'}; "
+               f"{'reserved' if s.gpu else 'live-tensor'} peak {peak / GIB:.2f} GiB, "
+               f"oom_retries {retries}, steps {run.steps}", "no OOM, peak <= budget", ok)
+    return result
+
+
+def stage_resume(args: argparse.Namespace, work: Path) -> StageResult:
+    """4 steps straight vs killed after checkpoint 2 and resumed, deterministic off then on."""
+    g, n, px = scale_of(args).short
+    result = StageResult()
+    for deterministic in (False, True):
+        values = overrides(args, "3b", lora=True, generations=g, new_tokens=n, image_size=px,
+                           steps=4) + ["checkpoint.every=1", "checkpoint.keep=10",
+                                       "checkpoint.resume=auto",
+                                       f"train.deterministic={str(deterministic).lower()}"]
+        tag = f"deterministic={str(deterministic).lower()}"
+        straight = train(values, work / f"straight-{deterministic}", f"resume {tag}: straight")
+        out = work / f"resumed-{deterministic}"
+        killed_at = kill_after_checkpoint(values, out, 2)
+        resumed = train([v for v in values if v != "train.overwrite=true"] +
+                        ["train.overwrite=false"], out, f"resume {tag}: resumed")
+        metrics = differing(straight, resumed)
+        weights, largest = weights_differing(straight.out, out)
+        same = not metrics and not weights
+        result.data[tag] = {"straight_seconds": straight.seconds, "killed_after": killed_at,
+                            "resumed_seconds": resumed.seconds, "metrics_differing": metrics,
+                            "weights_differing": weights, "largest_weight_difference": largest}
+        result.add(f"resume {tag} (killed at checkpoint {killed_at})",
+                   f"{'identical' if same else 'DIFFER'}: metrics differing "
+                   f"{metrics[:6] or 'none'}{' ...' if len(metrics) > 6 else ''}; weights "
+                   f"differing {len(weights)} tensors (largest {largest:.3g}); 4 straight steps "
+                   f"{straight.seconds:.0f} s", "identical" if deterministic else "",
+                   same if deterministic else None)
+    off, on = (result.data[f"deterministic={x}"]["straight_seconds"] for x in ("false", "true"))
+    result.add("cost of train.deterministic=true", f"{on / off:.2f}x the run's seconds "
+               f"({off:.0f} s -> {on:.0f} s, 4 steps, load included)")
+    return result
+
+
+def kill_after_checkpoint(values: list[str], out: Path, step: int, timeout: float = 600) -> int:
+    """Start ``r1fit train`` into ``out``; SIGKILL it once ``checkpoint-<step>`` is in place (a
+    save renames a finished folder into place). Returns the newest checkpoint then."""
+    from r1fit.checkpoint.manager import checkpoint_order, list_checkpoints
+
+    with tempfile.TemporaryFile("w+") as output:  # a pipe nobody reads would block the run
+        proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, "train",
+                                 f"train.output_dir={out}", *values], env=child_env(),
+                                stdout=output, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + timeout
+        try:
+            while not (out / f"checkpoint-{step}").is_dir():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        output.seek(0)
+        text = output.read()
+    benchkit.append_log(LOG, f"run killed after checkpoint-{step} (exit {proc.returncode})", text)
+    if proc.returncode != -signal.SIGKILL:
+        raise BenchmarkError(f"the run to be killed ended first (exit {proc.returncode}):\n"
+                             f"{benchkit.failure_text(text)}")
+    if not (out / f"checkpoint-{step}").is_dir():
+        raise BenchmarkError(f"no checkpoint-{step} in {timeout:.0f} s")
+    return max(checkpoint_order(p)[1] for p in list_checkpoints(out))
+
+
+def stage_trl(args: argparse.Namespace, work: Path) -> StageResult:
+    """benchmarks/vs_trl.py: TRL's GRPOTrainer and r1fit on the same model, data, G and forced
+    completion length."""
+    import importlib.util
+
+    result = StageResult()
+    if importlib.util.find_spec("trl") is None:
+        result.add("r1fit vs TRL", "skipped: trl is not installed (carry .whl, see "
+                   "benchmarks/gpu_wheels.sh)")
+        result.data["skipped"] = "trl not installed"
+        return result
+    s = scale_of(args)
+    out = work / "vs_trl.json"
+    model = model_path(args, "3b")
+    command = [sys.executable, str(benchkit.FOLDER / "vs_trl.py"), "--model", model,
+               "--device", "cuda" if s.gpu else "cpu", "--generations", str(s.generations),
+               "--micro-batch", str(min(4, s.generations)), "--max-new-tokens", str(s.new_tokens),
+               "--min-new-tokens", str(s.new_tokens), "--image-size", str(s.image_size),
+               "--steps", "2", "--repeats", "1", "--max-other-cores", "99",
+               "--min-speedup", "0", "--max-memory-ratio", "1e9", "--json", str(out)]
+    run_child(command, "vs_trl", "vs_trl", env=child_env(), log=LOG)
+    report = json.loads(out.read_text())
+    by_tool = {x["tool"]: x for x in report["settings"]}
+    r1, trl = by_tool["r1fit"], by_tool["trl"]
+    result.data = {"trl": report["trl"], "r1fit": r1, "trl_run": trl}
+    result.add(f"r1fit vs TRL {report['trl']} (3b full G={s.generations}, {s.new_tokens} tokens)",
+               f"tokens/s {r1['tokens_per_second']:,.1f} vs {trl['tokens_per_second']:,.1f} = "
+               f"{r1['tokens_per_second'] / trl['tokens_per_second']:.2f}x; peak over load "
+               f"{r1['peak_over_load_bytes'] / MIB:,.0f} vs {trl['peak_over_load_bytes'] / MIB:,.0f}"
+               f" MiB = {r1['peak_over_load_bytes'] / trl['peak_over_load_bytes']:.2f}x; lengths "
+               f"{r1['completion_len_mean']:.0f} / {trl['completion_len_mean']:.0f}")
+    return result
+
+
+STAGES: dict[str, tuple[Callable[[argparse.Namespace, Path], StageResult], float]] = {
+    # name: (function, time cap in seconds on a GPU; the smoke gives each its whole budget)
+    "build": (stage_build, 120),
+    "plan": (stage_plan, 170),
+    "oom": (stage_oom, 120),
+    "autofit": (stage_autofit, 90),
+    "trl": (stage_trl, 150),
+    "numerics": (stage_numerics, 60),
+    "resume": (stage_resume, 150),
+    "plan7b": (stage_plan7b, 170),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# parent: stages in order within the budget, the JSON after each, the table, the exit status
+
+
+def run_stage(args: argparse.Namespace) -> int:
+    """``--stage NAME``: run one stage in this process, print its result line."""
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    result = STAGES[args.stage][0](args, work)
+    print_result(NAME, {"rows": [asdict(r) for r in result.rows], "data": result.data})
+    return 0
+
+
+def child_command(args: argparse.Namespace, stage: str, work: Path) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), "--stage", stage, "--work", str(work),
+            "--models", args.models, "--out", args.out,
+            *(["--cpu-smoke"] if args.cpu_smoke else [])]
+
+
+def stage_status(rows: list[dict[str, Any]]) -> bool | None:
+    """A stage's verdict: False when a target row missed, True when all its targets were met,
+    None when it has no target."""
+    verdicts = [r["met"] for r in rows if r["met"] is not None]
+    return None if not verdicts else all(verdicts)
+
+
+def exit_status(stages: dict[str, dict[str, Any]]) -> int:
+    """1 when a target was missed, else 2 when a stage failed or ran out of time, else 0."""
+    if any(s.get("met") is False for s in stages.values()):
+        return 1
+    return 2 if any(s["status"] != "ok" for s in stages.values()) else 0
+
+
+def table(stages: dict[str, dict[str, Any]]) -> str:
+    """The one table: a line per row of each stage, or the stage's failure."""
+    width = max([len(r["item"]) for s in stages.values() for r in s.get("rows", [])] + [20])
+    lines = [f"{'stage':<9} {'what':<{width}}  {'result':<8} measured (target)"]
+    for name, stage in stages.items():
+        if stage["status"] != "ok":
+            lines.append(f"{name:<9} {'-':<{width}}  {stage['status'].upper():<8} "
+                         f"{stage['error']}")
+            continue
+        for row in stage["rows"]:
+            verdict = {True: "met", False: "MISSED", None: ""}[row["met"]]
+            target = f" (target {row['target']})" if row["target"] else ""
+            lines.append(f"{name:<9} {row['item']:<{width}}  {verdict:<8} {row['value']}{target}")
+    return "\n".join(lines)
+
+
+def say(text: str, *, stdout: bool = False) -> None:
+    """Print ``text`` (stderr: progress; stdout: the table) and append it to the log."""
+    print(text, file=sys.stdout if stdout else sys.stderr, flush=True)
+    benchkit.append_log(LOG, "gpu_check", text)
+
+
+def run_parent(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    out = Path(args.out)
+    LOG.write_text("")  # a fresh log per check
+    work = Path(args.work or tempfile.mkdtemp(prefix="gpu_check-"))
+    Path(args.models).mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"command": sys.argv, "mode": "cpu-smoke" if args.cpu_smoke else "gpu",
+                              "commit": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                              "models": args.models, "stages": {}}
+    stages = report["stages"]
+    names = args.only or list(STAGES)
+    for name in names:
+        left = args.budget - (time.perf_counter() - started)
+        cap = left if args.cpu_smoke else min(STAGES[name][1], left)
+        t0 = time.perf_counter()
+        if cap < 20:
+            stages[name] = {"status": "skipped", "error": f"out of time ({args.budget:.0f} s "
+                            "budget spent)", "seconds": 0}
+        else:
+            say(f"{NAME}: {name} (cap {cap:.0f} s) ...")
+            try:
+                stdout = run_child(child_command(args, name, work / name), f"stage {name}",
+                                   NAME, env=child_env(), timeout=cap, log=LOG, group=True)
+                got = read_result(stdout, NAME, name)
+                stages[name] = {"status": "ok", **got, "met": stage_status(got["rows"])}
+            except BenchmarkError as exc:
+                status = "timeout" if "no result in" in str(exc) else "failed"
+                stages[name] = {"status": status, "error": str(exc)}
+            stages[name]["seconds"] = round(time.perf_counter() - t0, 1)
+        say(f"{NAME}: {name}: {stages[name]['status']} in {stages[name]['seconds']:.0f} s")
+        report["seconds"] = round(time.perf_counter() - started, 1)
+        write_json(out / "gpu_check.json", report)
+    status = exit_status(stages)
+    report["exit_status"] = status
+    write_json(out / "gpu_check.json", report)
+    verdict = ("every target met", "a target MISSED", "a stage failed")[status]
+    say(table(stages) + f"\n{report['mode']} at {report['commit']}: {len(stages)} stages in "
+        f"{report['seconds']:.0f} s (budget {args.budget:.0f} s) -> exit {status} ({verdict}); "
+        f"{out / 'gpu_check.json'}, {LOG}", stdout=True)
+    if not args.keep_work and not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+    return status
+
+
+def write_json(path: Path, report: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".json.partial")
+    tmp.write_text(json.dumps(report, indent=2, default=str))
+    tmp.replace(path)  # a reader (or a timeout) never sees half a file
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def default_models_dir(cpu_smoke: bool) -> str:
+    """Where the model folders go: /dev/shm (memory: fast to write and to load) when it has room
+    for 3B + 7B in bf16 (24 GB + slack), else the temporary folder."""
+    shm = Path("/dev/shm")
+    if not cpu_smoke and shm.is_dir() and shutil.disk_usage(shm).free > 30 * GIB:
+        return str(shm / "r1fit-gpu-check")
+    return str(Path(tempfile.gettempdir()) / "r1fit-gpu-check")
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="every stage on CPU at tiny size (CI: checks the script, not the GPU)")
+    p.add_argument("--only", nargs="+", choices=list(STAGES), metavar="STAGE",
+                   help=f"run these stages, in the usual order: {', '.join(STAGES)} (plan and "
+                   "plan7b need build's model folder, built once into --models)")
+    p.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out",
+                   help="folder of gpu_check.json and gpu_check.log (default: $OUT when set)")
+    p.add_argument("--models", default=None, help="folder of the built model folders")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds for all stages (GPU default 450: 8 minutes less the model "
+                   "loads' slack; smoke 600); no stage starts with less than 20 s left")
+    p.add_argument("--keep-work", action="store_true", help="keep the runs' output folders")
+    p.add_argument("--work", help=argparse.SUPPRESS)
+    p.add_argument("--stage", choices=list(STAGES), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.models is None:
+        args.models = default_models_dir(args.cpu_smoke)
+    if args.budget is None:
+        args.budget = 600.0 if args.cpu_smoke else 450.0
+    if args.only:
+        args.only = [s for s in STAGES if s in args.only]
+    return args
+
+
+def run(args: argparse.Namespace) -> int:
+    global LOG
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    LOG = Path(args.out) / "gpu_check.log"
+    if args.stage:
+        return run_stage(args)
+    return run_parent(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return benchkit.main(NAME, parse_args, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

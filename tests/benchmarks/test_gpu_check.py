@@ -1,0 +1,99 @@
+"""benchmarks/gpu_check.py: its verdicts on made-up numbers (a missed target is a non-zero exit),
+and the whole ``--cpu-smoke`` run (every stage on builtin:tiny on CPU, a few minutes on 2 busy
+cores): every stage ends ok, with numbers in the table and the JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from benchkit import load_script
+
+gc = load_script("gpu_check")
+
+
+def test_a_plan_may_be_10_percent_high_and_5_percent_low():
+    assert gc.plan_verdict(110, 100) == pytest.approx((0.10, True))
+    assert gc.plan_verdict(95, 100) == pytest.approx((-0.05, True))
+    assert gc.plan_verdict(111, 100)[1] is False  # too pessimistic: wastes the card
+    assert gc.plan_verdict(94, 100)[1] is False  # too low: an OOM on the GPU
+
+
+def _rows(*retries_and_sizes):
+    return [{"step": i + 1, "oom_retries": r, "micro_batch": m}
+            for i, (r, m) in enumerate(retries_and_sizes)]
+
+
+def test_the_oom_verdict_needs_a_retry_a_smaller_micro_batch_and_every_step():
+    ok, text = gc.oom_verdict(_rows((2, 16), (0, 16)), steps=2, first_micro_batch=64)
+    assert ok and text == "oom_retries 2, micro_batch 64 -> 16, steps [1, 2] of 2"
+    assert not gc.oom_verdict(_rows((0, 64), (0, 64)), 2, 64)[0]  # the card held it: no OOM met
+    assert not gc.oom_verdict(_rows((1, 32)), 2, 64)[0]  # a step lost
+    assert not gc.oom_verdict([], 2, 64)[0]
+
+
+def test_a_missed_target_exits_1_a_failed_stage_2():
+    ok = {"status": "ok", "met": True, "rows": []}
+    missed = {"status": "ok", "met": False, "rows": []}
+    failed = {"status": "timeout", "error": "stage resume: no result in 150 s"}
+    assert gc.exit_status({"plan": ok, "trl": {"status": "ok", "met": None}}) == 0
+    assert gc.exit_status({"plan": missed, "trl": ok}) == 1
+    assert gc.exit_status({"plan": ok, "resume": failed}) == 2
+    assert gc.exit_status({"plan": missed, "resume": failed}) == 1
+    rows = [{"met": None}, {"met": True}, {"met": False}]
+    assert gc.stage_status(rows) is False and gc.stage_status(rows[:2]) is True
+    assert gc.stage_status(rows[:1]) is None
+
+
+def test_a_missed_plan_in_a_stage_makes_the_check_exit_1(monkeypatch, tmp_path):
+    """The parent's path from a stage's rows to its exit status, with the child faked."""
+    result = {"rows": [{"item": "plan 3b-full-g8", "value": "+12.0%", "target": "-5%..+10%",
+                        "met": False}], "data": {}}
+    monkeypatch.setattr(gc, "run_child", lambda *a, **k: "gpu_check: result: "
+                        + json.dumps(result))
+    assert gc.main(["--cpu-smoke", "--only", "plan", "--out", str(tmp_path)]) == 1
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["stages"]["plan"]["met"] is False and report["exit_status"] == 1
+    assert "MISSED   +12.0% (target -5%..+10%)" in (tmp_path / "gpu_check.log").read_text()
+
+
+def _run(rows):
+    return gc.RunOutput(out=None, rows=rows, log="", seconds=1.0)
+
+
+def test_differing_names_the_metrics_that_differ_and_leaves_clocks_out():
+    a = _run([{"step": 1, "loss": 0.5, "grad_norm": 1.0, "seconds_update": 2.0, "mfu": 0.3},
+              {"step": 2, "loss": 0.4, "grad_norm": 1.1}])
+    b = _run([{"step": 1, "loss": 0.5, "grad_norm": 1.5, "seconds_update": 3.0, "mfu": 0.2}])
+    assert gc.differing(a, b) == ["1:grad_norm", "2:missing"]
+    assert gc.differing(a, a) == []
+
+
+def test_the_smoke_runs_every_stage_with_numbers(tmp_path, capsys):
+    status = gc.main(["--cpu-smoke", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    # the targets are for the GPU's real sizes (a tiny LoRA plan is tens of percent off)
+    assert status in (0, 1) and report["exit_status"] == status
+    stages = report["stages"]
+    assert set(stages) == set(gc.STAGES)
+    assert all(s["status"] == "ok" for s in stages.values()), {
+        k: s.get("error") for k, s in stages.items()}
+    for name in ("3b-lora-g8", "3b-full-g8"):
+        run = stages["plan"]["data"][name]
+        assert run["measured_bytes"] > 0 and run["plan"]["allocated"] > 0
+        assert run["completion_len_mean"] == [8.0, 8.0]  # forced to algo.max_new_tokens
+        assert run["speed"]["seconds_update"] > 0 and run["speed"]["mfu"] > 0
+        assert any("share_prefill=auto: on (logits equal" in x for x in run["numerics"])
+    assert stages["oom"]["met"] and stages["oom"]["data"]["kind"] == "simulated"
+    assert stages["autofit"]["met"]
+    assert [v["name"] for v in stages["numerics"]["data"]["verdicts"]] == ["shared prompt",
+                                                                           "shared prefill"]
+    resume = stages["resume"]["data"]
+    assert resume["deterministic=true"]["metrics_differing"] == []
+    assert resume["deterministic=true"]["weights_differing"] == []
+    assert resume["deterministic=true"]["killed_after"] >= 2
+    assert stages["trl"]["data"].get("skipped") or stages["trl"]["data"]["r1fit"]["tokens_per_second"] > 0
+    for stage in ("build", "plan", "oom", "autofit", "resume", "plan7b"):
+        assert stage in printed
+    assert "==== r1fit" not in printed and (tmp_path / "gpu_check.log").stat().st_size > 0
