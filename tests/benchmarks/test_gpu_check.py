@@ -1,6 +1,8 @@
 """benchmarks/gpu_check.py: its verdicts on made-up numbers (a missed target is a non-zero exit),
-and the whole ``--cpu-smoke`` run (every stage on builtin:tiny on CPU, a few minutes on 2 busy
-cores): every stage ends ok, with numbers in the table and the JSON."""
+and the ``--cpu-smoke`` run (its stages on builtin:tiny on CPU): every stage ends ok, with numbers
+in the table and the JSON. Two stages are left out of the smoke here, whose code runs elsewhere:
+trl (benchmarks/vs_trl.py, which tests/benchmarks/test_vs_trl.py runs on CPU against TRL) and
+plan7b (the plan stage's runs on another model folder, which only a GPU builds)."""
 
 from __future__ import annotations
 
@@ -57,31 +59,24 @@ def test_a_missed_plan_in_a_stage_makes_the_check_exit_1(monkeypatch, tmp_path):
     assert "MISSED   +12.0% (target -5%..+10%)" in (tmp_path / "gpu_check.log").read_text()
 
 
-def _run(rows):
-    return gc.RunOutput(out=None, rows=rows, log="", seconds=1.0)
-
-
-def test_differing_names_the_metrics_that_differ_and_leaves_clocks_out():
-    a = _run([{"step": 1, "loss": 0.5, "grad_norm": 1.0, "seconds_update": 2.0, "mfu": 0.3},
-              {"step": 2, "loss": 0.4, "grad_norm": 1.1}])
-    b = _run([{"step": 1, "loss": 0.5, "grad_norm": 1.5, "seconds_update": 3.0, "mfu": 0.2}])
-    assert gc.differing(a, b) == ["1:grad_norm", "2:missing"]
-    assert gc.differing(a, a) == []
+SMOKED = [name for name in gc.STAGES if name not in ("trl", "plan7b")]
 
 
 def test_the_smoke_runs_every_stage_with_numbers(tmp_path, capsys):
-    status = gc.main(["--cpu-smoke", "--out", str(tmp_path)])
+    status = gc.main(["--cpu-smoke", "--out", str(tmp_path), "--only", *SMOKED])
     printed = capsys.readouterr().out
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    # the targets are for the GPU's real sizes (a tiny LoRA plan is tens of percent off)
-    assert status in (0, 1) and report["exit_status"] == status
+    # every target the smoke holds is met: OOM recovery, auto-fit, a deterministic resume (the
+    # planner's is for real sizes: shown, no verdict)
+    assert status == 0 and report["exit_status"] == 0, gc.table(report["stages"])
     stages = report["stages"]
-    assert set(stages) == set(gc.STAGES)
+    assert list(stages) == SMOKED
     assert all(s["status"] == "ok" for s in stages.values()), {
         k: s.get("error") for k, s in stages.items()}
     for name in ("3b-lora-g8", "3b-full-g8"):
         run = stages["plan"]["data"][name]
         assert run["measured_bytes"] > 0 and run["plan"]["allocated"] > 0
+        assert run["error"] == run["plan"]["allocated"] / run["measured_bytes"] - 1
         assert run["completion_len_mean"] == [8.0, 8.0]  # forced to algo.max_new_tokens
         assert run["speed"]["seconds_update"] > 0 and run["speed"]["mfu"] > 0
         assert any("share_prefill=auto: on (logits equal" in x for x in run["numerics"])
@@ -90,10 +85,10 @@ def test_the_smoke_runs_every_stage_with_numbers(tmp_path, capsys):
     assert [v["name"] for v in stages["numerics"]["data"]["verdicts"]] == ["shared prompt",
                                                                            "shared prefill"]
     resume = stages["resume"]["data"]
-    assert resume["deterministic=true"]["metrics_differing"] == []
-    assert resume["deterministic=true"]["weights_differing"] == []
-    assert resume["deterministic=true"]["killed_after"] >= 2
-    assert stages["trl"]["data"].get("skipped") or stages["trl"]["data"]["r1fit"]["tokens_per_second"] > 0
-    for stage in ("build", "plan", "oom", "autofit", "resume", "plan7b"):
+    for tag in ("deterministic=false", "deterministic=true"):  # CPU kernels: both bit-exact
+        assert resume[tag]["ok"] and resume[tag]["numbers"]["differences"] == []
+        assert resume[tag]["numbers"]["resumed_at"] == 2
+    assert stages["resume"]["met"] is True
+    for stage in SMOKED:
         assert stage in printed
     assert "==== r1fit" not in printed and (tmp_path / "gpu_check.log").stat().st_size > 0
