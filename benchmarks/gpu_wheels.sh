@@ -3,7 +3,7 @@
 # transformers 5.17, accelerate, peft, pyarrow, pandas, xxhash, fsspec and huggingface_hub but not
 # TRL or datasets: TRL 1.16 and datasets 5.2 (the versions the bench extra was tested with here)
 # and the two packages datasets imports that the image lacks (dill, multiprocess), for Python 3.12
-# on x86-64, into .whl/ (git-ignored through .git/info/exclude; about 2.5 MB). r1fit itself needs
+# on x86-64, into .whl/ (git-ignored; about 1.8 MB). r1fit itself needs
 # none of them; transformers 5.17 runs r1fit (checked on CPU), so no transformers wheel is carried.
 #
 #   bash benchmarks/gpu_wheels.sh          # here, with pip and internet, from the repository root
@@ -13,7 +13,6 @@
 #     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; ...
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 mkdir -p .whl
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
