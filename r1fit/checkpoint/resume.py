@@ -26,6 +26,7 @@ from r1fit.checkpoint.manager import (
     checkpoint_order,
     command_of,
     config_changes,
+    flatten,
     list_checkpoints,
     missing_for_resume,
     read_trainer_state,
@@ -141,6 +142,11 @@ def _check_resumable(point: Path, cfg: Any, kind: str) -> ResumePoint:
                               f"not {command_of(kind)}")
     saved_cfg = json.loads((point / "config.json").read_text())
     changes = config_changes(saved_cfg, run_config(cfg, kind))
+    # a key added to r1fit after the checkpoint was saved: the saved run ran as its default does
+    # (a new key's default keeps the old behaviour), so that value is no change
+    saved, defaults = flatten(saved_cfg), flatten(type(cfg)().to_dict())
+    changes = {k: v for k, v in changes.items()
+               if k in saved or k not in defaults or v[1] != defaults[k]}
     if "model.dtype" in changes and _same_dtype(cfg.model.path, *changes["model.dtype"]):
         del changes["model.dtype"]  # e.g. a run saved before 'auto' became the default
     fixed = {k: v for k, v in changes.items() if not k.startswith(RESUME_SAFE)}

@@ -157,6 +157,43 @@ def test_auto_dtype_resumes_a_run_saved_with_the_dtype_it_resolves_to(use_tiny_c
                "model.dtype=bfloat16") == 2
 
 
+def edit_saved_config(run_dir: Path, edit) -> None:
+    """``edit(config)`` each checkpoint's config.json in place, its manifest entry kept true."""
+    for point in run_dir.glob("checkpoint-*"):
+        cfg = json.loads((point / "config.json").read_text())
+        edit(cfg)
+        (point / "config.json").write_text(json.dumps(cfg))
+        manifest = json.loads((point / "manifest.json").read_text())
+        manifest["files"]["config.json"] = {"bytes": (point / "config.json").stat().st_size,
+                                            "sha256": ckpt_files.sha256_file(point / "config.json")}
+        (point / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_saved_before_a_config_key_existed_resumes(use_tiny_cache, tmp_path,
+                                                                 capsys):
+    """A run saved by an r1fit without ``preset``, ``rollout.min_new_tokens`` and
+    ``train.deterministic`` ran as their defaults do: resuming it under a newer r1fit is no
+    config change; a new key set otherwise is one, and refused."""
+    out = tmp_path / "run"
+    args = [*TINY, "checkpoint.every=1", "eval.every=0", "data.eval=null"]
+    assert run("sft", f"train.output_dir={out}", *args, "sft.steps=1") == 0
+    def older(cfg):  # as the r1fit before these keys wrote it
+        del cfg["preset"], cfg["rollout"]["min_new_tokens"], cfg["train"]["deterministic"]
+
+    edit_saved_config(out, older)
+    capsys.readouterr()
+    assert run("sft", f"train.output_dir={out}", *args, "sft.steps=2") == 0
+    err = capsys.readouterr().err
+    assert "resuming with sft.steps changed" in err  # changes are still seen
+    assert not any(f"resuming with {key}" in err
+                   for key in ("preset", "rollout.min_new_tokens", "train.deterministic"))
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r] == [1, 2]
+    edit_saved_config(out, lambda cfg: cfg["rollout"].pop("min_new_tokens", None))
+    assert run("sft", f"train.output_dir={out}", *args, "sft.steps=3",
+               "rollout.min_new_tokens=4") == 2
+    assert "rollout.min_new_tokens: None -> 4" in capsys.readouterr().err
+
+
 def test_refusals(use_tiny_cache, tmp_path, capsys):
     out = tmp_path / "run"
     args = [*TINY, "sft.steps=2", "checkpoint.every=1", "eval.every=0", "data.eval=null"]
