@@ -5,8 +5,8 @@ value comes from), then a preset (``preset``: the built-in demo's values for a r
 built-in model, ``r1fit/presets/demo.yaml``), then a YAML file, then dotted ``key.sub=value``
 overrides, in that order; ``r1fit config`` shows which of these gave each value. Every field
 carries its help text in ``metadata["help"]``; ``r1fit config --reference`` prints them and the
-README's reference is generated from the same text. Unknown keys and bad values raise
-:class:`ConfigError` with one line naming the key and what is allowed.
+manual's reference page (docs/reference/config.md) is generated from the same text. Unknown keys
+and bad values raise :class:`ConfigError` with one line naming the key and what is allowed.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ class DataConfig:
     reward_method: str | tuple[str, ...] = opt(
         "default", "Accuracy method of rows that do not name one: one for every source, or one per "
         "data.train source (VLM-R1's --reward_method). Methods: default, mcq, yes_no, numeric, "
-        "math, fuzzy (see the README).")
+        "math, fuzzy, iou (see docs/rewards.md).")
     reward_method_key: str = opt("accu_reward_method", "Column a row names its own accuracy "
                                  "method in (VLM-R1's); it wins over data.reward_method.")
     eval_size: int = opt(200, "Evaluate on at most this many held-out questions.", ge=1)
@@ -260,7 +260,8 @@ class AlgoConfig:
     kl_cov_ratio: float = opt(2e-4, "KL-Cov: share of the valid tokens penalised (verl's default; "
                               "the paper used 2e-3 for its 7B runs).", gt=0, le=1)
     kl_cov_coef: float = opt(1.0, "KL-Cov: weight of |log pi - log pi_old| on the penalised tokens "
-                             "(verl's ppo_kl_coef).", ge=0)
+                             "(verl's ppo_kl_coef; 1.0 is its in-function fallback, its shipped "
+                             "config sets 0.1).", ge=0)
 
     def clip_range(self) -> tuple[float, float]:
         """(below, above) clip ranges of the importance ratio: gspo_epsilon/gspo_epsilon_high for
@@ -885,7 +886,7 @@ def iter_fields(cls: type = Config, prefix: str = "") -> typing.Iterator[tuple[s
 
 
 def config_reference_markdown() -> str:
-    """The config reference table (the README embeds this output)."""
+    """The config reference table (docs/reference/config.md embeds this output)."""
     rows = ["| key | default | meaning |", "|---|---|---|"]
     for key, default, help_text in iter_fields():
         shown = json.dumps(default) if not isinstance(default, str) or not default else default

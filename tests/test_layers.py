@@ -1,7 +1,7 @@
 """Layers import downwards only: every ``r1fit`` import, at module level or inside a function, goes
 to the importing module's own layer or a lower one.
 
-This list is the one place the layer order is written (the README's Layout section points here).
+This list is the one place the layer order is written (docs/architecture.md's Layers section points here).
 A module belongs to the layer of the longest prefix that names it.
 """
 

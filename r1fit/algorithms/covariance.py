@@ -8,12 +8,13 @@ Both methods score each valid token of a micro-batch by that covariance term,
     cov_t = (A_t - mean A) * (logp_t - mean logp)      (means over the micro-batch's valid tokens)
 
 and restrict the highest-scoring ones (verl ships them as the policy losses ``clip_cov`` and
-``kl_cov``; r1fit follows verl's selection and defaults):
+``kl_cov``; r1fit follows verl's selection, its shipped ratios and bounds, and for ``kl_cov_coef``
+the in-function fallback 1.0, where verl's shipped config sets ``ppo_kl_coef: 0.1``):
 
 * **Clip-Cov** (:func:`clip_cov_selection`): among tokens the ordinary clip did not already stop and
   whose ``cov_t`` lies in ``(lb, ub)``, pick ``max(1, int(ratio * valid tokens))`` at random and
-  take their policy term out of the gradient (its value stays in the loss, as verl's ``corr``
-  factor does).
+  take their clipped surrogate out of the loss, value and gradient both (as verl's ``corr``
+  factor, which multiplies those tokens' loss by 0).
 * **KL-Cov** (:func:`kl_cov_selection`): the ``max(1, int(ratio * valid tokens))`` tokens of largest
   ``cov_t`` get ``coef * |logp - logp_old|`` added to their policy term; no token is clipped
   (as verl and the paper: KL-Cov replaces clipping). Its penalty is 0 with gradient 0 when the

@@ -52,7 +52,7 @@ def configure_host_allocator(release_freed: bool | str, budget: str, device: tor
     and larger go back to the system at once. glibc's default raises the threshold up to 32 MiB as
     large blocks are freed, after which such blocks come from its heaps and stay resident when
     freed: a CPU step's many short-lived activation-sized tensors then leave hundreds of MiB of
-    freed heap in the RSS (README, "Freed host memory").
+    freed heap in the RSS (docs/memory.md, "Freed host memory").
     Fixing it costs a page fault per page of each large block. 'auto' is on for a CPU run with
     ``memory.budget`` (a cap on RSS). Returns whether the threshold was set; the environment's
     ``MALLOC_MMAP_THRESHOLD_`` wins, and where glibc's ``mallopt`` is missing (macOS, musl) this
