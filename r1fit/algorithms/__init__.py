@@ -17,6 +17,8 @@ from r1fit.algorithms.logprobs import chunked_logprobs_and_entropy, chunked_toke
 from r1fit.algorithms.losses import (
     AGGREGATIONS,
     IMPORTANCE_LEVELS,
+    BatchTotals,
+    LossSettings,
     aggregate,
     grpo_loss,
     importance_log_ratio,
@@ -28,7 +30,9 @@ from r1fit.algorithms.shaping import overlong_penalty
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGGREGATIONS",
+    "BatchTotals",
     "IMPORTANCE_LEVELS",
+    "LossSettings",
     "aggregate",
     "chunked_logprobs_and_entropy",
     "chunked_token_logprobs",

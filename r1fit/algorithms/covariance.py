@@ -92,16 +92,15 @@ def selection_generator(*key: int) -> torch.Generator:
 
 @dataclass(frozen=True)
 class CovRestriction:
-    """``algo.cov_restriction`` and its numbers for one micro-batch's loss: ``method`` one of
-    ``clip_cov`` / ``kl_cov``; ``ratio`` the share of valid tokens restricted; Clip-Cov's score
-    window ``(lb, ub)`` and random ``generator``; KL-Cov's penalty ``coef``."""
+    """``algo.cov_restriction`` and its numbers: ``method`` one of ``clip_cov`` / ``kl_cov``;
+    ``ratio`` the share of valid tokens restricted; Clip-Cov's score window ``(lb, ub)``; KL-Cov's
+    penalty ``coef``. Clip-Cov's random stream is each micro-batch's own (:meth:`select`)."""
 
     method: str
     ratio: float
     lb: float = 1.0
     ub: float = 5.0
     coef: float = 1.0
-    generator: torch.Generator | None = None
 
     def __post_init__(self) -> None:
         if self.method not in COV_RESTRICTIONS[1:]:
@@ -111,11 +110,12 @@ class CovRestriction:
             raise ValueError(f"cov restriction ratio must be in (0, 1], got {self.ratio}")
 
     def select(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
-               clipped: Tensor) -> Tensor:
+               clipped: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """Bool ``[B, T]``: the tokens this method restricts in this micro-batch (``clipped``:
-        the tokens the ordinary clip stopped, which Clip-Cov leaves alone)."""
+        the tokens the ordinary clip stopped, which Clip-Cov leaves alone; ``generator``:
+        Clip-Cov's random stream)."""
         cov = token_covariance(logp, advantages, mask)
         if self.method == "clip_cov":
             return clip_cov_selection(cov, mask, clipped, ratio=self.ratio, lb=self.lb,
-                                      ub=self.ub, generator=self.generator)
+                                      ub=self.ub, generator=generator)
         return kl_cov_selection(cov, mask, ratio=self.ratio)

@@ -19,6 +19,8 @@ sequence is never split between micro-batches, so a sequence-level ratio sees al
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -26,10 +28,68 @@ from torch import Tensor
 from r1fit.algorithms.covariance import CovRestriction
 from r1fit.algorithms.kl import kl_k3
 
+if TYPE_CHECKING:
+    from r1fit.config import AlgoConfig
+
 Aggregation = Callable[..., Tensor]
 
 
 IMPORTANCE_LEVELS = ("token", "sequence", "sequence_token")
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """How the policy loss is configured, built once per run (:meth:`of`) and passed whole to
+    ``grpo_loss``, ``token_policy_loss`` and ``per_token_grpo_terms``; what changes per
+    micro-batch (the tensors, the batch's totals, Clip-Cov's random stream) is passed beside it.
+
+    ``epsilon`` / ``epsilon_high``: the clip range below / above 1 (``epsilon_high=None`` means
+    ``epsilon``; a larger one is DAPO's clip-higher). ``beta``: weight of the k3 KL term in the
+    loss. ``aggregation``: a key of ``AGGREGATIONS``. ``importance_level``: one of
+    ``IMPORTANCE_LEVELS``. ``entropy_coef``: the entropy bonus's weight. ``tis_cap``: the cap of
+    the TIS weights (None: no TIS). ``cov``: Clip-Cov or KL-Cov (None: off). The values are
+    checked where they are used, as before (``ValueError`` naming the setting)."""
+
+    epsilon: float
+    epsilon_high: float | None = None
+    beta: float = 0.0
+    aggregation: str = "token_mean"
+    importance_level: str = "token"
+    entropy_coef: float = 0.0
+    tis_cap: float | None = None
+    cov: CovRestriction | None = None
+
+    @classmethod
+    def of(cls, algo: AlgoConfig) -> LossSettings:
+        """The settings of ``algo``: its clip range for the importance level in use
+        (``algo.clip_range()``), no KL term in the loss with ``algo.kl_in_reward`` (the KL is in
+        the reward then), ``algo.tis_cap`` 0 or null as no TIS."""
+        epsilon, epsilon_high = algo.clip_range()
+        cov = None
+        if algo.cov_restriction != "none":
+            clip = algo.cov_restriction == "clip_cov"
+            cov = CovRestriction(algo.cov_restriction,
+                                 algo.clip_cov_ratio if clip else algo.kl_cov_ratio,
+                                 lb=algo.clip_cov_lb, ub=algo.clip_cov_ub, coef=algo.kl_cov_coef)
+        return cls(epsilon, epsilon_high, beta=0.0 if algo.kl_in_reward else algo.beta,
+                   aggregation=algo.loss_aggregation,
+                   importance_level=algo.importance_sampling_level,
+                   entropy_coef=algo.entropy_coef, tis_cap=algo.tis_cap or None, cov=cov)
+
+
+@dataclass(frozen=True)
+class BatchTotals:
+    """The whole batch's normalisers of an aggregation (see the module docstring): valid tokens
+    and sequences with valid tokens of every micro-batch, and the generation limit."""
+
+    total_tokens: int
+    total_seqs: int
+    max_new_tokens: int
+
+    def kwargs(self) -> dict[str, int]:
+        """As the keywords of ``aggregate`` and ``aggregation_weights``."""
+        return {"total_tokens": self.total_tokens, "total_seqs": self.total_seqs,
+                "max_new_tokens": self.max_new_tokens}
 
 
 def importance_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor | None, level: str) -> Tensor:
@@ -60,22 +120,17 @@ def token_policy_loss(
     logp: Tensor,
     old_logp: Tensor,
     advantages: Tensor,
+    settings: LossSettings,
     *,
-    epsilon: float,
-    epsilon_high: float | None = None,
-    beta: float = 0.0,
     ref_logp: Tensor | None = None,
     mask: Tensor | None = None,
-    importance_level: str = "token",
     tis_weights: Tensor | None = None,
     entropy: Tensor | None = None,
-    entropy_coef: float = 0.0,
     restricted: Tensor | None = None,
-    restriction: str = "none",
-    kl_cov_coef: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
     """Per-token loss ``-w*min(r*A, clip(r, 1-eps, 1+eps_high)*A) + beta*k3 - c*H`` and a bool "clipped" mask.
 
+    The numbers are ``settings``' (its ``aggregation`` is not used here).
     ``r = exp(importance_log_ratio(logp, old_logp, mask, importance_level))``: per token by default,
     per sequence for GSPO (``mask`` required). ``epsilon_high`` defaults to ``epsilon``; a larger value
     is DAPO's "clip-higher", which lets low-probability tokens grow further. A token counts as clipped
@@ -85,12 +140,14 @@ def token_policy_loss(
     terms, as in TRL and verl. The KL term is added only when ``beta > 0``; the entropy bonus
     (``H = entropy``, per token) only when ``entropy_coef = c > 0``.
 
-    ``restricted`` (bool ``[B, T]``, r1fit/algorithms/covariance.py) with ``restriction``:
+    ``restricted`` (bool ``[B, T]``, r1fit/algorithms/covariance.py) with ``settings.cov``'s method:
     ``clip_cov`` zeroes those tokens' clipped surrogate (value and gradient); ``kl_cov`` drops the
-    clip for every token (``-r*A``) and adds ``kl_cov_coef * |logp - old_logp|`` to the restricted
+    clip for every token (``-r*A``) and adds ``cov.coef * |logp - old_logp|`` to the restricted
     ones (nothing is then counted as clipped).
     """
-    epsilon_high = _check_clip(epsilon, epsilon_high, beta, ref_logp)
+    epsilon, beta, entropy_coef = settings.epsilon, settings.beta, settings.entropy_coef
+    epsilon_high = _check_clip(epsilon, settings.epsilon_high, beta, ref_logp)
+    restriction = "none" if settings.cov is None else settings.cov.method
     if entropy_coef < 0:
         raise ValueError(f"entropy_coef must be >= 0, got {entropy_coef}")
     if entropy_coef > 0 and entropy is None:
@@ -99,7 +156,7 @@ def token_policy_loss(
         if tensor is not None and tensor.shape != logp.shape:
             raise ValueError(f"{name} shape {tuple(tensor.shape)} does not match logp shape {tuple(logp.shape)}")
     adv = advantages.unsqueeze(-1) if advantages.ndim == logp.ndim - 1 else advantages
-    ratio = torch.exp(importance_log_ratio(logp, old_logp, mask, importance_level))
+    ratio = torch.exp(importance_log_ratio(logp, old_logp, mask, settings.importance_level))
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * adv
     # min of the two is PPO's pessimistic bound: clipping removes the incentive, never the penalty.
@@ -108,7 +165,7 @@ def token_policy_loss(
     if restricted is not None and restriction == "clip_cov":
         loss = loss.masked_fill(restricted, 0.0)
     elif restricted is not None and restriction == "kl_cov":
-        penalty = kl_cov_coef * (logp - old_logp).abs()
+        penalty = (1.0 if settings.cov is None else settings.cov.coef) * (logp - old_logp).abs()
         loss = -unclipped + torch.where(restricted, penalty, torch.zeros_like(penalty))
         is_clipped = torch.zeros_like(is_clipped)
     elif restricted is not None:
@@ -218,29 +275,23 @@ def grpo_loss(
     ref_logp: Tensor | None,
     advantages: Tensor,
     mask: Tensor,
+    settings: LossSettings,
+    totals: BatchTotals,
     *,
-    epsilon: float,
-    epsilon_high: float | None = None,
-    beta: float = 0.0,
-    aggregation: str,
-    total_tokens: int,
-    total_seqs: int,
-    max_new_tokens: int,
-    importance_level: str = "token",
     tis_weights: Tensor | None = None,
     entropy: Tensor | None = None,
-    entropy_coef: float = 0.0,
-    cov: CovRestriction | None = None,
+    generator: torch.Generator | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO loss of one micro-batch (its contribution to the whole-batch loss) and detached stats.
 
     ``old_logp=None`` means one optimisation step per rollout (``num_iterations == 1``): ``logp.detach()``
     stands in, so the ratio is 1 in value while its gradient is the policy gradient ``A * grad(logp)``.
-    ``ref_logp`` is required when ``beta > 0``; when given with ``beta == 0`` it is used for the stat only.
+    ``ref_logp`` is required when ``settings.beta > 0``; when given with ``beta == 0`` it is used for
+    the stat only. ``totals``: the whole batch's normalisers of ``settings.aggregation``.
 
-    ``importance_level``, ``tis_weights``, ``entropy`` and ``entropy_coef`` as in ``token_policy_loss``.
-    ``cov``: Clip-Cov or KL-Cov (r1fit/algorithms/covariance.py), on token-level ratios only; the
-    tokens it restricts are chosen over this micro-batch.
+    ``tis_weights`` and ``entropy`` as in ``token_policy_loss``. ``settings.cov``: Clip-Cov or KL-Cov
+    (r1fit/algorithms/covariance.py), on token-level ratios only; the tokens it restricts are chosen
+    over this micro-batch, Clip-Cov's at random from ``generator``.
 
     Stats (each a contribution to the whole-batch value, summed over micro-batches like the loss, and
     token-weighted like ``token_mean``): ``clip_fraction`` = fraction of valid tokens whose clipped
@@ -260,23 +311,22 @@ def grpo_loss(
                          f"got {tuple(advantages.shape)}")
 
     restricted = None
+    cov = settings.cov
     if cov is not None:
-        if importance_level != "token":
+        if settings.importance_level != "token":
             raise ValueError(f"{cov.method} restricts token-level ratios; importance sampling level "
-                             f"is {importance_level!r}")
+                             f"is {settings.importance_level!r}")
         adv = advantages.unsqueeze(-1) if advantages.ndim == 1 else advantages
-        high = epsilon if epsilon_high is None else epsilon_high
+        epsilon = settings.epsilon
+        high = epsilon if settings.epsilon_high is None else settings.epsilon_high
         with torch.no_grad():
             clipped_now = clip_mask(torch.exp(logp - old_logp), adv, epsilon, high)
-            restricted = cov.select(logp, old_logp, advantages, mask, clipped_now)
+            restricted = cov.select(logp, old_logp, advantages, mask, clipped_now, generator)
     token_loss, clipped = token_policy_loss(
-        logp, old_logp, advantages, epsilon=epsilon, epsilon_high=epsilon_high, beta=beta, ref_logp=ref_logp,
-        mask=mask, importance_level=importance_level, tis_weights=tis_weights, entropy=entropy,
-        entropy_coef=entropy_coef, restricted=restricted,
-        restriction="none" if cov is None else cov.method, kl_cov_coef=1.0 if cov is None else cov.coef,
-    )
-    norms = {"total_tokens": total_tokens, "total_seqs": total_seqs, "max_new_tokens": max_new_tokens}
-    loss = aggregate(token_loss, mask, aggregation, **norms)
+        logp, old_logp, advantages, settings, ref_logp=ref_logp, mask=mask, tis_weights=tis_weights,
+        entropy=entropy, restricted=restricted)
+    norms = totals.kwargs()
+    loss = aggregate(token_loss, mask, settings.aggregation, **norms)
     with torch.no_grad():
         stats = {"clip_fraction": aggregate(clipped.to(token_loss.dtype), mask, "token_mean", **norms)}
         if ref_logp is not None:
@@ -308,13 +358,9 @@ def per_token_grpo_terms(
     ref_logp: Tensor | None,
     advantages: Tensor,
     weights: Tensor,
+    settings: LossSettings,
     *,
-    epsilon: float,
-    epsilon_high: float | None = None,
-    beta: float = 0.0,
     engine_logp: Tensor | None = None,
-    tis_cap: float | None = None,
-    entropy_coef: float = 0.0,
 ) -> Callable[[slice, Tensor, Tensor | None], Tensor]:
     """``grpo_loss`` with token-level ratios and no Clip-Cov/KL-Cov, as a sum of per-token terms
     (r1fit/algorithms/logprobs.py ``fused_head_loss``): ``terms(rows, logp, entropy)`` is the
@@ -324,10 +370,14 @@ def per_token_grpo_terms(
     order. ``old_logp``, ``ref_logp``, ``engine_logp`` and ``weights`` (``aggregation_weights``)
     are ``[B, T]``, ``advantages`` ``[B]`` or ``[B, T]``, as for ``grpo_loss``.
     ``old_logp=None`` (``num_iterations == 1``): the ratio is 1 in value, as in ``grpo_loss``.
-    ``engine_logp`` with ``tis_cap``: TIS weights from the old log-probs (the policy that
-    generated the rollout)."""
-    if (engine_logp is None) != (tis_cap is None):
+    ``engine_logp`` (with ``settings.tis_cap``; None: no TIS): TIS weights from the old log-probs
+    (the policy that generated the rollout)."""
+    if engine_logp is not None and settings.tis_cap is None:
         raise ValueError("TIS needs both engine_logp and tis_cap")
+    if settings.importance_level != "token" or settings.cov is not None:
+        raise ValueError("per-token terms need token-level ratios and no Clip-Cov/KL-Cov, got "
+                         f"importance level {settings.importance_level!r} and cov {settings.cov}")
+    tis_cap = settings.tis_cap
 
     def flat(t: Tensor | None) -> Tensor | None:
         return None if t is None else t.expand(scored.shape)[scored]
@@ -340,11 +390,10 @@ def per_token_grpo_terms(
         tis = (truncated_importance_weights(old, engine_logp[rows], tis_cap)
                if engine_logp is not None and tis_cap is not None else None)
         loss, _ = token_policy_loss(
-            logp[None], old[None], advantages[rows][None], epsilon=epsilon,
-            epsilon_high=epsilon_high, beta=beta,
+            logp[None], old[None], advantages[rows][None], settings,
             ref_logp=None if ref_logp is None else ref_logp[rows][None],
             tis_weights=None if tis is None else tis[None],
-            entropy=None if entropy is None else entropy[None], entropy_coef=entropy_coef)
+            entropy=None if entropy is None else entropy[None])
         weight = weights[rows].to(loss.dtype)
         return _masked(loss[0] * weight, weight != 0).sum()
 

@@ -22,8 +22,10 @@ from typing import Any
 import torch
 
 from r1fit.algorithms.advantages import get_advantage_estimator
-from r1fit.algorithms.covariance import CovRestriction, selection_generator
+from r1fit.algorithms.covariance import selection_generator
 from r1fit.algorithms.losses import (
+    BatchTotals,
+    LossSettings,
     aggregate,
     aggregation_weights,
     grpo_loss,
@@ -85,6 +87,7 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
                                 min_new_tokens=cfg.rollout.min_new_tokens)
     engine = rollout_engine(run, settings)
     advantage = AdvantageSettings.of(algo)  # algo.advantage_estimator, overlong shaping
+    loss = LossSettings.of(algo)  # clip range, KL term, aggregation, TIS, Clip-Cov/KL-Cov
     if run.eval_set is not None and cfg.eval.before_train and start == 0:
         row = {"step": 0, **evaluate(run, engine)}
         run.metrics.write(row)
@@ -126,7 +129,7 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
                 with timed(times, "seconds_update"):
                     with guard.phase("micro_batch"):
                         add_logprobs(rollout, run, reference)
-                    updates = [policy_update(run, rollout, optimizer, scheduler, guard,
+                    updates = [policy_update(run, rollout, optimizer, scheduler, guard, loss,
                                              iteration=i) for i in range(algo.num_iterations)]
                     engine.updated()
                 return draws, rollout, updates
@@ -216,20 +219,6 @@ def flops_metrics(meter: MfuMeter, run: Run, drawn: Rollout, kept: Rollout | Non
     return {"flops": total, "mfu": meter.mfu(total, seconds, run.world.size)}
 
 
-def cov_restriction(run: Run, step: int, iteration: int, row: int) -> CovRestriction | None:
-    """``algo.cov_restriction`` for the micro-batch starting at ``row`` of this process's rows in
-    update ``iteration`` of ``step`` (None when off)."""
-    algo = run.cfg.algo
-    if algo.cov_restriction == "none":
-        return None
-    clip = algo.cov_restriction == "clip_cov"
-    return CovRestriction(
-        algo.cov_restriction, algo.clip_cov_ratio if clip else algo.kl_cov_ratio,
-        lb=algo.clip_cov_lb, ub=algo.clip_cov_ub, coef=algo.kl_cov_coef,
-        generator=selection_generator(run.cfg.train.seed, step, iteration, row, run.world.rank)
-        if clip else None)
-
-
 def step_metrics(rollout: Rollout, updates: list[dict[str, float | None]],
                  times: dict[str, float], eos: Sequence[int]) -> dict[str, Any]:
     """A step's rollout and update figures for its metrics row (the update figures averaged over
@@ -256,11 +245,13 @@ def step_metrics(rollout: Rollout, updates: list[dict[str, float | None]],
 
 
 def policy_update(run: Run, rollout: Rollout, optimizer: torch.optim.Optimizer, scheduler: Any,
-                  guard: OOMGuard, *, iteration: int = 0) -> dict[str, float | None]:
-    """One optimizer update over this process's rows: accumulate (under the OOM guard), clip,
-    step. The logged sums are over every process (each one's are its shares of the step). The
-    ``first`` update of a rollout, whose policy is the one that generated it, also measures how
-    far the engine's log-probs are from the trainer's (``rollout.engine_logp_diff``) and, with
+                  guard: OOMGuard, loss: LossSettings, *, iteration: int = 0
+                  ) -> dict[str, float | None]:
+    """One optimizer update over this process's rows: accumulate (under the OOM guard) the
+    gradient of the ``loss``, clip, step. The logged sums are over every process (each one's
+    are its shares of the step). The ``first`` update of a rollout, whose policy is the one that
+    generated it, also measures how far the engine's log-probs are from the trainer's
+    (``rollout.engine_logp_diff``) and, with
     ``algo.kl_in_reward``, recomputes the advantages from the rewards minus the KL to the
     reference (logged as ``kl_in_reward``, the step's mean completion KL): the reference
     log-probs exist only from the log-prob stage on, after scoring. ``iteration``: which of the
@@ -282,7 +273,7 @@ def policy_update(run: Run, rollout: Rollout, optimizer: torch.optim.Optimizer, 
 
     def accumulate() -> dict[str, float | None]:
         optimizer.zero_grad(set_to_none=True)
-        return accumulate_policy_gradients(run, rollout, compare_engine=first,
+        return accumulate_policy_gradients(run, rollout, loss=loss, compare_engine=first,
                                            iteration=iteration, capture_old=capture_old)
 
     sums = guard.run_update(accumulate)
@@ -298,20 +289,21 @@ def policy_update(run: Run, rollout: Rollout, optimizer: torch.optim.Optimizer, 
     return sums
 
 
-def accumulate_policy_gradients(run: Run, rollout: Rollout, *, compare_engine: bool = False,
-                                iteration: int = 0, capture_old: bool = False
-                                ) -> dict[str, float | None]:
-    """Backward of the GRPO loss over this process's rows, a micro-batch at a time
-    (``memory.micro_batch`` rows, or ``memory.micro_batch_tokens`` packed tokens).
+def accumulate_policy_gradients(run: Run, rollout: Rollout, *, loss: LossSettings,
+                                compare_engine: bool = False, iteration: int = 0,
+                                capture_old: bool = False) -> dict[str, float | None]:
+    """Backward of the GRPO loss (``loss``: its settings, ``LossSettings.of(cfg.algo)``) over
+    this process's rows, a micro-batch at a time (``memory.micro_batch`` rows, or
+    ``memory.micro_batch_tokens`` packed tokens).
 
     The loss of each micro-batch is its share of the whole-batch loss (the token and sequence
     counts of the whole step, every process's rows), so the accumulated gradient, summed over
     processes, equals the gradient of the unsplit batch. With ``algo.mask_truncated`` truncated
     completions are out of the loss and of those counts. With engine log-probs in the rollout
-    (vLLM) and ``algo.tis_cap``, each token's policy loss is weighted by TIS; with
+    (vLLM) and ``loss.tis_cap``, each token's policy loss is weighted by TIS; with
     ``compare_engine``, also the sum of ``|trainer - engine|`` log-probs of its tokens. The
     policy's entropy is summed over every completion token (the ``entropy`` metric), and is a
-    loss term with ``algo.entropy_coef``. With ``algo.cov_restriction`` each micro-batch's
+    loss term with ``loss.entropy_coef``. With ``loss.cov`` each micro-batch's
     Clip-Cov/KL-Cov tokens are chosen over that micro-batch, Clip-Cov's at random from a stream
     keyed by the seed, step, ``iteration``, micro-batch and process (the same after a resume).
     With ``capture_old`` (the first of several updates, whose policy generated the rollout), the
@@ -323,17 +315,15 @@ def accumulate_policy_gradients(run: Run, rollout: Rollout, *, compare_engine: b
     keep = finished_rows(rollout.completions, run.ids.eos) if algo.mask_truncated else None
     tokens, seqs = loss_counts(rollout, keep)
     # max(1, ...): when every completion is masked out the loss is 0, not 0 / 0
-    totals = dict(total_tokens=max(tokens, 1), total_seqs=max(seqs, 1),
-                  max_new_tokens=algo.max_new_tokens)
-    all_tokens = dict(totals, total_tokens=rollout.total_tokens, total_seqs=rollout.total_rows)
-    epsilon, epsilon_high = algo.clip_range()
-    tis = bool(algo.tis_cap) and rollout.engine_logp is not None
+    totals = BatchTotals(max(tokens, 1), max(seqs, 1), algo.max_new_tokens)
+    all_tokens = BatchTotals(rollout.total_tokens, rollout.total_rows, algo.max_new_tokens)
+    tis = loss.tis_cap is not None and rollout.engine_logp is not None
+    clip_cov = loss.cov is not None and loss.cov.method == "clip_cov"
     fused = run.cfg.fuses_loss()
     sums: dict[str, float | None] = {"loss": 0.0, "clip_fraction": 0.0,
                                      "kl": 0.0 if rollout.ref_logp is not None else None,
                                      "entropy": 0.0, **({"tis_weight": 0.0} if tis else {}),
-                                     "cov_restricted": 0.0 if algo.cov_restriction != "none"
-                                     else None}
+                                     "cov_restricted": 0.0 if loss.cov is not None else None}
     if compare_engine and rollout.engine_logp is not None:
         sums["engine_logp_abs_diff"] = 0.0
     sizes, layout = run.sizes, run.layout
@@ -343,8 +333,6 @@ def accumulate_policy_gradients(run: Run, rollout: Rollout, *, compare_engine: b
                   chunk_size=run.cfg.head_chunk(), micro_batch=sizes.micro_batch,
                   tokens=sizes.micro_batch_tokens)
     captured: list[torch.Tensor] = []
-    settings = dict(epsilon=epsilon, epsilon_high=epsilon_high,
-                    beta=0.0 if algo.kl_in_reward else algo.beta)
     for piece, prompts, comps in micro_batches(rollout.rows, rollout.completions,
                                                sizes.micro_batch, tokens=sizes.micro_batch_tokens,
                                                shared=bool(layout.on)):
@@ -367,32 +355,32 @@ def accumulate_policy_gradients(run: Run, rollout: Rollout, *, compare_engine: b
         if fused:  # the head's gradient made in its forward, from the loss's per-token terms
             terms = per_token_grpo_terms(
                 batch.completion_mask.bool(), old, ref, advantages,
-                aggregation_weights(mask.bool(), algo.loss_aggregation, **totals), **settings,
-                engine_logp=engine if tis else None, tis_cap=algo.tis_cap if tis else None,
-                entropy_coef=algo.entropy_coef)
+                aggregation_weights(mask.bool(), loss.aggregation, **totals.kwargs()), loss,
+                engine_logp=engine if tis else None)
             fused_loss, logp, entropy = completion_loss(run.policy, batch, terms, **options)
         else:
             logp, entropy = completion_logprobs_and_entropy(run.policy, batch, **options)
         # with the fused loss, the same loss over the detached log-probs gives the statistics
         with torch.set_grad_enabled(fused_loss is None):
-            loss, stats = grpo_loss(
-                logp, old, ref, advantages, mask, **settings,
-                aggregation=algo.loss_aggregation, importance_level=algo.importance_sampling_level,
+            # Clip-Cov's random stream: keyed by the seed, step, update, micro-batch and process
+            generator = selection_generator(run.cfg.train.seed, rollout.step, iteration,
+                                            piece.start, run.world.rank) if clip_cov else None
+            value, stats = grpo_loss(
+                logp, old, ref, advantages, mask, loss, totals,
                 tis_weights=truncated_importance_weights(logp.detach() if old is None else old,
-                                                         engine, algo.tis_cap) if tis else None,
-                entropy=entropy if algo.entropy_coef else None, entropy_coef=algo.entropy_coef,
-                cov=cov_restriction(run, rollout.step, iteration, piece.start), **totals)
+                                                         engine, loss.tis_cap) if tis else None,
+                entropy=entropy if loss.entropy_coef else None, generator=generator)
         if fused_loss is not None:
-            loss = fused_loss
-        loss.backward()
+            value = fused_loss
+        value.backward()
         if capture_old:
             captured.extend(logp.detach().cpu())
         if sums.get("engine_logp_abs_diff") is not None:
             sums["engine_logp_abs_diff"] += float(
                 ((logp.detach() - engine).abs() * batch.completion_mask).sum())
-        sums["loss"] += loss.item()
+        sums["loss"] += value.item()
         sums["entropy"] += float(aggregate(entropy.detach(), batch.completion_mask, "token_mean",
-                                           **all_tokens))
+                                           **all_tokens.kwargs()))
         for key in ("clip_fraction", "kl", "tis_weight", "cov_restricted"):
             if key in stats:  # kl only with a reference model (beta > 0); else logged as null
                 sums[key] += float(stats[key])

@@ -3,6 +3,8 @@ gradients through grpo_loss against a slow per-token reference."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from r1fit.algorithms.covariance import (
     selection_size,
     token_covariance,
 )
-from r1fit.algorithms.losses import grpo_loss
+from r1fit.algorithms.losses import BatchTotals, LossSettings, grpo_loss
 
 F64 = torch.float64
 # two sequences of two tokens; advantages +1 and -1 (given to each token of the sequence)
@@ -112,18 +114,18 @@ def test_restricted_loss_and_gradient_equal_a_slow_reference(method):
     adv = torch.tensor([1.0, -0.5, 2.0, -1.5], dtype=F64)
     mask = torch.ones(4, 6)
     mask[1, 4:] = 0
-    restriction = CovRestriction(method, 0.25, lb=-10.0, ub=10.0, coef=0.7,
-                                 generator=torch.Generator().manual_seed(3))
-    loss, stats = grpo_loss(logp, old, None, adv, mask, epsilon=0.2, epsilon_high=0.28,
-                            aggregation="token_mean", total_tokens=22, total_seqs=4,
-                            max_new_tokens=6, cov=restriction)
+    restriction = CovRestriction(method, 0.25, lb=-10.0, ub=10.0, coef=0.7)
+    settings = LossSettings(epsilon=0.2, epsilon_high=0.28, aggregation="token_mean")
+    totals = BatchTotals(total_tokens=22, total_seqs=4, max_new_tokens=6)
+    loss, stats = grpo_loss(logp, old, None, adv, mask, replace(settings, cov=restriction), totals,
+                            generator=torch.Generator().manual_seed(3))
     (grad,) = torch.autograd.grad(loss, logp)
     # the same choice again, from a generator with the same seed
-    again = CovRestriction(method, 0.25, lb=-10.0, ub=10.0, coef=0.7,
-                           generator=torch.Generator().manual_seed(3))
+    again = CovRestriction(method, 0.25, lb=-10.0, ub=10.0, coef=0.7)
     clipped = ((torch.exp(logp - old) < 0.8) & (adv[:, None] < 0)) | \
         ((torch.exp(logp - old) > 1.28) & (adv[:, None] > 0))
-    restricted = again.select(logp.detach(), old, adv, mask, clipped)
+    restricted = again.select(logp.detach(), old, adv, mask, clipped,
+                              torch.Generator().manual_seed(3))
     assert int(restricted.sum()) == 5  # max(1, int(0.25 x 22))
     assert stats["cov_restricted"].item() == pytest.approx(5 / 22)
     ref_logp = logp.detach().clone().requires_grad_()
@@ -132,8 +134,7 @@ def test_restricted_loss_and_gradient_equal_a_slow_reference(method):
     torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-12)
     # and the restriction changed something: the plain loss's gradient differs on those tokens
-    plain, _ = grpo_loss(logp, old, None, adv, mask, epsilon=0.2, epsilon_high=0.28,
-                         aggregation="token_mean", total_tokens=22, total_seqs=4, max_new_tokens=6)
+    plain, _ = grpo_loss(logp, old, None, adv, mask, settings, totals)
     (plain_grad,) = torch.autograd.grad(plain, logp)
     assert not torch.allclose(plain_grad[restricted], grad[restricted])
     if method == "clip_cov":  # elsewhere untouched
@@ -149,10 +150,11 @@ def test_kl_cov_does_nothing_on_policy():
     logp = (torch.randn(3, 4, dtype=F64) - 1).requires_grad_()
     adv = torch.tensor([1.0, -1.0, 0.5], dtype=F64)
     mask = torch.ones(3, 4)
-    args = dict(epsilon=0.2, aggregation="token_mean", total_tokens=12, total_seqs=3,
-                max_new_tokens=4)
-    kl, _ = grpo_loss(logp, None, None, adv, mask, cov=CovRestriction("kl_cov", 0.5), **args)
-    plain, _ = grpo_loss(logp, None, None, adv, mask, **args)
+    settings = LossSettings(epsilon=0.2, aggregation="token_mean")
+    totals = BatchTotals(total_tokens=12, total_seqs=3, max_new_tokens=4)
+    kl, _ = grpo_loss(logp, None, None, adv, mask,
+                      replace(settings, cov=CovRestriction("kl_cov", 0.5)), totals)
+    plain, _ = grpo_loss(logp, None, None, adv, mask, settings, totals)
     g_kl, g_plain = (torch.autograd.grad(x, logp)[0] for x in (kl, plain))
     torch.testing.assert_close(g_kl, g_plain)
 
@@ -164,6 +166,7 @@ def test_bad_settings_are_refused():
         CovRestriction("kl_cov", 0.0)
     logp = torch.zeros(1, 2, dtype=F64)
     with pytest.raises(ValueError, match="restricts token-level ratios"):
-        grpo_loss(logp, None, None, torch.ones(1, dtype=F64), torch.ones(1, 2), epsilon=0.2,
-                  aggregation="token_mean", total_tokens=2, total_seqs=1, max_new_tokens=2,
-                  importance_level="sequence", cov=CovRestriction("kl_cov", 0.5))
+        grpo_loss(logp, None, None, torch.ones(1, dtype=F64), torch.ones(1, 2),
+                  LossSettings(epsilon=0.2, aggregation="token_mean", importance_level="sequence",
+                               cov=CovRestriction("kl_cov", 0.5)),
+                  BatchTotals(total_tokens=2, total_seqs=1, max_new_tokens=2))

@@ -6,6 +6,8 @@ import torch
 from r1fit.algorithms.losses import (
     AGGREGATIONS,
     IMPORTANCE_LEVELS,
+    BatchTotals,
+    LossSettings,
     aggregate,
     aggregation_weights,
     grpo_loss,
@@ -32,7 +34,7 @@ def test_clipped_ratio_is_exactly_1_2_and_has_zero_gradient():
     # A = +1, epsilon = 0.2. Token 0: ratio 1.5 -> clipped to 1.2, loss = -1.2, d loss / d logp = 0.
     # Token 1: ratio 1.1 is inside [0.8, 1.2], loss = -1.1, d(-ratio * A)/d logp = -ratio = -1.1.
     logp, old = _logp_with_ratios([1.5, 1.1])
-    loss, clipped = token_policy_loss(logp, old, torch.tensor([1.0], dtype=F64), epsilon=0.2)
+    loss, clipped = token_policy_loss(logp, old, torch.tensor([1.0], dtype=F64), LossSettings(epsilon=0.2))
     torch.testing.assert_close(loss, torch.tensor([[-1.2, -1.1]], dtype=F64))
     assert clipped.tolist() == [[True, False]]
     loss.sum().backward()
@@ -46,7 +48,8 @@ def test_low_side_clipping_depends_on_advantage_sign():
     logp, old = _logp_with_ratios([0.7])
     logp2, _ = _logp_with_ratios([0.7])
     loss, clipped = token_policy_loss(
-        torch.cat([logp, logp2]), torch.cat([old, old]), torch.tensor([-1.0, 1.0], dtype=F64), epsilon=0.2
+        torch.cat([logp, logp2]), torch.cat([old, old]), torch.tensor([-1.0, 1.0], dtype=F64),
+        LossSettings(epsilon=0.2)
     )
     torch.testing.assert_close(loss, torch.tensor([[0.8], [-0.7]], dtype=F64))
     assert clipped.tolist() == [[True], [False]]
@@ -60,10 +63,10 @@ def test_clip_higher_with_epsilon_high_0_28():
     # [0.8, 1.28] with epsilon_high 0.28 (loss -1.25, grad -1.25). ratio 1.3 -> clipped at 1.28.
     logp, old = _logp_with_ratios([1.25, 1.3])
     adv = torch.tensor([1.0], dtype=F64)
-    symmetric, sym_clipped = token_policy_loss(logp, old, adv, epsilon=0.2)
+    symmetric, sym_clipped = token_policy_loss(logp, old, adv, LossSettings(epsilon=0.2))
     torch.testing.assert_close(symmetric, torch.tensor([[-1.2, -1.2]], dtype=F64))
     assert sym_clipped.tolist() == [[True, True]]
-    higher, high_clipped = token_policy_loss(logp, old, adv, epsilon=0.2, epsilon_high=0.28)
+    higher, high_clipped = token_policy_loss(logp, old, adv, LossSettings(epsilon=0.2, epsilon_high=0.28))
     torch.testing.assert_close(higher, torch.tensor([[-1.25, -1.28]], dtype=F64))
     assert high_clipped.tolist() == [[False, True]]
     higher.sum().backward()
@@ -76,9 +79,9 @@ def test_kl_term_added_only_with_positive_beta():
     logp = torch.tensor([[math.log(0.5)]], dtype=F64)
     ref = torch.tensor([[math.log(0.25)]], dtype=F64)
     adv = torch.tensor([1.0], dtype=F64)
-    with_kl, _ = token_policy_loss(logp, logp, adv, epsilon=0.2, beta=0.1, ref_logp=ref)
+    with_kl, _ = token_policy_loss(logp, logp, adv, LossSettings(epsilon=0.2, beta=0.1), ref_logp=ref)
     assert with_kl.item() == pytest.approx(-0.980685, abs=1e-6)
-    without, _ = token_policy_loss(logp, logp, adv, epsilon=0.2, beta=0.0, ref_logp=ref)
+    without, _ = token_policy_loss(logp, logp, adv, LossSettings(epsilon=0.2, beta=0.0), ref_logp=ref)
     assert without.item() == pytest.approx(-1.0, abs=1e-12)
 
 
@@ -122,7 +125,7 @@ def test_grpo_loss_stats_on_hand_example():
     ref[0, 1] -= math.log(2)
     loss, stats = grpo_loss(
         logp, old, ref, torch.tensor([1.0], dtype=F64), torch.tensor([[1, 1, 0]]),
-        epsilon=0.2, beta=0.0, aggregation="token_mean", total_tokens=2, total_seqs=1, max_new_tokens=3,
+        LossSettings(epsilon=0.2, beta=0.0, aggregation="token_mean"), BatchTotals(2, 1, 3),
     )
     assert loss.item() == pytest.approx(-1.15, abs=1e-12)
     assert stats["clip_fraction"].item() == pytest.approx(0.5)
@@ -136,7 +139,7 @@ def test_old_logp_none_gives_ratio_one_and_policy_gradient():
     logp = torch.randn(1, 3, dtype=F64, requires_grad=True)
     loss, stats = grpo_loss(
         logp, None, None, torch.tensor([2.0], dtype=F64), torch.tensor([[1, 1, 0]]),
-        epsilon=0.2, aggregation="token_mean", total_tokens=2, total_seqs=1, max_new_tokens=3,
+        LossSettings(epsilon=0.2, aggregation="token_mean"), BatchTotals(2, 1, 3),
     )
     assert loss.item() == pytest.approx(-2.0, abs=1e-12)
     assert "kl" not in stats and stats["clip_fraction"].item() == 0.0
@@ -201,7 +204,7 @@ def test_vectorised_matches_reference_loop(aggregation, beta):
     logp, old, ref, adv, mask = _random_batch(seed=7)
     settings = {"epsilon": 0.2, "epsilon_high": 0.28, "beta": beta, "aggregation": aggregation}
     loss, stats = grpo_loss(
-        logp, old, ref, adv, mask, **settings, total_tokens=int(mask.sum()), total_seqs=6, max_new_tokens=5
+        logp, old, ref, adv, mask, LossSettings(**settings), BatchTotals(int(mask.sum()), 6, 5)
     )
     (grad,) = torch.autograd.grad(loss, logp)
     expected = reference_grpo_loss(logp, old, ref, adv, mask, **settings, max_new_tokens=5)
@@ -234,15 +237,13 @@ def test_micro_batches_sum_to_whole_batch(aggregation, beta, use_old, level):
         ref = _policy(weight + 0.3 * torch.randn(weight.shape, generator=g, dtype=F64), hidden, targets)
     adv = torch.randn(batch, generator=g, dtype=F64)
     mask = torch.arange(length).unsqueeze(0) < torch.tensor([7, 1, 3, 5, 2, 6]).unsqueeze(1)
-    kwargs = {
-        "epsilon": 0.2, "epsilon_high": 0.28, "beta": beta, "aggregation": aggregation,
-        "total_tokens": int(mask.sum()), "total_seqs": batch, "max_new_tokens": length,
-        "importance_level": level,
-    }
+    settings = LossSettings(epsilon=0.2, epsilon_high=0.28, beta=beta, aggregation=aggregation,
+                            importance_level=level)
+    totals = BatchTotals(int(mask.sum()), batch, length)
 
     def run(rows: slice) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         logp = _policy(weight, hidden[rows], targets[rows])
-        return grpo_loss(logp, old[rows] if use_old else None, ref[rows], adv[rows], mask[rows], **kwargs)
+        return grpo_loss(logp, old[rows] if use_old else None, ref[rows], adv[rows], mask[rows], settings, totals)
 
     full_loss, full_stats = run(slice(None))
     (full_grad,) = torch.autograd.grad(full_loss, weight)
@@ -263,8 +264,8 @@ def test_micro_batches_sum_to_whole_batch(aggregation, beta, use_old, level):
 
 # ---------------------------------------------------------------- GSPO (sequence-level ratio), by hand
 
-SEQ = {"epsilon": 0.2, "epsilon_high": 0.28, "aggregation": "seq_mean_token_mean", "total_tokens": 2,
-       "total_seqs": 1, "max_new_tokens": 3}
+SEQ = {"epsilon": 0.2, "epsilon_high": 0.28, "aggregation": "seq_mean_token_mean"}
+SEQ_TOTALS = BatchTotals(total_tokens=2, total_seqs=1, max_new_tokens=3)
 
 
 def test_gspo_sequence_ratio_is_the_geometric_mean_of_token_ratios():
@@ -276,8 +277,8 @@ def test_gspo_sequence_ratio_is_the_geometric_mean_of_token_ratios():
     mask = torch.tensor([[1, 1, 0]])
     log_ratio = importance_log_ratio(logp, old, mask, "sequence")
     torch.testing.assert_close(log_ratio.detach(), torch.full((1, 3), math.log(1.5) / 2, dtype=F64))
-    loss, stats = grpo_loss(logp, old, None, torch.tensor([1.0], dtype=F64), mask, importance_level="sequence",
-                            **SEQ)
+    loss, stats = grpo_loss(logp, old, None, torch.tensor([1.0], dtype=F64), mask,
+                            LossSettings(importance_level="sequence", **SEQ), SEQ_TOTALS)
     s = math.sqrt(1.5)
     assert loss.item() == pytest.approx(-s, abs=1e-12)
     assert stats["clip_fraction"].item() == 0.0
@@ -292,12 +293,13 @@ def test_gspo_clips_the_whole_sequence():
     logp, old = _logp_with_ratios([2.0, 1.125])
     adv = torch.tensor([1.0], dtype=F64)
     mask = torch.tensor([[1, 1]])
-    loss, stats = grpo_loss(logp, old, None, adv, mask, importance_level="sequence", **SEQ)
+    loss, stats = grpo_loss(logp, old, None, adv, mask, LossSettings(importance_level="sequence", **SEQ),
+                            SEQ_TOTALS)
     assert loss.item() == pytest.approx(-1.28, abs=1e-12)
     assert stats["clip_fraction"].item() == pytest.approx(1.0)
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.zeros(1, 2, dtype=F64))
-    _, token_clipped = token_policy_loss(logp, old, adv, epsilon=0.2, epsilon_high=0.28)
+    _, token_clipped = token_policy_loss(logp, old, adv, LossSettings(epsilon=0.2, epsilon_high=0.28))
     assert token_clipped.tolist() == [[True, False]]
 
 
@@ -312,7 +314,7 @@ def test_gspo_token_has_the_sequence_value_and_per_token_gradients():
     grads = {}
     for level in ("sequence_token", "sequence"):
         logp, old = _logp_with_ratios([1.5, 1.0])
-        loss, _ = grpo_loss(logp, old, None, adv, mask, importance_level=level, **SEQ)
+        loss, _ = grpo_loss(logp, old, None, adv, mask, LossSettings(importance_level=level, **SEQ), SEQ_TOTALS)
         assert loss.item() == pytest.approx(0.0, abs=1e-12)
         loss.backward()
         grads[level] = logp.grad
@@ -325,9 +327,10 @@ def test_gspo_and_gspo_token_gradients_agree_for_one_advantage_per_sequence():
     logp, old, _, adv, mask = _random_batch(seed=5)
     grads = []
     for level in ("sequence", "sequence_token"):
-        loss, _ = grpo_loss(logp, old, None, adv, mask, importance_level=level, epsilon=0.2, epsilon_high=0.28,
-                            aggregation="seq_mean_token_mean", total_tokens=int(mask.sum()), total_seqs=6,
-                            max_new_tokens=5)
+        loss, _ = grpo_loss(logp, old, None, adv, mask,
+                            LossSettings(importance_level=level, epsilon=0.2, epsilon_high=0.28,
+                                         aggregation="seq_mean_token_mean"),
+                            BatchTotals(int(mask.sum()), 6, 5))
         grads.append(torch.autograd.grad(loss, logp)[0])
     torch.testing.assert_close(grads[0], grads[1])
 
@@ -342,8 +345,8 @@ def test_sequence_levels_match_reference_loop(level, aggregation, per_token_adv)
     if per_token_adv:
         adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(4), dtype=F64)
     settings = {"epsilon": 0.01, "epsilon_high": 0.012, "beta": 0.04, "aggregation": aggregation}
-    loss, stats = grpo_loss(logp, old, ref, adv, mask, **settings, importance_level=level,
-                            total_tokens=int(mask.sum()), total_seqs=6, max_new_tokens=5)
+    loss, stats = grpo_loss(logp, old, ref, adv, mask, LossSettings(**settings, importance_level=level),
+                            BatchTotals(int(mask.sum()), 6, 5))
     (grad,) = torch.autograd.grad(loss, logp)
     expected = reference_grpo_loss(logp, old, ref, adv, mask, **settings, max_new_tokens=5, level=level)
     (expected_grad,) = torch.autograd.grad(expected, logp)
@@ -371,28 +374,29 @@ def test_tis_weights_scale_the_policy_term_only():
     # unweighted: loss = -1 + 0.1 * 0.193147 = -0.980685; stats tis_weight = (1.5 + 0.5) / 2 = 1.
     logp = torch.tensor([[-1.0, -2.0]], dtype=F64, requires_grad=True)
     weights = torch.tensor([[1.5, 0.5]], dtype=F64)
-    kwargs = {"epsilon": 0.2, "aggregation": "token_mean", "total_tokens": 2, "total_seqs": 1, "max_new_tokens": 2}
-    loss, stats = grpo_loss(logp, None, None, torch.tensor([1.0], dtype=F64), torch.ones(1, 2), tis_weights=weights,
-                            **kwargs)
+    settings = {"epsilon": 0.2, "aggregation": "token_mean"}
+    totals = BatchTotals(total_tokens=2, total_seqs=1, max_new_tokens=2)
+    loss, stats = grpo_loss(logp, None, None, torch.tensor([1.0], dtype=F64), torch.ones(1, 2),
+                            LossSettings(**settings), totals, tis_weights=weights)
     assert loss.item() == pytest.approx(-1.0, abs=1e-12)
     assert stats["tis_weight"].item() == pytest.approx(1.0, abs=1e-12)
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[-0.75, -0.25]], dtype=F64))
     ref = logp.detach() - math.log(2)
-    with_kl, _ = grpo_loss(logp, None, ref, torch.tensor([1.0], dtype=F64), torch.ones(1, 2), tis_weights=weights,
-                           beta=0.1, **kwargs)
+    with_kl, _ = grpo_loss(logp, None, ref, torch.tensor([1.0], dtype=F64), torch.ones(1, 2),
+                           LossSettings(beta=0.1, **settings), totals, tis_weights=weights)
     assert with_kl.item() == pytest.approx(-1 + 0.1 * (0.5 + math.log(2) - 1), abs=1e-12)
 
 
 def test_tis_weights_of_one_change_nothing():
     # What the loop sees with the HF engine's on-policy samples (trainer = engine): weights exactly 1.
     logp, old, ref, adv, mask = _random_batch(seed=2)
-    kwargs = {"epsilon": 0.2, "epsilon_high": 0.28, "beta": 0.04, "aggregation": "token_mean",
-              "total_tokens": int(mask.sum()), "total_seqs": 6, "max_new_tokens": 5}
+    settings = LossSettings(epsilon=0.2, epsilon_high=0.28, beta=0.04, aggregation="token_mean")
+    totals = BatchTotals(int(mask.sum()), 6, 5)
     ones = truncated_importance_weights(old, old, 2.0)
     assert torch.equal(ones, torch.ones_like(old))
-    plain, _ = grpo_loss(logp, old, ref, adv, mask, **kwargs)
-    weighted, _ = grpo_loss(logp, old, ref, adv, mask, tis_weights=ones, **kwargs)
+    plain, _ = grpo_loss(logp, old, ref, adv, mask, settings, totals)
+    weighted, _ = grpo_loss(logp, old, ref, adv, mask, settings, totals, tis_weights=ones)
     assert torch.equal(plain, weighted)
     assert torch.equal(torch.autograd.grad(plain, logp)[0], torch.autograd.grad(weighted, logp)[0])
 
@@ -402,9 +406,9 @@ def test_entropy_bonus_by_hand():
     # token_mean over 2 tokens: loss = -0.1 * (2 + 1) / 2 = -0.15; d loss / d H_t = -0.1 / 2 = -0.05.
     logp = torch.zeros(1, 3, dtype=F64, requires_grad=True)
     entropy = torch.tensor([[2.0, 1.0, 9.0]], dtype=F64, requires_grad=True)
-    loss, _ = grpo_loss(logp, None, None, torch.tensor([0.0], dtype=F64), torch.tensor([[1, 1, 0]]), epsilon=0.2,
-                        aggregation="token_mean", total_tokens=2, total_seqs=1, max_new_tokens=3, entropy=entropy,
-                        entropy_coef=0.1)
+    loss, _ = grpo_loss(logp, None, None, torch.tensor([0.0], dtype=F64), torch.tensor([[1, 1, 0]]),
+                        LossSettings(epsilon=0.2, aggregation="token_mean", entropy_coef=0.1),
+                        BatchTotals(2, 1, 3), entropy=entropy)
     assert loss.item() == pytest.approx(-0.15, abs=1e-12)
     loss.backward()
     torch.testing.assert_close(entropy.grad, torch.tensor([[-0.05, -0.05, 0.0]], dtype=F64))
@@ -418,9 +422,9 @@ def test_tis_and_entropy_match_reference_loop(aggregation, level):
     tis = truncated_importance_weights(old, old + (torch.rand(old.shape, generator=g, dtype=F64) - 0.5), 1.2)
     entropy = (torch.rand(logp.shape, generator=g, dtype=F64) * 3).requires_grad_()
     settings = {"epsilon": 0.2, "epsilon_high": 0.28, "beta": 0.04, "aggregation": aggregation}
-    loss, _ = grpo_loss(logp, old, ref, adv, mask, **settings, importance_level=level, tis_weights=tis,
-                        entropy=entropy, entropy_coef=0.03, total_tokens=int(mask.sum()), total_seqs=6,
-                        max_new_tokens=5)
+    loss, _ = grpo_loss(logp, old, ref, adv, mask,
+                        LossSettings(**settings, importance_level=level, entropy_coef=0.03),
+                        BatchTotals(int(mask.sum()), 6, 5), tis_weights=tis, entropy=entropy)
     grads = torch.autograd.grad(loss, (logp, entropy))
     expected = reference_grpo_loss(logp, old, ref, adv, mask, **settings, max_new_tokens=5, level=level, tis=tis,
                                    entropy=entropy, entropy_coef=0.03)
@@ -459,18 +463,18 @@ def test_per_token_terms_sum_to_grpo_loss(aggregation, beta, use_old, extras):
     g = torch.Generator().manual_seed(4)
     engine = old + (torch.rand(old.shape, generator=g, dtype=F64) - 0.5)
     entropy = (torch.rand(logp.shape, generator=g, dtype=F64) * 3).requires_grad_()
-    norms = {"total_tokens": int(mask.sum()) + 3, "total_seqs": 8, "max_new_tokens": 5}  # + other micro-batches
-    clip = {"epsilon": 0.2, "epsilon_high": 0.28, "beta": beta}
+    totals = BatchTotals(int(mask.sum()) + 3, 8, 5)  # + other micro-batches
+    settings = LossSettings(epsilon=0.2, epsilon_high=0.28, beta=beta, aggregation=aggregation,
+                            entropy_coef=0.03 if extras else 0.0, tis_cap=1.2 if extras else None)
     tis = truncated_importance_weights(old if use_old else logp.detach(), engine, 1.2) if extras else None
-    loss, _ = grpo_loss(logp, old if use_old else None, ref, adv, mask, **clip, aggregation=aggregation,
-                        tis_weights=tis, entropy=entropy, entropy_coef=0.03 if extras else 0.0, **norms)
+    loss, _ = grpo_loss(logp, old if use_old else None, ref, adv, mask, settings, totals,
+                        tis_weights=tis, entropy=entropy)
     expected = torch.autograd.grad(loss, (logp, entropy), allow_unused=True)
 
     flat = mask.bool()
     terms = per_token_grpo_terms(
-        flat, old if use_old else None, ref, adv, aggregation_weights(flat, aggregation, **norms),
-        **clip, engine_logp=engine if extras else None, tis_cap=1.2 if extras else None,
-        entropy_coef=0.03 if extras else 0.0)
+        flat, old if use_old else None, ref, adv, aggregation_weights(flat, aggregation, **totals.kwargs()),
+        settings, engine_logp=engine if extras else None)
     token_logp = logp.detach()[flat].requires_grad_()
     token_entropy = entropy.detach()[flat].requires_grad_()
     n = token_logp.shape[0]
@@ -491,7 +495,7 @@ def test_per_token_terms_ignore_unweighted_tokens():
     # contributes nothing and gets no gradient
     terms = per_token_grpo_terms(torch.tensor([[True, True]]), None, None,
                                  torch.tensor([[1.0, 3.0]], dtype=F64),
-                                 torch.tensor([[0.5, 0.0]], dtype=F64), epsilon=0.2)
+                                 torch.tensor([[0.5, 0.0]], dtype=F64), LossSettings(epsilon=0.2))
     logp = torch.tensor([math.log(0.5), math.log(0.25)], dtype=F64, requires_grad=True)
     total = terms(slice(0, 2), logp, torch.zeros(2, dtype=F64))
     assert total.item() == pytest.approx(-0.5, abs=1e-12)  # ratio 1, A = 1, weight 1/2
@@ -503,14 +507,15 @@ def test_per_token_terms_ignore_unweighted_tokens():
 
 def _call(**overrides):
     logp = torch.zeros(2, 3)
-    kwargs = {
-        "epsilon": 0.2, "beta": 0.0, "aggregation": "token_mean",
-        "total_tokens": 6, "total_seqs": 2, "max_new_tokens": 3,
-    }
+    settings = {"epsilon": 0.2, "beta": 0.0, "aggregation": "token_mean"}
+    totals = {"total_tokens": 6, "total_seqs": 2, "max_new_tokens": 3}
     args = {"old_logp": None, "ref_logp": None, "advantages": torch.zeros(2), "mask": torch.ones(2, 3)}
     args.update({k: overrides.pop(k) for k in list(overrides) if k in args})
-    kwargs.update(overrides)
-    return grpo_loss(logp, args["old_logp"], args["ref_logp"], args["advantages"], args["mask"], **kwargs)
+    totals.update({k: overrides.pop(k) for k in list(overrides) if k in totals})
+    per_call = {k: overrides.pop(k) for k in list(overrides) if k in ("tis_weights", "entropy")}
+    settings.update(overrides)
+    return grpo_loss(logp, args["old_logp"], args["ref_logp"], args["advantages"], args["mask"],
+                     LossSettings(**settings), BatchTotals(**totals), **per_call)
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,6 @@ import math
 import os
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,7 +17,7 @@ import torch
 
 from r1fit.algorithms.advantages import get_advantage_estimator
 from r1fit.algorithms.covariance import kl_cov_selection, token_covariance
-from r1fit.algorithms.losses import grpo_loss, token_policy_loss
+from r1fit.algorithms.losses import LossSettings, grpo_loss, token_policy_loss
 from r1fit.cli import main
 from r1fit.report.metrics import read_metrics
 from r1fit.report.rollouts import read_rollouts
@@ -39,13 +38,13 @@ def loss_calls(monkeypatch: pytest.MonkeyPatch) -> list[SimpleNamespace]:
     calls: list[SimpleNamespace] = []
     real = grpo.grpo_loss
 
-    def spy(logp, old, ref, advantages, mask, **kwargs):
-        loss, stats = real(logp, old, ref, advantages, mask, **kwargs)
+    def spy(logp, old, ref, advantages, mask, settings, totals, **kwargs):
+        loss, stats = real(logp, old, ref, advantages, mask, settings, totals, **kwargs)
         entropy = kwargs.get("entropy")
         calls.append(SimpleNamespace(
             # old=None is the first update of a rollout: grpo_loss takes logp.detach() as old
             logp=logp.detach(), old=(logp if old is None else old).detach(), advantages=advantages, mask=mask,
-            kwargs=kwargs, loss=loss.item(), stats=stats,
+            settings=settings, totals=totals, kwargs=kwargs, loss=loss.item(), stats=stats,
             entropy_requires_grad=entropy is not None and entropy.requires_grad,
             # memory.fused_loss: the head made the gradient; this call gives the statistics
             fused=not torch.is_grad_enabled()))
@@ -82,12 +81,13 @@ def tensor(rows: list[dict], key: str) -> torch.Tensor:
 def check_gspo(out: Path, rows: list[dict], calls: list[SimpleNamespace]) -> None:
     # GSPO's own clip ranges reach the loss; the second update of each rollout is off-policy, and
     # its clipping takes or leaves whole sequences: every valid token of a row shares one flag
-    assert all(c.kwargs["importance_level"] == "sequence" for c in calls)
-    assert {(c.kwargs["epsilon"], c.kwargs["epsilon_high"]) for c in calls} == {(3e-4, 4e-4)}
+    assert all(c.settings.importance_level == "sequence" for c in calls)
+    assert {(c.settings.epsilon, c.settings.epsilon_high) for c in calls} == {(3e-4, 4e-4)}
     clipped_rows = 0
     for c in calls:
-        _, clipped = token_policy_loss(c.logp, c.old, c.advantages, epsilon=3e-4, epsilon_high=4e-4,
-                                       mask=c.mask, importance_level="sequence")
+        _, clipped = token_policy_loss(
+            c.logp, c.old, c.advantages,
+            LossSettings(epsilon=3e-4, epsilon_high=4e-4, importance_level="sequence"), mask=c.mask)
         for flags, valid in zip(clipped, c.mask.bool()):
             assert len(set(flags[valid].tolist())) == 1
             clipped_rows += int(flags[valid].all())
@@ -96,8 +96,8 @@ def check_gspo(out: Path, rows: list[dict], calls: list[SimpleNamespace]) -> Non
 
 
 def check_gspo_token(out: Path, rows: list[dict], calls: list[SimpleNamespace]) -> None:
-    assert all(c.kwargs["importance_level"] == "sequence_token" for c in calls)
-    assert {(c.kwargs["epsilon"], c.kwargs["epsilon_high"]) for c in calls} == {(3e-4, 4e-4)}
+    assert all(c.settings.importance_level == "sequence_token" for c in calls)
+    assert {(c.settings.epsilon, c.settings.epsilon_high) for c in calls} == {(3e-4, 4e-4)}
 
 
 def check_rloo(out: Path, rows: list[dict], calls: list[SimpleNamespace]) -> None:
@@ -119,7 +119,7 @@ def check_reinforce_pp(out: Path, rows: list[dict], calls: list[SimpleNamespace]
 
 
 def check_kl_in_reward(out: Path, rows: list[dict], calls: list[SimpleNamespace]) -> None:
-    assert all(c.kwargs["beta"] == 0.0 for c in calls)  # the KL is in the reward, not in the loss
+    assert all(c.settings.beta == 0.0 for c in calls)  # the KL is in the reward, not in the loss
     assert all(r["kl"] is not None for r in rows)  # still logged (k3 against the reference)
     estimator = get_advantage_estimator("reinforce_pp_baseline")
     steps = saved_steps(out)
@@ -166,8 +166,8 @@ def check_mask_truncated(out: Path, rows: list[dict], calls: list[SimpleNamespac
             assert all(k in (0, v) for k, v in zip(kept.tolist(), valid.tolist()))  # whole rows out
             kept_tokens, kept_rows = kept_tokens + int(kept.sum()), kept_rows + int((kept > 0).sum())
             masked_rows += int((kept == 0).sum())
-        assert {c.kwargs["total_tokens"] for c in update} == {max(kept_tokens, 1)}
-        assert {c.kwargs["total_seqs"] for c in update} == {max(kept_rows, 1)}
+        assert {c.totals.total_tokens for c in update} == {max(kept_tokens, 1)}
+        assert {c.totals.total_seqs for c in update} == {max(kept_rows, 1)}
         assert kept_rows > 0
     assert masked_rows > 0
     assert all(r["loss"] != 0 for r in rows)
@@ -176,24 +176,25 @@ def check_mask_truncated(out: Path, rows: list[dict], calls: list[SimpleNamespac
 def check_entropy_bonus(out: Path, rows: list[dict], calls: list[SimpleNamespace]) -> None:
     # the loss's gradient reaches the entropy: through grpo_loss, or (memory.fused_loss, the
     # default) through the LM head's per-token terms, whose gradients test_grpo.py compares
-    assert all(c.kwargs["entropy_coef"] == 0.01 and c.kwargs["entropy"] is not None
+    assert all(c.settings.entropy_coef == 0.01 and c.kwargs["entropy"] is not None
                and c.entropy_requires_grad != c.fused for c in calls)
     # the logged entropy is the token mean of what the loss used (3 micro-batches per step: 8 rows / 3)
     for step, row in enumerate(rows):
         step_calls = calls[3 * step: 3 * step + 3]
         total = sum(float((c.kwargs["entropy"].detach() * c.mask).sum()) for c in step_calls)
-        assert row["entropy"] == pytest.approx(total / step_calls[0].kwargs["total_tokens"], rel=1e-6)
+        assert row["entropy"] == pytest.approx(total / step_calls[0].totals.total_tokens, rel=1e-6)
 
 
 def check_clip_cov(out: Path, rows: list[dict], calls: list[SimpleNamespace]) -> None:
     # every micro-batch restricted some tokens, each from its own random stream; the loss is
     # reproducible from the stream's seed (what a resumed run relies on)
-    seeds = [c.kwargs["cov"].generator.initial_seed() for c in calls]
+    seeds = [c.kwargs["generator"].initial_seed() for c in calls]
     assert len(set(seeds)) == len(calls)
     for c, seed in zip(calls, seeds):
-        assert c.kwargs["cov"].method == "clip_cov" and c.stats["cov_restricted"] > 0
-        again = replace(c.kwargs["cov"], generator=torch.Generator().manual_seed(seed))
-        loss, _ = grpo_loss(c.logp, c.old, None, c.advantages, c.mask, **{**c.kwargs, "cov": again})
+        assert c.settings.cov.method == "clip_cov" and c.stats["cov_restricted"] > 0
+        again = torch.Generator().manual_seed(seed)
+        loss, _ = grpo_loss(c.logp, c.old, None, c.advantages, c.mask, c.settings, c.totals,
+                            **{**c.kwargs, "generator": again})
         assert loss.item() == c.loss
     assert all(0 < r["cov_restricted"] < 1 for r in rows)
 
@@ -207,7 +208,7 @@ def check_kl_cov(out: Path, rows: list[dict], calls: list[SimpleNamespace]) -> N
         chosen = kl_cov_selection(token_covariance(c.logp, c.advantages, c.mask), c.mask, ratio=0.1)
         ratio = torch.exp(c.logp - c.old)
         penalty = (c.logp - c.old).abs() * chosen
-        expected = ((-ratio * c.advantages[:, None] + penalty) * c.mask).sum() / c.kwargs["total_tokens"]
+        expected = ((-ratio * c.advantages[:, None] + penalty) * c.mask).sum() / c.totals.total_tokens
         assert c.loss == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
         penalised += float(penalty.sum())
     assert penalised > 0

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from r1fit.algorithms.losses import LossSettings
 from r1fit.config import load_config
 from r1fit.memory.sizes import ChunkSizes
 from r1fit.models.load import special_token_ids
@@ -50,7 +51,7 @@ def test_micro_batched_gradient_equals_unbatched(float64_tiny, aggregation, lora
         run = SimpleNamespace(cfg=cfg, device=CPU, ids=SimpleNamespace(pad=pad), policy=model,
                               sizes=ChunkSizes(micro, 64, asked={}, micro_batch_tokens=tokens),
                               layout=BatchLayout(shared))
-        sums = accumulate_policy_gradients(run, rollout)
+        sums = accumulate_policy_gradients(run, rollout, loss=LossSettings.of(cfg.algo))
         assert (sums["kl"] is None) == (ref is None)
         results[(micro, tokens, shared)] = (sums["loss"], [p.grad.clone() for p in params])
     loss6, grads6 = results[(6, None, False)]
@@ -90,7 +91,8 @@ def test_the_first_update_records_the_old_logprobs_a_separate_pass_would_give(fl
         run = SimpleNamespace(cfg=cfg, device=CPU, ids=SimpleNamespace(pad=pad), policy=model,
                               sizes=ChunkSizes(4, 64, asked={}, micro_batch_tokens=tokens),
                               layout=BatchLayout(False))
-        accumulate_policy_gradients(run, rollout, capture_old=old is None)
+        accumulate_policy_gradients(run, rollout, loss=LossSettings.of(cfg.algo),
+                                    capture_old=old is None)
         grads[old is None] = [p.grad.clone() for p in params]
         if old is None:
             assert rollout.old_logp.shape == separate.shape
@@ -135,7 +137,7 @@ def test_fused_loss_gives_the_gradient_of_the_recomputing_head(float64_tiny, lor
         run = SimpleNamespace(cfg=cfg, device=CPU, ids=SimpleNamespace(pad=pad), policy=model,
                               sizes=ChunkSizes(micro, 64, asked={}, micro_batch_tokens=tokens),
                               layout=BatchLayout(False))
-        sums = accumulate_policy_gradients(run, rollout)
+        sums = accumulate_policy_gradients(run, rollout, loss=LossSettings.of(cfg.algo))
         results[fused] = (sums, [p.grad.clone() for p in params])
     (sums, grads), (fused_sums, fused_grads) = results[False], results[True]
     assert any(g.abs().sum() > 0 for g in grads)
