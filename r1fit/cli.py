@@ -19,6 +19,7 @@ import argparse
 import json
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from r1fit.config import Config, ConfigError, config_reference_markdown, resolve_config
@@ -94,7 +95,109 @@ def _run(command: str, cfg: Config) -> None:
         close_distributed(barrier=finished)
 
 
-def main(argv: list[str] | None = None) -> int:
+def cmd_train(ns: argparse.Namespace) -> int:
+    """``r1fit train`` (SFT format warm-up, then GRPO) and ``r1fit sft``: run as configured."""
+    cfg = _config(ns.args)
+    from r1fit.memory.telemetry import configure_cuda_allocator
+
+    configure_cuda_allocator()  # before anything touches CUDA
+    # the run catches SIGTERM/SIGUSR1 to save before stopping; give them back afterwards
+    stop_signals = [sig for sig in (signal.SIGTERM, getattr(signal, "SIGUSR1", None)) if sig]
+    handlers = {sig: signal.getsignal(sig) for sig in stop_signals}
+    try:
+        _run(ns.command, cfg)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+def cmd_plan(ns: argparse.Namespace) -> int:
+    """``r1fit plan``: the memory plan of a run, before launching it."""
+    from r1fit.memory.planner import plan_memory, render
+    from r1fit.units import parse_bytes
+
+    try:
+        budget = parse_bytes(ns.device_memory) if ns.device_memory else None
+    except ValueError as exc:
+        raise ConfigError(f"--device-memory: {exc}") from None
+    cfg = _config(_model_first(ns.args))
+    device_type = "cpu" if cfg.train.device == "cpu" else "cuda"
+    kind = "sft" if ns.sft else "grpo"
+    if cfg.memory.gradient_checkpointing == "auto":  # plan what the run would choose
+        from r1fit.memory.autofit import choose_checkpointing, describe_checkpointing
+        from r1fit.memory.planner import DEFAULT_DEVICE_MEMORY
+
+        chosen, why = choose_checkpointing(
+            cfg, budget=budget or parse_bytes(cfg.memory.budget or DEFAULT_DEVICE_MEMORY),
+            device_type=device_type, gpus=ns.gpus, kind=kind)
+        print(f"memory.gradient_checkpointing=auto: {describe_checkpointing(chosen)} "
+              f"({why})", file=sys.stderr)
+        cfg = cfg.with_values(chosen)
+    plan = plan_memory(cfg, device_memory_bytes=budget, gpus=ns.gpus,
+                       device_type=device_type, kind=kind)
+    if ns.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        render(plan, cfg, rich=sys.stdout.isatty())
+    return 0
+
+
+def cmd_config(ns: argparse.Namespace) -> int:
+    """``r1fit config``: each key's value and source, the resolved config as JSON, or the key
+    reference."""
+    if ns.reference:
+        print(config_reference_markdown())
+    elif ns.json:
+        print(json.dumps(_config(ns.args).to_dict(), indent=2))
+    else:
+        print_sources(*_resolved(ns.args))
+    return 0
+
+
+def cmd_inspect(ns: argparse.Namespace) -> int:
+    """``r1fit inspect``: what a checkpoint, run folder or model folder holds."""
+    from r1fit.checkpoint.inspect import inspect_path, render
+
+    report = inspect_path(ns.path)
+    if ns.json:
+        print(json.dumps(report, indent=2))
+    else:
+        render(report, rich=sys.stdout.isatty())
+    return 0
+
+
+def cmd_export(ns: argparse.Namespace) -> int:
+    """``r1fit export``: a checkpoint's model as a plain Hugging Face folder."""
+    from r1fit.checkpoint.export import export
+
+    print(export(ns.checkpoint, ns.out, merge_lora=ns.merge_lora).summary(ns.checkpoint))
+    return 0
+
+
+def cmd_report(ns: argparse.Namespace) -> int:
+    """``r1fit report``: a run's HTML report."""
+    from r1fit.report.html import write_report
+
+    print(write_report(ns.run_dir, ns.out))
+    return 0
+
+
+def cmd_doctor(ns: argparse.Namespace) -> int:
+    """``r1fit doctor``: the machine's facts; with ``--check`` a self-check."""
+    from r1fit.doctor.command import doctor
+
+    return doctor(json_out=ns.json, check=ns.check, out=ns.out)
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "train": cmd_train, "sft": cmd_train, "plan": cmd_plan, "config": cmd_config,
+    "inspect": cmd_inspect, "export": cmd_export, "report": cmd_report, "doctor": cmd_doctor,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: one sub-command per key of :data:`COMMANDS`."""
     parser = argparse.ArgumentParser(
         prog="r1fit", description="GRPO and SFT for vision-language models.",
         epilog="Every config key, its default and meaning: r1fit config --reference")
@@ -151,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", metavar="DIR", type=Path,
                    help="--check: where its runs go, a new or empty folder (default: a "
                         "temporary folder, removed afterwards)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     ns, extra = parser.parse_known_args(argv)
     # overrides after a flag (`r1fit plan my.yaml --sft sft.batch_size=8`): argparse ends a
     # positional list at the first flag, so the rest comes back unparsed
@@ -159,82 +267,14 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
 
+    command = COMMANDS[ns.command]
     if ns.command == "doctor":  # before the imports below (peft, transformers): seconds
-        from r1fit.doctor.command import doctor
-
-        return doctor(json_out=ns.json, check=ns.check, out=ns.out)
+        return command(ns)
     # imported late: `r1fit config` and `--help` should not pay for importing torch/transformers
     from r1fit.checkpoint.manager import RunStopped
 
     try:
-        if ns.command == "config":
-            if ns.reference:
-                print(config_reference_markdown())
-            elif ns.json:
-                print(json.dumps(_config(ns.args).to_dict(), indent=2))
-            else:
-                print_sources(*_resolved(ns.args))
-            return 0
-        if ns.command == "plan":
-            from r1fit.memory.planner import plan_memory, render
-            from r1fit.units import parse_bytes
-
-            try:
-                budget = parse_bytes(ns.device_memory) if ns.device_memory else None
-            except ValueError as exc:
-                raise ConfigError(f"--device-memory: {exc}") from None
-            cfg = _config(_model_first(ns.args))
-            device_type = "cpu" if cfg.train.device == "cpu" else "cuda"
-            kind = "sft" if ns.sft else "grpo"
-            if cfg.memory.gradient_checkpointing == "auto":  # plan what the run would choose
-                from r1fit.memory.autofit import choose_checkpointing, describe_checkpointing
-                from r1fit.memory.planner import DEFAULT_DEVICE_MEMORY
-
-                chosen, why = choose_checkpointing(
-                    cfg, budget=budget or parse_bytes(cfg.memory.budget or DEFAULT_DEVICE_MEMORY),
-                    device_type=device_type, gpus=ns.gpus, kind=kind)
-                print(f"memory.gradient_checkpointing=auto: {describe_checkpointing(chosen)} "
-                      f"({why})", file=sys.stderr)
-                cfg = cfg.with_values(chosen)
-            plan = plan_memory(cfg, device_memory_bytes=budget, gpus=ns.gpus,
-                               device_type=device_type, kind=kind)
-            if ns.json:
-                print(json.dumps(plan.to_dict(), indent=2))
-            else:
-                render(plan, cfg, rich=sys.stdout.isatty())
-            return 0
-        if ns.command == "inspect":
-            from r1fit.checkpoint.inspect import inspect_path, render
-
-            report = inspect_path(ns.path)
-            if ns.json:
-                print(json.dumps(report, indent=2))
-            else:
-                render(report, rich=sys.stdout.isatty())
-            return 0
-        if ns.command == "export":
-            from r1fit.checkpoint.export import export
-
-            print(export(ns.checkpoint, ns.out, merge_lora=ns.merge_lora).summary(ns.checkpoint))
-            return 0
-        if ns.command == "report":
-            from r1fit.report.html import write_report
-
-            print(write_report(ns.run_dir, ns.out))
-            return 0
-        cfg = _config(ns.args)
-        from r1fit.memory.telemetry import configure_cuda_allocator
-
-        configure_cuda_allocator()  # before anything touches CUDA
-        # the run catches SIGTERM/SIGUSR1 to save before stopping; give them back afterwards
-        stop_signals = [sig for sig in (signal.SIGTERM, getattr(signal, "SIGUSR1", None)) if sig]
-        handlers = {sig: signal.getsignal(sig) for sig in stop_signals}
-        try:
-            _run(ns.command, cfg)
-        finally:
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
-        return 0
+        return command(ns)
     except R1fitError as exc:  # a cause the user can fix: one line, no traceback
         print(f"r1fit: error: {exc}", file=sys.stderr)
         return 2
