@@ -115,10 +115,10 @@ def run_rank(args: argparse.Namespace) -> int:
     from transformers import AutoConfig
 
     from r1fit.config import load_config
-    from r1fit.distributed.context import all_gather_objects, close_distributed, init_distributed
     from r1fit.distributed.loading import load_policy_on_ranks
     from r1fit.memory.telemetry import current_rss_bytes, peak_rss_bytes, reset_peak
     from r1fit.models.load import load_policy
+    from r1fit.processes import all_gather_objects, close_distributed, init_distributed
 
     def maxrss() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux

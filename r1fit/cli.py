@@ -78,7 +78,7 @@ def print_sources(cfg: Config, sources: dict[str, str]) -> None:
 
 
 def _run(command: str, cfg: Config) -> None:
-    from r1fit.distributed.context import close_distributed
+    from r1fit.processes import close_distributed
 
     finished = False
     try:

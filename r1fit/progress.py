@@ -7,6 +7,8 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from r1fit.processes import world
+
 log = logging.getLogger("r1fit")
 
 
@@ -14,8 +16,6 @@ log = logging.getLogger("r1fit")
 def progress_bar(title: str, total: int, completed: int = 0) -> Iterator[Callable[..., None]]:
     """Yields ``advance(status="")``, to be called once per step; ``completed`` steps were done
     before (a resumed run)."""
-    from r1fit.distributed.context import world
-
     if not world().main:  # one bar, rank 0's
         yield lambda status="": None
         return

@@ -2,7 +2,9 @@
 to the importing module's own layer or a lower one.
 
 This list is the one place the layer order is written (docs/architecture.md's Layers section points here).
-A module belongs to the layer of the longest prefix that names it.
+A module belongs to the layer of the one prefix that names it: a package is in one layer, never split
+over two. And no import cycle, even within a layer or through a function-level import: a module that
+needs another's code and is needed by it is one module, or the shared part moves down.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import pytest
 LAYERS: list[tuple[str, ...]] = [
     ("r1fit.errors", "r1fit.units", "r1fit.rng"),  # leaves: no r1fit imports
     ("r1fit.config",),
-    ("r1fit.distributed.context",),  # processes and collectives (no-ops in one process)
+    ("r1fit.processes",),  # processes and collectives (no-ops in one process)
     ("r1fit.progress",),  # progress bars (rank 0's)
     ("r1fit.algorithms", "r1fit.data", "r1fit.rewards"),  # pure maths, data, rewards
     ("r1fit.models",),  # loading, LoRA, log-probs of a batch
@@ -34,14 +36,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "r1fit"
 def layer_of(module: str) -> int:
     if module == "r1fit":  # the package's own __init__ (its version)
         return 0
-    best, length = None, -1
-    for index, prefixes in enumerate(LAYERS):
-        for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > length:
-                best, length = index, len(prefix)
-    if best is None:
+    found = [index for index, prefixes in enumerate(LAYERS) for prefix in prefixes
+             if module == prefix or module.startswith(prefix + ".")]
+    if not found:
         raise AssertionError(f"{module} is in no layer of tests/test_layers.py; add it")
-    return best
+    assert len(found) == 1, f"{module} is named by several layers: {found}"
+    return found[0]
 
 
 def module_name(path: Path, package: Path = PACKAGE) -> str:
@@ -112,6 +112,60 @@ def test_imports_are_found_inside_functions_too(tmp_path, source, expected):
     assert imports_of(file) == expected
 
 
-def test_the_longest_prefix_decides():
-    assert layer_of("r1fit.distributed.context") < layer_of("r1fit.models.load") \
+def test_a_package_is_in_one_layer():
+    prefixes = [p for layer in LAYERS for p in layer]
+    assert [(p, q) for p in prefixes for q in prefixes if q.startswith(p + ".")] == []
+    assert layer_of("r1fit.processes") < layer_of("r1fit.models.load") \
         < layer_of("r1fit.distributed.parallelize")
+
+
+def _type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+
+
+def import_cycles(package: Path = PACKAGE) -> list[list[str]]:
+    """Groups of modules that import each other, directly or around a loop (function-level
+    imports included; imports under ``if TYPE_CHECKING:`` are annotations only, left out)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if _type_checking(node):
+                node.body = []  # type: ignore[attr-defined]
+        here = module_name(path, package)
+        runtime = {n.lineno for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)}
+        graph[here] = {t for line, t in imports_of(path, package) if line in runtime and t != here}
+    cycles: list[list[str]] = []
+    for start in sorted(graph):
+        reach = _reachable(graph, start)
+        if start in reach and not any(start in c for c in cycles):
+            cycles.append(sorted(m for m in reach if start in _reachable(graph, m)))
+    return cycles
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    reach, todo = set(), [start]
+    while todo:
+        for target in graph.get(todo.pop(), ()):
+            if target not in reach:
+                reach.add(target)
+                todo.append(target)
+    return reach
+
+
+def test_no_import_cycles():
+    assert import_cycles() == []
+
+
+def test_a_cycle_through_a_function_is_caught(tmp_path):
+    package = tmp_path / "r1fit"
+    (package / "models").mkdir(parents=True)
+    (package / "models" / "prefix.py").write_text(
+        "def check():\n    from r1fit.models.logprobs import run\n")
+    (package / "models" / "logprobs.py").write_text("from r1fit.models.prefix import Packed\n")
+    (package / "models" / "load.py").write_text(
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from r1fit.models.logprobs import x\n")
+    assert import_cycles(package) == [["r1fit.models.logprobs", "r1fit.models.prefix"]]

@@ -34,7 +34,7 @@ from r1fit.checkpoint.manager import (
     verify,
 )
 from r1fit.checkpoint.sharded import load_model_weights, model_tensors
-from r1fit.distributed.context import barrier, world
+from r1fit.processes import barrier, world
 from r1fit.units import format_bytes
 
 _ADAPTER = "adapter_config.json"

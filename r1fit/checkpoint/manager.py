@@ -42,8 +42,8 @@ import torch.distributed.checkpoint as dcp
 import r1fit
 from r1fit.checkpoint.files import fsync_dir, fsync_tree, load_state, save_state, sha256_file, write_text_atomic
 from r1fit.checkpoint.sharded import load_model_weights, model_tensors, save_tensors
-from r1fit.distributed.context import all_max, barrier, world
 from r1fit.errors import R1fitError
+from r1fit.processes import all_max, barrier, world
 
 log = logging.getLogger("r1fit.checkpoint")
 

@@ -301,3 +301,14 @@ def cut_after_eos(tokens: torch.Tensor, eos_ids: Sequence[int]) -> torch.Tensor:
     if hits.numel() == 0:
         return tokens.clone()
     return tokens[: int(hits[0, 0]) + 1].clone()
+
+
+def pad_rows(rows: Sequence[torch.Tensor], width: int | None = None) -> torch.Tensor:
+    """Rows of different lengths (1-D, or ``[1, L]``) as one ``[rows, width]`` tensor, zero-padded
+    on the right; ``width`` defaults to the longest row's (per-row log-probs of a rollout)."""
+    if width is None:
+        width = max((int(r.shape[-1]) for r in rows), default=0)
+    out = torch.zeros(len(rows), width, dtype=rows[0].dtype if rows else torch.float32)
+    for i, row in enumerate(rows):
+        out[i, :row.shape[-1]] = row.reshape(-1)
+    return out

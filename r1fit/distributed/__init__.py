@@ -1,2 +1,3 @@
-"""Several processes: torchrun init and collectives (context), activation checkpointing then FSDP2,
-rank-0 loading and gathered weights for generation (parallelize)."""
+"""Several processes: activation checkpointing then FSDP2 and gathered weights for generation
+(parallelize), rank-0 loading (loading). torchrun init and collectives are a lower layer's:
+r1fit/processes.py."""

@@ -10,10 +10,10 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from r1fit.config import ModelConfig
-from r1fit.distributed.context import world
 from r1fit.distributed.parallelize import materialize, parallelize
 from r1fit.models.load import load_frozen, load_policy
 from r1fit.models.logprobs import CompletionLogProbs
+from r1fit.processes import world
 
 
 def load_on_ranks(build: Callable[[Any], tuple[Any, Any]], device: torch.device, *,

@@ -22,8 +22,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
-from r1fit.distributed.context import World
 from r1fit.models.load import enable_checkpointing, unwrap
+from r1fit.processes import World
 
 log = logging.getLogger("r1fit.distributed")
 

@@ -5,7 +5,7 @@ can fail:
 
 1. the numerics of sharing, in this process, on this device's kernels: the log-probs of a
    group's completions packed after their prompt against the per-row path
-   (``memory.share_prefix``, :func:`r1fit.models.prefix.packing_distance`), and generation from a
+   (``memory.share_prefix``, :func:`r1fit.models.packing.packing_distance`), and generation from a
    shared prefill against per-row generation (``rollout.share_prefill``,
    :func:`r1fit.rollout.prefill.prefill_check`), with the distances measured and their bounds;
 2. an uninterrupted run (``r1fit train`` in a child process);
@@ -182,7 +182,7 @@ def auto_decisions(run_dir: Path) -> dict[str, bool]:
 
 
 def _device_type(cfg: Config) -> str:
-    from r1fit.distributed.context import pick_device
+    from r1fit.processes import pick_device
 
     return pick_device(cfg.train.device).type
 
@@ -256,9 +256,9 @@ def numerics_check(spec: RunSpec) -> list[Verdict]:
     slower, still correct)."""
     from r1fit.data.batch import consecutive_groups, encode_prompts
     from r1fit.data.build import build_datasets
-    from r1fit.distributed.context import device_for, world
     from r1fit.distributed.loading import load_policy_on_ranks
-    from r1fit.models.prefix import packing_distance, packing_tolerance
+    from r1fit.models.packing import packing_distance, packing_tolerance
+    from r1fit.processes import device_for, world
     from r1fit.rng import seed_everything
     from r1fit.rollout.generate import (
         SamplingSettings,
@@ -307,7 +307,7 @@ FALLBACK = "; auto would run it per row here (slower, still correct)"
 
 def prefix_verdict(distance: float, bound: float, where: str,
                    numbers: dict[str, Any] | None = None) -> Verdict:
-    """The shared-prompt verdict: ``distance`` (:func:`r1fit.models.prefix.packing_distance`)
+    """The shared-prompt verdict: ``distance`` (:func:`r1fit.models.packing.packing_distance`)
     within ``bound``; NaN fails. ``where``: device, dtype, attention, for the line."""
     ok = distance <= bound
     return Verdict("shared prompt", ok,

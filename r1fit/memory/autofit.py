@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from r1fit.distributed.context import all_max, world
 from r1fit.errors import R1fitError
 from r1fit.memory.sizes import ChunkSizes
+from r1fit.processes import all_max, world
 from r1fit.units import format_bytes, parse_bytes
 
 log = logging.getLogger("r1fit.memory")

@@ -22,11 +22,14 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
 
 from r1fit.data.batch import Prompt, micro_batches
+from r1fit.processes import all_sum
+from r1fit.rollout.record import Rollout
 
 # Dense (no sparsity) peak tensor throughput per GPU in TFLOP/s, from the vendors' data sheets:
 # (name fragment as torch.cuda.get_device_name reports it, bf16/fp16, tf32 or fp32 without
@@ -325,3 +328,22 @@ class MfuMeter:
     def mfu(self, total_flops: float, seconds: float, devices: int) -> float:
         """Model FLOPs utilisation: achieved FLOP/s over the peak of ``devices`` devices."""
         return total_flops / max(seconds, 1e-9) / (self.peak * devices)
+
+
+def flops_metrics(meter: MfuMeter, run: Any, drawn: Rollout, kept: Rollout | None,
+                  with_reference: bool, seconds: float) -> dict[str, float]:
+    """A GRPO step's model FLOPs (every process's: generating every row drawn, then the log-prob
+    passes and updates of the kept ones, the way ``memory.share_prefix`` and the micro-batch
+    sizes run them) and the MFU they make over its ``seconds`` on ``world.size`` devices.
+    ``run``: the run (r1fit/train/run.py), for its config, chunk sizes, layout and world."""
+    algo = run.cfg.algo
+    local = meter.generation(drawn.rows, drawn.completions)
+    if kept is not None:
+        # the old log-probs come from the first update's forwards, except with kl_in_reward,
+        # whose pass before the first update provides them
+        passes = int(with_reference) + int(algo.kl_in_reward)
+        local += meter.training(kept.rows, kept.completions, log_prob_passes=passes,
+                                updates=algo.num_iterations, micro_batch=run.sizes.micro_batch,
+                                shared=bool(run.layout.on), tokens=run.sizes.micro_batch_tokens)
+    total = all_sum([float(local)])[0]
+    return {"flops": total, "mfu": meter.mfu(total, seconds, run.world.size)}

@@ -23,10 +23,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from r1fit.distributed.context import world
 from r1fit.errors import R1fitError, one_line
 from r1fit.memory.sizes import ChunkSizes
 from r1fit.memory.telemetry import glibc, peak_rss_bytes, reset_peak
+from r1fit.processes import world
 from r1fit.units import format_bytes, parse_bytes
 
 log = logging.getLogger("r1fit.memory")

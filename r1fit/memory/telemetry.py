@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from r1fit.distributed.context import all_max
+from r1fit.processes import all_max
 
 log = logging.getLogger("r1fit.memory")
 

@@ -19,6 +19,8 @@ so another process never sees a half-written model.
 from __future__ import annotations
 
 import fcntl
+import functools
+import importlib.resources
 import json
 import os
 import shutil
@@ -231,6 +233,21 @@ BUILTINS: dict[str, BuiltinSpec] = {
 }
 
 
+@functools.cache
+def _shipped_configs() -> dict[str, str]:
+    """Lower-cased hub id -> folder of every config.json in r1fit/models/configs/ORG/NAME/."""
+    root = importlib.resources.files("r1fit.models") / "configs"
+    return {f"{org.name}/{name.name}".lower(): str(name)
+            for org in root.iterdir() if org.is_dir()
+            for name in org.iterdir() if (name / "config.json").is_file()}
+
+
+def shipped_config(repo_id: str) -> str | None:
+    """The folder of the ``config.json`` r1fit ships (package data) for hub model ``repo_id``,
+    e.g. ``Qwen/Qwen2.5-VL-7B-Instruct``, matched regardless of case as the hub does; else None."""
+    return _shipped_configs().get(repo_id.lower())
+
+
 def builtin_names() -> list[str]:
     """Names accepted after `builtin:` (sorted)."""
     return sorted(BUILTINS)
@@ -341,7 +358,6 @@ def build_from_config(hub_id: str, dest: str | os.PathLike[str], *, device: str 
     to change (a cut-down model for CPU tests). Returns `dest`."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from r1fit.models.load import shipped_config
     from r1fit.models.tokenizer import QWEN_FIRST_SPECIAL_ID
 
     folder = shipped_config(hub_id)

@@ -9,8 +9,6 @@ token, end of turn, stop tokens, vision tower, FSDP units), never from its name.
 
 from __future__ import annotations
 
-import functools
-import importlib.resources
 import json
 import os
 import warnings
@@ -26,7 +24,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, PreTrainedModel, ProcessorMixin
 
 from r1fit.errors import one_line
-from r1fit.models.builtin import BUILTIN_PREFIX, ensure_builtin
+from r1fit.models.builtin import BUILTIN_PREFIX, ensure_builtin, shipped_config
 from r1fit.models.errors import ModelConfigError
 
 #: Linear layers of a decoder layer that LoRA may adapt (Qwen2/2.5/3-VL and Gemma 3 name them alike).
@@ -101,21 +99,6 @@ def config_folder(path: str) -> str:
         raise ModelConfigError(
             f"cannot get the config.json of {path!r}: {why}; only that file is needed (no "
             "weights): point model.path at a local folder holding it") from err
-
-
-@functools.cache
-def _shipped_configs() -> dict[str, str]:
-    """Lower-cased hub id -> folder of every config.json in r1fit/models/configs/ORG/NAME/."""
-    root = importlib.resources.files("r1fit.models") / "configs"
-    return {f"{org.name}/{name.name}".lower(): str(name)
-            for org in root.iterdir() if org.is_dir()
-            for name in org.iterdir() if (name / "config.json").is_file()}
-
-
-def shipped_config(repo_id: str) -> str | None:
-    """The folder of the ``config.json`` r1fit ships (package data) for hub model ``repo_id``,
-    e.g. ``Qwen/Qwen2.5-VL-7B-Instruct``, matched regardless of case as the hub does; else None."""
-    return _shipped_configs().get(repo_id.lower())
 
 
 def loaded_dtype(path: str, dtype: str) -> torch.dtype:

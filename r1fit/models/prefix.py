@@ -21,7 +21,7 @@ rounding: the same weights see the same tokens at the same positions under the s
 That holds for models whose attention is causal over a sequence and whose positions follow from
 ``get_rope_index`` or the token index. A model that attends bidirectionally within images (Gemma
 3's ``token_type_ids``) or uses sliding windows shorter than a row is not exact this way: the
-custom mask replaces the model's own. :func:`packing_is_exact` checks a model on a batch.
+custom mask replaces the model's own. :func:`r1fit.models.packing.packing_is_exact` checks a model on a batch.
 
 A packed micro-batch (``memory.micro_batch_tokens``, ``one_row=True``) puts several such
 sequences (groups, or with sharing off one ``[prompt | completion]`` per row) one after another
@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from r1fit.data.batch import Prompt
-from r1fit.models.load import compute_dtype, is_16_bit, unwrap
+from r1fit.models.load import unwrap
 
 
 @dataclass
@@ -182,57 +182,3 @@ def pack_groups(model: nn.Module, prompts: Sequence[Prompt],
 def packed_tokens(prompts: Sequence[Prompt], groups: Sequence[Sequence[torch.Tensor]]) -> int:
     """Tokens the model runs for these groups packed (each prompt once, then its completions)."""
     return sum(p.length + sum(int(c.shape[0]) for c in g) for p, g in zip(prompts, groups))
-
-
-#: the most a completion token's log-prob may differ between the packed and per-row paths in a
-#: float32 or float64 model (float rounding between batch shapes: below 2e-6 on the built-ins)
-TOLERANCE = 1e-4
-#: the same in a 16-bit model, where rounding between batch shapes alone moves a log-prob by up
-#: to 4e-3 (bfloat16 on the built-ins; 5e-4 in float16), while Gemma 3's bidirectional image
-#: attention, which packing breaks, moves it by 0.3 in every dtype. With 1e-4, 16-bit built-ins
-#: failed the check on rounding alone (sharing off, packing refused). What this cannot see in
-#: 16-bit is a change as small as a random-weight model's response to wrong positions (float64
-#: tests cover those)
-HALF_TOLERANCE = 0.05
-
-
-def packing_tolerance(model: nn.Module) -> float:
-    """The per-token bound :func:`packing_is_exact` holds ``model`` to: ``HALF_TOLERANCE`` in a
-    16-bit model, else ``TOLERANCE``."""
-    return HALF_TOLERANCE if is_16_bit(model) else TOLERANCE
-
-
-def packing_distance(model: nn.Module, prompts: Sequence[Prompt],
-                     groups: Sequence[Sequence[torch.Tensor]], pad_id: int, *, chunk_size: int,
-                     one_row: bool = False) -> float:
-    """The largest absolute difference of a completion token's log-prob between these groups
-    packed (:func:`pack_groups` with ``one_row``) and the per-row path (NaN when either gives
-    NaN)."""
-    from r1fit.data.batch import collate
-    from r1fit.models.logprobs import completion_logprobs
-
-    device = next(model.parameters()).device
-    dtype = compute_dtype(model)
-    rows = [p for p, g in zip(prompts, groups) for _ in g]
-    completions = [c for g in groups for c in g]
-    with torch.no_grad():
-        per_row = completion_logprobs(model, collate(rows, completions, pad_id).to(device),
-                                      chunk_size=chunk_size)
-        packed = pack_groups(model, prompts, groups, pad_id, dtype, one_row=one_row).to(device)
-        shared = completion_logprobs(model, packed, chunk_size=chunk_size)
-    width = min(per_row.shape[1], shared.shape[1])
-    return float((per_row[:, :width] - shared[:, :width]).abs().max())
-
-
-def packing_is_exact(model: nn.Module, prompts: Sequence[Prompt],
-                     groups: Sequence[Sequence[torch.Tensor]], pad_id: int, *, chunk_size: int,
-                     one_row: bool = False, tolerance: float | None = None) -> bool:
-    """Whether the log-probs of these groups packed (:func:`pack_groups` with ``one_row``) equal
-    the per-row path's within ``tolerance`` (absolute, per token; by default
-    :func:`packing_tolerance`): a model whose attention is not plain causal, or whose positions
-    do not follow from ``get_rope_index``, fails it. The distance: :func:`packing_distance`."""
-    if tolerance is None:
-        tolerance = packing_tolerance(model)
-    # NaN compares False: a NaN log-prob is never exact
-    return packing_distance(model, prompts, groups, pad_id, chunk_size=chunk_size,
-                            one_row=one_row) <= tolerance

@@ -7,7 +7,7 @@ import logging.handlers
 import sys
 from pathlib import Path
 
-from r1fit.distributed.context import world
+from r1fit.processes import world
 
 _MARK = "_r1fit"  # handlers r1fit added, replaced by the next setup_logging
 

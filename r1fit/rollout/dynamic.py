@@ -28,9 +28,8 @@ from collections.abc import Sequence
 
 import torch
 
-from r1fit.data.batch import Prompt
-from r1fit.distributed.context import all_gather_objects, world
-from r1fit.rollout.generate import pad_rows
+from r1fit.data.batch import Prompt, pad_rows
+from r1fit.processes import all_gather_objects, world
 from r1fit.rollout.record import Rollout
 from r1fit.rollout.score import AdvantageFn
 

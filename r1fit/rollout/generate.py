@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from r1fit.data.batch import Prompt, collate, cut_after_eos
-from r1fit.distributed.context import all_sum
+from r1fit.data.batch import Prompt, collate, cut_after_eos, pad_rows
 from r1fit.models.load import PLACEHOLDER_TOKENS, special_token_ids, stop_token_ids, unwrap
+from r1fit.processes import all_sum
 from r1fit.rollout.prefill import PrefillSharing, prefilled_inputs
 from r1fit.rollout.record import Rollout
 
@@ -231,12 +231,3 @@ def generate_rollout(rollout: Rollout, generate: Generate, *, seed: int) -> None
         rollout.engine_logp = pad_rows(engine_logp)
     local = sum(int(c.shape[0]) for c in rollout.completions)
     rollout.total_tokens = int(all_sum([local])[0])
-
-
-def pad_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Rows of different lengths as one [rows, longest] tensor, zero-padded on the right."""
-    width = max((int(r.shape[0]) for r in rows), default=0)
-    out = torch.zeros(len(rows), width, dtype=rows[0].dtype if rows else torch.float32)
-    for i, row in enumerate(rows):
-        out[i, :row.shape[0]] = row
-    return out

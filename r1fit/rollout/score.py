@@ -15,7 +15,7 @@ from r1fit.algorithms.kl import sequence_kl_k1
 from r1fit.algorithms.shaping import overlong_penalty
 from r1fit.config import AlgoConfig
 from r1fit.data.batch import decode_completions
-from r1fit.distributed.context import all_gather_rows, all_sum
+from r1fit.processes import all_gather_rows, all_sum
 from r1fit.rewards.accuracy import accuracy
 from r1fit.rewards.registry import RewardScorer
 from r1fit.rollout.record import Rollout

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from r1fit.data.batch import decode_completions
-from r1fit.distributed.context import all_sum
 from r1fit.memory.telemetry import reset_peak, step_memory
+from r1fit.processes import all_sum
 from r1fit.rewards.accuracy import accuracy
 from r1fit.rewards.format import format_reward
 from r1fit.rollout.generate import SamplingSettings

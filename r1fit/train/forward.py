@@ -13,12 +13,13 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from r1fit.data.batch import Batch, Prompt, collate, consecutive_groups, micro_batches
-from r1fit.distributed.context import all_sum
+from r1fit.data.batch import Batch, Prompt, collate, consecutive_groups, micro_batches, pad_rows
 from r1fit.errors import R1fitError
 from r1fit.models.load import compute_dtype, unwrap
 from r1fit.models.logprobs import completion_logprobs
-from r1fit.models.prefix import PackedGroups, pack_groups, packing_is_exact
+from r1fit.models.packing import packing_is_exact
+from r1fit.models.prefix import PackedGroups, pack_groups
+from r1fit.processes import all_sum
 from r1fit.rollout.record import Rollout
 
 log = logging.getLogger("r1fit.forward")
@@ -115,14 +116,6 @@ class BatchLayout:
             unique, groups = list(prompts), [[c] for c in completions]
         return pack_groups(model, unique, groups, pad_id, compute_dtype(model), one_row=packed,
                            varlen=_flash_attention(model), masks=masks).to(device)
-
-
-def pad_rows(values: list[torch.Tensor], width: int) -> torch.Tensor:
-    """Stack 1-D/2-D row tensors of varying width into [N, width] (zeros after each row)."""
-    out = torch.zeros((len(values), width), dtype=values[0].dtype)
-    for i, v in enumerate(values):
-        out[i, : v.shape[-1]] = v.reshape(-1)
-    return out
 
 
 @torch.no_grad()

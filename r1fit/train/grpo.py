@@ -16,7 +16,6 @@ the k3 estimator, added to the loss (``algo.beta``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -33,18 +32,20 @@ from r1fit.algorithms.losses import (
     truncated_importance_weights,
 )
 from r1fit.checkpoint.state import Counters, OptimizerState, SchedulerState
+from r1fit.data.batch import pad_rows
 from r1fit.data.build import BadRowCounter
 from r1fit.data.dataset import PromptSampler
-from r1fit.distributed.context import all_sum
 from r1fit.distributed.loading import load_frozen_copy
-from r1fit.memory.flops import MfuMeter
+from r1fit.memory.flops import flops_metrics
 from r1fit.memory.guard import OOMGuard
 from r1fit.memory.telemetry import reset_peak, step_memory, warn_if_fragmented
 from r1fit.models.load import Reference
 from r1fit.models.logprobs import completion_logprobs_and_entropy, completion_loss
+from r1fit.processes import all_sum
 from r1fit.progress import progress_bar
 from r1fit.report.html import LiveReport
 from r1fit.report.metrics import timed
+from r1fit.report.step import step_metrics
 from r1fit.rewards.registry import RewardScorer
 from r1fit.rng import RngState
 from r1fit.rollout.dynamic import StepDraws
@@ -53,7 +54,7 @@ from r1fit.rollout.record import Rollout
 from r1fit.rollout.score import AdvantageSettings, finished_rows, kl_in_reward, loss_counts, score_rollout
 from r1fit.train.engines import rollout_engine
 from r1fit.train.evaluate import evaluate
-from r1fit.train.forward import add_logprobs, longest_row, micro_batches, pad_rows, run_logprobs
+from r1fit.train.forward import add_logprobs, longest_row, micro_batches, run_logprobs
 from r1fit.train.optim import build_optimizer, build_scheduler, clip_and_step
 from r1fit.train.run import Run, start_run
 from r1fit.train.sft import supervised_steps
@@ -198,50 +199,6 @@ def build_reference(run: Run) -> Reference | None:
             run.checkpoints.load_model("reference", frozen)
         run.checkpoints.add_model("reference", frozen)
     return Reference(frozen_root, adapter_view=False)
-
-
-def flops_metrics(meter: MfuMeter, run: Run, drawn: Rollout, kept: Rollout | None,
-                  with_reference: bool, seconds: float) -> dict[str, float]:
-    """The step's model FLOPs (every process's: generating every row drawn, then the log-prob
-    passes and updates of the kept ones, the way ``memory.share_prefix`` and the micro-batch
-    sizes run them) and the MFU
-    they make over its ``seconds`` on ``world.size`` devices (r1fit/memory/flops.py)."""
-    algo = run.cfg.algo
-    local = meter.generation(drawn.rows, drawn.completions)
-    if kept is not None:
-        # the old log-probs come from the first update's forwards, except with kl_in_reward,
-        # whose pass before the first update provides them
-        passes = int(with_reference) + int(algo.kl_in_reward)
-        local += meter.training(kept.rows, kept.completions, log_prob_passes=passes,
-                                updates=algo.num_iterations, micro_batch=run.sizes.micro_batch,
-                                shared=bool(run.layout.on), tokens=run.sizes.micro_batch_tokens)
-    total = all_sum([float(local)])[0]
-    return {"flops": total, "mfu": meter.mfu(total, seconds, run.world.size)}
-
-
-def step_metrics(rollout: Rollout, updates: list[dict[str, float | None]],
-                 times: dict[str, float], eos: Sequence[int]) -> dict[str, Any]:
-    """A step's rollout and update figures for its metrics row (the update figures averaged over
-    its ``num_iterations`` updates, or over those that measured it). A completion is clipped when
-    it does not end with one of the ``eos`` ids: generation stopped at ``algo.max_new_tokens``
-    (completions are cut after their first end-of-sequence token, which they keep)."""
-    assert rollout.rewards is not None
-    seconds = sum(times.values())
-    clipped = int((~finished_rows(rollout.completions, eos)).sum())
-    groups = rollout.rewards.view(-1, rollout.num_generations)  # every row of the step
-    measured = {k: [u[k] for u in updates if u.get(k) is not None]
-                for k in dict.fromkeys(k for u in updates for k in u)}
-    return {**{k: sum(v) / len(v) if v else None for k, v in measured.items()},
-            "reward_mean": rollout.rewards.mean().item(),
-            "reward_std": rollout.rewards.std().item(),
-            **{f"reward/{k}": v.mean().item() for k, v in rollout.components.items()},
-            "accuracy": sum(rollout.correct) / len(rollout.correct),
-            "completion_len_mean": rollout.total_tokens / rollout.total_rows,
-            "completion_clipped_fraction": all_sum([clipped])[0] / rollout.total_rows,
-            "zero_variance_groups":
-                (groups.amax(dim=1) == groups.amin(dim=1)).float().mean().item(),
-            "engine_logp_diff": rollout.engine_logp_diff,
-            **times, "tokens_per_second": rollout.total_tokens / max(seconds, 1e-9)}
 
 
 def policy_update(run: Run, rollout: Rollout, optimizer: torch.optim.Optimizer, scheduler: Any,

@@ -24,7 +24,6 @@ from r1fit.data.batch import Prompt, encode_prompts, split_too_long
 from r1fit.data.build import BadRowCounter, build_datasets
 from r1fit.data.dataset import PromptDataset, PromptSampler
 from r1fit.data.sample import Sample
-from r1fit.distributed.context import World, broadcast_object, check_split, device_for, init_distributed, pick_device
 from r1fit.distributed.loading import load_policy_on_ranks
 from r1fit.memory.autofit import resolve_checkpointing, resolve_sizes
 from r1fit.memory.flops import MfuMeter
@@ -32,6 +31,7 @@ from r1fit.memory.guard import OOMGuard
 from r1fit.memory.sizes import ChunkSizes
 from r1fit.memory.telemetry import configure_host_allocator, current_rss_bytes, use_tensor_probe
 from r1fit.models.load import context_length
+from r1fit.processes import World, broadcast_object, check_split, device_for, init_distributed, pick_device
 from r1fit.report.logs import EarlyLog, setup_logging
 from r1fit.report.metrics import MetricsWriter
 from r1fit.report.sinks import Trackers, open_trackers, require_trackers

@@ -22,10 +22,10 @@ from r1fit.data.build import BadRowCounter
 from r1fit.data.dataset import PromptSampler
 from r1fit.data.errors import BadRowError, DataError
 from r1fit.data.sample import Sample
-from r1fit.distributed.context import all_sum
 from r1fit.memory.telemetry import reset_peak, step_memory
 from r1fit.models.load import special_token_ids
 from r1fit.models.logprobs import completion_logprobs, completion_loss
+from r1fit.processes import all_sum
 from r1fit.progress import progress_bar
 from r1fit.report.html import LiveReport
 from r1fit.rewards.answer import extract_answer

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from r1fit.distributed.context import World
 from r1fit.distributed.parallelize import fsdp_modules, gathered, parallelize, shard_units
 from r1fit.models.load import load_policy
 from r1fit.models.logprobs import CompletionLogProbs
+from r1fit.processes import World
 
 LOAD = dict(lora_r=0, lora_alpha=16, lora_dropout=0.0, lora_target="all-linear",
             freeze_vision=False, dtype="float32", gradient_checkpointing=False)

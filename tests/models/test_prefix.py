@@ -17,15 +17,8 @@ import torch
 from r1fit.data.batch import collate
 from r1fit.models.builtin import ensure_builtin
 from r1fit.models.logprobs import completion_logprobs
-from r1fit.models.prefix import (
-    HALF_TOLERANCE,
-    TOLERANCE,
-    pack_groups,
-    packed_tokens,
-    packing_distance,
-    packing_is_exact,
-    packing_tolerance,
-)
+from r1fit.models.packing import HALF_TOLERANCE, TOLERANCE, packing_distance, packing_is_exact, packing_tolerance
+from r1fit.models.prefix import pack_groups, packed_tokens
 
 
 @pytest.fixture(scope="module")

@@ -22,10 +22,10 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from r1fit.distributed.context import close_distributed, init_distributed
 from r1fit.distributed.loading import load_on_ranks
 from r1fit.models.load import load_policy, unwrap
 from r1fit.models.weights import full_named_weights
+from r1fit.processes import close_distributed, init_distributed
 
 LOAD = dict(lora_alpha=16, lora_dropout=0.0, lora_target="all-linear", freeze_vision=False,
             dtype="float32", gradient_checkpointing=False)

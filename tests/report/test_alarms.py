@@ -12,8 +12,8 @@ import torch
 
 from r1fit.report.alarms import ALARMS, AlarmWatch, check_alarms
 from r1fit.report.html import LiveReport
+from r1fit.report.step import step_metrics
 from r1fit.rollout.record import Rollout
-from r1fit.train.grpo import step_metrics
 
 
 def healthy(steps: int = 40) -> list[dict]:

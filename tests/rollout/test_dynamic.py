@@ -11,7 +11,7 @@ import torch
 from r1fit.algorithms.advantages import get_advantage_estimator
 from r1fit.data.batch import Prompt
 from r1fit.data.sample import Sample
-from r1fit.distributed.context import World
+from r1fit.processes import World
 from r1fit.rollout import dynamic
 from r1fit.rollout.dynamic import StepDraws, even_groups, informative_groups, keep_groups
 from r1fit.rollout.record import Rollout

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from r1fit.distributed.context import (
+from r1fit.processes import (
     DistributedError,
     World,
     all_gather_objects,
@@ -52,7 +52,7 @@ def test_torchrun_env_without_rank_is_one_line(monkeypatch):
 
 def test_every_split_is_checked_before_loading():
     from r1fit.config import load_config
-    from r1fit.distributed.context import check_split
+    from r1fit.processes import check_split
 
     two = World(rank=0, size=2)
     cfg = load_config(None, ["train.prompts_per_step=3", "algo.num_generations=3",
