@@ -62,9 +62,7 @@ def print_sources(cfg: Config, sources: dict[str, str]) -> None:
     """``r1fit config``: one line per key, its value and where it came from."""
     values = {}
     for key in sources:
-        value: object = cfg
-        for part in key.split("."):
-            value = getattr(value, part)
+        value = cfg.value(key)
         shown = json.dumps(list(value) if isinstance(value, tuple) else value)
         values[key] = shown if len(shown) <= SHOWN_VALUE else shown[:SHOWN_VALUE - 3] + "..."
     preset = cfg.applied_preset()

@@ -557,6 +557,13 @@ class Config:
     checkpoint: CheckpointConfig = opt(CheckpointConfig(), "Checkpoints and resume.")
     report: ReportConfig = opt(ReportConfig(), "Metric trackers and the run report.")
 
+    def value(self, key: str) -> Any:
+        """The value of dotted key ``key``, e.g. ``cfg.value("memory.micro_batch")``."""
+        value: Any = self
+        for part in key.split("."):
+            value = getattr(value, part)
+        return value
+
     def applied_preset(self) -> str | None:
         """The preset this config's values were built on (``preset``, with 'auto' resolved), or
         None."""

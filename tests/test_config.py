@@ -19,12 +19,6 @@ DEMO = {"train.learning_rate": 3e-3, "sft.learning_rate": 1e-2, "algo.max_new_to
         "data.max_pixels": 112 * 112}
 
 
-def value(cfg, key):
-    for part in key.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
-
-
 def test_no_arguments_is_the_demo():
     cfg = load_config()
     assert cfg.model.path == "builtin:tiny"
@@ -33,7 +27,8 @@ def test_no_arguments_is_the_demo():
     # the checkpoint's dtype, float32 for builtin:tiny (tests/models/test_dtype.py loads it)
     assert cfg.model.dtype == "auto"
     assert cfg.applied_preset() == "demo"
-    assert {key: value(cfg, key) for key in DEMO} == DEMO
+    assert {key: cfg.value(key) for key in DEMO} == DEMO
+    assert cfg.value("model.lora.r") == cfg.model.lora.r == 0
 
 
 def test_defaults_are_made_for_real_models():
@@ -44,7 +39,7 @@ def test_defaults_are_made_for_real_models():
     assert cfg.sft.think is None  # a user's answers are not rewritten
     # every value of the demo preset differs from its default: the preset is what keeps the demo
     defaults = Config()
-    assert all(value(defaults, key) != demo for key, demo in DEMO.items())
+    assert all(defaults.value(key) != demo for key, demo in DEMO.items())
 
 
 def test_demo_preset_file_holds_exactly_the_demo_values():

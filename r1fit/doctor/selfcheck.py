@@ -194,19 +194,12 @@ def planned_as_run(cfg: Config, run_dir: Path, row: dict[str, Any]) -> Config:
     from r1fit.memory.autofit import resolve_checkpointing
 
     settled: dict[str, Any] = {k: v for k, v in auto_decisions(run_dir).items()
-                               if _dotted(cfg, k) == "auto"}
+                               if cfg.value(k) == "auto"}
     for key in ("micro_batch", "generation_batch", "micro_batch_tokens"):
         if row.get(key) is not None:
             settled[f"memory.{key}"] = row[key]
     cfg = cfg.with_values(settled)
     return cfg.with_values(resolve_checkpointing(cfg, torch.device(_device_type(cfg)), "grpo"))
-
-
-def _dotted(cfg: Config, key: str) -> Any:
-    value: Any = cfg
-    for part in key.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def plan_vs_measured(spec: RunSpec, run_dir: Path, *, low: float = PLAN_LOW,
