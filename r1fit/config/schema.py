@@ -1,54 +1,22 @@
-"""The typed config tree: one dataclass per section, one help text per field.
-
-A config is built from the defaults (made for pre-trained VLMs; each help text says where its
-value comes from), then a preset (``preset``: the built-in demo's values for a random-weight
-built-in model, ``r1fit/presets/demo.yaml``), then a YAML file, then dotted ``key.sub=value``
-overrides, in that order; ``r1fit config`` shows which of these gave each value. Every field
-carries its help text in ``metadata["help"]``; ``r1fit config --reference`` prints them and the
-manual's reference page (docs/reference/config.md) is generated from the same text. Unknown keys
-and bad values raise :class:`ConfigError` with one line naming the key and what is allowed.
-"""
+"""The config tree: one frozen dataclass per section, one help text per field (``opt``), and the
+whole ``Config`` with what a run asks of it."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import json
-import math
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
-from r1fit.errors import R1fitError
-from r1fit.units import parse_bytes
+from r1fit.config.checks import validated
+from r1fit.config.values import ConfigError, ReadOnlyDict
 
 #: memory.logits_chunk=auto: tokens per LM-head chunk where the head makes its gradient in its
 #: forward (no chunk is recomputed, so a small one costs no extra matmul: with Qwen's 151,936-token
 #: vocabulary its float32 logits are 148 MiB), and where it recomputes all but the last in backward
 FUSED_HEAD_CHUNK = 256
 RECOMPUTED_HEAD_CHUNK = 1024
-
-
-class ConfigError(R1fitError, ValueError):
-    """A bad config key or value; the message names the key and what is allowed."""
-
-
-class ReadOnlyDict(dict):
-    """A mapping field of the frozen config tree (``rewards``): readable like a dict, never
-    changed in place (a changed config is a new one, see :meth:`Config.with_values`)."""
-
-    def _refuse(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError("the config is read-only after validation; use Config.with_values()")
-
-    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse  # type: ignore[assignment]
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> ReadOnlyDict:
-        return ReadOnlyDict(copy.deepcopy(dict(self), memo))
 
 
 def opt(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
@@ -530,11 +498,6 @@ class ReportConfig:
                      "end of training; `r1fit report RUN_DIR` writes it at any time).", ge=0)
 
 
-#: where the preset files live (package data)
-PRESETS_DIR = Path(__file__).resolve().parent / "presets"
-PRESETS = ("demo",)
-
-
 @dataclass(frozen=True)
 class Config:
     preset: Literal["auto", "demo", "none"] = opt(
@@ -578,7 +541,7 @@ class Config:
     def with_values(self, changes: dict[str, Any]) -> Config:
         """A new, validated config with dotted keys set, e.g. ``{"memory.micro_batch": 1}``
         (the same path as ``key=value`` overrides; this config is left as it is)."""
-        return _validated(self, [(key.split("."), value) for key, value in changes.items()])
+        return validated(self, [(key.split("."), value) for key, value in changes.items()])
 
     def fuses_loss(self, sft: bool = False) -> bool:
         """Whether GRPO updates (``sft``: SFT steps, whose cross-entropy is always a sum of
@@ -599,303 +562,3 @@ class Config:
         """A short hash of the resolved config, for run identity."""
         text = json.dumps(self.to_dict(), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-# ---------------------------------------------------------------------------------------------
-# building and validating
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _describe(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return "null"
-    if origin in (list, tuple):
-        return "a list"
-    if origin is dict:
-        return "a mapping"
-    name = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
-    return name.get(getattr(tp, "__name__", ""), str(tp))
-
-
-def _number(value: Any, tp: type, bad: ConfigError) -> int | float:
-    """An int or float from a number or a numeric string; bools and fractional ints are bad."""
-    if isinstance(value, bool):
-        raise bad
-    if isinstance(value, str):
-        try:
-            value = float(value) if tp is float else int(value)
-        except ValueError:
-            raise bad from None
-    if tp is int and isinstance(value, float):
-        if not value.is_integer():
-            raise bad
-        value = int(value)
-    if isinstance(value, (int, float)):
-        return tp(value)
-    raise bad
-
-
-def _coerce(key: str, value: Any, tp: Any) -> Any:
-    """Check ``value`` against the annotation ``tp`` (with YAML-ish string coercion)."""
-    origin = typing.get_origin(tp)
-    bad = ConfigError(f"{key}: got {value!r}, expected {_describe(tp)}")
-    if origin is Literal:
-        if value in typing.get_args(tp):
-            return value
-        raise bad
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in typing.get_args(tp):
-            return None
-        if isinstance(value, str) and value.lower() in ("null", "none", "~") and \
-                type(None) in typing.get_args(tp):
-            return None
-        for arg in typing.get_args(tp):
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(key, value, arg)
-            except ConfigError:
-                pass
-        raise bad
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-            return value.lower() in ("true", "yes", "1")
-        raise bad
-    if tp in (int, float):
-        return _number(value, tp, bad)
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise bad
-    if origin in (list, tuple):
-        item_tp = typing.get_args(tp)[0]
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, list):
-            raise bad
-        return [_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
-    if origin is dict:
-        _, val_tp = typing.get_args(tp)
-        if not isinstance(value, dict):
-            raise bad
-        return {str(k): _coerce(f"{key}.{k}", v, val_tp) for k, v in value.items()}
-    raise bad
-
-
-def _check_bounds(key: str, value: Any, meta: typing.Mapping[str, Any]) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{key}: got {value!r}, expected a finite number")
-    if meta.get("ge") is not None and value < meta["ge"]:
-        raise ConfigError(f"{key}: got {value!r}, expected a number >= {meta['ge']}")
-    if meta.get("gt") is not None and value <= meta["gt"]:
-        raise ConfigError(f"{key}: got {value!r}, expected a number > {meta['gt']}")
-    if meta.get("le") is not None and value > meta["le"]:
-        raise ConfigError(f"{key}: got {value!r}, expected a number <= {meta['le']}")
-
-
-def _apply(obj: Any, data: dict[str, Any], prefix: str) -> Any:
-    """A copy of the dataclass ``obj`` with a nested mapping written into it, each leaf
-    validated."""
-    if not isinstance(data, dict):
-        where = prefix.rstrip(".") or "config"
-        raise ConfigError(f"{where}: got {data!r}, expected a mapping of its keys "
-                          f"({', '.join(f.name for f in dataclasses.fields(obj))})")
-    fields = {f.name: f for f in dataclasses.fields(obj)}
-    hints = _hints(type(obj))
-    changes: dict[str, Any] = {}
-    for name, value in data.items():
-        key = f"{prefix}{name}"
-        if name not in fields:
-            raise ConfigError(f"unknown key '{key}'; allowed here: {', '.join(fields)}")
-        current = changes.get(name, getattr(obj, name))
-        if dataclasses.is_dataclass(current):
-            changes[name] = _apply(current, value, key + ".")
-            continue
-        value = _coerce(key, value, hints[name])
-        _check_bounds(key, value, fields[name].metadata)
-        if isinstance(value, dict):
-            for k, v in value.items():
-                _check_bounds(f"{key}.{k}", v, fields[name].metadata)
-            value = ReadOnlyDict(value)
-        elif isinstance(value, list):
-            value = tuple(value)
-        changes[name] = value
-    return dataclasses.replace(obj, **changes)
-
-
-def _parse_override(item: str) -> tuple[list[str], Any]:
-    if "=" not in item:
-        raise ConfigError(f"override '{item}' is not key=value (e.g. algo.num_generations=8)")
-    key, raw = item.split("=", 1)
-    key = key.strip()
-    if not key:
-        raise ConfigError(f"override '{item}' has an empty key")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return key.split("."), value
-
-
-def _nest(path: list[str], value: Any) -> dict[str, Any]:
-    out: Any = value
-    for part in reversed(path):
-        out = {part: out}
-    return out
-
-
-def _check_consistency(cfg: Config) -> None:
-    cfg.algo.check()
-    if cfg.rollout.min_new_tokens > cfg.algo.max_new_tokens:
-        raise ConfigError(f"rollout.min_new_tokens ({cfg.rollout.min_new_tokens}) must be <= "
-                          f"algo.max_new_tokens ({cfg.algo.max_new_tokens})")
-    if cfg.memory.fused_loss is True and not cfg.algo.per_token_loss():
-        raise ConfigError("memory.fused_loss=true needs a loss of per-token terms: "
-                          "algo.importance_sampling_level=token and algo.cov_restriction=none "
-                          f"(now {cfg.algo.importance_sampling_level} and "
-                          f"{cfg.algo.cov_restriction}); use memory.fused_loss=auto")
-    if cfg.data.min_pixels > cfg.data.max_pixels:
-        raise ConfigError(f"data.min_pixels ({cfg.data.min_pixels}) must be <= data.max_pixels "
-                          f"({cfg.data.max_pixels})")
-    if not cfg.rewards:
-        raise ConfigError("rewards: at least one reward is needed, e.g. rewards.accuracy=1.0")
-    for name, weight in cfg.rewards.items():
-        if not math.isfinite(weight):
-            raise ConfigError(f"rewards.{name}: got {weight!r}, expected a finite number")
-    if cfg.memory.budget:
-        try:
-            parse_bytes(cfg.memory.budget)
-        except ValueError as exc:
-            raise ConfigError(f"memory.budget: {exc}") from None
-    if not cfg.checkpoint.resume.strip():
-        raise ConfigError("checkpoint.resume: got an empty value, expected 'auto', 'never' or a "
-                          "checkpoint folder")
-    shapes = cfg.data.shapes
-    bad = [k for k in shapes.kinds if k not in ("color", "count", "position", "box")]
-    if bad or not shapes.kinds:
-        raise ConfigError(f"data.shapes.kinds: got {list(shapes.kinds)!r}, expected a non-empty "
-                          "list of color, count, position, box")
-    if "box" in shapes.kinds and not (cfg.data.min_pixels <= shapes.image_size ** 2
-                                      <= cfg.data.max_pixels):
-        # a resized image would put the shapes elsewhere than the boxes the answers are scored by
-        raise ConfigError(f"data.shapes.image_size: {shapes.image_size} px squared is outside "
-                          f"data.min_pixels..max_pixels ({cfg.data.min_pixels}..{cfg.data.max_pixels}"
-                          "): box answers are pixels of the image as drawn, which must not be "
-                          "resized")
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        return yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
-
-
-def preset_values(name: str) -> dict[str, Any]:
-    """The nested values of preset ``name`` (``r1fit/presets/NAME.yaml``)."""
-    return _read_yaml(PRESETS_DIR / f"{name}.yaml")
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults, then the preset, then the YAML file (if any), then ``key.sub=value`` overrides;
-    validated."""
-    return resolve_config(path, overrides)[0]
-
-
-def resolve_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
-                   ) -> tuple[Config, dict[str, str]]:
-    """:func:`load_config`'s config, and where each leaf key's value came from: 'default',
-    'preset NAME', 'file PATH' or 'override'.
-
-    Which preset applies depends on the final ``preset`` and ``model.path`` (a file or an
-    override may set either), so they are resolved first without it, then the layers are
-    applied in order."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        data = _read_yaml(path)
-    changes = [_parse_override(item) for item in overrides]
-    preset = _changed(_apply(Config(), data, ""), changes).applied_preset()
-    preset_data = preset_values(preset) if preset else {}
-    cfg = _validated(_apply(_apply(Config(), preset_data, ""), data, ""), changes)
-    sources = dict.fromkeys(_leaf_keys(cfg.to_dict()), "default")
-    sources.update(dict.fromkeys(_leaf_keys(preset_data), f"preset {preset}"))
-    sources.update(dict.fromkeys(_leaf_keys(data), f"file {path}"))
-    sources.update(dict.fromkeys(_override_keys(changes), "override"))
-    return cfg, sources
-
-
-def _leaf_keys(data: Any, prefix: str = "") -> list[str]:
-    """Dotted keys of a nested mapping's leaves; ``rewards`` is one leaf (a mapping value)."""
-    if not isinstance(data, dict) or prefix == "rewards.":
-        return [prefix.rstrip(".")]
-    return [key for name, value in data.items() for key in _leaf_keys(value, f"{prefix}{name}.")]
-
-
-def _override_keys(changes: list[tuple[list[str], Any]]) -> list[str]:
-    """The leaf keys ``key=value`` overrides set (``rewards.NAME`` sets the ``rewards`` leaf; an
-    override of a whole section sets each key it names)."""
-    keys = []
-    for path, value in changes:
-        if path[0] == "rewards":
-            keys.append("rewards")
-        else:
-            keys.extend(_leaf_keys(value, ".".join(path) + "."))
-    return keys
-
-
-def _changed(cfg: Config, changes: list[tuple[list[str], Any]]) -> Config:
-    """``cfg`` with each (dotted path, value) applied in order (each value checked, the whole
-    not)."""
-    for keys, value in changes:
-        if keys[0] == "rewards" and len(keys) > 1:
-            # a reward name may contain dots ('pkg.mod:fn'): everything after 'rewards.' is the name
-            cfg = _apply(cfg, {"rewards": {**cfg.rewards, ".".join(keys[1:]): value}}, "")
-            continue
-        cfg = _apply(cfg, _nest(keys, value), "")
-    return cfg
-
-
-def _validated(cfg: Config, changes: list[tuple[list[str], Any]]) -> Config:
-    """``cfg`` with each (dotted path, value) applied in order, then checked as a whole."""
-    cfg = _changed(cfg, changes)
-    _check_consistency(cfg)
-    return cfg
-
-
-def iter_fields(cls: type = Config, prefix: str = "") -> typing.Iterator[tuple[str, Any, str]]:
-    """Yield (dotted key, default, help) for every leaf of the config tree."""
-    default = cls()
-    for f in dataclasses.fields(cls):
-        value = getattr(default, f.name)
-        if dataclasses.is_dataclass(value):
-            yield from iter_fields(type(value), f"{prefix}{f.name}.")
-        else:
-            yield f"{prefix}{f.name}", value, f.metadata.get("help", "")
-
-
-def config_reference_markdown() -> str:
-    """The config reference table (docs/reference/config.md embeds this output)."""
-    rows = ["| key | default | meaning |", "|---|---|---|"]
-    for key, default, help_text in iter_fields():
-        shown = json.dumps(default) if not isinstance(default, str) or not default else default
-        rows.append(f"| `{key}` | `{shown}` | {help_text} |")
-    return "\n".join(rows)
