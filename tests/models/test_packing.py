@@ -1,0 +1,50 @@
+"""The packing check (``packing_is_exact``) and the distance it bounds, on the real tiny models: exact
+for Qwen2.5-VL and Qwen3-VL, in float64 and 16-bit; refused for Gemma 3, whose bidirectional image
+attention a packed row breaks. The fixtures are in tests/models/conftest.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from r1fit.models.packing import HALF_TOLERANCE, TOLERANCE, packing_distance, packing_is_exact, packing_tolerance
+
+
+def test_exactness_check(model_dirs, setup):
+    model, pad, prompts, groups = setup(model_dirs["tiny-qwen3vl"], lora_r=0,
+                                        checkpointing=False, max_pixels=4096)
+    assert packing_is_exact(model, prompts, groups, pad, chunk_size=8)
+
+
+def test_the_distance_behind_the_check(model_dirs, setup):
+    """``packing_distance`` is what ``packing_is_exact`` bounds (``r1fit doctor --check`` prints
+    it): rounding only on builtin:tiny, Gemma 3's broken bidirectional image attention above
+    even the 16-bit bound; the bound is inclusive."""
+    model, pad, prompts, groups = setup(model_dirs["tiny"], lora_r=0, checkpointing=False,
+                                        max_pixels=3136)
+    assert packing_tolerance(model) == TOLERANCE
+    distance = packing_distance(model, prompts, groups, pad, chunk_size=8)
+    assert 0.0 <= distance < 1e-9
+    assert packing_is_exact(model, prompts, groups, pad, chunk_size=8, tolerance=distance)
+    model, pad, prompts, groups = setup(model_dirs["tiny-gemma3"], lora_r=0,
+                                        checkpointing=False, max_pixels=3136)
+    distance = packing_distance(model, prompts, groups, pad, chunk_size=8)
+    assert distance > HALF_TOLERANCE
+    assert packing_is_exact(model, prompts, groups, pad, chunk_size=8, tolerance=distance)
+    assert not packing_is_exact(model, prompts, groups, pad, chunk_size=8,
+                                tolerance=distance * 0.99)
+    assert packing_tolerance(model.to(torch.bfloat16)) == HALF_TOLERANCE
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_exactness_check_in_16_bit(model_dirs, setup, dtype):
+    """16-bit rounding between batch shapes (up to 4e-3 here) passes, Gemma 3's bidirectional
+    image attention, which a packed row breaks, does not (with 1e-4, every 16-bit model failed
+    and sharing stayed off)."""
+    for name, exact in (("tiny", True), ("tiny-qwen2vl", True), ("tiny-gemma3", False)):
+        model, pad, prompts, groups = setup(model_dirs[name], lora_r=0, checkpointing=False,
+                                            max_pixels=3136)
+        model.to(dtype)
+        for prompt in prompts:
+            prompt.image_inputs["pixel_values"] = prompt.image_inputs["pixel_values"].to(dtype)
+        assert packing_is_exact(model, prompts, groups, pad, chunk_size=8) is exact, name
