@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 LAYERS: list[tuple[str, ...]] = [
-    ("r1fit.errors", "r1fit.units", "r1fit.rng"),  # leaves: no r1fit imports
+    ("r1fit.errors", "r1fit.units", "r1fit.rng", "r1fit.plugins"),  # leaves: no r1fit imports
     ("r1fit.config",),
     ("r1fit.processes",),  # processes and collectives (no-ops in one process)
     ("r1fit.progress",),  # progress bars (rank 0's)
-    ("r1fit.algorithms", "r1fit.data", "r1fit.rewards"),  # pure maths, data, rewards
+    ("r1fit.algorithms", "r1fit.data", "r1fit.rewards", "r1fit.tools"),  # maths, data, rewards, tools
     ("r1fit.models",),  # loading, LoRA, log-probs of a batch
     ("r1fit.rollout",),  # generation and the rollout record
     ("r1fit.distributed",),  # parallelize (FSDP2), loading on ranks

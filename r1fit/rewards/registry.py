@@ -10,7 +10,6 @@ and its first traceback logged once, and training goes on.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
 import math
@@ -22,6 +21,7 @@ from typing import Any
 
 import torch
 
+from r1fit.plugins import load_plugin
 from r1fit.rewards.accuracy import accuracy
 from r1fit.rewards.format import format_reward
 from r1fit.rewards.iou import iou, iou_hit
@@ -86,36 +86,7 @@ def resolve_reward(name: str) -> RewardFn:
         raise RewardConfigError(
             f"unknown reward {name!r}: use a built-in ({builtins}) or 'package.module:function'"
         )
-    module_name, _, attr_path = name.partition(":")
-    if not module_name or not attr_path:
-        raise RewardConfigError(f"reward {name!r}: expected 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        # Distinguish "your module does not exist" from "your module imports something missing".
-        missing = error.name or ""
-        if missing == module_name or module_name.startswith(missing + "."):
-            raise RewardConfigError(
-                f"reward {name!r}: module {module_name!r} not found on sys.path"
-            ) from None
-        raise RewardConfigError(
-            f"reward {name!r}: importing {module_name!r} failed: {error}"
-        ) from None
-    except Exception as error:  # noqa: BLE001 - any failure inside the user's module
-        raise RewardConfigError(
-            f"reward {name!r}: importing {module_name!r} failed: {type(error).__name__}: {error}"
-        ) from None
-    target: Any = module
-    for part in attr_path.split("."):
-        if not hasattr(target, part):
-            raise RewardConfigError(
-                f"reward {name!r}: {module_name!r} has no attribute {attr_path!r}"
-            )
-        target = getattr(target, part)
-    if not callable(target):
-        raise RewardConfigError(
-            f"reward {name!r}: {attr_path!r} is a {type(target).__name__}, not a function"
-        )
+    target = load_plugin(name, "reward", RewardConfigError)
     _check_signature(name, target)
     return target
 
