@@ -198,3 +198,35 @@ def test_every_field_has_help():
 def test_fingerprint_changes_with_values():
     assert Config().fingerprint() == Config().fingerprint()
     assert load_config(None, ["train.seed=1"]).fingerprint() != Config().fingerprint()
+
+
+def test_tools_are_off_by_default_with_their_budgets():
+    cfg = Config()
+    assert cfg.tools == ()
+    assert (cfg.rollout.max_turns, cfg.rollout.max_tool_calls, cfg.rollout.max_trajectory_tokens,
+            cfg.rollout.tool_timeout, cfg.data.max_images) == (4, 3, None, 10.0, 1)
+    assert load_config(None, ["rollout.max_turns=6", "rollout.tool_timeout=2.5",
+                              "rollout.max_trajectory_tokens=24"]).rollout.tool_timeout == 2.5
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # the multi-turn rollout is not wired in: naming tools is refused, honestly, at load
+    (["tools=[crop]"], "tools: multi-turn rollouts with tools are not implemented yet"),
+    (["tools=crop,mypkg.tools:rotate"], "remove tools=['crop', 'mypkg.tools:rotate']"),
+    # each value is checked before that
+    (["tools=[crop, crop]"], "tools: ['crop'] named more than once"),
+    (["tools=[' crop']"], "tools: got [' crop'], expected built-in tool names"),
+    (["tools=[zoom]", "rollout.max_turns=1"], "rollout.max_turns: got 1, expected >= 2 with tools"),
+    (["tools=[zoom]", "rollout.max_tool_calls=0"], "rollout.max_tool_calls: got 0 with tools"),
+    (["rollout.max_turns=0"], "rollout.max_turns: got 0, expected a number >= 1"),
+    (["rollout.max_tool_calls=-1"], "rollout.max_tool_calls: got -1, expected a number >= 0"),
+    (["rollout.tool_timeout=0"], "rollout.tool_timeout: got 0.0, expected a number > 0"),
+    (["rollout.max_trajectory_tokens=0"], "rollout.max_trajectory_tokens: got 0"),
+    (["rollout.max_trajectory_tokens=23"],  # the demo's algo.max_new_tokens is 24
+     "rollout.max_trajectory_tokens (23) must be >= algo.max_new_tokens (24)"),
+])
+def test_tool_settings_are_checked_in_one_line(overrides, message):
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(None, overrides)
+    assert message in str(excinfo.value)
+    assert "\n" not in str(excinfo.value)

@@ -39,6 +39,7 @@ def check_consistency(cfg: Config) -> None:
     if not cfg.checkpoint.resume.strip():
         raise ConfigError("checkpoint.resume: got an empty value, expected 'auto', 'never' or a "
                           "checkpoint folder")
+    _check_tools(cfg)
     shapes = cfg.data.shapes
     bad = [k for k in shapes.kinds if k not in ("color", "count", "position", "box")]
     if bad or not shapes.kinds:
@@ -51,6 +52,34 @@ def check_consistency(cfg: Config) -> None:
                           f"data.min_pixels..max_pixels ({cfg.data.min_pixels}..{cfg.data.max_pixels}"
                           "): box answers are pixels of the image as drawn, which must not be "
                           "resized")
+
+
+def _check_tools(cfg: Config) -> None:
+    """``tools`` and the budgets of a multi-turn rollout; a config naming tools is refused last
+    (after its values are checked), as the rollout that would run them is not wired in yet."""
+    rollout = cfg.rollout
+    if rollout.max_trajectory_tokens is not None and \
+            rollout.max_trajectory_tokens < cfg.algo.max_new_tokens:
+        raise ConfigError(f"rollout.max_trajectory_tokens ({rollout.max_trajectory_tokens}) must "
+                          f"be >= algo.max_new_tokens ({cfg.algo.max_new_tokens}), the first "
+                          "turn's own allowance")
+    if not cfg.tools:
+        return
+    bad = [name for name in cfg.tools if not name.strip() or name.strip() != name]
+    if bad:
+        raise ConfigError(f"tools: got {bad!r}, expected built-in tool names (crop, zoom) or "
+                          "'package.module:function' without spaces")
+    doubled = sorted({name for name in cfg.tools if cfg.tools.count(name) > 1})
+    if doubled:
+        raise ConfigError(f"tools: {doubled} named more than once")
+    if rollout.max_turns < 2:
+        raise ConfigError(f"rollout.max_turns: got {rollout.max_turns}, expected >= 2 with tools "
+                          "(a tool's result is read in the turn after the call)")
+    if rollout.max_tool_calls < 1:
+        raise ConfigError("rollout.max_tool_calls: got 0 with tools set; set it >= 1 or remove "
+                          "tools")
+    raise ConfigError(f"tools: multi-turn rollouts with tools are not implemented yet (r1fit has "
+                      f"the tools but no rollout that calls them); remove tools={list(cfg.tools)}")
 
 
 def changed(cfg: Config, changes: list[tuple[list[str], Any]]) -> Config:
