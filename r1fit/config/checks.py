@@ -41,10 +41,10 @@ def check_consistency(cfg: Config) -> None:
                           "checkpoint folder")
     _check_tools(cfg)
     shapes = cfg.data.shapes
-    bad = [k for k in shapes.kinds if k not in ("color", "count", "position", "box")]
+    bad = [k for k in shapes.kinds if k not in ("color", "count", "position", "box", "zoom")]
     if bad or not shapes.kinds:
         raise ConfigError(f"data.shapes.kinds: got {list(shapes.kinds)!r}, expected a non-empty "
-                          "list of color, count, position, box")
+                          "list of color, count, position, box, zoom")
     if "box" in shapes.kinds and not (cfg.data.min_pixels <= shapes.image_size ** 2
                                       <= cfg.data.max_pixels):
         # a resized image would put the shapes elsewhere than the boxes the answers are scored by

@@ -70,7 +70,10 @@ class ModelConfig:
 class ShapesConfig:
     kinds: tuple[str, ...] = opt(["color"], "Question kinds of builtin:shapes: any of color, count, "
                            "position, box (the [x1,y1,x2,y2] box of a named shape, in pixels of "
-                           "the image; its accuracy method is iou).")
+                           "the image; its accuracy method is iou), zoom (the stripes of a 32 px "
+                           "mark in an image 8 x image_size on a side, unreadable once shrunk to "
+                           "data.max_pixels, readable in a crop: a task for tools, whose rollout "
+                           "is not wired in yet).")
     image_size: int = opt(112, "Side of the square builtin:shapes images in pixels (112 px = 16 "
                           "image tokens; the tiny demo model learns far faster than at 56 px). "
                           "With box questions its square must lie within data.min_pixels.."

@@ -9,6 +9,20 @@ background, with one question about it:
 - ``box``:      "Give the box of the red circle as [x1,y1,x2,y2] in pixels of this 112x112 image."
                 -> "[31,40,72,81]" (grounding, VLM-R1's REC; scored by IoU: the row's accuracy
                 method is ``iou``)
+- ``zoom``:     "A small grey square is hidden in this image. Zoom in: are its stripes horizontal,
+                vertical or checkered? Answer with one word." -> "vertical" (a task for tools:
+                see below)
+
+A ``zoom`` image is ``ZOOM_SCALE`` (8) times ``image_size`` on a side (896 px for 112) and blank
+but for one ``MARK_PX`` (32 px) square mark at a random place on an 8 px grid, filled with black
+(white on a black background) and background stripes 2 px wide: horizontal, vertical or a
+checkerboard. Every 8 x 8 block of the mark is half ink in all three patterns, and each pattern
+is symmetric about the mark's centre, so once the image is shrunk 8 times to the pixel budget
+(``data.max_pixels`` = image_size squared) the mark is a 4 px grey square that looks the same
+whatever its pattern (within 2 grey levels of 255, measured in tests/data/test_shapes.py): the
+policy can see where the mark is but not what it is. A crop around it at the source resolution
+(the ``crop``/``zoom`` tools, r1fit/tools/) shows the stripes. The prompt must carry the image
+shrunk (``data.max_pixels`` below the zoom image's pixels), else the question needs no tool.
 
 A box is in pixels of the image as drawn (``image_size`` square, origin at the top-left corner,
 x to the right, y down), corners on pixel edges: ``x1, y1`` are the first column and row the shape
@@ -53,7 +67,7 @@ from r1fit.data.sample import Sample
 
 # Kinds whose answer is a word or a number from a fixed list (answer_space), and all kinds.
 QUESTION_KINDS: tuple[str, ...] = ("color", "count", "position")
-KINDS: tuple[str, ...] = (*QUESTION_KINDS, "box")
+KINDS: tuple[str, ...] = (*QUESTION_KINDS, "box", "zoom")
 SHAPE_NAMES: tuple[str, ...] = ("circle", "square", "triangle")
 DEFAULT_COLORS: tuple[str, ...] = ("red", "green", "blue", "yellow")
 SPLITS: tuple[str, ...] = ("train", "eval")
@@ -68,6 +82,12 @@ BOX_RADIUS_FRACTION = 0.2
 COLUMN_RADIUS_FRACTION = 0.42
 # Narrowest column that still holds a recognisable shape (radius ~6 px).
 MIN_COLUMN_PX = 14
+# A zoom question's image is this many times image_size on a side; its mark is MARK_PX square, on
+# a grid of ZOOM_SCALE px, filled with stripes STRIPE_PX wide (see the module docstring).
+ZOOM_SCALE = 8
+MARK_PX = 32
+STRIPE_PX = 2
+ZOOM_PATTERNS: tuple[str, ...] = ("horizontal", "vertical", "checkered")
 # One in EVAL_BUCKETS scene keys belongs to the eval split.
 EVAL_BUCKETS = 5
 # Eval accepts ~1/EVAL_BUCKETS of draws; 200 failures in a row only happen when the spec leaves
@@ -83,7 +103,8 @@ def answer_space(
 ) -> dict[str, list[str]]:
     """Possible answers per question kind, in the order items cycle through them.
 
-    ``kinds`` defaults to ``QUESTION_KINDS``; counts run from 1 to ``1 + max_distractors``. A
+    ``kinds`` defaults to ``QUESTION_KINDS``; counts run from 1 to ``1 + max_distractors``; a
+    ``zoom`` answer is the mark's pattern. A
     ``box`` answer is a box, not one of a list: its entry is the shapes whose box is asked, which
     its items cycle through instead.
     """
@@ -92,6 +113,7 @@ def answer_space(
         "count": [str(n) for n in range(1, max_distractors + 2)],
         "position": ["left", "right"],
         "box": list(SHAPE_NAMES),
+        "zoom": list(ZOOM_PATTERNS),
     }
     chosen = QUESTION_KINDS if kinds is None else tuple(kinds)
     unknown = [k for k in chosen if k not in spaces]
@@ -113,7 +135,8 @@ class ShapesSpec:
     image_size: int = 56
     """Side of the square image in pixels."""
     kinds: tuple[str, ...] = QUESTION_KINDS
-    """Question kinds to ask, any of "color", "count", "position", "box"; items cycle through them."""
+    """Question kinds to ask, any of "color", "count", "position", "box", "zoom"; items cycle
+    through them."""
     colors: tuple[str, ...] = DEFAULT_COLORS
     """Shape colours (PIL colour names, single words: they are the answers to colour questions)."""
     max_distractors: int = 1
@@ -224,9 +247,27 @@ def _place(rng: random.Random, size: int, left: int, right: int, columns: int,
     return cx, cy, r
 
 
+def _zoom_scene(spec: ShapesSpec, answer: str, rng: random.Random) -> ShapesItem:
+    """A ``ZOOM_SCALE`` times larger blank image with one ``MARK_PX`` mark of pattern ``answer``
+    at a random place on the ``ZOOM_SCALE`` px grid (a Shape named by its pattern, ``r`` half its
+    side)."""
+    size = ZOOM_SCALE * spec.image_size
+    half = MARK_PX // 2
+    cells = (size - MARK_PX) // ZOOM_SCALE
+    cx, cy = (half + ZOOM_SCALE * rng.randint(0, cells) for _ in range(2))
+    ink = "white" if spec.rgb(spec.background) == (0, 0, 0) else "black"
+    return ShapesItem(
+        kind="zoom", answer=answer, image_size=size, background=spec.background,
+        shapes=(Shape(name=answer, color=ink, cx=cx, cy=cy, r=half),),
+        problem=("A small grey square is hidden in this image. Zoom in: are its stripes "
+                 "horizontal, vertical or checkered? Answer with one word."))
+
+
 def _draw_scene(spec: ShapesSpec, kind: str, answer: str, rng: random.Random) -> ShapesItem:
     """One random scene whose answer to a ``kind`` question is ``answer``."""
     size = spec.image_size
+    if kind == "zoom":
+        return _zoom_scene(spec, answer, rng)
     if kind == "count":
         count = int(answer)
         columns = count
@@ -308,9 +349,30 @@ def make_item(spec: ShapesSpec, *, seed: int, split: str, index: int) -> ShapesI
     )
 
 
+def _mark_ink(pattern: str, x: int, y: int) -> bool:
+    """Whether pixel (x, y) of a zoom mark is ink. Stripes start half a stripe in (rows 1-2,
+    5-6, ... of a horizontal mark), so a mark is symmetric about its centre: its pattern does not
+    show as a lopsided edge once shrunk."""
+    row, col = (y + STRIPE_PX // 2) // STRIPE_PX, (x + STRIPE_PX // 2) // STRIPE_PX
+    if pattern == "horizontal":
+        return row % 2 == 1
+    if pattern == "vertical":
+        return col % 2 == 1
+    return (row + col) % 2 == 1  # checkered
+
+
+def _draw_mark(draw: ImageDraw.ImageDraw, s: Shape, fill: tuple[int, int, int] | int) -> None:
+    """A zoom mark: the square of side ``2 r`` centred on (cx, cy), its ink pixels ``fill``."""
+    side = 2 * s.r
+    draw.point([(s.cx - s.r + x, s.cy - s.r + y) for y in range(side) for x in range(side)
+                if _mark_ink(s.name, x, y)], fill=fill)
+
+
 def _draw_shape(draw: ImageDraw.ImageDraw, s: Shape, fill: tuple[int, int, int] | int) -> None:
     """Draw one shape (no anti-aliasing)."""
-    if s.name == "circle":
+    if s.name in ZOOM_PATTERNS:
+        _draw_mark(draw, s, fill)
+    elif s.name == "circle":
         draw.ellipse([s.cx - s.r, s.cy - s.r, s.cx + s.r, s.cy + s.r], fill=fill)
     elif s.name == "square":
         # A square inscribed-ish in the circle, so the three shapes have similar visual weight.
@@ -336,7 +398,9 @@ def render_item(item: ShapesItem, spec: ShapesSpec) -> Image.Image:
     img = Image.new("RGB", (item.image_size, item.image_size), spec.rgb(item.background))
     draw = ImageDraw.Draw(img)
     for s in item.shapes:
-        _draw_shape(draw, s, spec.rgb(s.color))
+        # a zoom mark's ink is black or white, not one of the spec's shape colours
+        fill = ImageColor.getrgb(s.color)[:3] if s.name in ZOOM_PATTERNS else spec.rgb(s.color)
+        _draw_shape(draw, s, fill)
     return img
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import numpy as np
@@ -9,9 +10,13 @@ import pytest
 
 from r1fit.config import ConfigError, load_config
 from r1fit.data.errors import DataError
+from r1fit.data.images import fit_pixel_budget
 from r1fit.data.shapes import (
+    MARK_PX,
     RADIUS_FRACTION,
     SHAPE_NAMES,
+    ZOOM_PATTERNS,
+    ZOOM_SCALE,
     ShapesItem,
     ShapesSource,
     ShapesSpec,
@@ -21,12 +26,14 @@ from r1fit.data.shapes import (
     split_of,
 )
 from r1fit.rewards.iou import box_iou, parse_box
+from r1fit.tools import ToolContext, zoom
 
 SPECS = [
     ShapesSpec(),
     ShapesSpec(image_size=84, max_distractors=2, colors=["red", "blue", "orange"], background="black"),
     ShapesSpec(image_size=28, max_distractors=0, kinds=["position", "color"]),
     ShapesSpec(image_size=112, max_distractors=2, kinds=["box", "color"]),
+    ShapesSpec(image_size=56, max_distractors=1, kinds=["zoom", "count"], background="black"),
 ]
 
 
@@ -127,6 +134,17 @@ def _check_visible(item: ShapesItem, spec: ShapesSpec) -> None:
         assert _components(~background) == int(item.answer)
     elif item.kind == "box":
         _check_box(item, spec, pixels)
+    elif item.kind == "zoom":
+        (mark,) = item.shapes
+        assert item.image_size == ZOOM_SCALE * spec.image_size
+        assert mark.cx - mark.r >= 0 and mark.cx + mark.r <= item.image_size
+        assert (mark.cx - mark.r) % ZOOM_SCALE == 0 and 2 * mark.r == MARK_PX
+        assert _read_stripes(pixels, spec) == item.answer
+        # nothing else is drawn: the mark's square holds every non-background pixel
+        inside = np.zeros_like(background)
+        inside[mark.cy - mark.r:mark.cy + mark.r, mark.cx - mark.r:mark.cx + mark.r] = True
+        assert (~background <= inside).all()
+        return
     else:
         color = item.problem.split("the ")[1].split(" shape")[0]
         xs = np.nonzero(np.all(pixels == spec.rgb(color), axis=-1))[1]
@@ -134,6 +152,26 @@ def _check_visible(item: ShapesItem, spec: ShapesSpec) -> None:
         assert (xs.max() < size / 2) if item.answer == "left" else (xs.min() >= size / 2)
     # every shape is drawn fully inside the image, on its own
     assert _components(~background) == len(item.shapes)
+
+
+def _read_stripes(pixels: np.ndarray, spec: ShapesSpec) -> str | None:
+    """A simple reader of a zoom mark: the pixels at least half-way from the background colour
+    to the ink are ink; within their bounding box, rows all ink or all not (row means varying, column
+    means flat) are horizontal stripes, the transpose vertical, neither (both flat) checkered.
+    None when there is no ink."""
+    grey = pixels.astype(float).mean(axis=-1)
+    background = float(np.mean(spec.rgb(spec.background)))
+    ink = np.abs(grey - background) >= 127.5
+    if not ink.any():
+        return None
+    ys, xs = np.nonzero(ink)
+    ink = ink[ys.min():ys.max() + 1, xs.min():xs.max() + 1]
+    rows, cols = ink.mean(axis=1).var(), ink.mean(axis=0).var()
+    if rows > 0.1 > cols:
+        return "horizontal"
+    if cols > 0.1 > rows:
+        return "vertical"
+    return "checkered" if rows < 0.1 and cols < 0.1 else None
 
 
 def _check_box(item: ShapesItem, spec: ShapesSpec, pixels: np.ndarray) -> None:
@@ -241,3 +279,33 @@ def test_spec_validation_names_the_field(kwargs: dict, match: str) -> None:
 def test_bad_split_is_rejected() -> None:
     with pytest.raises(DataError, match="split must be one of"):
         make_item(ShapesSpec(), seed=0, split="test", index=0)
+
+
+def test_a_zoom_mark_is_unreadable_shrunk_and_readable_in_a_crop() -> None:
+    """The zoom kind's point, on the pixels: shrunk to the demo's pixel budget (112 x 112 from
+    896 x 896, as PromptDataset does), the three patterns of one mark differ by at most 2 grey
+    levels anywhere, and the reader gives all three one answer; a crop by the zoom tool at the source
+    resolution shows them, and the reader reads every one."""
+    spec = ShapesSpec(image_size=112, kinds=["zoom"], max_distractors=0)
+    for item in ShapesSource(spec, split="train", size=6, seed=3).items:
+        (mark,) = item.shapes
+        shrunk, read, read_shrunk = [], [], []
+        for pattern in ZOOM_PATTERNS:
+            variant = dataclasses.replace(item, shapes=(dataclasses.replace(mark, name=pattern),))
+            image = render_item(variant, spec)
+            assert image.size == (896, 896)
+            small = np.asarray(fit_pixel_budget(image, 28 * 28, 112 * 112)).astype(int)
+            assert small.shape == (112, 112, 3)
+            shrunk.append(small)
+            read_shrunk.append(_read_stripes(small.astype(np.uint8), spec))
+            crop = zoom(ToolContext((image,)), mark.cx / 896, mark.cy / 896, factor=8)
+            assert crop.size == (112, 112)  # within the budget: shown as it is
+            read.append(_read_stripes(np.asarray(crop), spec))
+        assert read == list(ZOOM_PATTERNS)
+        assert len(set(read_shrunk)) == 1  # one answer for all three: it cannot tell them apart
+        for a, b in ((0, 1), (0, 2), (1, 2)):
+            assert np.abs(shrunk[a] - shrunk[b]).max() <= 2
+        # and the shrunk mark still shows where it is: a grey 4 x 4 square on white
+        x, y = (mark.cx - mark.r) // ZOOM_SCALE, (mark.cy - mark.r) // ZOOM_SCALE
+        block = shrunk[0][y:y + 4, x:x + 4, 0]
+        assert block.max() < 160 and shrunk[0][:, :, 0].min() == block.min()
