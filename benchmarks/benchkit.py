@@ -92,28 +92,40 @@ def run_child(command: Sequence[str], what: str, name: str, *,
               log: Path | None = None, group: bool = False) -> str:
     """Run ``command`` to its end (output captured) and return its stdout. ``what`` says what the
     child does, for the errors; ``name`` is the script (or program: ``r1fit``) whose one-line
-    errors the child prints. ``log``: a file the child's stdout and stderr are appended to, under
-    a ``==== <what> ====`` header, whatever its end (what it printed before a timeout too).
-    ``group``: the child leads a process group of its own, and a timeout kills the whole group
-    (the processes it started too, which would otherwise run on holding memory).
+    errors the child prints. ``log``: a file the child's stdout and stderr are appended to line by
+    line as it prints them, under a ``==== <what> ====`` header and closed by a
+    ``==== <what> (exit N) ====`` line, so a child killed at a timeout (or a parent killed with
+    it) leaves in the log what it had printed. ``group``: the child leads a process group of its
+    own, and a timeout kills the whole group (the processes it started too, which would
+    otherwise run on holding memory).
 
     A failed child raises :class:`BenchmarkError`: ``<what>: <message>`` with the child's own
     one-line error when it printed one, else ``<what> failed (exit N):`` and the last
     :data:`TAIL_LINES` lines of its stderr (a traceback); ``<what>: no result in T s`` when it
     runs longer than ``timeout`` seconds."""
+    append_log(log, what)
     with subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, env=env, start_new_session=group) as proc:
+                          text=True, errors="replace", env=env, start_new_session=group) as proc:
+        outputs: dict[str, list[str]] = {"stdout": [], "stderr": []}
+        readers = [threading.Thread(target=_copy_lines, args=(stream, outputs[key], log),
+                                    daemon=True)
+                   for key, stream in (("stdout", proc.stdout), ("stderr", proc.stderr))]
+        for reader in readers:
+            reader.start()
         try:
-            stdout, stderr = proc.communicate(timeout=timeout)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             if group:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.kill()
-            stdout, stderr = proc.communicate()
-            append_log(log, f"{what} (no result in {timeout:.0f} s)", stdout, stderr)
+            proc.wait()
+            _join(readers)
+            append_log(log, f"{what} (no result in {timeout:.0f} s)")
             raise BenchmarkError(f"{what}: no result in {timeout:.0f} s") from None
-    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-    append_log(log, f"{what} (exit {done.returncode})", done.stdout, done.stderr)
+        _join(readers)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, "".join(outputs["stdout"]),
+                                       "".join(outputs["stderr"]))
+    append_log(log, f"{what} (exit {done.returncode})")
     if done.returncode == 0:
         return done.stdout
     own = child_error(done.stderr, name)
@@ -121,6 +133,22 @@ def run_child(command: Sequence[str], what: str, name: str, *,
         raise BenchmarkError(f"{what}: {own}")
     raise BenchmarkError(f"{what} failed (exit {done.returncode}):\n"
                          + failure_text(done.stderr))
+
+
+def _copy_lines(stream: Any, into: list[str], log: Path | None) -> None:
+    """Read ``stream`` to its end, keeping each line in ``into`` and appending it to ``log``."""
+    for line in stream:
+        into.append(line)
+        if log is not None:
+            with open(log, "a", encoding="utf-8") as f:
+                f.write(line if line.endswith("\n") else line + "\n")
+
+
+def _join(readers: list[threading.Thread]) -> None:
+    """Wait for the readers; a grandchild that outlives its killed parent and keeps the pipe
+    open (a process group not killed) must not hang the caller: give up after a few seconds."""
+    for reader in readers:
+        reader.join(timeout=5)
 
 
 def append_log(log: Path | None, header: str, *texts: str | bytes | None) -> None:

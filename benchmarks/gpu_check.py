@@ -5,12 +5,11 @@ configuration built on the GPU.
 
 Device command (one H100, from the repository root; first, on a machine with pip and internet,
 ``bash benchmarks/gpu_wheels.sh`` puts TRL and what it needs into ``.whl/``; the device call carries
-``.whl``; about 8 minutes; ``$OUT`` comes back):
+``.whl``; 8 minutes (``--budget 480``) and the stages' last run; ``$OUT`` comes back):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py
 
-CI and this machine (the stages on builtin:tiny on CPU; on 2 busy cores 4.7 minutes for all,
-2.5 for the six CI runs, which leave out trl and plan7b):
+CI and this machine (the stages on builtin:tiny on CPU; CI leaves out trl and plan7b):
 
     python benchmarks/gpu_check.py --cpu-smoke [--only STAGE ...] [--out DIR]
 
@@ -39,24 +38,30 @@ ones); the whole run stops starting stages when ``--budget`` seconds are spent:
   (weights + gradients + AdamW states + one row's activations, as planned), and the **numerics**
   verdicts of ``memory.share_prefix=auto`` / ``rollout.share_prefill=auto`` with their distances
   (from the runs' logs).
-- ``oom``: 3B full fine-tuning with ``memory.micro_batch`` = G where the planner says the card
-  cannot hold it: the run meets a real ``torch.OutOfMemoryError``, the guard halves micro_batch
-  and redoes the step. Target: ``oom_retries`` > 0, micro_batch lowered, every step present.
-  (``--cpu-smoke``: an OOM raised by a wrapper around the first log-prob pass, labelled
-  simulated: a tiny model cannot run out of memory.)
-- ``autofit``: ``memory.micro_batch=auto`` and ``generation_batch=auto`` under ``memory.budget``
-  = 35% of the card, 3B full fine-tuning, G=16. Target: no OOM retry, every step, and the
-  reserved peak within the budget.
-- ``trl``: benchmarks/vs_trl.py on the GPU (``--device cuda``): TRL's GRPOTrainer (HF generate, no
-  vLLM) and r1fit, same 3B model in bf16, data, G=8, micro-batch 4, 256-token completions forced on
-  both sides: tokens/s and peak allocated over load, one run each. No target (printed).
+- ``oom``: 3B LoRA, G=16, 64-token completions, ``memory.micro_batch`` = 16 under a
+  ``memory.budget`` (r1fit caps the CUDA allocator at the budget less the context it plans) set
+  between the plans of micro_batch 4 and 16 (``squeeze_budget``): the run meets a real
+  ``torch.OutOfMemoryError`` from the allocator, the guard halves micro_batch and redoes the
+  step. Target: ``oom_retries`` > 0, micro_batch lowered, every step present. (``--cpu-smoke``:
+  an OOM raised by a wrapper around the first log-prob pass, labelled simulated: a tiny model
+  cannot run out of memory.)
+- ``autofit``: ``memory.micro_batch=auto`` and ``generation_batch=auto`` under the same budget
+  and run. Target: no OOM retry, every step, and the reserved peak within the budget.
+- ``resume``: 3B LoRA, G=4, 32 tokens, 3 steps uninterrupted against 3 steps SIGKILLed once
+  checkpoint 1 exists, then resumed, with ``train.deterministic=true``. Reported: which metrics
+  and which final weights differ. Target: none differ.
 - ``numerics``: r1fit doctor's numerics check on the 3B model (LoRA, G=4, 32 tokens) in bf16 on
   the GPU: the shared prompt's and shared prefill's distances from the per-row paths, and bounds.
-- ``resume``: 3B LoRA, G=4, 32 tokens, 4 steps uninterrupted against 4 steps SIGKILLed once
-  checkpoint 2 exists, then resumed; with ``train.deterministic=false`` and ``=true`` (seconds of
-  both, i.e. the cost of deterministic mode). Reported: which metrics and which final weights
-  differ. Target: none differ with ``train.deterministic=true``.
-- ``plan7b``: builds 7B, then its LoRA G=8 plan-vs-measured run (last: the costliest build).
+- ``detcost``: the resume stage's uninterrupted run again with ``train.deterministic=false``:
+  the cost of deterministic mode as the ratio of the two runs' seconds (load included).
+- ``plan7b``: builds 7B, then its LoRA G=8 plan-vs-measured run.
+- ``trl``: benchmarks/vs_trl.py on the GPU (``--device cuda``): TRL's GRPOTrainer (HF generate, no
+  vLLM) and r1fit, same 3B model in bf16, data, G=8, micro-batch 4, 256-token completions forced on
+  both sides: tokens/s and peak allocated over load, one run each. No target (printed). Last: it
+  ran on 2026-11-26 (benchmarks/RESULTS.md).
+
+When a stage fails or runs out of time, the end of each of its r1fit runs' ``log.txt`` goes into
+the log; every child's output reaches the log line by line as it is printed.
 
 Every r1fit run goes through r1fit's CLI with ``datasets``, ``rapidfuzz``, ``math_verify``, ``trl``
 and ``vllm`` made unimportable (the device image has none of them: this proves r1fit needs none).
@@ -119,19 +124,19 @@ class Scale:
     steps: int
     #: (G, tokens, image px) of the resume and numerics runs: short steps
     short: tuple[int, int, int]
-    #: G and the micro_batch sizes tried for the OOM stage (the first the card cannot hold)
-    oom_generations: tuple[int, ...]
-    autofit_generations: int
-    autofit_fraction: float  # of the card: memory.budget of the autofit stage
+    #: (G, tokens) of the oom and autofit runs (3B LoRA under a memory.budget; short completions:
+    #: the update's micro-batches, not generation, are what they exercise)
+    squeeze: tuple[int, int]
 
 
 GPU = Scale(gpu=True, generations=8, new_tokens=256, image_size=448, micro_batch=8, lora_r=16,
-            steps=2, short=(4, 32, 112), oom_generations=(16, 32, 64), autofit_generations=16,
-            autofit_fraction=0.35)
+            steps=2, short=(4, 32, 112), squeeze=(16, 64))
 SMOKE = Scale(gpu=False, generations=4, new_tokens=8, image_size=56, micro_batch=4, lora_r=8,
-              steps=2, short=(4, 4, 56), oom_generations=(8,), autofit_generations=4,
-              autofit_fraction=0.0)
+              steps=2, short=(4, 4, 56), squeeze=(8, 8))
 SMOKE_BUDGET = "2GiB"  # the smoke's autofit memory.budget (CPU: a cap on RSS over the baseline)
+#: the micro_batch the oom and autofit budget is planned to hold (and squeeze's G not)
+SQUEEZE_FITS = 4
+RESUME_STEPS, KILL_AFTER = 3, 1  # the resume stage: 3 steps, SIGKILL once checkpoint 1 exists
 
 
 # ----------------------------------------------------------------------------------------------
@@ -424,42 +429,47 @@ def stage_numerics(args: argparse.Namespace, work: Path) -> StageResult:
     return result
 
 
+def squeeze_budget(args: argparse.Namespace) -> tuple[str, dict[str, int]]:
+    """memory.budget of the oom and autofit stages on a GPU (3B LoRA, squeeze's G and tokens):
+    the CUDA context the planner assumes plus the midpoint of the planned allocated peaks at
+    micro_batch :data:`SQUEEZE_FITS` and at G. With a budget r1fit caps the CUDA allocator at the
+    budget less that context, so by the plan micro_batch=G cannot run in it and
+    SQUEEZE_FITS can: a real allocator OOM on a card with room to spare, in seconds."""
+    from r1fit.memory.planner.estimate import CUDA_CONTEXT_BYTES
+
+    g, n = scale_of(args).squeeze
+    values = overrides(args, "3b", lora=True, generations=g, new_tokens=n)
+    fits = plan_of([*values, f"memory.micro_batch={SQUEEZE_FITS}"], gpu=True)["allocated"]
+    full = plan_of([*values, f"memory.micro_batch={g}"], gpu=True)["allocated"]
+    budget = CUDA_CONTEXT_BYTES + (fits + full) // 2
+    return str(budget), {"budget": budget, f"planned_allocated_mb{SQUEEZE_FITS}": fits,
+                         f"planned_allocated_mb{g}": full}
+
+
 def stage_oom(args: argparse.Namespace, work: Path) -> StageResult:
-    """A micro_batch the device cannot hold: a real OOM on a GPU, halved and redone."""
+    """A micro_batch the memory budget cannot hold: a real OOM on a GPU, halved and redone."""
     s = scale_of(args)
+    g, n = s.squeeze
     result = StageResult()
+    values = overrides(args, "3b", lora=s.gpu, generations=g, new_tokens=n) + [
+        f"memory.micro_batch={g}", f"memory.generation_batch={min(g, 8)}"]
     if s.gpu:
-        total = cuda_total_bytes()
-        for g in s.oom_generations:  # the first G whose micro_batch=G the planner says overflows
-            values = overrides(args, "3b", lora=False, generations=g) + [
-                f"memory.micro_batch={g}", "memory.generation_batch=8"]
-            plan = plan_of(values, gpu=True)
-            if plan["peak"] > 1.1 * total:
-                break
-        result.data["plan"] = plan
-        run = train(values, work / "oom", "oom")
+        budget, result.data["plan"] = squeeze_budget(args)
+        run = train([*values, f"memory.budget={budget}"], work / "oom", "oom")
         kind = "real"
     else:
-        g = s.oom_generations[0]
-        values = overrides(args, "3b", lora=False, generations=g) + [f"memory.micro_batch={g}"]
         run = simulated_oom_run(values, work / "oom", above=g // 4)
         kind = "simulated"
     ok, text = oom_verdict(run.rows, s.steps, g)
     messages = run.lines("out of memory in")
     result.data.update(generations=g, rows=len(run.rows), messages=messages, kind=kind,
                        seconds=run.seconds)
-    result.add(f"OOM guard ({kind} OOM), 3b full G={g} micro_batch={g}", text,
-               "retried, lowered, no step lost", ok)
+    what = f"3b LoRA G={g} micro_batch={g}" + (
+        f", memory.budget {int(result.data['plan']['budget']) / MIB:,.0f} MiB" if s.gpu else "")
+    result.add(f"OOM guard ({kind} OOM), {what}", text, "retried, lowered, no step lost", ok)
     if messages:
         result.add("  first OOM", messages[0][:150])
     return result
-
-
-def cuda_total_bytes() -> int:
-    """The GPU's memory, read without keeping a CUDA context in this process (a child's)."""
-    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.mem_get_info()[1])"],
-                         capture_output=True, text=True, check=True)
-    return int(out.stdout.split()[-1])
 
 
 def simulated_oom_run(values: list[str], out: Path, *, above: int) -> RunOutput:
@@ -488,9 +498,12 @@ def simulated_oom_run(values: list[str], out: Path, *, above: int) -> RunOutput:
 
 
 def stage_autofit(args: argparse.Namespace, work: Path) -> StageResult:
+    """memory.micro_batch/generation_batch=auto under the oom stage's budget: what the planner
+    chooses must run without an OOM and within the budget."""
     s = scale_of(args)
-    budget = (f"{int(s.autofit_fraction * cuda_total_bytes())}" if s.gpu else SMOKE_BUDGET)
-    values = overrides(args, "3b", lora=False, generations=s.autofit_generations) + [
+    g, n = s.squeeze
+    budget, plan = squeeze_budget(args) if s.gpu else (SMOKE_BUDGET, {})
+    values = overrides(args, "3b", lora=s.gpu, generations=g, new_tokens=n) + [
         "memory.micro_batch=auto", "memory.generation_batch=auto", f"memory.budget={budget}"]
     from r1fit.units import parse_bytes
 
@@ -501,41 +514,61 @@ def stage_autofit(args: argparse.Namespace, work: Path) -> StageResult:
     present = run.steps == list(range(1, s.steps + 1))
     ok = retries == 0 and present and peak <= limit
     chosen = run.lines("auto-fit for")
-    result = StageResult(data={"budget_bytes": limit, "peak_bytes": peak, "retries": retries,
-                               "steps": run.steps, "chosen": chosen, "seconds": run.seconds})
-    result.add(f"autofit 3b full G={s.autofit_generations}, budget {limit / GIB:.1f} GiB",
+    result = StageResult(data={"budget_bytes": limit, "plan": plan, "peak_bytes": peak,
+                               "retries": retries, "steps": run.steps, "chosen": chosen,
+                               "micro_batch": [r.get("micro_batch") for r in run.rows],
+                               "seconds": run.seconds})
+    result.add(f"autofit 3b {'LoRA' if s.gpu else 'full'} G={g}, budget {limit / MIB:,.0f} MiB",
                f"{chosen[0] if chosen else 'no auto-fit line'}; "
-               f"{'reserved' if s.gpu else 'live-tensor'} peak {peak / GIB:.2f} GiB, "
+               f"{'reserved' if s.gpu else 'live-tensor'} peak {peak / MIB:,.0f} MiB, "
                f"oom_retries {retries}, steps {run.steps}", "no OOM, peak <= budget", ok)
     return result
 
 
+def resume_values(args: argparse.Namespace, deterministic: bool) -> list[str]:
+    """The resume stage's run: 3B LoRA, short steps, a checkpoint after every step."""
+    g, n, px = scale_of(args).short
+    # no train.overwrite: the rerun of the killed run must resume it, not start over
+    values = [v for v in overrides(args, "3b", lora=True, generations=g, new_tokens=n,
+                                   image_size=px, steps=RESUME_STEPS) if v != "train.overwrite=true"]
+    return values + ["checkpoint.every=1", "checkpoint.keep=0", "checkpoint.resume=auto",
+                     f"train.deterministic={str(deterministic).lower()}"]
+
+
 def stage_resume(args: argparse.Namespace, work: Path) -> StageResult:
-    """4 steps straight vs killed after checkpoint 2 and resumed (r1fit doctor's
-    ``kill_and_resume``: metrics and final weights compared bit for bit), deterministic off then
-    on; the straight runs' seconds give the cost of ``train.deterministic=true``."""
+    """3 steps straight vs killed once checkpoint 1 exists and resumed (r1fit doctor's
+    ``kill_and_resume``: metrics and final weights compared bit for bit), with
+    ``train.deterministic=true``; the straight run's seconds are kept for ``detcost``."""
     from r1fit.doctor.selfcheck import kill_and_resume, run_train
 
-    g, n, px = scale_of(args).short
-    result = StageResult()
-    for deterministic in (False, True):
-        tag = f"deterministic={str(deterministic).lower()}"
-        # no train.overwrite: the rerun of the killed run must resume it, not start over
-        values = [v for v in overrides(args, "3b", lora=True, generations=g, new_tokens=n,
-                                       image_size=px, steps=4) if v != "train.overwrite=true"]
-        values += ["checkpoint.every=1", "checkpoint.keep=0", "checkpoint.resume=auto",
-                   f"train.deterministic={str(deterministic).lower()}"]
-        started = time.perf_counter()
-        straight = run_train(values, work / tag / "straight")
-        seconds = time.perf_counter() - started
-        verdict = kill_and_resume(values, work / tag, straight=straight, kill_after=2)
-        result.data[tag] = {"straight_seconds": seconds, **verdict.to_dict()}
-        result.add(f"resume {tag}", f"{'identical' if verdict.ok else 'DIFFER'}: "
-                   f"{verdict.summary}; 4 straight steps {seconds:.0f} s",
-                   "identical" if deterministic else "", verdict.ok if deterministic else None)
-    off, on = (result.data[f"deterministic={x}"]["straight_seconds"] for x in ("false", "true"))
+    values = resume_values(args, deterministic=True)
+    started = time.perf_counter()
+    straight = run_train(values, work / "straight")
+    seconds = time.perf_counter() - started
+    (work / "seconds.json").write_text(json.dumps({"straight_seconds": seconds}))
+    verdict = kill_and_resume(values, work, straight=straight, kill_after=KILL_AFTER)
+    result = StageResult(data={"straight_seconds": seconds, **verdict.to_dict()})
+    result.add("resume deterministic=true", f"{'identical' if verdict.ok else 'DIFFER'}: "
+               f"{verdict.summary}; {RESUME_STEPS} straight steps {seconds:.0f} s",
+               "identical", verdict.ok)
+    return result
+
+
+def stage_detcost(args: argparse.Namespace, work: Path) -> StageResult:
+    """The resume stage's straight run again with ``train.deterministic=false``: the cost of
+    deterministic mode, as the ratio of the two runs' seconds (load included)."""
+    from r1fit.doctor.selfcheck import run_train
+
+    on_file = work.parent / "resume" / "seconds.json"
+    if not on_file.is_file():
+        raise BenchmarkError("detcost needs the resume stage's straight run (run resume first)")
+    on = json.loads(on_file.read_text())["straight_seconds"]
+    started = time.perf_counter()
+    run_train(resume_values(args, deterministic=False), work / "straight")
+    off = time.perf_counter() - started
+    result = StageResult(data={"deterministic_seconds": on, "default_seconds": off})
     result.add("cost of train.deterministic=true", f"{on / off:.2f}x the run's seconds "
-               f"({off:.0f} s -> {on:.0f} s, 4 steps, load included)")
+               f"({off:.0f} s -> {on:.0f} s, {RESUME_STEPS} steps, load included)")
     return result
 
 
@@ -577,12 +610,13 @@ STAGES: dict[str, tuple[Callable[[argparse.Namespace, Path], StageResult], float
     # name: (function, time cap in seconds on a GPU; the smoke gives each its whole budget)
     "build": (stage_build, 120),
     "plan": (stage_plan, 170),
-    "oom": (stage_oom, 120),
-    "autofit": (stage_autofit, 90),
-    "trl": (stage_trl, 150),
-    "numerics": (stage_numerics, 60),
+    "oom": (stage_oom, 100),
+    "autofit": (stage_autofit, 80),
     "resume": (stage_resume, 150),
+    "numerics": (stage_numerics, 60),
+    "detcost": (stage_detcost, 60),
     "plan7b": (stage_plan7b, 170),
+    "trl": (stage_trl, 150),
 }
 
 
@@ -669,6 +703,7 @@ def run_parent(args: argparse.Namespace) -> int:
             except BenchmarkError as exc:
                 status = "timeout" if "no result in" in str(exc) else "failed"
                 stages[name] = {"status": status, "error": str(exc)}
+                log_run_tails(work / name)
             stages[name]["seconds"] = round(time.perf_counter() - t0, 1)
         say(f"{NAME}: {name}: {stages[name]['status']} in {stages[name]['seconds']:.0f} s")
         report["seconds"] = round(time.perf_counter() - started, 1)
@@ -683,6 +718,14 @@ def run_parent(args: argparse.Namespace) -> int:
     if not args.keep_work and not args.work:
         shutil.rmtree(work, ignore_errors=True)
     return status
+
+
+def log_run_tails(folder: Path, lines: int = 40) -> None:
+    """Append to the log the end of every r1fit run's log.txt under ``folder`` (a stage that
+    failed or timed out: where its runs were)."""
+    for log_txt in sorted(folder.rglob("log.txt")):
+        tail = log_txt.read_text(errors="replace").splitlines()[-lines:]
+        benchkit.append_log(LOG, f"{log_txt} (last {len(tail)} lines)", "\n".join(tail))
 
 
 def write_json(path: Path, report: dict[str, Any]) -> None:
@@ -722,8 +765,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="folder of gpu_check.json and gpu_check.log (default: $OUT when set)")
     p.add_argument("--models", default=None, help="folder of the built model folders")
     p.add_argument("--budget", type=float, default=None,
-                   help="seconds for all stages (GPU default 450: 8 minutes less the model "
-                   "loads' slack; smoke 600); no stage starts with less than 20 s left")
+                   help="seconds for all stages (GPU default 480: 8 minutes; smoke 600); no "
+                   "stage starts with less than 20 s left")
     p.add_argument("--keep-work", action="store_true", help="keep the runs' output folders")
     p.add_argument("--work", help=argparse.SUPPRESS)
     p.add_argument("--stage", choices=list(STAGES), help=argparse.SUPPRESS)
@@ -731,7 +774,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.models is None:
         args.models = default_models_dir(args.cpu_smoke)
     if args.budget is None:
-        args.budget = 600.0 if args.cpu_smoke else 450.0
+        args.budget = 600.0 if args.cpu_smoke else 480.0
     if args.only:
         args.only = [s for s in STAGES if s in args.only]
     return args

@@ -8,9 +8,13 @@ deterministic. Once an optimizer update of the step has been applied, a whole-st
 it twice; an OOM in a later update (``num_iterations`` > 1) redoes only that update's gradient
 accumulation. At size 1 the guard gives up with a message saying what to change.
 
-On CUDA the error is the allocator's ``torch.OutOfMemoryError``. On CPU, ``memory.budget`` caps
-the process's peak RSS over its RSS before the model was loaded; the guard checks it when each
-phase ends and raises the same ``torch.OutOfMemoryError``, so the recovery is the same code.
+On CUDA the error is the allocator's ``torch.OutOfMemoryError``; with ``memory.budget`` the caching
+allocator is capped at the budget less the CUDA context the planner assumes
+(``torch.cuda.set_per_process_memory_fraction``), so a run that outgrows its budget meets the same
+error on a card with room to spare, and the guard also checks the peak reserved bytes when each
+phase ends. On CPU, ``memory.budget`` caps the process's peak RSS over its RSS before the model was
+loaded; the guard checks it when each phase ends and raises the same ``torch.OutOfMemoryError``,
+so the recovery is the same code.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any, TypeVar
 import torch
 
 from r1fit.errors import R1fitError, one_line
+from r1fit.memory.planner.estimate import CUDA_CONTEXT_BYTES
 from r1fit.memory.sizes import ChunkSizes
 from r1fit.memory.telemetry import glibc, peak_rss_bytes, reset_peak
 from r1fit.processes import world
@@ -48,6 +53,8 @@ class OOMGuard:
         self.budget_text = budget
         self.budget = parse_bytes(budget) if budget else None
         self.baseline = baseline_rss_bytes
+        self.cuda_cap = (cap_cuda_allocator(self.budget, device)
+                         if self.budget is not None and device.type == "cuda" else None)
         self.failed_phase: str | None = None
         self.updates_done = 0   # optimizer updates applied in the current attempt
         self.retries = 0        # redos in the current step (logged as oom_retries)
@@ -68,6 +75,14 @@ class OOMGuard:
                 raise torch.OutOfMemoryError(
                     f"CPU out of memory: peak RSS {format_bytes(used)} over the pre-load baseline "
                     f"exceeds memory.budget={self.budget_text}")
+        if self.cuda_cap is not None:
+            reserved = torch.cuda.max_memory_reserved(self.device)
+            if reserved > self.cuda_cap:  # the allocator's cap did not hold (it should)
+                self.failed_phase = name
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory: {format_bytes(reserved)} reserved exceeds "
+                    f"memory.budget={self.budget_text} less the CUDA context "
+                    f"({format_bytes(self.cuda_cap)})")
 
     def run_step(self, attempt: Callable[[], T], restore: list[Any]) -> T:
         """Run ``attempt()`` (one step from its start); on OOM shrink and redo it with the
@@ -123,6 +138,22 @@ class OOMGuard:
         log.warning("out of memory in %s (%s): memory.%s %d -> %d, %s", phase, message, key, size,
                     size // 2, action)
         reset_peak(self.device)
+
+
+def cap_cuda_allocator(budget: int, device: torch.device) -> int:
+    """Cap the caching allocator of ``device`` at ``budget`` less :data:`CUDA_CONTEXT_BYTES` (the
+    context lives outside the allocator; the planner adds the same figure) and return the cap in
+    bytes. The cap is a fraction of the card, so a budget over the card's memory is no cap."""
+    if budget <= CUDA_CONTEXT_BYTES:
+        raise OutOfMemory(f"memory.budget={format_bytes(budget)} does not cover the CUDA context "
+                          f"({format_bytes(CUDA_CONTEXT_BYTES)}); give the run more memory")
+    total = torch.cuda.get_device_properties(device).total_memory
+    cap = min(budget - CUDA_CONTEXT_BYTES, total)
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    log.info("memory.budget=%s on %s: the CUDA allocator may hold %s (the budget less %s for the "
+             "CUDA context)", format_bytes(budget), device, format_bytes(cap),
+             format_bytes(CUDA_CONTEXT_BYTES))
+    return cap
 
 
 def free_memory(device: torch.device) -> None:

@@ -147,6 +147,21 @@ def test_run_child_passes_the_environment_and_stops_at_the_timeout():
         run_child(_python("import time; time.sleep(60)"), "rank0 N=4", "demo", timeout=1)
 
 
+def test_run_child_logs_what_a_child_printed_before_its_timeout(tmp_path):
+    """The log gets each line as the child prints it: a child killed at its timeout leaves its
+    output (here a line on each stream before it hangs) between the header and the timeout line."""
+    log = tmp_path / "log.txt"
+    child = _python("import sys, time; print('step 1 done', flush=True); "
+                    "print('loading', file=sys.stderr, flush=True); time.sleep(60)")
+    with pytest.raises(BenchmarkError, match=r"^hung run: no result in 2 s$"):
+        run_child(child, "hung run", "demo", timeout=2, log=log)
+    lines = log.read_text().splitlines()
+    assert lines[0] == "==== hung run ====" and lines[-1] == "==== hung run (no result in 2 s) ===="
+    assert sorted(lines[1:-1]) == ["loading", "step 1 done"]
+    assert run_child(_python("print('ok')"), "quick", "demo", log=log) == "ok\n"
+    assert log.read_text().splitlines()[-3:] == ["==== quick ====", "ok", "==== quick (exit 0) ===="]
+
+
 def test_a_child_running_main_reaches_the_parent_as_one_line(tmp_path):
     """The whole contract: an r1fit error in a child's run comes back whole, with the child's
     exit status 2 and no traceback."""

@@ -115,3 +115,50 @@ def test_packed_micro_batches_halve_their_tokens_down_to_one_sequence():
         guard.run_step(attempt, restore=[])
     # 1000 -> 500 -> 250, then 250 <= 300: no third redo; micro_batch untouched
     assert (guard.sizes.micro_batch_tokens, guard.sizes.micro_batch, guard.retries) == (250, 4, 2)
+
+
+class FakeCuda:
+    """torch.cuda's calls the guard makes with a budget, on a card of ``total`` bytes, recorded."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, total: int) -> None:
+        self.fractions: list[tuple[float, torch.device]] = []
+        self.reserved = 0
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device: type("Props", (), {"total_memory": total})())
+        monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                            lambda fraction, device: self.fractions.append((fraction, device)))
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: self.reserved)
+
+
+def cuda_guard(budget: str) -> OOMGuard:
+    weight = torch.nn.Parameter(torch.ones(2))
+    sizes = ChunkSizes(8, 8, asked={"micro_batch": 8, "generation_batch": 8})
+    return OOMGuard(sizes, budget, torch.device("cuda", 0), torch.optim.SGD([weight], lr=0.1),
+                    baseline_rss_bytes=0)
+
+
+def test_cuda_budget_caps_the_allocator_at_the_budget_less_the_context(monkeypatch):
+    cuda = FakeCuda(monkeypatch, total=80 << 30)
+    guard = cuda_guard("20GiB")
+    # 20 GiB - 768 MiB (the planner's CUDA context) = 19.25 GiB of an 80 GiB card
+    assert guard.cuda_cap == (20 << 30) - (768 << 20)
+    assert cuda.fractions == [(19.25 / 80, torch.device("cuda", 0))]
+    cuda.reserved = guard.cuda_cap  # exactly at the cap: fine
+    with guard.phase("generation"):
+        pass
+    cuda.reserved = guard.cuda_cap + 1  # over it (the cap did not hold): the guard's own error
+    with pytest.raises(torch.OutOfMemoryError, match=r"CUDA out of memory: .* reserved exceeds "
+                                                     r"memory.budget=20GiB less the CUDA context"):
+        with guard.phase("micro_batch"):
+            pass
+    assert guard.failed_phase == "micro_batch"
+
+
+def test_cuda_budget_over_the_card_is_no_cap_and_one_under_the_context_is_refused(monkeypatch):
+    cuda = FakeCuda(monkeypatch, total=16 << 30)
+    assert cuda_guard("1TiB").cuda_cap == 16 << 30
+    assert cuda.fractions[-1][0] == 1.0
+    with pytest.raises(OutOfMemory, match=r"memory.budget=512.00 MiB does not cover the CUDA "
+                                          r"context \(768.00 MiB\)"):
+        cuda_guard("512MiB")
+    assert cuda_guard("").cuda_cap is None and len(cuda.fractions) == 1  # no budget: no cap
