@@ -94,7 +94,6 @@ from benchkit import BenchmarkError, print_result, read_result, run_child  # noq
 
 NAME = "gpu_check"
 MIB, GIB = 2**20, 2**30
-STEP_KEY = "reward_mean"  # in GRPO step rows of metrics.jsonl only
 #: not on the device image; r1fit's runs here must not need them
 MISSING_ON_DEVICE = ("datasets", "rapidfuzz", "math_verify", "trl", "vllm")
 #: ``python -c`` program: the r1fit CLI with MISSING_ON_DEVICE unimportable
@@ -210,14 +209,10 @@ class RunOutput:
 
 
 def read_run(out: Path, seconds: float) -> RunOutput:
-    from r1fit.report.metrics import read_metrics
+    from r1fit.report.metrics import grpo_step_rows
 
-    by_step: dict[int, dict[str, Any]] = {}
-    for row in read_metrics(out / "metrics.jsonl"):
-        if STEP_KEY in row:
-            by_step[row["step"]] = row  # a resumed run may repeat a step: its last row counts
     log = (out / "log.txt").read_text() if (out / "log.txt").is_file() else ""
-    return RunOutput(out, [by_step[k] for k in sorted(by_step)], log, seconds)
+    return RunOutput(out, grpo_step_rows(out / "metrics.jsonl", last_per_step=True), log, seconds)
 
 
 def train(values: list[str], out: Path, what: str, *, timeout: float | None = None) -> RunOutput:

@@ -58,7 +58,6 @@ from benchkit import BenchmarkError, floor_bytes, positive, print_result, read_r
 
 NAME = "memory_vs_group"
 MIB = 2**20
-STEP_KEY = "reward_mean"  # present in GRPO step rows of metrics.jsonl, absent in eval-only rows
 
 
 @dataclass
@@ -163,7 +162,7 @@ def run_one(args: argparse.Namespace) -> int:
 
 def summarise_run(out: Path, num_generations: int) -> RunResult:
     """Read one run's metrics.jsonl and summary.json into a :class:`RunResult`."""
-    from r1fit.report.metrics import read_metrics  # plain json; no torch
+    from r1fit.report.metrics import grpo_step_rows  # plain json; no torch
 
     summary = json.loads((out / "summary.json").read_text())
     if "rss_after_load_bytes" not in summary:
@@ -171,8 +170,7 @@ def summarise_run(out: Path, num_generations: int) -> RunResult:
                              "too old for this benchmark")
     base = int(summary["rss_after_load_bytes"])
     before = int(summary.get("rss_before_load_bytes", base))
-    steps = sorted((r for r in read_metrics(out / "metrics.jsonl") if STEP_KEY in r),
-                   key=lambda r: r["step"])
+    steps = grpo_step_rows(out / "metrics.jsonl", last_per_step=True)
     if len(steps) < 2:
         raise BenchmarkError(f"{out}: {len(steps)} step rows in metrics.jsonl, need >= 2")
     later = steps[1:]  # step 1 pays one-off costs (optimizer states, first-call caches)

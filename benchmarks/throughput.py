@@ -83,7 +83,6 @@ from benchkit import (
 
 NAME = "throughput"
 MIB = 2**20
-STEP_KEY = "reward_mean"  # in GRPO step rows of metrics.jsonl only
 VARIANTS = ("per_row", "shared", "packed")
 BASELINE = "per_row@base"  # the per-row path of another r1fit source tree (--baseline-src)
 MODES = ("full", "lora")
@@ -205,15 +204,14 @@ def summarise_run(out: Path, floor: int, unread: int = 0, *, tensors: bool = Fal
     """One run's metrics.jsonl and summary.json reduced to a :class:`RunResult`. ``tensors``:
     the run logged live-tensor peaks (``memory.cpu_peak=tensors``), which count every tensor the
     process holds, so nothing is subtracted from them."""
-    from r1fit.report.metrics import read_metrics  # plain json; no torch
+    from r1fit.report.metrics import grpo_step_rows  # plain json; no torch
 
     summary = json.loads((out / "summary.json").read_text())
     if "rss_before_load_bytes" not in summary:
         raise BenchmarkError(f"{out / 'summary.json'} has no rss_before_load_bytes; this r1fit is "
                              "too old for this benchmark")
     rss_before_load = int(summary["rss_before_load_bytes"])
-    steps = sorted((r for r in read_metrics(out / "metrics.jsonl") if STEP_KEY in r),
-                   key=lambda r: r["step"])
+    steps = grpo_step_rows(out / "metrics.jsonl", last_per_step=True)
     if len(steps) < 2:
         raise BenchmarkError(f"{out}: {len(steps)} step rows in metrics.jsonl, need >= 2")
     later = steps[1:]

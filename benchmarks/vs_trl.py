@@ -69,7 +69,6 @@ from benchkit import (
 NAME = "vs_trl"
 MIB = 2**20
 TOOLS = ("r1fit", "trl")
-STEP_KEY = "reward_mean"  # in r1fit's GRPO step rows of metrics.jsonl
 LENGTH_TOLERANCE = 0.05  # the two sides' mean completion lengths may differ this much
 
 
@@ -136,7 +135,7 @@ def r1fit_overrides(args: argparse.Namespace, generations: int, output_dir: Path
 
 def run_r1fit(args: argparse.Namespace, generations: int) -> RunResult:
     from r1fit.config import load_config
-    from r1fit.report.metrics import read_metrics
+    from r1fit.report.metrics import grpo_step_rows
     from r1fit.train.grpo import train_grpo
 
     started, ticks = time.perf_counter(), cpu_ticks()
@@ -144,8 +143,7 @@ def run_r1fit(args: argparse.Namespace, generations: int) -> RunResult:
         out = Path(tmp) / "run"
         train_grpo(load_config(None, r1fit_overrides(args, generations, out)))
         summary = json.loads((out / "summary.json").read_text())
-        steps = sorted((r for r in read_metrics(out / "metrics.jsonl") if STEP_KEY in r),
-                       key=lambda r: r["step"])
+        steps = grpo_step_rows(out / "metrics.jsonl", last_per_step=True)
     seconds = time.perf_counter() - started
     # after load: the RSS then on CPU; on CUDA the weights, all r1fit has on the GPU by then
     after_load = (int(summary["rss_after_load_bytes"]) if args.device == "cpu" else

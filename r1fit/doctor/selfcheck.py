@@ -42,7 +42,7 @@ from r1fit.config import Config, load_config
 from r1fit.doctor.env import first_device, half_dtype
 from r1fit.doctor.rewards import SPEC as LENGTH_REWARD
 from r1fit.errors import R1fitError
-from r1fit.report.metrics import read_metrics
+from r1fit.report.metrics import grpo_step_rows, read_metrics
 from r1fit.rollout.prefill import PrefillCheck
 from r1fit.units import format_bytes
 
@@ -166,10 +166,6 @@ def run_train(spec: RunSpec, out: Path, *, timeout: float = RUN_TIMEOUT) -> Path
     return out
 
 
-def _step_rows(run_dir: Path) -> list[dict[str, Any]]:
-    return [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward_mean" in r]
-
-
 def auto_decisions(run_dir: Path) -> dict[str, bool]:
     """What a run's ``memory.share_prefix=auto`` and ``rollout.share_prefill=auto`` settled on,
     read from its log.txt (keys it did not log are left out)."""
@@ -214,7 +210,7 @@ def plan_vs_measured(spec: RunSpec, run_dir: Path, *, low: float = PLAN_LOW,
 
     cfg = spec_config(spec)
     device_type = _device_type(cfg)
-    rows = _step_rows(run_dir)
+    rows = grpo_step_rows(run_dir / "metrics.jsonl")
     if not rows:
         return Verdict("memory plan", False, f"no GRPO step in {run_dir / 'metrics.jsonl'}")
     peak_row = max(rows, key=lambda r: r.get("peak_memory_bytes") or 0)
@@ -427,7 +423,7 @@ def kill_and_resume(spec: RunSpec, out: Path, *, straight: Path | None = None,
     if resumed is None:
         return Verdict(name, False, "the rerun of the killed run did not resume from a "
                        "checkpoint (its log.txt says no 'resumed grpo at step')", numbers)
-    rows = _step_rows(straight)
+    rows = grpo_step_rows(straight / "metrics.jsonl")
     moved = weights_moved(cfg, straight)
     numbers.update(steps=len(rows), grad_norms=[r.get("grad_norm") for r in rows],
                    weights_moved=moved)

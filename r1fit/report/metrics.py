@@ -117,6 +117,20 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return read_json_lines(path).rows
 
 
+#: a key that only GRPO step rows of metrics.jsonl hold (not SFT, eval-only or summary rows)
+GRPO_STEP_KEY = "reward_mean"
+
+
+def grpo_step_rows(path: Path, *, last_per_step: bool = False) -> list[dict[str, Any]]:
+    """The GRPO step rows of a metrics.jsonl file, in file order; ``last_per_step``: one row per
+    step, the last one written (a step redone after an OOM or a crash may be logged twice), in
+    step order."""
+    rows = [row for row in read_metrics(path) if GRPO_STEP_KEY in row]
+    if not last_per_step:
+        return rows
+    return sorted({row["step"]: row for row in rows}.values(), key=lambda row: row["step"])
+
+
 def wait_for_device() -> None:
     """Wait for the work queued on this process's CUDA device, if it has used one. CUDA kernels
     run after the Python that queued them returns, so without this a phase's GPU time lands in

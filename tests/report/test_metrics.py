@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 
-from r1fit.report.metrics import MetricsWriter, read_json_lines, read_metrics
+from r1fit.report.metrics import MetricsWriter, grpo_step_rows, read_json_lines, read_metrics
 
 ROWS = [{"step": s, "loss": 0.5 / s} for s in range(1, 5)]
 
@@ -56,3 +56,13 @@ def test_whole_files_and_blank_lines_read_silently(tmp_path, caplog):
         assert read_json_lines(path) == (ROWS, [])
     assert not caplog.records
     assert json.loads(path.read_text().splitlines()[0]) == ROWS[0]
+
+
+def test_grpo_step_rows_leave_out_other_rows_and_can_keep_a_steps_last_row(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 1, "reward_mean": 0.1}, {"step": 1, "eval/accuracy": 0.5},
+            {"step": 2, "reward_mean": 0.2}, {"step": 2, "reward_mean": 0.3},  # step 2 redone
+            {"step": 3, "loss": 1.0}]  # an SFT row: no reward
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert grpo_step_rows(path) == [rows[0], rows[2], rows[3]]
+    assert grpo_step_rows(path, last_per_step=True) == [rows[0], rows[3]]
