@@ -1,7 +1,7 @@
 """Does `r1fit plan` predict what a real step uses? Plan vs probe over a grid of configurations.
 
 Command (builds builtin:small-realvocab and builtin:bench-3b-cut on first use; on 2 CPU cores
-all 44 configurations took 28 minutes with the test suite running beside them, 38 GRPO ones
+the 44 configurations of then (46 now) took 28 minutes with the test suite running beside them, 38 GRPO ones
 about 13 minutes alone in another session, while in a third one a 3b-cut GRPO step took 14.5
 minutes under the probe's profiler: its bfloat16 backward varies a lot between machines):
 

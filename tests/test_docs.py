@@ -68,3 +68,16 @@ def test_no_commit_hashes_in_the_manual():
         if hits:
             found[page.relative_to(ROOT).as_posix()] = hits
     assert not found, f"commit hashes in prose (dated rows belong in benchmarks/RESULTS.md): {found}"
+
+
+def test_the_planner_grid_size_the_memory_page_states_is_the_grid():
+    """docs/memory.md says how many configurations benchmarks/plan_accuracy.py's grid holds."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from benchkit import load_script
+
+    grid = load_script("plan_accuracy").GRID
+    sft = sum(name.startswith("sft-") for name in grid)
+    text = (ROOT / "docs" / "memory.md").read_text()
+    assert f"The grid ({len(grid)} configurations, {sft} of them SFT)" in text

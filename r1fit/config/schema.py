@@ -399,10 +399,12 @@ class MemoryConfig:
         "(algo.importance_sampling_level=token, algo.cov_restriction=none). 'auto': on where it "
         "applies (always for SFT), else the chunks are recomputed in backward; false: always "
         "recomputed.")
-    budget: str = opt("", "Memory the run may use, e.g. '20GiB'. CPU: a cap on the process's "
-                      "peak RSS over its RSS before the model loaded, enforced by the OOM guard "
-                      "(which halves micro_batch/generation_batch and redoes the step). Empty: no "
-                      "cap on CPU; on CUDA the allocator raises when the device is full.")
+    budget: str = opt("", "Memory the run may use, e.g. '20GiB', enforced through the OOM guard "
+                      "(which halves micro_batch/generation_batch and redoes the step) and taken by "
+                      "the 'auto' sizes. CUDA: the caching allocator is capped at the budget less "
+                      "768 MiB for the CUDA context (torch.cuda.set_per_process_memory_fraction). "
+                      "CPU: a cap on the process's peak RSS over its RSS before the model loaded. "
+                      "Empty: no cap (CUDA: the allocator raises when the device is full).")
     release_freed: bool | Literal["auto"] = opt(
         "auto", "Hand freed host memory blocks of 1 MiB and more back to the system at once "
         "(Linux with glibc: M_MMAP_THRESHOLD fixed at 1 MiB), so a CPU run's RSS follows its live "
