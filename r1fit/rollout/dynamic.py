@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -117,9 +118,8 @@ class StepDraws:
         the update)."""
         if kept is not None and kept.total_rows == self.rows:
             return kept
-        out = self.rollout(range(len(self.prompts)), estimator)
-        out.engine_logp_diff = None if kept is None else kept.engine_logp_diff
-        return out
+        return replace(self.rollout(range(len(self.prompts)), estimator),
+                       engine_logp_diff=None if kept is None else kept.engine_logp_diff)
 
     def rollout(self, groups: Sequence[int], estimator: AdvantageFn) -> Rollout:
         """A scored record of ``groups`` (indices of the drawn groups, in that order), its rows
@@ -128,16 +128,17 @@ class StepDraws:
         g = self.num_generations
         rows = [group * g + i for group in groups for i in range(g)]
         share = world().share(len(rows), "kept rows")
-        out = Rollout(self.step, [self.prompts[group] for group in groups], g, share)
         mine = rows[share]
-        out.completions = [self.completions[r] for r in mine]
-        out.total_tokens = sum(int(self.completions[r].shape[0]) for r in rows)
         index = torch.tensor(rows, dtype=torch.long)
-        out.rewards = self.rewards[index]
-        out.components = {name: values[index] for name, values in self.components.items()}
-        out.correct = [self.correct[r] for r in rows]
+        rewards = self.rewards[index]
         engine = [self.engine_logp[r] for r in mine]
-        if engine and all(logp is not None for logp in engine):
-            out.engine_logp = pad_rows(engine)  # type: ignore[arg-type]  # none is None
-        out.advantages = estimator(out.rewards, g)[share]
-        return out
+        engine_logp = (pad_rows(engine)  # type: ignore[arg-type]  # none is None
+                       if engine and all(logp is not None for logp in engine) else None)
+        return Rollout(
+            self.step, [self.prompts[group] for group in groups], g, share,
+            completions=[self.completions[r] for r in mine],
+            total_tokens=sum(int(self.completions[r].shape[0]) for r in rows),
+            rewards=rewards,
+            components={name: values[index] for name, values in self.components.items()},
+            correct=[self.correct[r] for r in rows],
+            advantages=estimator(rewards, g)[share], engine_logp=engine_logp)

@@ -12,7 +12,7 @@ its own random stream (``row_seeds``), drawn by ``SeededSampler`` instead of by 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -220,14 +220,14 @@ def generate_completions(model: Any, rows: Sequence[Prompt], *, seeds: Sequence[
 Generate = Callable[[Sequence[Prompt], Sequence[int]], tuple[list[torch.Tensor], list[torch.Tensor] | None]]
 
 
-def generate_rollout(rollout: Rollout, generate: Generate, *, seed: int) -> None:
-    """Generation stage: ``num_generations`` completions of each of this process's rows, sampled
-    from per-row streams (the same completions whatever the chunking or rank), the engine's
-    log-probs when it gives them, and the whole step's completion-token count (the loss
-    normaliser; one sum over processes)."""
+def generate_rollout(rollout: Rollout, generate: Generate, *, seed: int) -> Rollout:
+    """Generation stage: ``rollout`` with ``num_generations`` completions of each of this
+    process's rows, sampled from per-row streams (the same completions whatever the chunking or
+    rank), the engine's log-probs when it gives them, and the whole step's completion-token
+    count (the loss normaliser; one sum over processes)."""
     seeds = row_seeds(seed, rollout.step, rollout.first_row, len(rollout.rows))
-    rollout.completions, engine_logp = generate(rollout.rows, seeds)
-    if engine_logp is not None:
-        rollout.engine_logp = pad_rows(engine_logp)
-    local = sum(int(c.shape[0]) for c in rollout.completions)
-    rollout.total_tokens = int(all_sum([local])[0])
+    completions, engine_logp = generate(rollout.rows, seeds)
+    local = sum(int(c.shape[0]) for c in completions)
+    return replace(rollout, completions=completions,
+                   engine_logp=None if engine_logp is None else pad_rows(engine_logp),
+                   total_tokens=int(all_sum([local])[0]))

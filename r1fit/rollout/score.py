@@ -5,7 +5,7 @@ KL-in-reward correction of the advantages and the rows that count in the loss.""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -40,13 +40,13 @@ class AdvantageSettings:
 
 
 def score_rollout(rollout: Rollout, scorer: RewardScorer, processor: Any,
-                  advantage: AdvantageSettings | AdvantageFn) -> None:
-    """Fill ``rewards``, ``components``, ``correct`` (every row of the step: each process scores
-    its own rows, then they are gathered, so advantages see whole groups and a batch-normalised
-    estimator the whole batch) and ``advantages`` (this process's rows). Reward errors are counted
-    over every process. ``advantage``: the settings, or an estimator alone (no shaping). With
-    ``overlong_buffer`` the overlong penalty joins the reward as its own component, ``overlong``
-    (weight 1)."""
+                  advantage: AdvantageSettings | AdvantageFn) -> Rollout:
+    """Scoring stage: ``rollout`` with ``rewards``, ``components``, ``correct`` (every row of the
+    step: each process scores its own rows, then they are gathered, so advantages see whole
+    groups and a batch-normalised estimator the whole batch) and ``advantages`` (this process's
+    rows). Reward errors are counted over every process. ``advantage``: the settings, or an
+    estimator alone (no shaping). With ``overlong_buffer`` the overlong penalty joins the reward
+    as its own component, ``overlong`` (weight 1)."""
     settings = advantage if isinstance(advantage, AdvantageSettings) else AdvantageSettings(advantage)
     texts = decode_completions(processor, rollout.completions)
     samples = [p.sample for p in rollout.rows]
@@ -66,11 +66,12 @@ def score_rollout(rollout: Rollout, scorer: RewardScorer, processor: Any,
             lengths, max_new_tokens=settings.max_new_tokens, buffer=settings.overlong_buffer,
             penalty=settings.overlong_penalty)
         total = total + components["overlong"]
-    rollout.rewards = all_gather_rows(total)
-    rollout.components = {k: all_gather_rows(v) for k, v in components.items()}
-    rollout.correct = all_gather_rows(correct.float()).tolist()
+    step_rewards = all_gather_rows(total)
+    step_components = {k: all_gather_rows(v) for k, v in components.items()}
+    step_correct = all_gather_rows(correct.float()).tolist()
     scorer.total_errors = errors_before + int(all_sum([scorer.total_errors - errors_before])[0])
-    rollout.advantages = settings.estimator(rollout.rewards, rollout.num_generations)[rollout.share]
+    return replace(rollout, rewards=step_rewards, components=step_components, correct=step_correct,
+                   advantages=settings.estimator(step_rewards, rollout.num_generations)[rollout.share])
 
 
 def kl_in_reward(rollout: Rollout, policy_logp: torch.Tensor, beta: float,

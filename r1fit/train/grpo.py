@@ -119,9 +119,9 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
                                     row_offset=draws.rows)
                     with engine.ready(times), timed(times, "seconds_generate"), \
                             guard.phase("generation"):
-                        generate_rollout(batch, engine.generate, seed=cfg.train.seed)
+                        batch = generate_rollout(batch, engine.generate, seed=cfg.train.seed)
                     with timed(times, "seconds_score"):
-                        score_rollout(batch, scorer, run.processor, advantage)
+                        batch = score_rollout(batch, scorer, run.processor, advantage)
                     draws.add(batch)
                 # the kept groups, their rows split evenly over the processes again
                 rollout = draws.kept(cfg.train.prompts_per_step, advantage.estimator)

@@ -4,6 +4,7 @@ and the record it trains on, in one process and split over two (simulated) proce
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -57,14 +58,11 @@ def scored(step: int, prompts: list[Prompt], rewards: list[float], lengths: list
     its row number in the step (so a test can tell the rows apart after the re-split)."""
     rows = len(prompts) * 2
     share = share or slice(0, rows)
-    batch = Rollout(step, prompts, 2, share, row_offset=row_offset)
-    batch.completions = [torch.full((lengths[r],), row_offset + r)
-                         for r in range(rows)][share]
-    batch.rewards = torch.tensor(rewards)
-    batch.components = {"accuracy": torch.tensor(rewards)}
-    batch.correct = list(rewards)
-    batch.advantages = DR_GRPO(batch.rewards, 2)[share]
-    return batch
+    return Rollout(step, prompts, 2, share, row_offset=row_offset,
+                   completions=[torch.full((lengths[r],), row_offset + r)
+                                for r in range(rows)][share],
+                   rewards=torch.tensor(rewards), components={"accuracy": torch.tensor(rewards)},
+                   correct=list(rewards), advantages=DR_GRPO(torch.tensor(rewards), 2)[share])
 
 
 BATCHES = [  # (prompts, rewards, completion lengths) of a step's two batches, G=2
@@ -135,16 +133,16 @@ def test_engine_logprobs_follow_their_rows():
         batch = scored(1, [prompt(n) for n in names_], rewards, lengths, row_offset=draws.rows)
         width = max(lengths)
         # engine log-prob of row r, token t: -(r + t / 10), zero-padded to the batch's width
-        batch.engine_logp = torch.tensor(
+        batch = replace(batch, engine_logp=torch.tensor(
             [[-(batch.row_offset + r + t / 10) if t < n else 0.0 for t in range(width)]
-             for r, n in enumerate(lengths)])
+             for r, n in enumerate(lengths)]))
         draws.add(batch)
     kept = draws.kept(2, DR_GRPO)
     assert kept.engine_logp.shape == (4, 7)  # the longest kept completion
     expected = [[-(row + t / 10) for t in range(n)] for row, n in [(2, 5), (3, 6), (6, 7), (7, 1)]]
     for got, want in zip(kept.engine_logp.tolist(), expected):
         assert got[:len(want)] == pytest.approx(want) and not any(got[len(want):])
-    kept.engine_logp_diff = 0.25
+    kept = replace(kept, engine_logp_diff=0.25)  # as the update's record carries it
     assert draws.drawn(kept, DR_GRPO).engine_logp_diff == 0.25
 
 

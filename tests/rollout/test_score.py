@@ -25,16 +25,16 @@ class Words:
 
 def test_rewards_accuracy_and_advantages_by_hand():
     prompts = [Prompt(torch.tensor([1]), {}, {}, Sample([], "colour?", "red", "t:1"))]
-    rollout = Rollout(1, prompts, 4, slice(0, 4))
-    rollout.completions = [torch.tensor([0]), torch.tensor([1]), torch.tensor([0]),
-                           torch.tensor([1])]
+    generated = Rollout(1, prompts, 4, slice(0, 4), completions=[
+        torch.tensor([0]), torch.tensor([1]), torch.tensor([0]), torch.tensor([1])])
     scorer = RewardScorer({"accuracy": 1.0})
-    score_rollout(rollout, scorer, Words(), get_advantage_estimator("dr_grpo"))
+    rollout = score_rollout(generated, scorer, Words(), get_advantage_estimator("dr_grpo"))
     assert rollout.rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
     assert rollout.correct == [1.0, 0.0, 1.0, 0.0]
     # Dr. GRPO: reward minus the group mean 0.5, no std division
     assert rollout.advantages.tolist() == [0.5, -0.5, 0.5, -0.5]
-    score_rollout(rollout, scorer, Words(), get_advantage_estimator("grpo"))
+    assert generated.rewards is None and generated.advantages is None  # a new record, not a write
+    rollout = score_rollout(generated, scorer, Words(), get_advantage_estimator("grpo"))
     # GRPO divides by the group's sample std: sqrt((4 x 0.25) / 3) = 0.57735, plus eps 1e-4
     a = 0.5 / (0.57735 + 1e-4)
     assert rollout.advantages.tolist() == pytest.approx([a, -a, a, -a], rel=1e-4)
