@@ -246,7 +246,7 @@ def numerics_check(spec: RunSpec) -> list[Verdict]:
     from r1fit.data.batch import consecutive_groups, encode_prompts
     from r1fit.data.build import build_datasets
     from r1fit.distributed.loading import load_policy_on_ranks
-    from r1fit.models.packing import packing_distance, packing_tolerance
+    from r1fit.models.packing import packing_distance, packing_tolerance, per_row_noise
     from r1fit.processes import device_for, world
     from r1fit.rng import seed_everything
     from r1fit.rollout.generate import (
@@ -276,6 +276,7 @@ def numerics_check(spec: RunSpec) -> list[Verdict]:
             batch_size=len(rows), settings=settings, ids=ids, device=device)
         unique, groups = consecutive_groups(rows, completions)
         distance = packing_distance(model, unique, groups, ids.pad, chunk_size=cfg.head_chunk())
+        noise = per_row_noise(model, unique, groups, ids.pad, chunk_size=cfg.head_chunk())
         bound = packing_tolerance(model)
         prefill = prefill_check(model, rows, generation_config(settings, ids), ids.pad, device)
         _synchronize(device)
@@ -286,7 +287,8 @@ def numerics_check(spec: RunSpec) -> list[Verdict]:
             torch.cuda.empty_cache()
     where = f"{device.type}, {dtype}, attention {cfg.model.attn_implementation}"
     return [prefix_verdict(distance, bound, where, {"groups": len(groups),
-                                                    "completions": len(completions)}),
+                                                    "completions": len(completions)},
+                           noise=noise),
             prefill_verdict(prefill, where)]
 
 
@@ -295,14 +297,18 @@ FALLBACK = "; auto would run it per row here (slower, still correct)"
 
 
 def prefix_verdict(distance: float, bound: float, where: str,
-                   numbers: dict[str, Any] | None = None) -> Verdict:
+                   numbers: dict[str, Any] | None = None, *, noise: float | None = None) -> Verdict:
     """The shared-prompt verdict: ``distance`` (:func:`r1fit.models.packing.packing_distance`)
-    within ``bound``; NaN fails. ``where``: device, dtype, attention, for the line."""
+    within ``bound``; NaN fails. ``where``: device, dtype, attention, for the line. ``noise``:
+    the per-row path's own batch-shape rounding (:func:`r1fit.models.packing.per_row_noise`),
+    shown beside the distance (it tells rounding from a broken path; not part of the verdict)."""
     ok = distance <= bound
+    beside = "" if noise is None else f"; per row batched vs one row at a time: {noise:.3g}"
     return Verdict("shared prompt", ok,
                    f"completion log-probs packed after their prompt vs per row differ by at most "
-                   f"{distance:.3g} (bound {bound:g}; {where})" + ("" if ok else FALLBACK),
-                   {"distance": distance, "bound": bound, **(numbers or {})})
+                   f"{distance:.3g} (bound {bound:g}{beside}; {where})" + ("" if ok else FALLBACK),
+                   {"distance": distance, "bound": bound, "per_row_noise": noise,
+                    **(numbers or {})})
 
 
 def prefill_verdict(check: PrefillCheck, where: str) -> Verdict:

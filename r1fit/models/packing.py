@@ -51,6 +51,30 @@ def packing_distance(model: nn.Module, prompts: Sequence[Prompt],
     return float((per_row[:, :width] - shared[:, :width]).abs().max())
 
 
+def per_row_noise(model: nn.Module, prompts: Sequence[Prompt],
+                  groups: Sequence[Sequence[torch.Tensor]], pad_id: int, *,
+                  chunk_size: int) -> float:
+    """The per-row path against itself: the largest absolute difference of a completion token's
+    log-prob between the rows of these groups in one padded batch (the per-row side of
+    :func:`packing_distance`) and each row run alone (NaN when either gives NaN). Rounding between
+    batch shapes only, so the scale below which no other path can be told from the per-row one in
+    this dtype on this device (``r1fit doctor --check`` prints it beside the distance)."""
+    device = next(model.parameters()).device
+    rows = [p for p, g in zip(prompts, groups) for _ in g]
+    completions = [c for g in groups for c in g]
+    worst = torch.zeros(())
+    with torch.no_grad():
+        batched = completion_logprobs(model, collate(rows, completions, pad_id).to(device),
+                                      chunk_size=chunk_size)
+        for i, (row, completion) in enumerate(zip(rows, completions)):
+            alone = completion_logprobs(model, collate([row], [completion], pad_id).to(device),
+                                        chunk_size=chunk_size)
+            width = min(alone.shape[1], batched.shape[1])
+            gap = (batched[i, :width] - alone[0, :width]).abs().max().float().cpu()
+            worst = torch.maximum(worst, gap)  # NaN propagates (max() of floats would drop it)
+    return float(worst)
+
+
 def packing_is_exact(model: nn.Module, prompts: Sequence[Prompt],
                      groups: Sequence[Sequence[torch.Tensor]], pad_id: int, *, chunk_size: int,
                      one_row: bool = False, tolerance: float | None = None) -> bool:

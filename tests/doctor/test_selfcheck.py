@@ -143,6 +143,9 @@ def test_distances_over_their_bounds_fail():
     assert prefix_verdict(0.01, 0.05, "cpu").ok
     assert not prefix_verdict(0.06, 0.05, "cpu").ok
     assert not prefix_verdict(float("nan"), 0.05, "cpu").ok
+    noisy = prefix_verdict(0.125, 0.05, "cuda", noise=0.1)  # shown, not part of the verdict
+    assert not noisy.ok and noisy.numbers["per_row_noise"] == 0.1
+    assert "(bound 0.05; per row batched vs one row at a time: 0.1; cuda)" in noisy.summary
     assert prefill_verdict(PrefillCheck(0.002, 0.004, 0.25, 0.05), "cpu").ok
     keys = prefill_verdict(PrefillCheck(0.002, 1.3, 0.25, 0.05), "cpu")
     assert not keys.ok and "positions differ" in keys.summary

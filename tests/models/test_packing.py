@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from r1fit.models.packing import HALF_TOLERANCE, TOLERANCE, packing_distance, packing_is_exact, packing_tolerance
+from r1fit.models.packing import (
+    HALF_TOLERANCE,
+    TOLERANCE,
+    packing_distance,
+    packing_is_exact,
+    packing_tolerance,
+    per_row_noise,
+)
 
 
 def test_exactness_check(model_dirs, setup):
@@ -48,3 +55,30 @@ def test_exactness_check_in_16_bit(model_dirs, setup, dtype):
         for prompt in prompts:
             prompt.image_inputs["pixel_values"] = prompt.image_inputs["pixel_values"].to(dtype)
         assert packing_is_exact(model, prompts, groups, pad, chunk_size=8) is exact, name
+
+
+def test_per_row_noise_is_rounding_and_sees_a_batch_that_changes_the_numbers(model_dirs, setup):
+    """The per-row path batched vs one row at a time: float rounding on builtin:tiny
+    (float64 here; its rows differ in length, so the batch pads), larger in bfloat16; and a model whose
+    output depends on its batch-mates (every logit moved by the batch's mean) shows it, NaN too."""
+    model, pad, prompts, groups = setup(model_dirs["tiny"], lora_r=0, checkpointing=False,
+                                        max_pixels=3136)
+    assert {len(c) for g in groups for c in g} != {len(groups[0][0])}  # padding happens
+    noise = per_row_noise(model, prompts, groups, pad, chunk_size=8)
+    assert 0.0 <= noise < 1e-4
+
+    norm = model.model.language_model.norm  # the last hidden states, which the head reads
+    hook = norm.register_forward_hook(lambda _m, _i, out: out + out.mean(0, keepdim=True))
+    try:
+        assert per_row_noise(model, prompts, groups, pad, chunk_size=8) > 1e-3
+    finally:
+        hook.remove()
+    hook = norm.register_forward_hook(lambda _m, _i, out: out * float("nan"))
+    try:
+        assert per_row_noise(model, prompts, groups, pad, chunk_size=8) != 0.0  # NaN, not 0
+    finally:
+        hook.remove()
+    model.to(torch.bfloat16)
+    for prompt in prompts:
+        prompt.image_inputs["pixel_values"] = prompt.image_inputs["pixel_values"].to(torch.bfloat16)
+    assert noise < per_row_noise(model, prompts, groups, pad, chunk_size=8) < HALF_TOLERANCE
