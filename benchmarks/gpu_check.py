@@ -38,6 +38,9 @@ ones); the whole run stops starting stages when ``--budget`` seconds are spent:
   (weights + gradients + AdamW states + one row's activations, as planned), and the **numerics**
   verdicts of ``memory.share_prefix=auto`` / ``rollout.share_prefill=auto`` with their distances
   (from the runs' logs).
+- ``memtrace``: the plan stage's 3B LoRA run, 1 step, in the stage's process with the CUDA
+  allocator's history recorded: what is live at the peak by call site (benchmarks/cuda_peak.py),
+  beside the plan's phases (the plan was 7% low for 3B LoRA on 2026-11-26). No target.
 - ``oom``: 3B LoRA, G=16, 64-token completions, ``memory.micro_batch`` = 16 under a
   ``memory.budget`` (r1fit caps the CUDA allocator at the budget less the context it plans) set
   between the plans of micro_batch 4 and 16 (``squeeze_budget``): the run meets a real
@@ -136,6 +139,9 @@ SMOKE_BUDGET = "2GiB"  # the smoke's autofit memory.budget (CPU: a cap on RSS ov
 #: the micro_batch the oom and autofit budget is planned to hold (and squeeze's G not)
 SQUEEZE_FITS = 4
 RESUME_STEPS, KILL_AFTER = 3, 1  # the resume stage: 3 steps, SIGKILL once checkpoint 1 exists
+#: the memtrace stage: the allocator history's newest events kept (a step's update fits; its
+#: generation may not), and the call sites shown in the table
+MEMTRACE_ENTRIES, MEMTRACE_ROWS = 400_000, 12
 
 
 # ----------------------------------------------------------------------------------------------
@@ -399,6 +405,66 @@ def stage_plan(args: argparse.Namespace, work: Path) -> StageResult:
     return result
 
 
+def stage_memtrace(args: argparse.Namespace, work: Path) -> StageResult:
+    """The plan stage's 3B LoRA run (G=8, 256 tokens), 1 step, in this process with the CUDA
+    allocator's history recorded (its newest :data:`MEMTRACE_ENTRIES` events): what is live at
+    the peak by call site (benchmarks/cuda_peak.py), beside the plan's phases. On 2026-11-26 the
+    plan was 7% under the measured peak for 3B LoRA and 0.5% for full fine-tuning: this says
+    where the bytes are. The smoke (no CUDA) gives the plan's phases only."""
+    from r1fit.config import load_config
+    from r1fit.memory.planner import plan_memory
+
+    s = scale_of(args)
+    cfg = load_config(None, [*overrides(args, "3b", lora=True, steps=1),
+                             f"train.output_dir={work / 'run'}"])
+    plan = plan_memory(cfg, device_type="cuda" if s.gpu else "cpu")
+    result = StageResult(data={"plan_phases": plan.phases, "plan_parts": plan.parts,
+                               "plan_peak_phase": plan.peak_phase})
+    phases = ", ".join(f"{k} {v / MIB:,.0f}" for k, v in plan.phases.items())
+    result.add("memtrace plan 3b-lora-g8", f"phases (MiB, with overhead): {phases}; peak in "
+               f"{plan.peak_phase}")
+    if not s.gpu:
+        result.add("memtrace", "the allocator's history needs CUDA: plan only")
+        return result
+    result.data.update(cuda_history(cfg))
+    got = result.data["breakdown"]
+    where = ("inside the history" if got["peak_bytes"] >= result.data["max_allocated"]
+             else "BEFORE the history's window: the sites below are not the peak's")
+    result.add("memtrace 3b-lora-g8 peak", f"{got['peak_bytes'] / MIB:,.0f} MiB at event "
+               f"{got['peak_event']:,} of {got['events']:,} (max allocated "
+               f"{result.data['max_allocated'] / MIB:,.0f} MiB, {where})")
+    for site in got["sites"][:MEMTRACE_ROWS]:
+        result.add(f"  {site['bytes'] / MIB:9,.1f} MiB", f"{site['where']} ({site['blocks']} "
+                   "blocks)")
+    return result
+
+
+def cuda_history(cfg: Any) -> dict[str, Any]:
+    """Train ``cfg`` in this process with the allocator's history recorded; the peak's
+    breakdown (:func:`cuda_peak.peak_breakdown`) and torch's own max allocated."""
+    import cuda_peak
+    import torch
+
+    from r1fit.memory.telemetry import configure_cuda_allocator
+    from r1fit.train.grpo import train_grpo
+
+    configure_cuda_allocator()  # as the CLI does, before CUDA starts
+    torch.cuda.init()
+    torch.cuda.memory._record_memory_history(max_entries=MEMTRACE_ENTRIES, context="alloc",
+                                             stacks="python")
+    try:
+        train_grpo(cfg)
+        snapshot = torch.cuda.memory._snapshot()
+        at_end = torch.cuda.memory_allocated()
+        max_allocated = torch.cuda.max_memory_allocated()  # since the step's reset
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    trace = snapshot["device_traces"][torch.cuda.current_device()]
+    breakdown = cuda_peak.peak_breakdown(trace, at_end)
+    return {"breakdown": breakdown.to_dict(top=40), "max_allocated": max_allocated,
+            "allocated_at_end": at_end}
+
+
 def stage_plan7b(args: argparse.Namespace, work: Path) -> StageResult:
     result = StageResult()
     if not args.cpu_smoke:
@@ -605,6 +671,7 @@ STAGES: dict[str, tuple[Callable[[argparse.Namespace, Path], StageResult], float
     # name: (function, time cap in seconds on a GPU; the smoke gives each its whole budget)
     "build": (stage_build, 120),
     "plan": (stage_plan, 170),
+    "memtrace": (stage_memtrace, 120),
     "oom": (stage_oom, 100),
     "autofit": (stage_autofit, 80),
     "resume": (stage_resume, 150),

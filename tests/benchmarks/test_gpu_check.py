@@ -107,6 +107,8 @@ def test_the_smoke_runs_every_stage_with_numbers(tmp_path, capsys):
         assert run["speed"]["seconds_update"] > 0 and run["speed"]["mfu"] > 0
         assert any("share_prefill=auto: on (logits equal" in x for x in run["numerics"])
     assert stages["oom"]["met"] and stages["oom"]["data"]["kind"] == "simulated"
+    memtrace = stages["memtrace"]["data"]  # the plan's phases; the history needs CUDA
+    assert memtrace["plan_peak_phase"] in memtrace["plan_phases"] and "breakdown" not in memtrace
     assert stages["autofit"]["met"]
     assert [v["name"] for v in stages["numerics"]["data"]["verdicts"]] == ["shared prompt",
                                                                            "shared prefill"]
