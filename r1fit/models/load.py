@@ -205,6 +205,7 @@ def load_policy(
             # peft probes the deprecated `is_gradient_checkpointing` property; not our call site.
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             model = get_peft_model(model, lora_config)
+    drop_input_grad_hooks(model)  # peft adds them again
     return model, processor
 
 
@@ -223,6 +224,21 @@ def enable_checkpointing(model: nn.Module, every: int = 1) -> None:
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **every_n)
     else:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, **every_n)
+    drop_input_grad_hooks(model)
+
+
+def drop_input_grad_hooks(model: nn.Module) -> None:
+    """Remove the forward hooks that make input embeddings' outputs require grad, which
+    transformers' checkpointing switch and peft add (``enable_input_require_grads``), for
+    reentrant checkpointing, which r1fit does not use: non-reentrant checkpointing
+    back-propagates into segments whose inputs need no grad. The hooks only cost. On a VLM they
+    hook the vision tower's patch embedding too (its ``_input_embed_layer``), so a frozen vision
+    tower (LoRA, or ``model.freeze_vision``) recorded its graph, kept its blocks' inputs for a
+    backward pass whose gradients nothing used, and ran it: on an H100, 3B LoRA, G=8, 448 px,
+    620 MiB at the step's peak (benchmarks/gpu_check.py's memtrace stage, 2026-11-26)."""
+    base = unwrap(model)
+    if hasattr(base, "disable_input_require_grads"):
+        base.disable_input_require_grads()
 
 
 def language_model_lora_regex(lora_target: str | Sequence[str]) -> str:

@@ -420,3 +420,45 @@ def test_full_reference_is_separate_frozen_copy(tiny_dir: Path, image56) -> None
             p.add_(0.05)
     with ref.model() as m:
         torch.testing.assert_close(m(**batch).logits, ref_before, atol=0, rtol=0)
+
+
+def _saved_bytes_and_lora_grads(model, processor, image) -> tuple[int, dict[str, torch.Tensor]]:
+    """Bytes autograd saves for backward in one forward (checkpointing's kept inputs included),
+    and the adapters' gradients after the backward."""
+    saved = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(**_batch(processor, image)).logits.float().pow(2).mean()
+    loss.backward()
+    return sum(saved), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("lora_r", [4, 0])
+def test_a_frozen_vision_tower_keeps_nothing_for_backward(tiny_dir: Path, image56,
+                                                          lora_r: int) -> None:
+    """enable_input_require_grads (transformers' checkpointing switch, peft) hooks the vision
+    tower's patch embedding as well as the token embeddings; r1fit drops the hooks, so a frozen
+    tower (LoRA; full fine-tuning with freeze_vision) records no graph. Put back, the hooks
+    only add saved bytes: the adapters' (or trained weights') gradients are bit-identical."""
+    model, processor = _load(tiny_dir, lora_r=lora_r, gradient_checkpointing=True)
+    if lora_r:
+        _perturb_lora_b(model)
+    base = unwrap(model)
+    assert not base.model.visual.patch_embed._forward_hooks
+    assert not base.get_input_embeddings()._forward_hooks
+    lean, grads = _saved_bytes_and_lora_grads(model, processor, image56)
+    base.enable_input_require_grads()  # what transformers and peft leave in place
+    assert base.model.visual.patch_embed._forward_hooks
+    model.zero_grad(set_to_none=True)
+    hooked, hooked_grads = _saved_bytes_and_lora_grads(model, processor, image56)
+    # at least the tower's checkpointed blocks keep their inputs (16 patches of a 56 px image, each
+    # block's width, float32); here the hooks nearly double what a step keeps
+    vision = base.config.vision_config
+    assert hooked - lean >= 16 * vision.depth * vision.hidden_size * 4
+    assert grads.keys() == hooked_grads.keys() and grads
+    for name, grad in grads.items():
+        assert torch.equal(grad, hooked_grads[name]), name
