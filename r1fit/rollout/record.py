@@ -1,9 +1,11 @@
 """The rollout record: one GRPO step's prompts, completions, rewards, advantages and log-probs.
 
-Built stage by stage, each adding its fields: generation
+Built stage by stage, each returning a new record with its fields added (``dataclasses.replace``;
+no stage writes into the record it was given): generation
 (:func:`r1fit.rollout.generate.generate_rollout`), scoring (:func:`r1fit.rollout.score.score_rollout`),
-reference log-probs (:func:`r1fit.train.forward.add_logprobs`); the update reads it (and its first
-forwards record the old-policy log-probs a reused rollout needs).
+reference log-probs (:func:`r1fit.train.forward.add_logprobs`); the update reads it and returns,
+with its statistics, the record its later updates read (the first one's forwards give the
+old-policy log-probs a reused rollout needs, and ``engine_logp_diff``).
 Over several processes each holds the whole step's prompts and rewards (groups must be whole for
 advantages) but generates and trains on its own share of the rows only. With dynamic sampling a step
 draws several batches, each a record of its own (``row_offset`` numbers its rows after the earlier

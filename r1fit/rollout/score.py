@@ -75,13 +75,13 @@ def score_rollout(rollout: Rollout, scorer: RewardScorer, processor: Any,
 
 
 def kl_in_reward(rollout: Rollout, policy_logp: torch.Tensor, beta: float,
-                 estimator: AdvantageFn) -> float:
-    """Recompute ``rollout.advantages`` from each row's reward minus ``beta`` x its k1 KL to the
-    reference, ``sum_t (log pi - log pi_ref)`` over its completion tokens (REINFORCE++'s KL in the
-    reward). ``policy_logp`` [this process's rows, T]: the log-probs of the policy that generated
-    the rollout; ``rollout.ref_logp`` the reference's. The KLs are gathered, so the estimator sees
-    the whole step again; ``rollout.rewards`` keeps the task reward (what reward_mean logs).
-    Returns the step's mean completion KL."""
+                 estimator: AdvantageFn) -> tuple[torch.Tensor, float]:
+    """The advantages (this process's rows) recomputed from each row's reward minus ``beta`` x
+    its k1 KL to the reference, ``sum_t (log pi - log pi_ref)`` over its completion tokens
+    (REINFORCE++'s KL in the reward), and the step's mean completion KL. ``policy_logp``
+    [this process's rows, T]: the log-probs of the policy that generated the rollout;
+    ``rollout.ref_logp`` the reference's. The KLs are gathered, so the estimator sees the whole
+    step again; ``rollout.rewards`` stay the task reward (what reward_mean logs)."""
     assert rollout.rewards is not None and rollout.ref_logp is not None
     width = min(policy_logp.shape[1], rollout.ref_logp.shape[1])
     lengths = torch.tensor([int(c.shape[0]) for c in rollout.completions])
@@ -89,9 +89,9 @@ def kl_in_reward(rollout: Rollout, policy_logp: torch.Tensor, beta: float,
     local = sequence_kl_k1(policy_logp[:, :width].double(), rollout.ref_logp[:, :width].double(), mask)
     kl = all_gather_rows(local)
     penalised = rollout.rewards.double() - beta * kl
-    rollout.advantages = estimator(penalised, rollout.num_generations).to(
+    advantages = estimator(penalised, rollout.num_generations).to(
         rollout.rewards.dtype)[rollout.share]
-    return float(kl.mean())
+    return advantages, float(kl.mean())
 
 
 def finished_rows(completions: Sequence[torch.Tensor], eos: Sequence[int]) -> torch.Tensor:

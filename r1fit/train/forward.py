@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -161,13 +162,14 @@ def run_logprobs(run: Any, model: Any, rollout: Rollout) -> torch.Tensor:
         layout=run.layout)
 
 
-def add_logprobs(rollout: Rollout, run: Any, reference: Any) -> None:
-    """Log-prob stage of a rollout: the reference's log-probs of this process's rows when there
-    is one, a micro-batch at a time (``run.sizes``), no gradients. The old policy's, which a
-    reused rollout (``algo.num_iterations`` > 1) needs, come from the first update's forwards
+def add_logprobs(rollout: Rollout, run: Any, reference: Any) -> Rollout:
+    """Log-prob stage: ``rollout`` with the reference's log-probs of this process's rows
+    (``ref_logp``) when there is one, a micro-batch at a time (``run.sizes``), no gradients, and
+    no old-policy ones (``old_logp`` None): those, which a reused rollout
+    (``algo.num_iterations`` > 1) needs, come from the first update's forwards
     (r1fit/train/grpo.py), which run the same weights."""
-    rollout.old_logp = None
-    rollout.ref_logp = None
+    ref_logp = None
     if reference is not None:
         with reference.model() as ref_model:
-            rollout.ref_logp = run_logprobs(run, ref_model, rollout)
+            ref_logp = run_logprobs(run, ref_model, rollout)
+    return replace(rollout, old_logp=None, ref_logp=ref_logp)

@@ -3,9 +3,9 @@
 Each step: fetch ``prompts_per_step`` prompts; (1) generate ``num_generations`` completions of each
 (:func:`generate_rollout`); (2) score them and compute group-relative advantages
 (:func:`score_rollout`); (3) reference log-probs (:func:`add_logprobs`); (4) ``num_iterations``
-clipped policy updates on that rollout (:func:`policy_update`), the first of which also records
-the old-policy log-probs the others need. Then one metrics row, evaluation when due, a
-checkpoint when due.
+clipped policy updates on that rollout (:func:`policy_update`), the first of which returns it
+with the old-policy log-probs the others need. Each stage returns what it made: a new record, and
+the update its statistics. Then one metrics row, evaluation when due, a checkpoint when due.
 
 Departures from DeepSeekMath's GRPO, all by config: DAPO's token-mean loss and clip-higher are the
 defaults (``algo.loss_aggregation``, ``algo.epsilon_high``); Dr. GRPO is available
@@ -16,6 +16,7 @@ the k3 estimator, added to the loss (``algo.beta``).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -129,9 +130,12 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
                     return draws, None, []
                 with timed(times, "seconds_update"):
                     with guard.phase("micro_batch"):
-                        add_logprobs(rollout, run, reference)
-                    updates = [policy_update(run, rollout, optimizer, scheduler, guard, loss,
-                                             iteration=i) for i in range(algo.num_iterations)]
+                        rollout = add_logprobs(rollout, run, reference)
+                    updates = []
+                    for i in range(algo.num_iterations):  # the first adds what the others read
+                        rollout, update = policy_update(run, rollout, optimizer, scheduler, guard,
+                                                        loss, iteration=i)
+                        updates.append(update)
                     engine.updated()
                 return draws, rollout, updates
 
@@ -203,14 +207,15 @@ def build_reference(run: Run) -> Reference | None:
 
 def policy_update(run: Run, rollout: Rollout, optimizer: torch.optim.Optimizer, scheduler: Any,
                   guard: OOMGuard, loss: LossSettings, *, iteration: int = 0
-                  ) -> dict[str, float | None]:
+                  ) -> tuple[Rollout, dict[str, float | None]]:
     """One optimizer update over this process's rows: accumulate (under the OOM guard) the
-    gradient of the ``loss``, clip, step. The logged sums are over every process (each one's
-    are its shares of the step). The ``first`` update of a rollout, whose policy is the one that
-    generated it, also measures how far the engine's log-probs are from the trainer's
-    (``rollout.engine_logp_diff``) and, with
-    ``algo.kl_in_reward``, recomputes the advantages from the rewards minus the KL to the
-    reference (logged as ``kl_in_reward``, the step's mean completion KL): the reference
+    gradient of the ``loss``, clip, step. Returns the rollout the later updates read and this
+    update's statistics, whose sums are over every process (each one's are its shares of the
+    step). The ``first`` update of a rollout, whose policy is the one that generated it, adds to
+    the rollout how far the engine's log-probs are from the trainer's (``engine_logp_diff``), the
+    old-policy log-probs the later updates need (``old_logp``, with ``algo.num_iterations`` > 1)
+    and, with ``algo.kl_in_reward``, the advantages recomputed from the rewards minus the KL to
+    the reference (the step's mean completion KL logged as ``kl_in_reward``): the reference
     log-probs exist only from the log-prob stage on, after scoring. ``iteration``: which of the
     rollout's ``num_iterations`` updates this is (0 = ``first``)."""
     algo = run.cfg.algo
@@ -219,36 +224,50 @@ def policy_update(run: Run, rollout: Rollout, optimizer: torch.optim.Optimizer, 
     if first and algo.kl_in_reward:
         with guard.phase("micro_batch"):
             policy_logp = run_logprobs(run, run.policy, rollout)
-        if algo.num_iterations > 1:
-            rollout.old_logp = policy_logp  # the policy before any update: the old one
-        kl_reward = kl_in_reward(rollout, policy_logp, algo.beta,
-                                 get_advantage_estimator(algo.estimator()))
+        advantages, kl_reward = kl_in_reward(rollout, policy_logp, algo.beta,
+                                             get_advantage_estimator(algo.estimator()))
+        # the policy before any update: its log-probs are the old ones
+        rollout = replace(rollout, advantages=advantages,
+                          old_logp=policy_logp if algo.num_iterations > 1 else rollout.old_logp)
 
     # the first update's forwards run the policy that generated the rollout, before any optimizer
     # step: their log-probs are the old ones the later updates need, so no separate pass
     capture_old = first and rollout.old_logp is None and algo.num_iterations > 1
 
-    def accumulate() -> dict[str, float | None]:
+    def accumulate() -> Accumulated:
         optimizer.zero_grad(set_to_none=True)
         return accumulate_policy_gradients(run, rollout, loss=loss, compare_engine=first,
                                            iteration=iteration, capture_old=capture_old)
 
-    sums = guard.run_update(accumulate)
+    made = guard.run_update(accumulate)
+    sums = made.sums
     keys = [k for k, v in sums.items() if v is not None]
     sums.update(zip(keys, all_sum([sums[k] for k in keys])))
     if kl_reward is not None:
         sums["kl_in_reward"] = kl_reward  # already over every process
     engine_diff = sums.pop("engine_logp_abs_diff", None)
-    if engine_diff is not None:
-        rollout.engine_logp_diff = engine_diff / max(rollout.total_tokens, 1)
     sums["grad_norm"] = clip_and_step(optimizer, scheduler, run.cfg.train.max_grad_norm)
     guard.updates_done += 1
-    return sums
+    if made.old_logp is not None:
+        rollout = replace(rollout, old_logp=made.old_logp)
+    if engine_diff is not None:
+        rollout = replace(rollout, engine_logp_diff=engine_diff / max(rollout.total_tokens, 1))
+    return rollout, sums
+
+
+@dataclass(frozen=True)
+class Accumulated:
+    """What accumulating the policy gradient makes besides the gradients (left in ``.grad``):
+    this process's sums for the metrics row and, with ``capture_old``, the rows' log-probs
+    [rows, longest completion], the old ones for the rollout's later updates."""
+
+    sums: dict[str, float | None]
+    old_logp: torch.Tensor | None = None
 
 
 def accumulate_policy_gradients(run: Run, rollout: Rollout, *, loss: LossSettings,
                                 compare_engine: bool = False, iteration: int = 0,
-                                capture_old: bool = False) -> dict[str, float | None]:
+                                capture_old: bool = False) -> Accumulated:
     """Backward of the GRPO loss (``loss``: its settings, ``LossSettings.of(cfg.algo)``) over
     this process's rows, a micro-batch at a time (``memory.micro_batch`` rows, or
     ``memory.micro_batch_tokens`` packed tokens).
@@ -264,7 +283,7 @@ def accumulate_policy_gradients(run: Run, rollout: Rollout, *, loss: LossSetting
     Clip-Cov/KL-Cov tokens are chosen over that micro-batch, Clip-Cov's at random from a stream
     keyed by the seed, step, ``iteration``, micro-batch and process (the same after a resume).
     With ``capture_old`` (the first of several updates, whose policy generated the rollout), the
-    rows' log-probs become ``rollout.old_logp`` for the later updates: the ratio of this update
+    rows' log-probs come back as the old ones for the later updates: the ratio of this update
     is 1, as with old log-probs from a separate pass over the same weights.
     """
     algo, device = run.cfg.algo, run.device
@@ -341,6 +360,6 @@ def accumulate_policy_gradients(run: Run, rollout: Rollout, *, loss: LossSetting
         for key in ("clip_fraction", "kl", "tis_weight", "cov_restricted"):
             if key in stats:  # kl only with a reference model (beta > 0); else logged as null
                 sums[key] += float(stats[key])
-    if capture_old:
-        rollout.old_logp = pad_rows(captured, max(int(c.shape[0]) for c in rollout.completions))
-    return sums
+    if not capture_old:
+        return Accumulated(sums)
+    return Accumulated(sums, pad_rows(captured, max(int(c.shape[0]) for c in rollout.completions)))

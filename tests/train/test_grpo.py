@@ -51,7 +51,7 @@ def test_micro_batched_gradient_equals_unbatched(float64_tiny, aggregation, lora
         run = SimpleNamespace(cfg=cfg, device=CPU, ids=SimpleNamespace(pad=pad), policy=model,
                               sizes=ChunkSizes(micro, 64, asked={}, micro_batch_tokens=tokens),
                               layout=BatchLayout(shared))
-        sums = accumulate_policy_gradients(run, rollout, loss=LossSettings.of(cfg.algo))
+        sums = accumulate_policy_gradients(run, rollout, loss=LossSettings.of(cfg.algo)).sums
         assert (sums["kl"] is None) == (ref is None)
         results[(micro, tokens, shared)] = (sums["loss"], [p.grad.clone() for p in params])
     loss6, grads6 = results[(6, None, False)]
@@ -91,12 +91,15 @@ def test_the_first_update_records_the_old_logprobs_a_separate_pass_would_give(fl
         run = SimpleNamespace(cfg=cfg, device=CPU, ids=SimpleNamespace(pad=pad), policy=model,
                               sizes=ChunkSizes(4, 64, asked={}, micro_batch_tokens=tokens),
                               layout=BatchLayout(False))
-        accumulate_policy_gradients(run, rollout, loss=LossSettings.of(cfg.algo),
-                                    capture_old=old is None)
+        made = accumulate_policy_gradients(run, rollout, loss=LossSettings.of(cfg.algo),
+                                           capture_old=old is None)
         grads[old is None] = [p.grad.clone() for p in params]
+        assert rollout.old_logp is old  # returned, not written back
         if old is None:
-            assert rollout.old_logp.shape == separate.shape
-            torch.testing.assert_close(rollout.old_logp, separate, rtol=0, atol=1e-12)
+            assert made.old_logp.shape == separate.shape
+            torch.testing.assert_close(made.old_logp, separate, rtol=0, atol=1e-12)
+        else:
+            assert made.old_logp is None
     assert any(g.abs().sum() > 0 for g in grads[True])
     for a, b in zip(grads[True], grads[False]):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-12)
@@ -137,7 +140,7 @@ def test_fused_loss_gives_the_gradient_of_the_recomputing_head(float64_tiny, lor
         run = SimpleNamespace(cfg=cfg, device=CPU, ids=SimpleNamespace(pad=pad), policy=model,
                               sizes=ChunkSizes(micro, 64, asked={}, micro_batch_tokens=tokens),
                               layout=BatchLayout(False))
-        sums = accumulate_policy_gradients(run, rollout, loss=LossSettings.of(cfg.algo))
+        sums = accumulate_policy_gradients(run, rollout, loss=LossSettings.of(cfg.algo)).sums
         results[fused] = (sums, [p.grad.clone() for p in params])
     (sums, grads), (fused_sums, fused_grads) = results[False], results[True]
     assert any(g.abs().sum() > 0 for g in grads)
