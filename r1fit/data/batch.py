@@ -69,18 +69,24 @@ def encode_prompts(processor: Any, samples: Sequence[Sample], system_prompt: str
                                              add_generation_prompt=True)
         enc = processor(text=[text], images=list(sample.images) or None, return_tensors="pt",
                         **_template_specials(processor, text))
-        input_ids = enc["input_ids"][0]
-        length = input_ids.shape[0]
-        token_inputs, image_inputs = {}, {}
-        for key, value in enc.items():
-            if key in ("input_ids", "attention_mask") or not isinstance(value, torch.Tensor):
-                continue
-            if value.dim() == 2 and value.shape == (1, length):
-                token_inputs[key] = value[0]
-            else:
-                image_inputs[key] = value
-        prompts.append(Prompt(input_ids, token_inputs, image_inputs, sample))
+        prompts.append(Prompt(*split_encoded(enc), sample))
     return prompts
+
+
+def split_encoded(enc: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(input_ids [L], per-token extras each [L], per-image tensors)`` of one text the processor
+    encoded (a batch of one): a tensor of shape ``[1, L]`` is per-token, any other is per-image."""
+    input_ids = enc["input_ids"][0]
+    length = input_ids.shape[0]
+    token_inputs, image_inputs = {}, {}
+    for key, value in enc.items():
+        if key in ("input_ids", "attention_mask") or not isinstance(value, torch.Tensor):
+            continue
+        if value.dim() == 2 and value.shape == (1, length):
+            token_inputs[key] = value[0]
+        else:
+            image_inputs[key] = value
+    return input_ids, token_inputs, image_inputs
 
 
 def _template_specials(processor: Any, text: str) -> dict[str, bool]:

@@ -1,0 +1,348 @@
+"""Multi-turn rollouts with tools, on Hugging Face ``generate``: the policy generates until it
+writes ``</tool_call>`` or ends, r1fit runs the calls, appends their results as a tool turn and the
+policy goes on, up to the budgets (docs/tools.md). NOT wired into training yet: nothing calls
+:func:`run_trajectories` but the tests, and a config naming tools is still refused at load.
+
+A :class:`Trajectory` holds the token ids of the whole conversation after the prompt, the ids the
+policy sampled kept as sampled (re-tokenizing decoded text need not give them back) and each tool
+turn encoded on its own by the processor, its images included; ``policy_mask`` is 1 exactly on the
+policy's tokens. The tool turn's text is what the chat template writes after an assistant turn's
+text (the ``<|im_end|>`` that closes the policy's turn included: generation stopped at
+``</tool_call>`` before the policy wrote it, so it is context), found by rendering the turn after a
+marker instead of the policy's text, so a template that trims or rewrites assistant text cannot
+shift it.
+
+Each row samples from its own stream per turn (:func:`turn_seed` of the row's seed and the turn
+number, the stream :class:`~r1fit.rollout.generate.SeededSampler` draws one uniform from per
+position), so a trajectory does not depend on which other trajectories share its batch, nor on
+when they finish; a finished trajectory leaves the batch.
+
+Budgets, as the config documents them: a trajectory ends when a turn ends with an end-of-sequence
+token (``eos``), runs to ``max_new_tokens`` without a complete call (``max_new_tokens``), writes a
+call in its ``max_turns``-th turn (``max_turns``: that turn's calls are not run) or reaches
+``max_trajectory_tokens`` (``max_trajectory_tokens``: the turn that reaches it is cut there; a tool
+turn that would leave the policy no token is not appended, its calls were run). A call past
+``max_tool_calls`` is not run and gets an error result, and an image result past ``max_images``
+(the row's images and the tools' together) becomes an error result; the policy is told and may
+still answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+from r1fit.data.batch import Prompt, collate, cut_after_eos, split_encoded
+from r1fit.models.load import unwrap
+from r1fit.rollout.generate import SamplingSettings, SeededSampler, TokenIds, generation_config
+from r1fit.tools import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    MalformedCall,
+    ToolCall,
+    ToolContext,
+    ToolResult,
+    ToolRunner,
+    append_tool_turn,
+    parse_tool_calls,
+)
+
+#: why a trajectory ended
+END_REASONS = ("eos", "max_new_tokens", "max_turns", "max_trajectory_tokens")
+
+#: tokens at the end of a row decoded to look for ``</tool_call>``; more than any tokenizer
+#: splits the tag into
+STOP_WINDOW = 32
+
+# written as the assistant's text when rendering a tool turn: the tool turn is what follows it
+_MARKER = "R1FIT-ASSISTANT-TURN-MARKER"
+
+
+@dataclass(frozen=True)
+class TurnBudgets:
+    """How far one trajectory may grow (``rollout.max_turns``, ``rollout.max_tool_calls``,
+    ``algo.max_new_tokens`` per turn, ``rollout.max_trajectory_tokens``, ``data.max_images``)."""
+
+    max_turns: int
+    max_tool_calls: int
+    max_new_tokens: int
+    max_images: int
+    max_trajectory_tokens: int | None = None  # None: max_turns x max_new_tokens
+
+    @property
+    def tokens(self) -> int:
+        """Tokens after the prompt one trajectory may hold."""
+        if self.max_trajectory_tokens is not None:
+            return self.max_trajectory_tokens
+        return self.max_turns * self.max_new_tokens
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One policy turn: its text (decoded, special tokens left out), its token count, how it ended
+    (``"eos"``, ``"tool_call"``, ``"length"``), the calls it wrote when it ended on one, and their
+    results (``()`` when they were not run). ``context_tokens``: the tokens of the tool turn
+    appended after it (0 when none was)."""
+
+    text: str
+    tokens: int
+    ended: str
+    calls: tuple[ToolCall | MalformedCall, ...] = ()
+    results: tuple[ToolResult, ...] = ()
+    context_tokens: int = 0
+
+
+@dataclass
+class Trajectory:
+    """One row's conversation after its prompt.
+
+    Attributes:
+        prompt: the row's prompt.
+        token_ids: [T] long, every token after the prompt: the policy's turns and the tool turns.
+        policy_mask: [T] float, 1 on the tokens the policy sampled, 0 on tool-turn tokens.
+        token_inputs: per-token extras over ``token_ids`` (``mm_token_type_ids``: 1 on the tool
+            images' tokens), each [T].
+        image_inputs: the tool images' tensors (``pixel_values``, ``image_grid_thw``), in order.
+        images: the images the tool turns showed, in order (fitted to the pixel budget).
+        turns: the policy's turns.
+        ended: why it ended (one of ``END_REASONS``); None while it is open.
+        calls_run: tool calls given to the runner (malformed ones included; the budget counts them).
+    """
+
+    prompt: Prompt
+    token_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    policy_mask: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    token_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    image_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    images: list[Image.Image] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    ended: str | None = None
+    calls_run: int = 0
+
+    @property
+    def length(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.turns)
+
+    @property
+    def tool_calls(self) -> int:
+        """Calls answered with a result (run, or refused by a budget)."""
+        return sum(len(turn.results) for turn in self.turns)
+
+    @property
+    def tool_errors(self) -> int:
+        return sum(result.error for turn in self.turns for result in turn.results)
+
+    def context(self) -> Prompt:
+        """The prompt grown by the trajectory: what the policy's next turn is generated from."""
+        keys = dict.fromkeys([*self.prompt.token_inputs, *self.token_inputs])
+        extras = {key: torch.cat([_extra(self.prompt.token_inputs, key, self.prompt.length),
+                                  _extra(self.token_inputs, key, self.length)]) for key in keys}
+        images = {key: torch.cat([part[key] for part in (self.prompt.image_inputs,
+                                                         self.image_inputs) if key in part])
+                  for key in dict.fromkeys([*self.prompt.image_inputs, *self.image_inputs])}
+        return Prompt(torch.cat([self.prompt.input_ids, self.token_ids]), extras, images,
+                      self.prompt.sample)
+
+    def _append(self, ids: torch.Tensor, policy: bool, extras: dict[str, torch.Tensor]) -> None:
+        n = int(ids.shape[0])
+        for key in dict.fromkeys([*self.token_inputs, *extras]):
+            self.token_inputs[key] = torch.cat([_extra(self.token_inputs, key, self.length),
+                                                _extra(extras, key, n)])
+        self.token_ids = torch.cat([self.token_ids, ids.to(torch.long)])
+        self.policy_mask = torch.cat([self.policy_mask, torch.full((n,), float(policy))])
+
+
+def _extra(extras: dict[str, torch.Tensor], key: str, n: int) -> torch.Tensor:
+    """``extras[key]``, or n zeros where a piece has no such extra (text has no image tokens)."""
+    return extras[key] if key in extras else torch.zeros(n, dtype=torch.long)
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """The 63-bit seed of a row's ``turn``-th turn, from the row's seed (``row_seeds``)."""
+    return int(np.random.SeedSequence([seed, turn]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+#: ``generate_turn(rows, seeds or None, limits) -> tokens``: one turn of each row, generated from
+#: ``rows`` (contexts), row i up to ``limits[i]`` tokens, stopped after ``</tool_call>`` or its
+#: end-of-sequence token (kept)
+GenerateTurn = Callable[[Sequence[Prompt], Sequence[int] | None, Sequence[int]],
+                        list[torch.Tensor]]
+
+
+class StopAtToolCall(StoppingCriteria):
+    """Per row of a batch whose turns start at column ``start``: done once the turn's text holds
+    ``</tool_call>`` (the last ``STOP_WINDOW`` tokens decoded) or the turn has ``limits[i]``
+    tokens. ``stops[i]``: the turn's length where row i stopped (None while running)."""
+
+    def __init__(self, tokenizer: Any, start: int, limits: Sequence[int]) -> None:
+        self.tokenizer, self.start, self.limits = tokenizer, start, list(limits)
+        self.stops: list[int | None] = [None] * len(self.limits)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
+        n = int(input_ids.shape[1]) - self.start
+        for i, row in enumerate(input_ids):
+            if self.stops[i] is not None:
+                continue
+            tail = row[self.start + max(0, n - STOP_WINDOW):].tolist()
+            if n >= self.limits[i] or TOOL_CALL_CLOSE in self.tokenizer.decode(
+                    tail, skip_special_tokens=True):
+                self.stops[i] = n
+        return torch.tensor([s is not None for s in self.stops], device=input_ids.device)
+
+
+def hf_generate_turn(model: Any, tokenizer: Any, settings: SamplingSettings, ids: TokenIds,
+                     device: torch.device) -> GenerateTurn:
+    """One turn of all open rows as one ``generate`` call (``settings.max_new_tokens`` is
+    replaced by the rows' largest limit); greedy when ``settings.greedy`` (seeds None)."""
+
+    @torch.no_grad()
+    def generate(rows: Sequence[Prompt], seeds: Sequence[int] | None,
+                 limits: Sequence[int]) -> list[torch.Tensor]:
+        gen_config = generation_config(replace(settings, max_new_tokens=max(limits)), ids)
+        if not settings.min_new_tokens and \
+                getattr(unwrap(model).generation_config, "min_new_tokens", None) is None:
+            gen_config.min_new_tokens = None  # as generate_completions: no idle MinLength pass
+        batch = collate(rows, None, ids.pad).to(device)
+        stop = StopAtToolCall(tokenizer, batch.prompt_len, limits)
+        processors = LogitsProcessorList()
+        if seeds is not None:
+            processors.append(SeededSampler(seeds, settings.temperature, settings.top_p))
+        was_training = model.training
+        model.eval()
+        try:
+            out = model.generate(**batch.inputs, generation_config=gen_config,
+                                 logits_processor=processors,
+                                 stopping_criteria=StoppingCriteriaList([stop]), synced_gpus=False)
+        finally:
+            model.train(was_training)
+        new = out[:, batch.prompt_len:].cpu()
+        # a row finished early is padded up to the batch's longest turn: cut where it stopped
+        return [cut_after_eos(row[:stop.stops[i] if stop.stops[i] is not None else len(row)],
+                              ids.eos) for i, row in enumerate(new)]
+
+    return generate
+
+
+def tool_turn_tokens(processor: Any, results: Sequence[ToolResult]
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor],
+                                list[Image.Image]]:
+    """The tool turn of ``results`` as the chat template writes it after an assistant turn's text
+    (closing that turn, the user turn of results, the next assistant turn's opening), encoded by
+    the processor with its images: ``(ids, per-token extras, image tensors, images)``."""
+    base = [{"role": "user", "content": [{"type": "text", "text": "."}]}]
+    messages, images = append_tool_turn(base, [], _MARKER, results)
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if text.count(_MARKER) != 1:
+        raise ValueError("the chat template does not write an assistant turn's text as given; "
+                         "multi-turn rollouts cannot tell the tool turn's tokens")
+    enc = processor(text=[text.split(_MARKER)[1]], images=images or None, return_tensors="pt",
+                    add_special_tokens=False)
+    ids, extras, image_inputs = split_encoded(enc)
+    return ids, extras, image_inputs, images
+
+
+def _ending(tokens: torch.Tensor, text: str, eos: Sequence[int]) -> str:
+    if tokens.numel() and int(tokens[-1]) in eos:
+        return "eos"
+    return "tool_call" if TOOL_CALL_CLOSE in text else "length"
+
+
+def _answer(trajectory: Trajectory, calls: Sequence[ToolCall | MalformedCall],
+            runner: ToolRunner, context: ToolContext, budgets: TurnBudgets) -> list[ToolResult]:
+    """The results of one turn's calls: run while the call budget lasts, an error result past it;
+    an image result past the image budget becomes an error result."""
+    results = []
+    held = len(trajectory.prompt.sample.images) + len(trajectory.images)
+    for call in calls:
+        name = call.name if isinstance(call, ToolCall) else ""
+        if trajectory.calls_run >= budgets.max_tool_calls:
+            results.append(ToolResult.failure(name, f"not run: the trajectory's "
+                                                    f"{budgets.max_tool_calls} tool calls "
+                                                    "(rollout.max_tool_calls) are spent"))
+            continue
+        trajectory.calls_run += 1
+        result = runner.run(call, context)
+        shown = sum(isinstance(part, Image.Image) for part in result.parts)
+        if held + shown > budgets.max_images:
+            result = ToolResult.failure(name, f"returned {shown} image(s), more than the "
+                                              f"trajectory's {budgets.max_images} images "
+                                              f"(data.max_images, {held} held) allow")
+        else:
+            held += shown
+        results.append(result)
+    return results
+
+
+def run_trajectories(generate_turn: GenerateTurn, processor: Any, prompts: Sequence[Prompt],
+                     seeds: Sequence[int] | None, runner: ToolRunner, budgets: TurnBudgets, *,
+                     eos: Sequence[int], contexts: Sequence[ToolContext] | None = None
+                     ) -> list[Trajectory]:
+    """One trajectory per prompt, in order. ``seeds``: one per row (``row_seeds``), None for
+    greedy; ``eos``: the end-of-sequence ids; ``contexts``: what the tools see of each row
+    (default: the prompt's images, already shrunk to the pixel budget; a trainer passes the
+    source-resolution ones, see docs/tools.md)."""
+    if seeds is not None and len(seeds) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts, {len(seeds)} seeds")
+    if contexts is None:
+        contexts = [ToolContext(tuple(p.sample.images), p.sample.source) for p in prompts]
+    trajectories = [Trajectory(prompt) for prompt in prompts]
+    open_rows = list(range(len(prompts)))
+    while open_rows:
+        limits = [min(budgets.max_new_tokens, budgets.tokens - trajectories[i].length)
+                  for i in open_rows]
+        turn_seeds = None if seeds is None else \
+            [turn_seed(seeds[i], trajectories[i].num_turns) for i in open_rows]
+        turns = generate_turn([trajectories[i].context() for i in open_rows], turn_seeds, limits)
+        still_open = []
+        for i, tokens in zip(open_rows, turns, strict=True):
+            if _take_turn(trajectories[i], tokens, processor, runner, contexts[i], budgets, eos):
+                still_open.append(i)
+        open_rows = still_open
+    return trajectories
+
+
+def _take_turn(trajectory: Trajectory, tokens: torch.Tensor, processor: Any, runner: ToolRunner,
+               context: ToolContext, budgets: TurnBudgets, eos: Sequence[int]) -> bool:
+    """Append one policy turn, and its tool turn when the policy goes on; False when the
+    trajectory ended (``trajectory.ended`` says why)."""
+    text = processor.tokenizer.decode(tokens.tolist(), skip_special_tokens=True)
+    ending = _ending(tokens, text, eos)
+    trajectory._append(tokens, True, {})
+    turn = Turn(text, int(tokens.shape[0]), ending)
+    if ending != "tool_call":
+        trajectory.turns.append(turn)
+        trajectory.ended = "eos" if ending == "eos" else (
+            "max_trajectory_tokens" if trajectory.length >= budgets.tokens else "max_new_tokens")
+        return False
+    calls = tuple(parse_tool_calls(text)) or (
+        MalformedCall(f"{TOOL_CALL_CLOSE} without {TOOL_CALL_OPEN}", text),)
+    turn = replace(turn, calls=calls)
+    if trajectory.num_turns + 1 >= budgets.max_turns or trajectory.length >= budgets.tokens:
+        trajectory.turns.append(turn)  # the policy has no turn left to read the results in
+        trajectory.ended = "max_turns" if trajectory.num_turns >= budgets.max_turns \
+            else "max_trajectory_tokens"
+        return False
+    results = _answer(trajectory, calls, runner, context, budgets)
+    ids, extras, image_inputs, images = tool_turn_tokens(processor, results)
+    turn = replace(turn, results=tuple(results))
+    if trajectory.length + int(ids.shape[0]) >= budgets.tokens:
+        trajectory.turns.append(turn)  # no token left for the policy after the tool turn
+        trajectory.ended = "max_trajectory_tokens"
+        return False
+    trajectory.turns.append(replace(turn, context_tokens=int(ids.shape[0])))
+    trajectory._append(ids, False, extras)
+    for key, value in image_inputs.items():
+        held = trajectory.image_inputs.get(key)
+        trajectory.image_inputs[key] = value if held is None else torch.cat([held, value])
+    trajectory.images.extend(images)
+    return True

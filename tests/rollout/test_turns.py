@@ -1,0 +1,346 @@
+"""The multi-turn loop: masks checked token by token against a hand-built conversation, budgets
+and tool errors with a scripted policy, and the tiny model's trajectories alone vs in a batch."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoProcessor, LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
+
+from r1fit.data.batch import Prompt, chat_messages, collate, encode_prompts
+from r1fit.data.dataset import load_dataset
+from r1fit.data.sample import Sample
+from r1fit.models.load import load_policy
+from r1fit.rollout.generate import SamplingSettings, TokenIds, row_seeds
+from r1fit.rollout.turns import (
+    StopAtToolCall,
+    TurnBudgets,
+    hf_generate_turn,
+    run_trajectories,
+    turn_seed,
+)
+from r1fit.tools import ToolRunner, append_tool_turn
+
+CPU = torch.device("cpu")
+SYSTEM = "Use the tools, then answer."
+CROP = '<tool_call>\n{"name": "crop", "arguments": {"x1": 0, "y1": 0, "x2": 0.5, "y2": 0.5}}\n</tool_call>'
+ANSWER = "<answer>red</answer>"
+
+
+def call(name: str, **arguments) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_dir):
+    return AutoProcessor.from_pretrained(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def eos(processor) -> list[int]:
+    return [processor.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+
+def image56() -> Image.Image:
+    image = Image.new("RGB", (56, 56), (255, 0, 0))
+    image.paste((0, 0, 255), (0, 0, 28, 28))
+    return image
+
+
+def prompts_for(processor, n: int = 1) -> list[Prompt]:
+    samples = [Sample([image56()], f"What colour is corner {i}?", "red", f"test#{i}")
+               for i in range(n)]
+    return encode_prompts(processor, samples, SYSTEM)
+
+
+class ScriptedPolicy:
+    """A fake policy: row ``sample.source`` writes ``scripts[source][k]`` in its k-th turn (k
+    read from the context: the tool turns in it), an end-of-sequence token after a text that does
+    not end with a call, cut at the row's limit. ``batches`` keeps each call's row count."""
+
+    def __init__(self, processor, scripts: dict[str, list[str]], eos: int) -> None:
+        self.tokenizer, self.scripts, self.eos = processor.tokenizer, scripts, eos
+        self.batches: list[int] = []
+
+    def ids(self, text: str) -> list[int]:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids if text.endswith("</tool_call>") else [*ids, self.eos]
+
+    def __call__(self, rows: Sequence[Prompt], seeds, limits) -> list[torch.Tensor]:
+        self.batches.append(len(rows))
+        out = []
+        for row, limit in zip(rows, limits, strict=True):
+            turn = self.tokenizer.decode(row.input_ids.tolist()).count("<tool_response>")
+            text = self.scripts[row.sample.source][turn]
+            out.append(torch.tensor(self.ids(text)[:limit], dtype=torch.long))
+        return out
+
+
+def runner(*names: str) -> ToolRunner:
+    return ToolRunner(names or ("crop", "zoom"), timeout=5.0, min_pixels=28 * 28,
+                      max_pixels=56 * 56)
+
+
+def budgets(**changes) -> TurnBudgets:
+    settings = {"max_turns": 4, "max_tool_calls": 3, "max_new_tokens": 200, "max_images": 4,
+                **changes}
+    return TurnBudgets(**settings)
+
+
+def run(processor, eos, scripts, n=1, tools=None, **budget_changes):
+    policy = ScriptedPolicy(processor, scripts, eos[0])
+    tool_runner = tools or runner()
+    out = run_trajectories(policy, processor, prompts_for(processor, n), None, tool_runner,
+                           budgets(**budget_changes), eos=eos)
+    return out, policy, tool_runner
+
+
+def test_the_mask_is_one_exactly_on_the_policy_tokens(processor, eos):
+    (trajectory,), _, _ = run(processor, eos, {"test#0": [CROP, ANSWER]})
+    tok = processor.tokenizer
+    # the conversation after the prompt, written out by hand: the call, the tool turn with the
+    # crop's 28 x 28 image (resized by the tiny processor to its 56 x 56 minimum: 4 x 4 patches of
+    # 14 px, merged 2 x 2 into 4 image tokens), the answer
+    pad = "<|image_pad|>"
+    tool_turn = ("<|im_end|>\n<|im_start|>user\n<tool_response>\n<|vision_start|>" + pad * 4 +
+                 "<|vision_end|>\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    pieces = [(CROP, 1), (tool_turn, 0), (ANSWER, 1)]
+    ids, mask = [], []
+    for text, policy in pieces:
+        piece = tok(text, add_special_tokens=False)["input_ids"]
+        ids += piece
+        mask += [policy] * len(piece)
+    ids, mask = ids + eos, mask + [1]
+    assert trajectory.token_ids.tolist() == ids
+    assert trajectory.policy_mask.tolist() == mask
+    image_token = tok.convert_tokens_to_ids(pad)
+    assert trajectory.token_inputs["mm_token_type_ids"].tolist() == [int(t == image_token)
+                                                                      for t in ids]
+    assert trajectory.image_inputs["image_grid_thw"].tolist() == [[1, 4, 4]]
+    assert [image.size for image in trajectory.images] == [(28, 28)]
+    assert trajectory.ended == "eos"
+    assert (trajectory.num_turns, trajectory.tool_calls, trajectory.tool_errors) == (2, 1, 0)
+    first, second = trajectory.turns
+    assert (first.text, first.ended, first.calls[0].name) == (CROP, "tool_call", "crop")
+    assert first.context_tokens == mask.count(0)
+    assert (second.text, second.ended, second.results) == (ANSWER, "eos", ())
+
+
+def test_the_context_is_the_processors_encoding_of_the_grown_conversation(processor, eos):
+    (trajectory,), _, _ = run(processor, eos, {"test#0": [CROP, CROP, ANSWER]})
+    prompt = trajectory.prompt
+    messages, images = chat_messages(prompt.sample, SYSTEM), list(prompt.sample.images)
+    for turn in trajectory.turns[:2]:
+        messages, images = append_tool_turn(messages, images, turn.text, turn.results)
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    enc = processor(text=[text], images=images, return_tensors="pt")
+    grown = trajectory.context()
+    policy_tokens = len(trajectory.token_ids) - trajectory.turns[2].tokens  # before the answer
+    assert grown.input_ids[:prompt.length + policy_tokens].tolist() == enc["input_ids"][0].tolist()
+    assert grown.token_inputs["mm_token_type_ids"][:len(enc["input_ids"][0])].tolist() == \
+        enc["mm_token_type_ids"][0].tolist()
+    assert torch.equal(grown.image_inputs["pixel_values"], enc["pixel_values"])
+    assert torch.equal(grown.image_inputs["image_grid_thw"], enc["image_grid_thw"])
+
+
+@pytest.mark.parametrize(("script", "changes", "ended", "turns", "calls"), [
+    ([ANSWER], {}, "eos", 1, 0),
+    (["no answer yet " * 10], {"max_new_tokens": 8}, "max_new_tokens", 1, 0),
+    ([CROP] * 5, {"max_turns": 3}, "max_turns", 3, 2),  # the last turn's call is not run
+    ([CROP, ANSWER * 20], {"max_trajectory_tokens": 150}, "max_trajectory_tokens", 2, 1),
+    ([CROP, ANSWER], {"max_trajectory_tokens": 100}, "max_trajectory_tokens", 1, 1),
+])
+def test_budgets_end_trajectories_with_their_reason(processor, eos, script, changes, ended,
+                                                    turns, calls):
+    (trajectory,), _, _ = run(processor, eos, {"test#0": script}, **changes)
+    assert trajectory.ended == ended
+    assert (trajectory.num_turns, trajectory.tool_calls) == (turns, calls)
+    assert trajectory.length <= budgets(**changes).tokens
+    assert len(trajectory.policy_mask) == trajectory.length
+
+
+def test_the_token_budget_cuts_a_turn_and_drops_a_tool_turn_that_leaves_no_room(processor, eos):
+    (cut,), _, _ = run(processor, eos, {"test#0": [CROP, ANSWER * 20]}, max_trajectory_tokens=150)
+    assert cut.length == 150 and cut.turns[1].tokens == 150 - cut.turns[0].tokens - \
+        cut.turns[0].context_tokens
+    (dropped,), _, _ = run(processor, eos, {"test#0": [CROP, ANSWER]}, max_trajectory_tokens=100)
+    # the crop ran (its result is recorded), but its 40-odd tokens after the 85 of the call leave no room for an answer
+    assert dropped.turns[0].results and dropped.turns[0].context_tokens == 0
+    assert dropped.policy_mask.tolist() == [1.0] * dropped.length
+
+
+def test_calls_past_the_budget_are_error_results(processor, eos):
+    (trajectory,), _, tools = run(processor, eos, {"test#0": [CROP, CROP, CROP, ANSWER]},
+                                  max_tool_calls=1)
+    assert trajectory.ended == "eos"
+    assert [r.error for t in trajectory.turns for r in t.results] == [False, True, True]
+    assert "rollout.max_tool_calls" in trajectory.turns[1].results[0].parts[0]
+    assert (trajectory.tool_calls, trajectory.tool_errors, trajectory.calls_run) == (3, 2, 1)
+    assert tools.stats.tools["crop"].calls == 1
+    assert len(trajectory.images) == 1
+
+
+def test_images_past_the_budget_are_error_results(processor, eos):
+    # the row's image and one crop fill max_images=2: the second crop is told so
+    (trajectory,), _, tools = run(processor, eos, {"test#0": [CROP, CROP, ANSWER]}, max_images=2)
+    second = trajectory.turns[1].results[0]
+    assert second.error and "data.max_images" in second.parts[0]
+    assert len(trajectory.images) == 1 and trajectory.image_inputs["image_grid_thw"].shape[0] == 1
+    assert tools.stats.tools["crop"].calls == 2  # it ran; its image was refused
+
+
+def test_tool_errors_become_error_turns_and_are_counted(processor, eos):
+    script = [call("crop", x1=0, y1=0, x2=1.5, y2=1), call("rotate"),
+              '<tool_call>\n{"name": "crop", oops}\n</tool_call>', "</tool_call>", ANSWER]
+    (trajectory,), _, tools = run(processor, eos, {"test#0": script}, max_turns=6,
+                                  max_tool_calls=6)
+    assert trajectory.ended == "eos"
+    results = [turn.results for turn in trajectory.turns[:4]]
+    assert all(len(r) == 1 and r[0].error for r in results)
+    texts = [r[0].parts[0] for r in results]
+    assert texts[0].startswith("error: crop: x2=1.5")
+    assert "unknown tool 'rotate'" in texts[1]
+    assert "not valid JSON" in texts[2]
+    assert "</tool_call> without <tool_call>" in texts[3]
+    assert (trajectory.tool_calls, trajectory.tool_errors) == (4, 4)
+    assert tools.stats.tools["crop"].errors == 1 and tools.stats.malformed == 3
+    # each error is a text turn the policy reads: no image was added
+    tok = processor.tokenizer
+    assert texts[0] in tok.decode(trajectory.token_ids.tolist())
+    assert not trajectory.images and not trajectory.image_inputs
+
+
+def test_finished_trajectories_leave_the_batch(processor, eos):
+    scripts = {"test#0": [ANSWER], "test#1": [CROP, ANSWER], "test#2": [CROP, CROP, ANSWER]}
+    out, policy, _ = run(processor, eos, scripts, n=3)
+    assert policy.batches == [3, 2, 1]
+    assert [t.num_turns for t in out] == [1, 2, 3]
+    assert [t.ended for t in out] == ["eos"] * 3
+
+
+def test_stop_at_tool_call_stops_each_row_where_the_tag_closes(processor):
+    tok = processor.tokenizer
+    rows = [tok(text, add_special_tokens=False)["input_ids"]
+            for text in ("look " + CROP + " more text here", "no call at all, just words")]
+    width = max(map(len, rows))
+    ids = torch.tensor([row + [0] * (width - len(row)) for row in rows])
+    start = 3
+    stop = StopAtToolCall(tok, start, limits=[100, 10])
+    done = [stop(ids[:, :n], None).tolist() for n in range(start + 1, width + 1)]
+    closed = len(tok("look " + CROP, add_special_tokens=False)["input_ids"]) - start
+    assert stop.stops == [closed, 10]
+    assert [d[0] for d in done] == [n - start >= closed for n in range(start + 1, width + 1)]
+
+
+def test_turn_seeds_differ_per_turn_and_row():
+    seeds = row_seeds(0, 1, 0, 3)
+    drawn = {turn_seed(seed, turn) for seed in seeds for turn in range(4)}
+    assert len(drawn) == 12 and all(0 <= s < 2 ** 63 for s in drawn)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    model, processor = load_policy(str(tiny_dir), lora_r=0, lora_alpha=16, lora_dropout=0.0,
+                                   lora_target="all-linear", freeze_vision=False, dtype="float32",
+                                   device=CPU, gradient_checkpointing=False)
+    data = load_dataset("builtin:shapes", split="train", min_pixels=784, max_pixels=3136,
+                        max_images=1, max_bad_fraction=0.0, seed=0, size=8)
+    prompts = encode_prompts(processor, [data[i] for i in (0, 1, 2)], SYSTEM)
+    return model, processor, TokenIds.of(model, processor), prompts
+
+
+class FirstTurns:
+    """The tiny model, except that a row whose script has a k-th entry writes it in its k-th
+    turn: random weights never write a call, the model's own turns run after the scripted ones
+    on the grown contexts (several images per row)."""
+
+    def __init__(self, model_turn, tokenizer, scripts: dict[str, list[str]]) -> None:
+        self.model_turn, self.tokenizer, self.scripts = model_turn, tokenizer, scripts
+        self.batches: list[int] = []  # rows of each batch the model generated
+
+    def __call__(self, rows, seeds, limits):
+        out: list[torch.Tensor | None] = []
+        for row in rows:
+            turn = self.tokenizer.decode(row.input_ids.tolist()).count("<tool_response>")
+            script = self.scripts.get(row.sample.source, [])
+            out.append(torch.tensor(self.tokenizer(script[turn], add_special_tokens=False)
+                                    ["input_ids"]) if turn < len(script) else None)
+        free = [i for i, tokens in enumerate(out) if tokens is None]
+        if free:
+            self.batches.append(len(free))
+            made = self.model_turn([rows[i] for i in free], [seeds[i] for i in free],
+                                   [limits[i] for i in free])
+            for i, tokens in zip(free, made, strict=True):
+                out[i] = tokens
+        return out
+
+
+def test_a_trajectory_does_not_depend_on_its_batch_mates(tiny):
+    model, processor, ids, prompts = tiny
+    settings = SamplingSettings(max_new_tokens=96, temperature=1.0, top_p=0.95)
+    model_turn = hf_generate_turn(model, processor.tokenizer, settings, ids, CPU)
+    # each row calls one tool, then the model writes its second turn with its batch-mates:
+    # contexts of different lengths, each with its own crop or zoom as a second image
+    scripts = {prompts[0].sample.source: [CROP],
+               prompts[1].sample.source: [call("zoom", x=0.3, y=0.6, factor=2)],
+               prompts[2].sample.source: [call("zoom", x=0.9, y=0.1, factor=4)]}
+    policy = FirstTurns(model_turn, processor.tokenizer, scripts)
+    seeds = row_seeds(5, 2, 0, 3)
+
+    def trajectories(rows, row_seeds_):
+        return run_trajectories(policy, processor, rows, row_seeds_, runner(),
+                                budgets(max_new_tokens=96), eos=ids.eos)
+
+    together = trajectories(prompts, seeds)
+    assert policy.batches == [3]
+    assert [t.num_turns for t in together] == [2, 2, 2]
+    assert [len(t.images) for t in together] == [1, 1, 1]
+    assert len({t.context().length for t in together}) == 3
+    assert all(t.ended in ("eos", "max_new_tokens") for t in together)
+    for i in range(3):
+        (alone,) = trajectories([prompts[i]], [seeds[i]])
+        assert policy.batches[-1] == 1
+        assert torch.equal(alone.token_ids, together[i].token_ids), i
+        assert torch.equal(alone.policy_mask, together[i].policy_mask), i
+    # the model's own last turns: sampled, not all alike
+    last = [t.token_ids[-t.turns[-1].tokens:] for t in together]
+    assert len({tuple(x.tolist()) for x in last}) == 3
+
+
+class Force(LogitsProcessor):
+    """Forces ``tokens`` at generated positions 0, 1, ... of every row (rows start at ``start``)."""
+
+    def __init__(self, tokens: list[int], start: int) -> None:
+        self.tokens, self.start = tokens, start
+
+    def __call__(self, input_ids, scores):
+        n = input_ids.shape[1] - self.start
+        forced = torch.full_like(scores, float("-inf"))
+        forced[:, self.tokens[min(n, len(self.tokens) - 1)]] = 0.0
+        return forced
+
+
+def test_generate_stops_a_row_after_its_call_and_lets_the_others_run(tiny):
+    model, processor, ids, prompts = tiny
+    tok = processor.tokenizer
+    call_ids = tok(CROP + " after", add_special_tokens=False)["input_ids"]
+    closed = len(tok(CROP, add_special_tokens=False)["input_ids"])
+    rows = prompts[:1]
+    batch = collate(rows, None, ids.pad)
+    stop = StopAtToolCall(tok, batch.prompt_len, [100])
+    out = model.eval().generate(**batch.inputs, max_new_tokens=closed + 5, do_sample=False,
+                                logits_processor=LogitsProcessorList([Force(call_ids,
+                                                                            batch.prompt_len)]),
+                                stopping_criteria=StoppingCriteriaList([stop]),
+                                pad_token_id=ids.pad, eos_token_id=ids.eos)
+    assert out.shape[1] - batch.prompt_len == closed
+    assert tok.decode(out[0, batch.prompt_len:].tolist()) == CROP
+    # with the real sampler: the limits per row hold in one batch
+    settings = SamplingSettings(max_new_tokens=20)
+    turns = hf_generate_turn(model, tok, settings, ids, CPU)(prompts, row_seeds(1, 1, 0, 3),
+                                                             [3, 7, 20])
+    assert [len(t) for t in turns][:2] == [3, 7] and len(turns[2]) <= 20
