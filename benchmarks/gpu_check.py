@@ -9,7 +9,7 @@ Device command (one H100, from the repository root; first, on a machine with pip
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py
 
-CI and this machine (the stages on builtin:tiny on CPU; CI leaves out trl and plan7b):
+CI and this machine (the stages on builtin:tiny on CPU; CI leaves out trl, plan7b, resume and detcost):
 
     python benchmarks/gpu_check.py --cpu-smoke [--only STAGE ...] [--out DIR]
 

@@ -1,8 +1,10 @@
 """benchmarks/gpu_check.py: its verdicts on made-up numbers (a missed target is a non-zero exit),
 and the ``--cpu-smoke`` run (its stages on builtin:tiny on CPU): every stage ends ok, with numbers
-in the table and the JSON. Two stages are left out of the smoke here, whose code runs elsewhere:
-trl (benchmarks/vs_trl.py, which tests/benchmarks/test_vs_trl.py runs on CPU against TRL) and
-plan7b (the plan stage's runs on another model folder, which only a GPU builds)."""
+in the table and the JSON. Four stages are left out of the smoke here, whose code runs elsewhere:
+trl (benchmarks/vs_trl.py, which tests/benchmarks/test_vs_trl.py runs on CPU against TRL),
+plan7b (the plan stage's runs on another model folder, which only a GPU builds), and resume and
+detcost (r1fit doctor's kill_and_resume and run_train, run for real by tests/doctor; their wiring
+is tested here on fakes)."""
 
 from __future__ import annotations
 
@@ -85,14 +87,53 @@ def test_a_missed_plan_in_a_stage_makes_the_check_exit_1(monkeypatch, tmp_path):
     assert "MISSED   +12.0% (target -5%..+10%)" in (tmp_path / "gpu_check.log").read_text()
 
 
-SMOKED = [name for name in gc.STAGES if name not in ("trl", "plan7b")]
+#: the smoke's stages here; resume and detcost run r1fit doctor's kill_and_resume and run_train,
+#: which tests/doctor runs for real: their wiring is tested below on fakes (56 s saved)
+SMOKED = [name for name in gc.STAGES if name not in ("trl", "plan7b", "resume", "detcost")]
+
+
+def test_the_resume_and_detcost_stages_wire_the_doctors_runs(monkeypatch, tmp_path):
+    """stage_resume: the straight run, then kill_and_resume on the same config (deterministic
+    on, no overwrite, a checkpoint each step, kill after checkpoint 1), its seconds kept for
+    stage_detcost, which reruns the same config with deterministic off."""
+    import argparse
+
+    import r1fit.doctor.selfcheck as selfcheck
+
+    calls = []
+
+    def run_train(values, out, **_):
+        calls.append(("run", list(values), out))
+        return out
+
+    def kill_and_resume(values, out, *, straight, kill_after):
+        calls.append(("kill", list(values), out, straight, kill_after))
+        return selfcheck.Verdict("kill and resume", True, "identical", {"differences": []})
+
+    monkeypatch.setattr(selfcheck, "run_train", run_train)
+    monkeypatch.setattr(selfcheck, "kill_and_resume", kill_and_resume)
+    args = argparse.Namespace(cpu_smoke=True, models=str(tmp_path / "models"))
+    (tmp_path / "resume").mkdir()
+    got = gc.stage_resume(args, tmp_path / "resume")
+    (_, values, out), kill = calls[0], calls[1]
+    assert out == tmp_path / "resume" / "straight" and kill[2:] == (tmp_path / "resume", out, 1)
+    assert kill[1] == values and "train.deterministic=true" in values
+    assert "train.overwrite=true" not in values and "checkpoint.every=1" in values
+    assert f"train.max_steps={gc.RESUME_STEPS}" in values
+    assert [(r.item, r.met) for r in got.rows] == [("resume deterministic=true", True)]
+    cost = gc.stage_detcost(args, tmp_path / "detcost")
+    assert calls[2][1] == [v.replace("deterministic=true", "deterministic=false") for v in values]
+    assert cost.data["deterministic_seconds"] == got.data["straight_seconds"]
+    assert "cost of train.deterministic=true" in cost.rows[0].item
+    with pytest.raises(gc.BenchmarkError, match="run resume first"):
+        gc.stage_detcost(args, tmp_path / "elsewhere" / "detcost")
 
 
 def test_the_smoke_runs_every_stage_with_numbers(tmp_path, capsys):
     status = gc.main(["--cpu-smoke", "--out", str(tmp_path), "--only", *SMOKED])
     printed = capsys.readouterr().out
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    # every target the smoke holds is met: OOM recovery, auto-fit, a deterministic resume (the
+    # every target the smoke holds is met: OOM recovery, auto-fit (the
     # planner's is for real sizes: shown, no verdict)
     assert status == 0 and report["exit_status"] == 0, gc.table(report["stages"])
     stages = report["stages"]
@@ -112,13 +153,6 @@ def test_the_smoke_runs_every_stage_with_numbers(tmp_path, capsys):
     assert stages["autofit"]["met"]
     assert [v["name"] for v in stages["numerics"]["data"]["verdicts"]] == ["shared prompt",
                                                                            "shared prefill"]
-    resume = stages["resume"]["data"]
-    assert resume["ok"] and resume["numbers"]["differences"] == []
-    assert resume["numbers"]["resumed_at"] >= gc.KILL_AFTER  # killed once checkpoint 1 existed
-    assert stages["resume"]["met"] is True
-    cost = stages["detcost"]["data"]
-    assert cost["deterministic_seconds"] == resume["straight_seconds"] > 0
-    assert cost["default_seconds"] > 0
     for stage in SMOKED:
         assert stage in printed
     assert "==== r1fit" not in printed and (tmp_path / "gpu_check.log").stat().st_size > 0
