@@ -15,6 +15,7 @@ The scripts run standalone (``python benchmarks/<name>.py``), which puts this fo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -136,11 +137,13 @@ def run_child(command: Sequence[str], what: str, name: str, *,
 
 
 def _copy_lines(stream: Any, into: list[str], log: Path | None) -> None:
-    """Read ``stream`` to its end, keeping each line in ``into`` and appending it to ``log``."""
-    for line in stream:
-        into.append(line)
-        if log is not None:
-            with open(log, "a", encoding="utf-8") as f:
+    """Read ``stream`` to its end, keeping each line in ``into`` and appending it to ``log``
+    (opened once, line-buffered: each line reaches the file as it is read)."""
+    with contextlib.nullcontext() if log is None else open(log, "a", encoding="utf-8",
+                                                            buffering=1) as f:
+        for line in stream:
+            into.append(line)
+            if f is not None:
                 f.write(line if line.endswith("\n") else line + "\n")
 
 

@@ -500,8 +500,8 @@ def squeeze_budget(args: argparse.Namespace) -> tuple[str, dict[str, int]]:
     SQUEEZE_FITS can: a real allocator OOM on a card with room to spare, in seconds."""
     from r1fit.memory.planner.estimate import CUDA_CONTEXT_BYTES
 
-    g, n = scale_of(args).squeeze
-    values = overrides(args, "3b", lora=True, generations=g, new_tokens=n)
+    g = scale_of(args).squeeze[0]
+    values = squeeze_values(args)
     fits = plan_of([*values, f"memory.micro_batch={SQUEEZE_FITS}"], gpu=True)["allocated"]
     full = plan_of([*values, f"memory.micro_batch={g}"], gpu=True)["allocated"]
     budget = CUDA_CONTEXT_BYTES + (fits + full) // 2
@@ -509,13 +509,20 @@ def squeeze_budget(args: argparse.Namespace) -> tuple[str, dict[str, int]]:
                          f"planned_allocated_mb{g}": full}
 
 
+def squeeze_values(args: argparse.Namespace) -> list[str]:
+    """The oom and autofit stages' run (squeeze's G and tokens; 3B LoRA on a GPU, the smoke's
+    model fully trained) before its memory keys."""
+    g, n = scale_of(args).squeeze
+    return overrides(args, "3b", lora=scale_of(args).gpu, generations=g, new_tokens=n)
+
+
 def stage_oom(args: argparse.Namespace, work: Path) -> StageResult:
     """A micro_batch the memory budget cannot hold: a real OOM on a GPU, halved and redone."""
     s = scale_of(args)
-    g, n = s.squeeze
+    g = s.squeeze[0]
     result = StageResult()
-    values = overrides(args, "3b", lora=s.gpu, generations=g, new_tokens=n) + [
-        f"memory.micro_batch={g}", f"memory.generation_batch={min(g, 8)}"]
+    values = squeeze_values(args) + [f"memory.micro_batch={g}",
+                                     f"memory.generation_batch={min(g, 8)}"]
     if s.gpu:
         budget, result.data["plan"] = squeeze_budget(args)
         run = train([*values, f"memory.budget={budget}"], work / "oom", "oom")
@@ -564,9 +571,9 @@ def stage_autofit(args: argparse.Namespace, work: Path) -> StageResult:
     """memory.micro_batch/generation_batch=auto under the oom stage's budget: what the planner
     chooses must run without an OOM and within the budget."""
     s = scale_of(args)
-    g, n = s.squeeze
+    g = s.squeeze[0]
     budget, plan = squeeze_budget(args) if s.gpu else (SMOKE_BUDGET, {})
-    values = overrides(args, "3b", lora=s.gpu, generations=g, new_tokens=n) + [
+    values = squeeze_values(args) + [
         "memory.micro_batch=auto", "memory.generation_batch=auto", f"memory.budget={budget}"]
     from r1fit.units import parse_bytes
 

@@ -39,13 +39,10 @@ def packing_distance(model: nn.Module, prompts: Sequence[Prompt],
     packed (:func:`pack_groups` with ``one_row``) and the per-row path (NaN when either gives
     NaN)."""
     device = next(model.parameters()).device
-    dtype = compute_dtype(model)
-    rows = [p for p, g in zip(prompts, groups) for _ in g]
-    completions = [c for g in groups for c in g]
+    _, _, per_row = _per_row_logprobs(model, prompts, groups, pad_id, chunk_size)
     with torch.no_grad():
-        per_row = completion_logprobs(model, collate(rows, completions, pad_id).to(device),
-                                      chunk_size=chunk_size)
-        packed = pack_groups(model, prompts, groups, pad_id, dtype, one_row=one_row).to(device)
+        packed = pack_groups(model, prompts, groups, pad_id, compute_dtype(model),
+                             one_row=one_row).to(device)
         shared = completion_logprobs(model, packed, chunk_size=chunk_size)
     width = min(per_row.shape[1], shared.shape[1])
     return float((per_row[:, :width] - shared[:, :width]).abs().max())
@@ -60,12 +57,9 @@ def per_row_noise(model: nn.Module, prompts: Sequence[Prompt],
     batch shapes only, so the scale below which no other path can be told from the per-row one in
     this dtype on this device (``r1fit doctor --check`` prints it beside the distance)."""
     device = next(model.parameters()).device
-    rows = [p for p, g in zip(prompts, groups) for _ in g]
-    completions = [c for g in groups for c in g]
+    rows, completions, batched = _per_row_logprobs(model, prompts, groups, pad_id, chunk_size)
     worst = torch.zeros(())
     with torch.no_grad():
-        batched = completion_logprobs(model, collate(rows, completions, pad_id).to(device),
-                                      chunk_size=chunk_size)
         for i, (row, completion) in enumerate(zip(rows, completions)):
             alone = completion_logprobs(model, collate([row], [completion], pad_id).to(device),
                                         chunk_size=chunk_size)
@@ -73,6 +67,18 @@ def per_row_noise(model: nn.Module, prompts: Sequence[Prompt],
             gap = (batched[i, :width] - alone[0, :width]).abs().max().float().cpu()
             worst = torch.maximum(worst, gap)  # NaN propagates (max() of floats would drop it)
     return float(worst)
+
+
+def _per_row_logprobs(model: nn.Module, prompts: Sequence[Prompt],
+                      groups: Sequence[Sequence[torch.Tensor]], pad_id: int, chunk_size: int
+                      ) -> tuple[list[Prompt], list[torch.Tensor], torch.Tensor]:
+    """The per-row path over these groups: each completion's prompt, the completions, and their
+    log-probs in one padded batch [rows, longest completion], no gradients."""
+    rows = [p for p, g in zip(prompts, groups) for _ in g]
+    completions = [c for g in groups for c in g]
+    batch = collate(rows, completions, pad_id).to(next(model.parameters()).device)
+    with torch.no_grad():
+        return rows, completions, completion_logprobs(model, batch, chunk_size=chunk_size)
 
 
 def packing_is_exact(model: nn.Module, prompts: Sequence[Prompt],
