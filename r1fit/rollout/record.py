@@ -16,10 +16,14 @@ together from the kept groups (:class:`r1fit.rollout.dynamic.StepDraws`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from r1fit.data.batch import Prompt
+
+if TYPE_CHECKING:  # turns.py imports generate.py, which imports this module
+    from r1fit.rollout.turns import Trajectory
 
 
 @dataclass
@@ -47,6 +51,10 @@ class Rollout:
     # absolute difference to the trainer's, measured by the first update
     engine_logp: torch.Tensor | None = None
     engine_logp_diff: float | None = None
+    # with tools (multi-turn rollouts): this process's rows' trajectories, in the order of
+    # ``completions``, whose row i is ``trajectories[i].token_ids`` (the policy's turns and the
+    # tool turns); None for one completion per row
+    trajectories: list[Trajectory] | None = None
 
     @property
     def total_rows(self) -> int:
