@@ -8,7 +8,7 @@ Layout of every batch (generation and training alike, the layout ``generate`` it
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -99,8 +99,7 @@ def _template_specials(processor: Any, text: str) -> dict[str, bool]:
 
 def _rendered(processor: Any, sample: Sample, turns: Sequence[tuple[str, str]],
               system_prompt: str, generation_prompt: bool) -> str:
-    shown = Sample(sample.images, sample.problem, sample.solution, sample.source,
-                   turns=tuple(turns) + ((("assistant", ""),) if generation_prompt else ()))
+    shown = replace(sample, turns=tuple(turns) + ((("assistant", ""),) if generation_prompt else ()))
     return processor.apply_chat_template(chat_messages(shown, system_prompt,
                                                        answer=not generation_prompt),
                                          tokenize=False, add_generation_prompt=generation_prompt)
@@ -140,8 +139,7 @@ def conversation_target(processor: Any, sample: Sample, system_prompt: str, answ
             ids.extend(piece)
             mask.extend([scored] * len(piece))
         done = after
-    prompt = Sample(sample.images, sample.problem, sample.solution, sample.source,
-                    turns=tuple(turns[:first + 1]), reward_method=sample.reward_method)
+    prompt = replace(sample, turns=tuple(turns[:first + 1]))
     return prompt, torch.tensor(ids, dtype=torch.long), torch.tensor(mask)
 
 

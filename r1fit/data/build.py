@@ -23,7 +23,8 @@ def _as_list(value: str | tuple[str, ...] | None) -> list[str]:
 
 
 def build_datasets(cfg: Config) -> tuple[PromptDataset, PromptDataset | None]:
-    """``data.train`` and ``data.eval`` (None when unset) as configured."""
+    """``data.train`` and ``data.eval`` (None when unset) as configured; with tools
+    (``tools`` not empty) their samples carry their source-resolution images too."""
     d = cfg.data
     shapes = ShapesSpec(image_size=d.shapes.image_size, kinds=list(d.shapes.kinds),
                         max_distractors=d.shapes.max_distractors)
@@ -39,7 +40,9 @@ def build_datasets(cfg: Config) -> tuple[PromptDataset, PromptDataset | None]:
     common: dict[str, Any] = dict(min_pixels=d.min_pixels, max_pixels=d.max_pixels,
                                   max_images=d.max_images, max_bad_fraction=d.max_bad_fraction,
                                   seed=cfg.train.seed, shapes=shapes, options=options,
-                                  check_method=check_method)
+                                  check_method=check_method,
+                                  # tools cut the images at their source resolution
+                                  keep_source_images=bool(cfg.tools))
     train_sources = _as_list(d.train)
     # data.shapes.train_size sizes the built-in task only: a file's rows are all used
     builtin = len(train_sources) == 1 and train_sources[0].startswith("builtin:")

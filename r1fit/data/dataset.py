@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from r1fit.data.errors import BadRowError, DataError
-from r1fit.data.images import check_pixel_budget, fit_pixel_budget
+from r1fit.data.images import as_rgb, check_pixel_budget, fit_pixel_budget
 from r1fit.data.rows import FormatOptions
 from r1fit.data.sample import Sample
 from r1fit.data.shapes import SPLITS, ShapesSource, ShapesSpec
@@ -47,11 +47,15 @@ class PromptDataset(Sequence[Sample]):
         total_rows: rows read from the source (for a built-in task: its size).
         bad_rows: rows skipped at load time. Rows whose images fail only when decoded are not counted
             here: ``__getitem__`` raises ``BadRowError`` for them and ``fetch`` reports them.
+        keep_source_images: whether each returned sample also carries its images at the source's
+            resolution (``Sample.source_images``, for tools); only the samples fetched hold them.
     """
 
-    def __init__(self, source: _Source, *, min_pixels: int, max_pixels: int) -> None:
+    def __init__(self, source: _Source, *, min_pixels: int, max_pixels: int,
+                 keep_source_images: bool = False) -> None:
         """Wrap ``source``; ``min_pixels``/``max_pixels`` bound ``w*h`` of every returned image."""
         check_pixel_budget(min_pixels, max_pixels)
+        self.keep_source_images = keep_source_images
         self.source = source
         self.name = source.name
         self.total_rows = source.total_rows
@@ -64,7 +68,8 @@ class PromptDataset(Sequence[Sample]):
         return len(self.source)
 
     def __getitem__(self, index: int) -> Sample:  # type: ignore[override]  # no slices
-        """Sample ``index`` with budgeted RGB images; ``BadRowError`` if an image fails to decode."""
+        """Sample ``index`` with budgeted RGB images (and the source's, when kept); ``BadRowError``
+        if an image fails to decode."""
         if not isinstance(index, int | np.integer):
             raise TypeError(f"PromptDataset indices must be integers, got {type(index).__name__}")
         n = len(self)
@@ -72,9 +77,12 @@ class PromptDataset(Sequence[Sample]):
             raise IndexError(f"index {index} out of range for {self.name} ({n} samples)")
         sample = self.source.sample(int(index) % n)
         try:
-            sample.images = [fit_pixel_budget(img, self.min_pixels, self.max_pixels) for img in sample.images]
+            source = [as_rgb(img) for img in sample.images]
+            sample.images = [fit_pixel_budget(img, self.min_pixels, self.max_pixels) for img in source]
         except BadRowError as exc:
             raise BadRowError(f"{sample.source}: {exc}") from exc
+        if self.keep_source_images:  # an image within the budget is one object in both lists
+            sample.source_images = tuple(source)
         return sample
 
     def __iter__(self) -> Iterator[Sample]:
@@ -117,6 +125,7 @@ def load_dataset(
     image_folders: Sequence[str] = (),
     reward_methods: Sequence[str] = ("default",),
     check_method: Callable[[str], None] | None = None,
+    keep_source_images: bool = False,
 ) -> PromptDataset:
     """Open data sources or a built-in task as a ``PromptDataset``.
 
@@ -137,6 +146,8 @@ def load_dataset(
         reward_methods: one accuracy method for every source, or one per source.
         check_method: raises ``ValueError`` for an accuracy method that cannot score (its rows
             are then bad).
+        keep_source_images: each sample also carries its images at the source's resolution
+            (``Sample.source_images``): for a run with tools, which cut them.
     """
     if split not in SPLITS:
         raise DataError(f"split must be one of {list(SPLITS)}, got {split!r}")
@@ -167,7 +178,8 @@ def load_dataset(
                            max_bad_fraction=max_bad_fraction, size=size,
                            default_split="train" if split == "train" else "test",
                            check_method=check_method)
-    return PromptDataset(source, min_pixels=min_pixels, max_pixels=max_pixels)
+    return PromptDataset(source, min_pixels=min_pixels, max_pixels=max_pixels,
+                         keep_source_images=keep_source_images)
 
 
 def _per_source(values: list[Any], specs: list[str], what: str) -> list[Any]:

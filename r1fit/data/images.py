@@ -74,6 +74,11 @@ def _fitted_size(width: int, height: int, min_pixels: int, max_pixels: int) -> t
     return (short_side, long_side) if transpose else (long_side, short_side)
 
 
+def as_rgb(img: Image.Image) -> Image.Image:
+    """``img`` in RGB mode: itself when it already is, else a converted copy."""
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
 def fit_pixel_budget(img: Image.Image, min_pixels: int, max_pixels: int) -> Image.Image:
     """Return ``img`` as RGB with ``min_pixels <= w*h <= max_pixels`` and both sides >= 28 px.
 
@@ -82,7 +87,7 @@ def fit_pixel_budget(img: Image.Image, min_pixels: int, max_pixels: int) -> Imag
     impossible budget.
     """
     check_pixel_budget(min_pixels, max_pixels)
-    rgb = img if img.mode == "RGB" else img.convert("RGB")
+    rgb = as_rgb(img)
     width, height = rgb.size
     if width < 1 or height < 1:
         raise BadRowError(f"image has an empty size {width}x{height}")

@@ -21,6 +21,10 @@ class Sample:
             ``<image>`` placeholder per image (see :mod:`r1fit.data.rows`); empty: the prompt is
             the images followed by ``problem``.
         reward_method: the accuracy method that scores answers to it (``data.reward_method``).
+        source_images: the same images, RGB, at the resolution their source gave, before the
+            pixel budget shrank them, for tools to cut (a crop of the shrunk image shows nothing
+            new); an image within the budget is the same object in both. Empty unless the dataset
+            keeps them (``load_dataset(keep_source_images=True)``: a run with tools).
     """
 
     images: list[Image.Image]
@@ -29,3 +33,4 @@ class Sample:
     source: str
     turns: tuple[tuple[str, str], ...] = ()
     reward_method: str = "default"
+    source_images: tuple[Image.Image, ...] = ()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -9,7 +10,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from r1fit.config import load_config
 from r1fit.data import BadRowError, DataError, PromptDataset, PromptSampler, ShapesSpec, load_dataset
+from r1fit.data.build import build_datasets
+from r1fit.data.shapes import MARK_PX
+from r1fit.tools import ToolContext, crop
 
 TOKEN = 28 * 28
 BUDGET = {"min_pixels": TOKEN * 4, "max_pixels": TOKEN * 16}
@@ -149,3 +154,50 @@ def test_dataset_accepts_numpy_indices(jsonl: Path) -> None:
     assert ds[np.int64(0)].solution == "red"
     with pytest.raises(TypeError):
         ds["0"]  # type: ignore[index]
+
+
+def test_source_images_are_kept_only_when_asked_and_a_crop_reads_the_mark() -> None:
+    """A zoom row fetched with keep_source_images: the prompt's image is shrunk to the budget
+    (112 x 112, the mark a grey blur), its source image is the 896 x 896 drawing, and the built-in
+    crop of the mark's square reads its 2 px stripes pixel for pixel (black ink on white)."""
+    spec = ShapesSpec(image_size=112, kinds=["zoom"], max_distractors=0)
+    common = {**COMMON, "min_pixels": TOKEN, "max_pixels": 112 * 112, "shapes": spec, "size": 3}
+    kept = load_dataset("builtin:shapes", split="train", keep_source_images=True, **common)
+    plain = load_dataset("builtin:shapes", split="train", **common)
+    samples, errors = kept.fetch([0, 1, 2])
+    assert errors == [] and plain[0].source_images == ()
+    # answers cycle through the patterns: each drawn by hand, 2 px stripes starting 1 px in
+    stripe = np.array([0, 1, 1, 0] * (MARK_PX // 4), dtype=bool)
+    expected = {"horizontal": np.repeat(stripe[:, None], MARK_PX, axis=1),
+                "vertical": np.repeat(stripe[None, :], MARK_PX, axis=0),
+                "checkered": stripe[:, None] ^ stripe[None, :]}
+    for index, sample in enumerate(samples):
+        (image,), (source,) = sample.images, sample.source_images
+        assert (image.size, source.size, source.mode) == ((112, 112), (896, 896), "RGB")
+        assert np.asarray(image).tobytes() == plain[index].images[0].tobytes()
+        (mark,) = kept.source.items[index].shapes
+        left, top = mark.cx - mark.r, mark.cy - mark.r
+        # fractions half a pixel inside the mark's edges: crop covers every pixel they touch
+        cut = crop(ToolContext(sample.source_images), x1=(left + 0.5) / 896, y1=(top + 0.5) / 896,
+                   x2=(left + MARK_PX - 0.5) / 896, y2=(top + MARK_PX - 0.5) / 896)
+        pixels = np.asarray(cut)
+        assert cut.size == (MARK_PX, MARK_PX) and set(np.unique(pixels)) == {0, 255}
+        assert ((pixels == 0).all(axis=-1) == expected[sample.solution]).all()
+        # shrunk 8 times, the mark is a 4 x 4 grey square: no pixel black or white
+        grey = np.asarray(image)[top // 8:top // 8 + 4, left // 8:left // 8 + 4]
+        assert 0 < grey.min() and grey.max() < 255
+
+
+def test_a_source_image_within_the_budget_is_the_prompt_image_itself() -> None:
+    ds = load_dataset("builtin:shapes", split="eval", size=1, keep_source_images=True, **COMMON)
+    sample = ds[0]
+    assert sample.source_images[0] is sample.images[0]  # 56 x 56 fits: no second copy
+
+
+def test_a_run_with_tools_keeps_source_images() -> None:
+    cfg = load_config(None, ["data.shapes.train_size=2", "data.eval=builtin:shapes",
+                             "data.eval_size=1"])
+    # a config naming tools is still refused by its checks: set them past them
+    with_tools = dataclasses.replace(cfg, tools=("crop",))
+    assert [d.keep_source_images for d in build_datasets(with_tools)] == [True, True]
+    assert [d.keep_source_images for d in build_datasets(cfg)] == [False, False]
