@@ -2,7 +2,8 @@
 with no network: inline CSS, inline SVG plots drawn here, one small inline script that sorts the
 rollout tables. Alarms first (:mod:`r1fit.report.alarms`), then plots of ``metrics.jsonl`` against
 step (a plot whose keys the run never logged is left out), then the rollouts saved every
-``report.rollouts_every`` steps (:mod:`r1fit.report.rollouts`), their images by relative path.
+``report.rollouts_every`` steps (:mod:`r1fit.report.rollouts`), their images by relative path; a
+multi-turn row (with tools) turn by turn, the tools' results and images under each call.
 
 ``r1fit report RUN_DIR`` writes it; training (GRPO or SFT) rewrites it at its end and every
 ``report.every`` steps (:class:`LiveReport`). An SFT run's page has its loss, grad norm, speed,
@@ -12,6 +13,7 @@ memory and evaluations: the GRPO plots, alarms and rollouts need keys it does no
 from __future__ import annotations
 
 import html
+import json
 import logging
 import os
 import re
@@ -122,6 +124,7 @@ def plots(rows: Sequence[dict[str, Any]], run_dir: Path) -> list[str]:
     """One figure per plot whose keys the run logged."""
     keys = {k for r in rows for k in r}
     components = sorted(k for k in keys if k.startswith("reward/"))
+    ends = sorted(k for k in keys if k.startswith("trajectory_end/"))
     specs: list[tuple[str, list[str]]] = [
         ("reward", ["reward_mean", *components]),
         ("accuracy", ["accuracy", "eval/accuracy", "eval/iou"]),
@@ -131,6 +134,8 @@ def plots(rows: Sequence[dict[str, Any]], run_dir: Path) -> list[str]:
         ("completion length (tokens)", ["completion_len_mean"]),
         ("completions clipped at algo.max_new_tokens (fraction)", ["completion_clipped_fraction"]),
         ("zero-variance groups (fraction)", ["zero_variance_groups"]),
+        ("turns and tool calls per row", ["turns_mean", "tool_calls_mean", "tool_errors_mean"]),
+        ("trajectories by end reason (fraction)", ends),
         ("clip_fraction", ["clip_fraction"]),
         ("grad_norm", ["grad_norm"]),
         ("learning_rate", ["learning_rate"]),
@@ -186,12 +191,16 @@ def rollout_section(step: int, rows: list[dict[str, Any]], folder: Path, out: Pa
         groups.setdefault(int(r["group"]), []).append(r)
     parts = [f'<details{" open" if open_ else ""}><summary>step {step}: {len(groups)} prompts, '
              f'{len(rows)} completions</summary>']
+
+    def src(name: str) -> str:  # an image's path relative to the page
+        return html.escape(Path(os.path.relpath(folder / name, out.parent)).as_posix())
+
     for group, members in groups.items():
-        images = "".join(
-            f'<img src="{html.escape(Path(os.path.relpath(folder / name, out.parent)).as_posix())}"'
-            f' alt="prompt image">' for name in members[0].get("images", []))
+        images = "".join(f'<img src="{src(name)}" alt="prompt image">'
+                         for name in members[0].get("images", []))
         body = "".join(
-            f'<tr><td class="n" data-v="{r["row"]}">{r["row"]}</td>' + cell(r["completion"]) + cell(r["reward"])
+            f'<tr><td class="n" data-v="{r["row"]}">{r["row"]}</td>'
+            + (turns_cell(r, src) if "turns" in r else cell(r["completion"])) + cell(r["reward"])
             + "".join(cell(r.get("components", {}).get(n)) for n in names)
             + cell(r["advantage"]) + "</tr>" for r in members)
         parts.append(f'<div class="prompt"><div class="images">{images}</div><div>'
@@ -199,6 +208,37 @@ def rollout_section(step: int, rows: list[dict[str, Any]], folder: Path, out: Pa
                      f'<table class="sortable"><thead>{head}</thead><tbody>{body}</tbody>'
                      f'</table></div></div>')
     return "\n".join(parts + ["</details>"])
+
+
+def turns_cell(row: dict[str, Any], src: Callable[[str], str]) -> str:
+    """A multi-turn row's completion cell: turn by turn, the policy's text, its calls and their
+    results (the tools' images shown), then why the trajectory ended."""
+    turns = "".join(turn_html(t, turn, src) for t, turn in enumerate(row["turns"], 1))
+    return (f'<td class="turns">{turns}<div class="ended">ended: '
+            f'{html.escape(str(row.get("ended")))}</div></td>')
+
+
+def turn_html(number: int, turn: dict[str, Any], src: Callable[[str], str]) -> str:
+    calls = "".join(f'<div class="call">{html.escape(call_text(call))}</div>'
+                    for call in turn["calls"])
+    results = "".join(result_html(result, src) for result in turn["results"])
+    return (f'<div class="turn"><b>turn {number}</b> ({html.escape(turn["ended"])}, '
+            f'{turn["tokens"]} tokens)<pre>{html.escape(turn["text"])}</pre>{calls}{results}</div>')
+
+
+def call_text(call: dict[str, Any]) -> str:
+    """``call zoom(x=0.5, factor=4)``, or ``malformed call: <reason>``."""
+    if "malformed" in call:
+        return f"malformed call: {call['malformed']}"
+    arguments = ", ".join(f"{k}={json.dumps(v)}" for k, v in call["arguments"].items())
+    return f"call {call['name']}({arguments})"
+
+
+def result_html(result: dict[str, Any], src: Callable[[str], str]) -> str:
+    parts = "".join(f'<img src="{src(part["image"])}" alt="tool image">' if "image" in part
+                    else f'<pre>{html.escape(part["text"])}</pre>' for part in result["parts"])
+    return (f'<div class="result{" error" if result["error"] else ""}">'
+            f'&rarr; {html.escape(result["name"] or "(malformed)")}{parts}</div>')
 
 
 CSS = """
@@ -220,6 +260,12 @@ table{border-collapse:collapse}th,td{border:1px solid #ddd;padding:3px 6px;verti
 th{background:#f3f3f3;cursor:pointer;user-select:none}
 td.n{text-align:right;font-variant-numeric:tabular-nums}
 pre{margin:0;white-space:pre-wrap;max-width:560px;font:12px ui-monospace,monospace}
+.turn{border-left:3px solid #9ecae1;padding:2px 0 2px 6px;margin-bottom:6px}
+.call{font:12px ui-monospace,monospace;color:#555}
+.result{margin:3px 0 0 12px;padding-left:6px;border-left:3px solid #c7e9c0}
+.result.error{border-left-color:#d62728;color:#a00}
+.result img{max-width:192px;display:block;margin:2px 0;border:1px solid #ccc}
+.ended{font-size:12px;color:#555}
 """
 
 # click a column header to sort its table by it (again: the other way)

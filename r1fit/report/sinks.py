@@ -4,9 +4,10 @@ Each tracker is one small class over its own library, imported only when named. 
 :class:`~r1fit.report.metrics.MetricsWriter` writes goes to each of them (rank 0 only), numbers only,
 against its step: ``step``, or ``<phase>/step`` for a phase's own rows (``warmup/step``). Every
 ``report.samples_every`` GRPO steps the step's first rows (prompt, completion, rewards, advantage,
-image) go to each tracker's table and image types. A tracker never stops training: one that
-raises is warned about once and dropped. Each keeps its data in the output folder (trackio in its
-own store) and continues the same run on resume where its library allows it.
+image; a multi-turn row's turns and tool results as text) go to each tracker's table and image
+types. A tracker never stops training: one that raises is warned about once and dropped. Each
+keeps its data in the output folder (trackio in its own store) and continues the same run on
+resume where its library allows it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from r1fit.data.batch import decode_completions
 from r1fit.errors import R1fitError, one_line
 from r1fit.report.metrics import plain, read_metrics
 from r1fit.rollout.record import Rollout
+from r1fit.rollout.turns import Trajectory
+from r1fit.tools import ToolResult
 
 log = logging.getLogger("r1fit.report")
 
@@ -64,7 +67,9 @@ class SampleRow:
 def sample_rows(rollout: Rollout, processor: Any, limit: int = SAMPLE_ROWS) -> list[SampleRow]:
     """This process's first ``limit`` rows of a scored rollout (whole groups first, as generated)."""
     assert rollout.rewards is not None and rollout.advantages is not None
-    texts = decode_completions(processor, rollout.completions[:limit])
+    texts = decode_completions(processor, rollout.completions[:limit]) \
+        if rollout.trajectories is None else \
+        [trajectory_text(t) for t in rollout.trajectories[:limit]]
     mine = slice(rollout.first_row, rollout.first_row + len(texts))  # rewards hold every row
     rewards = rollout.rewards[mine].tolist()
     components = {k: v[mine].tolist() for k, v in rollout.components.items()}
@@ -72,6 +77,23 @@ def sample_rows(rollout: Rollout, processor: Any, limit: int = SAMPLE_ROWS) -> l
     return [SampleRow(p.sample.problem, text, rewards[i], {k: v[i] for k, v in components.items()},
                       advantages[i], p.sample.images[0] if p.sample.images else None)
             for i, (p, text) in enumerate(zip(rollout.rows, texts))]
+
+
+def trajectory_text(trajectory: Trajectory) -> str:
+    """A multi-turn row as text: each policy turn's text (its calls written in it), each result of
+    its calls on a line after it (``-> crop: <image>``), and why the trajectory ended."""
+    lines = []
+    for turn in trajectory.turns:
+        lines.append(turn.text)
+        lines.extend(f"-> {result_text(result)}" for result in turn.results)
+    return "\n".join([*lines, f"[ended: {trajectory.ended}]"])
+
+
+def result_text(result: ToolResult) -> str:
+    """A tool result on one line: the tool's name (an error's text names it), its text parts,
+    ``<image>`` for each image."""
+    parts = " ".join(p if isinstance(p, str) else "<image>" for p in result.parts)
+    return parts if result.error else f"{result.name}: {parts}"
 
 
 def sample_table(rows: list[SampleRow]) -> tuple[list[str], list[list[Any]]]:

@@ -1,6 +1,6 @@
 """The run report: plots, alarms and the rollout browser from a synthetic run folder; a real 2-step
 run that saves rollouts and reports them; the page in headless Chromium (not blank, no console
-error)."""
+error), multi-turn rows on it."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ from PIL import Image
 
 from r1fit.cli import main
 from r1fit.report.html import LiveReport, build_report, write_report
+from r1fit.report.rollouts import save_rollout
+
+from .test_trajectories import scored_rollout
 
 CHROMIUM = Path("/usr/bin/chromium")
 
@@ -177,6 +180,7 @@ def test_two_step_run_saves_rollouts_and_reports_them(use_tiny_cache, tmp_path):
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="no /usr/bin/chromium (apt-get install chromium)")
 def test_page_renders_in_headless_chromium_without_console_errors(tmp_path):
     run = synthetic_run(tmp_path / "run", trouble=True)
+    save_rollout(scored_rollout(tools=True, step=12), None, run / "rollouts")  # multi-turn rows
     page = write_report(run)
     shot = tmp_path / "shot.png"
     args = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
