@@ -573,6 +573,59 @@ def test_builtin_prompt_is_encoded_by_its_processor(use_tiny_cache):
     assert plan.details["image_tokens"] == 4 and plan.details["vision_patches"] == 16
 
 
+QWEN_3B_CONFIG = "/work/shared/model-configs/Qwen2.5-VL-3B-Instruct"  # config.json only
+
+
+@pytest.mark.skipif(not Path(QWEN_3B_CONFIG).is_dir(), reason="the shared model configs are absent")
+def test_tools_plan_a_whole_trajectory_of_images(capsys):
+    """Qwen2.5-VL-3B (36 layers, 2 KV heads of 128, bfloat16): with tools a row is the prompt plus
+    a trajectory of rollout.max_turns x algo.max_new_tokens tokens (or
+    rollout.max_trajectory_tokens), and each row of a micro-batch runs data.max_images images at
+    data.max_pixels through the tower; without tools the rollout's budgets change nothing."""
+    import dataclasses
+
+    base = load_config(None, [f"model.path={QWEN_3B_CONFIG}", "train.prompts_per_step=2",
+                              "algo.num_generations=4", "algo.max_new_tokens=64",
+                              "memory.share_prefix=false", "memory.micro_batch=2",
+                              "memory.generation_batch=4", "data.max_images=3",
+                              "data.max_pixels=50176", "rollout.max_turns=3"])
+
+    def plan(cfg):  # a budget everything fits: no advice, which would re-check the config
+        return plan_memory(cfg, device_memory_bytes=1 << 50, device_type="cpu")
+
+    # set past the config's checks, which may still refuse tools
+    with_tools = dataclasses.replace(base, tools=("crop", "zoom"))
+    plain, tools = plan(base), plan(with_tools)
+    capped = plan(dataclasses.replace(with_tools, rollout=dataclasses.replace(
+        base.rollout, max_trajectory_tokens=100)))
+    # the prompt (estimated: no processor beside config.json) is the same: 3 shapes images of
+    # 112 px, 4 x 4 tokens of 28 px each, 4 patches a token
+    prompt = CHAT_TEMPLATE_TOKENS + QUESTION_TOKENS + 2 * 3 + 3 * 16
+    for p in (plain, tools, capped):
+        assert p.details["prompt_tokens"] == prompt and p.details["vision_patches"] == 3 * 64
+    assert [p.details["completion_tokens"] for p in (plain, tools, capped)] == [64, 3 * 64, 100]
+    # each row's images: its prompt's; with tools 3 images of 224 x 224 px: 8 x 8 tokens
+    assert plain.details["row_vision_patches"] == 192
+    assert tools.details["row_vision_patches"] == 3 * 64 * 4 == 768
+    # KV cache of a generation chunk of 4 rows: 36 layers x K and V x 2 x 128 x 2 bytes a token
+    per_token = 36 * 2 * 2 * 128 * 2
+    assert plain.details["kv_cache"] == 4 * (prompt + 64) * per_token
+    assert tools.details["kv_cache"] == 4 * (prompt + 192) * per_token
+    assert capped.details["kv_cache"] == 4 * (prompt + 100) * per_token
+    # the vision tower's saved activations grow with a micro-batch's patches: 2 x 768, not 2 x 192
+    assert tools.parts["vision"] * 192 == plain.parts["vision"] * 768
+    # the step keeps its 8 rows' trajectory pixel values (float32, 1,176 a patch) and the
+    # old/reference log-probs of 192 tokens instead of 64
+    assert tools.parts["inputs"] - plain.parts["inputs"] == 8 * 768 * 1176 * 4 + 2 * 8 * 128 * 4
+    assert tools.peak_bytes > capped.peak_bytes > plain.peak_bytes
+    # without tools, the trajectory budgets are not read: the plan is the plain one
+    longer = plan(base.with_values({"rollout.max_turns": 6, "rollout.max_trajectory_tokens": 300}))
+    assert (longer.parts, longer.phases) == (plain.parts, plain.phases)
+    render(tools, with_tools)
+    assert "trajectory up to 192 tokens (tools: crop, zoom; 3 image(s) per row, 768 vision " \
+           "patches)" in capsys.readouterr().out
+
+
 # --- the package
 
 

@@ -45,9 +45,17 @@ Peak = what lives for the whole step + the largest phase. A phase's figure is it
 one chunk of logits), not the sum of everything it ever allocates; :class:`Plan` keeps the named
 parts and the phases apart.
 
-Not modelled: CUDA kernel workspaces beyond the constants below, and prompts longer than the prompt
-estimate. Deliberately pessimistic: every completion is ``max_new_tokens`` long and batches are
-padded (a padding mask makes SDPA repeat the KV heads).
+With tools (``tools`` set) a row's completion is a multi-turn trajectory (r1fit/rollout/turns.py):
+every one is planned as long as its budget (``rollout.max_trajectory_tokens``, else
+``rollout.max_turns`` x ``algo.max_new_tokens``: policy and tool-result tokens after the prompt,
+so generation's KV cache grows to the prompt plus that), and each row of the log-prob and update
+passes runs its own ``data.max_images`` images at ``data.max_pixels`` through the vision tower (the
+row's and the tools' together; :func:`trajectory_patches`), their pixel values kept for the step.
+
+Not modelled: CUDA kernel workspaces beyond the constants below, prompts longer than the prompt
+estimate, and a tool turn's own prefill in generation (its images' tower pass). Deliberately
+pessimistic: every completion is ``max_new_tokens`` long and batches are padded (a padding mask
+makes SDPA repeat the KV heads).
 """
 
 from __future__ import annotations
@@ -64,6 +72,7 @@ from r1fit.memory.planner.facts import (
     prompt_shape,
     run_dtype,
     shard_elements,
+    trajectory_patches,
 )
 from r1fit.memory.planner.formulas import (
     ADAPTER_BYTES,
@@ -197,7 +206,17 @@ def sft_step(cfg: Config) -> Config:
                      beta=0.0, kl_in_reward=False, num_iterations=1,
                      importance_sampling_level="token", cov_restriction="none"),
         memory=replace(cfg.memory, share_prefix=False),
-        rollout=replace(cfg.rollout, engine="hf"))
+        rollout=replace(cfg.rollout, engine="hf"), tools=())  # an answer, not a trajectory
+
+
+def completion_tokens(cfg: Config) -> int:
+    """Tokens after the prompt in one row: ``algo.max_new_tokens``, or with tools a trajectory's
+    budget, ``rollout.max_trajectory_tokens`` (null: ``rollout.max_turns`` x
+    ``algo.max_new_tokens``), tool results included."""
+    if not cfg.tools:
+        return cfg.algo.max_new_tokens
+    budget = cfg.rollout.max_trajectory_tokens
+    return budget if budget is not None else cfg.rollout.max_turns * cfg.algo.max_new_tokens
 
 
 def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_type: str = "cuda",
@@ -260,7 +279,7 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
         # the micro-batch phases by packed tokens: from one row alone to all rows of the share
         max_tokens = _largest(lambda n: _estimate(facts, cfg, prompt, replace(sizes, tokens=n),
                                                   device_type, device_memory_bytes).update_peak,
-                              local * (prompt.tokens + cfg.algo.max_new_tokens), usable)
+                              local * (prompt.tokens + completion_tokens(cfg)), usable)
         sizes = replace(sizes, tokens=max(1, max_tokens) if tokens == "auto" else tokens)
     if micro == "auto":  # plan the run with what 'auto' will pick
         sizes = replace(sizes, micro=max(1, max_micro))
@@ -339,7 +358,8 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
     buffers = fsdp_buffers(f, cfg, dtype, b, cuda) if fsdp else FsdpBuffers()
     lora = cfg.model.lora.r > 0
     step = StepShape(facts=f, b=b, lora_r=cfg.model.lora.r, prompt=prompt,
-                     completion=cfg.algo.max_new_tokens,
+                     completion=completion_tokens(cfg),
+                     trajectory_patches=trajectory_patches(cfg, f, prompt),
                      eager=cfg.model.attn_implementation == "eager",
                      vision_trains=f.vision is not None and not lora
                      and not cfg.model.freeze_vision,
@@ -355,9 +375,11 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
         channels, kernel = f.vision.patch_conv
         step = replace(step, patch_embed_workspace=f.vision.hidden
                        * conv_backward_workspace_per_channel(channels, kernel, b))
-    # the step keeps every prompt's pixel values (each GPU encodes all of the step's prompts), and
-    # the old/reference log-probs of its rows [rows x completion]
-    step_inputs = step.pixels(cfg.train.prompts_per_step) + 2 * s.rows * step.completion * F32
+    # the step keeps every prompt's pixel values (each GPU encodes all of the step's prompts), with
+    # tools its rows' trajectories' too, and the old/reference log-probs of its rows [rows x
+    # completion]
+    step_inputs = (step.pixels(cfg.train.prompts_per_step) + step.trajectory_pixels(s.rows)
+                   + 2 * s.rows * step.completion * F32)
     chunk = min(cfg.head_chunk(), s.micro * step.completion)
     generation = generation_bytes(step, s.generation,
                                   sampling_logits_f32(cfg.algo.temperature, cfg.algo.top_p))
@@ -406,6 +428,8 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
                  "trainable_params": states.gradients // (ADAPTER_BYTES if lora else b),
                  "kv_cache": kv_cache_bytes(f.text, b, s.generation, step.length),
                  "logits_chunk_tokens": chunk,
+                 "completion_tokens": step.completion,
+                 "row_vision_patches": step.row_patches,
                  "micro_batches_per_update": (step.token_cut().count if s.tokens is not None
                                               else s.micro_batches),
                  "micro_rows": s.micro,
@@ -561,6 +585,10 @@ class StepShape:
     #: rollout.share_prefill=true: a generation chunk prefills each prompt it touches once
     #: (r1fit/rollout/prefill.py)
     share_prefill: bool = False
+    #: with tools: the vision patches of one trajectory's images (:func:`trajectory_patches`),
+    #: which every row of a micro-batch runs through the tower on its own; None: a row's images
+    #: are its prompt's
+    trajectory_patches: int | None = None
 
     @property
     def mask(self) -> str:
@@ -588,6 +616,20 @@ class StepShape:
         """Bytes of the pixel values of ``rows`` prompts' images."""
         return pixel_bytes(self.facts.vision, rows * self.patches)
 
+    @property
+    def row_patches(self) -> int:
+        """Vision patches of the images a training row runs through the tower: its prompt's, or
+        with tools its trajectory's."""
+        return self.patches if self.trajectory_patches is None else self.trajectory_patches
+
+    def trajectory_pixels(self, rows: int) -> int:
+        """With tools: bytes of the pixel values of ``rows`` trajectories' images (0 without)."""
+        return pixel_bytes(self.facts.vision, rows * (self.trajectory_patches or 0))
+
+    def training_patches(self, rows: int) -> int:
+        """Vision patches a micro-batch of ``rows`` completions runs through the tower."""
+        return self.images(rows) * self.row_patches
+
     def token_cut(self) -> TokenCut:
         """With ``packed_tokens``: every GPU's share cut into micro-batches as the loop cuts
         them (:func:`r1fit.data.batch.token_slices`; every completion ``completion`` long, a
@@ -610,8 +652,11 @@ class StepShape:
         return TokenCut(rows=rows, tokens=tokens, images=images, count=count)
 
     def images(self, rows: int) -> int:
-        """Prompts whose images a micro-batch of ``rows`` completions runs through the tower:
-        one per sequence, or packed by tokens the most prompts a micro-batch holds."""
+        """Rows whose images a micro-batch of ``rows`` completions runs through the tower: one
+        per sequence, or packed by tokens the most prompts a micro-batch holds; with tools every
+        completion, whose trajectory has images of its own."""
+        if self.trajectory_patches is not None:
+            return self.token_cut().rows if self.packed_tokens is not None else rows
         return self.token_cut().images if self.packed_tokens is not None else self.packed(rows)[0]
 
     def packed(self, rows: int) -> tuple[int, int]:
@@ -679,12 +724,12 @@ def logprobs_bytes(step: StepShape, rows: int, chunk: int) -> int:
     """Old-policy or reference log-probs of ``rows`` rows under no_grad: their largest moment."""
     t, v, b = step.facts.text, step.facts.vision, step.b
     sequences, width = step.packed(rows)
-    images = step.images(rows)
+    patches = step.training_patches(rows)
     head = (sequences * width * t.hidden * b  # the backbone's output
             + _head_input(step, rows) + chunk_forward_bytes(t.vocab, b, chunk))
-    return step.pixels(images) + max(vision_forward_bytes(v, b, images * step.patches),
-                                        lm_forward_bytes(t, b, sequences, width, step.eager),
-                                        head)
+    return pixel_bytes(v, patches) + max(vision_forward_bytes(v, b, patches),
+                                         lm_forward_bytes(t, b, sequences, width, step.eager),
+                                         head)
 
 
 def _head_input(step: StepShape, rows: int) -> int:
@@ -736,7 +781,7 @@ def vision_activations(step: StepShape, rows: int, checkpointing: bool,
     """The vision tower over ``rows`` rows' images: what it keeps for backward, and its peak;
     with checkpointing, ``checkpointed`` of its blocks recompute (None: all)."""
     v, b = step.facts.vision, step.b
-    n = step.images(rows) * step.patches  # a group's images once when it is packed
+    n = step.training_patches(rows)  # a group's prompt images once when it is packed
     if not (step.vision_trains and n):
         forward = vision_forward_bytes(v, b, n)  # transient, before the language model runs
         return forward, forward
@@ -841,7 +886,7 @@ def update_bytes(step: StepShape, s: Sizes, states: States, fsdp: FsdpBuffers,
     logits_chunk = head_chunk_bytes(step, m, chunk, new_grad=not into_grad(step, s))
     # from the second micro-batch on, every .grad exists
     grads_before = states.gradients if s.micro_batches > 1 else 0
-    pixels = step.pixels(step.images(m))
+    pixels = pixel_bytes(step.facts.vision, step.training_patches(m))
     before = grads_before + pixels + fsdp.all_gather
     vision_saved = vision if step.vision_trains else 0  # kept for the tower's backward
     peak = max(
@@ -900,7 +945,7 @@ def _advice(plan: Plan, facts: ModelFacts, asked: Config, view: Callable[[Config
     # where the head recomputes (with memory.fused_loss, auto's chunk is that small already);
     # advised only where the head's chunk sets the peak (else the smaller chunk lowers nothing)
     head_switch = {"memory.logits_chunk": SMALL_LOGITS_CHUNK}
-    if min(cfg.head_chunk(), cfg.algo.max_new_tokens) > SMALL_LOGITS_CHUNK:
+    if min(cfg.head_chunk(), completion_tokens(cfg)) > SMALL_LOGITS_CHUNK:
         switches.append(head_switch)
 
     def smallest_peak(switch: dict[str, Any]) -> int:

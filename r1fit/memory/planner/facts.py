@@ -401,15 +401,7 @@ def prompt_shape(cfg: Config, facts: ModelFacts) -> PromptShape:
             return _encoded_prompt(cfg, facts, images, shapes)
         except Exception as err:  # noqa: BLE001 - e.g. a processor that is not Qwen-like
             log.debug("plan: encoding a prompt failed (%s); estimating instead", err)
-    v = facts.vision
-    if v is not None and v.patches_per_image and v.tokens_per_image:  # every image at one size
-        tokens_per_image, patches_per_token = v.tokens_per_image, v.patches_per_image / v.tokens_per_image
-    else:
-        merge, patch = (v.merge, v.patch) if v is not None else (2, 14)
-        unit = patch * merge  # one LM token covers a unit x unit square (Qwen2.5-VL: 28 px)
-        side = _image_side(cfg, shapes)
-        side = max(unit, round(side / unit) * unit)  # the processor rounds sides to whole tokens
-        tokens_per_image, patches_per_token = (side // unit) ** 2, merge * merge
+    tokens_per_image, patches_per_token = _image_estimate(cfg, facts.vision, shapes)
     system = (math.ceil(len(d.system_prompt) / CHARS_PER_TOKEN) if d.system_prompt else 0)
     text = CHAT_TEMPLATE_TOKENS + system + QUESTION_TOKENS + 2 * images  # + vision start/end
     return PromptShape(tokens=text + images * tokens_per_image,
@@ -417,6 +409,30 @@ def prompt_shape(cfg: Config, facts: ModelFacts) -> PromptShape:
                        patches=round(images * tokens_per_image * patches_per_token),
                        how=f"estimated: {QUESTION_TOKENS} question tokens, "
                            f"{CHARS_PER_TOKEN} characters per system-prompt token")
+
+
+def _image_estimate(cfg: Config, v: VisionDims | None, shapes: bool) -> tuple[int, float]:
+    """(LM tokens, patches per token) of one image estimated from the vision config: a
+    fixed-size tower's, or one token per ``merge x merge`` patches of the image fitted to the
+    budget (``shapes``: a builtin:shapes image; else one at ``data.max_pixels``)."""
+    if v is not None and v.patches_per_image and v.tokens_per_image:  # every image at one size
+        return v.tokens_per_image, v.patches_per_image / v.tokens_per_image
+    merge, patch = (v.merge, v.patch) if v is not None else (2, 14)
+    unit = patch * merge  # one LM token covers a unit x unit square (Qwen2.5-VL: 28 px)
+    side = _image_side(cfg, shapes)
+    side = max(unit, round(side / unit) * unit)  # the processor rounds sides to whole tokens
+    return (side // unit) ** 2, merge * merge
+
+
+def trajectory_patches(cfg: Config, facts: ModelFacts, prompt: PromptShape) -> int | None:
+    """With tools: the vision patches of one trajectory's images, ``data.max_images`` images
+    (the row's and the tools' together) at ``data.max_pixels`` each, estimated from the vision
+    config, and never fewer than the prompt's own; None without tools (a row's images are its
+    prompt's) or without a vision tower."""
+    if not cfg.tools or facts.vision is None:
+        return None
+    tokens, patches_per_token = _image_estimate(cfg, facts.vision, shapes=False)
+    return max(prompt.patches, cfg.data.max_images * round(tokens * patches_per_token))
 
 
 def _image_side(cfg: Config, shapes: bool) -> int:

@@ -28,6 +28,14 @@ _WHEN = {"weights": "always", "gradients": "update", "optimizer": "always", "ref
          "overhead": "always"}
 
 
+def _completion(cfg: Config, d: dict[str, Any]) -> str:
+    """What follows a GRPO row's prompt: a completion, or with tools a whole trajectory."""
+    if not cfg.tools:
+        return f"completion up to {d['completion_tokens']}"
+    return (f"trajectory up to {d['completion_tokens']} tokens (tools: {', '.join(cfg.tools)}; "
+            f"{cfg.data.max_images} image(s) per row, {d['row_vision_patches']} vision patches)")
+
+
 def render_blocks(plan: Plan, cfg: Config) -> list[Any]:
     """Lines and tables ``(headers, rows, right_aligned_columns)`` describing ``plan``."""
     d = plan.details
@@ -50,7 +58,7 @@ def render_blocks(plan: Plan, cfg: Config) -> list[Any]:
          f"{mode}, {where}"),
         (f"  {d['rows_per_step']} rows per step ({cfg.train.prompts_per_step} prompts x "
          f"{cfg.algo.num_generations}{per_gpu}); prompt {d['prompt_tokens']} tokens "
-         f"({d['image_tokens']} image), completion up to {cfg.algo.max_new_tokens}"
+         f"({d['image_tokens']} image), {_completion(cfg, d)}"
          if d["kind"] == "grpo" else
          f"  r1fit sft: {d['rows_per_step']} rows per step (sft.batch_size{per_gpu}); prompt "
          f"{d['prompt_tokens']} tokens ({d['image_tokens']} image), answer up to "

@@ -206,6 +206,22 @@ def test_a_shared_prefix_runs_the_vision_tower_once_per_group(step):
     assert per_row == 4 * shared > 0
 
 
+def test_with_tools_every_row_runs_its_trajectorys_images(step):
+    """A trajectory's images are its own (the tools' results differ row by row): a micro-batch
+    runs each row's, 40 patches here, even where the rows share their prompt, and the step keeps
+    each row's pixel values."""
+    per_row, _ = vision_activations(step(), rows=4, checkpointing=False)  # 16 patches a row
+    # 4 rows; 4 rows of one group; packed by 40 tokens, 2 rows of 16 tokens a micro-batch
+    for tools, rows in ((step(trajectory_patches=40), 4),
+                        (step(trajectory_patches=40, share_prefix=True, group=4, rows_per_gpu=4), 4),
+                        (step(trajectory_patches=40, packed_tokens=40, rows_per_gpu=8, group=4), 2)):
+        assert tools.training_patches(4) == rows * 40
+        saved, _ = vision_activations(tools, rows=4, checkpointing=False)
+        assert saved * 4 * 16 == per_row * rows * 40
+    assert step().trajectory_pixels(8) == 0
+    assert step(trajectory_patches=40).trajectory_pixels(8) == 8 * 40 * 1176 * 4
+
+
 def test_micro_batches_packed_by_tokens_cut_as_the_loop_cuts_them(step):
     """Rows of 10 prompt + 6 completion tokens (16 a row), 8 rows on the GPU. Per row, 40 tokens
     take 2 rows (32; a third would make 48): 4 micro-batches of 32 tokens, 2 prompts' images."""
