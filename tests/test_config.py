@@ -207,13 +207,17 @@ def test_tools_are_off_by_default_with_their_budgets():
             cfg.rollout.tool_timeout, cfg.data.max_images) == (4, 3, None, 10.0, 1)
     assert load_config(None, ["rollout.max_turns=6", "rollout.tool_timeout=2.5",
                               "rollout.max_trajectory_tokens=24"]).rollout.tool_timeout == 2.5
+    assert load_config(None, ["tools=crop,mypkg.tools:rotate", "data.max_images=2"]).tools == \
+        ("crop", "mypkg.tools:rotate")
 
 
 @pytest.mark.parametrize("overrides, message", [
-    # the multi-turn rollout is not wired in: naming tools is refused, honestly, at load
-    (["tools=[crop]"], "tools: multi-turn rollouts with tools are not implemented yet"),
-    (["tools=crop,mypkg.tools:rotate"], "remove tools=['crop', 'mypkg.tools:rotate']"),
-    # each value is checked before that
+    # what multi-turn rollouts do not run with yet
+    (["tools=[crop]", "data.max_images=2", "rollout.engine=vllm"],
+     "tools: multi-turn rollouts run on rollout.engine=hf"),
+    (["tools=[crop]", "data.max_images=2", "algo.overlong_buffer=4"],
+     "algo.overlong_buffer: DAPO's overlong shaping"),
+    (["tools=[crop,mypkg:f]"], "data.max_images=1: tools ['crop'] return images"),
     (["tools=[crop, crop]"], "tools: ['crop'] named more than once"),
     (["tools=[' crop']"], "tools: got [' crop'], expected built-in tool names"),
     (["tools=[zoom]", "rollout.max_turns=1"], "rollout.max_turns: got 1, expected >= 2 with tools"),

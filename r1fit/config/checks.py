@@ -55,8 +55,8 @@ def check_consistency(cfg: Config) -> None:
 
 
 def _check_tools(cfg: Config) -> None:
-    """``tools`` and the budgets of a multi-turn rollout; a config naming tools is refused last
-    (after its values are checked), as the rollout that would run them is not wired in yet."""
+    """``tools`` and the budgets of a multi-turn rollout, and what multi-turn rollouts do not
+    run with yet."""
     rollout = cfg.rollout
     if rollout.max_trajectory_tokens is not None and \
             rollout.max_trajectory_tokens < cfg.algo.max_new_tokens:
@@ -78,8 +78,18 @@ def _check_tools(cfg: Config) -> None:
     if rollout.max_tool_calls < 1:
         raise ConfigError("rollout.max_tool_calls: got 0 with tools set; set it >= 1 or remove "
                           "tools")
-    raise ConfigError(f"tools: multi-turn rollouts with tools are not implemented yet (r1fit has "
-                      f"the tools but no rollout that calls them); remove tools={list(cfg.tools)}")
+    image_tools = sorted({"crop", "zoom"} & set(cfg.tools))
+    if image_tools and cfg.data.max_images < 2:
+        raise ConfigError(f"data.max_images={cfg.data.max_images}: tools {image_tools} return "
+                          "images, and a trajectory's images (the row's and the tools' together) "
+                          "must fit in it; set data.max_images >= 2")
+    if rollout.engine == "vllm":
+        raise ConfigError("tools: multi-turn rollouts run on rollout.engine=hf only for now; set "
+                          "rollout.engine=hf or remove tools")
+    if cfg.algo.overlong_buffer:
+        raise ConfigError("algo.overlong_buffer: DAPO's overlong shaping measures one completion "
+                          "against algo.max_new_tokens, not a trajectory of several turns; set it "
+                          "to 0 with tools")
 
 
 def changed(cfg: Config, changes: list[tuple[list[str], Any]]) -> Config:

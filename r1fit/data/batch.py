@@ -8,7 +8,7 @@ Layout of every batch (generation and training alike, the layout ``generate`` it
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -27,6 +27,10 @@ class Prompt:
     token_inputs: dict[str, torch.Tensor]
     image_inputs: dict[str, torch.Tensor]  # per-image tensors (pixel_values, image_grid_thw), cat on dim 0
     sample: Sample
+    # per-token extras of the completion that follows, each [completion length]: a multi-turn
+    # trajectory's tool turns hold image tokens (whose images are in ``image_inputs``, after the
+    # prompt's own); empty for a completion of text only (its extras are 0)
+    completion_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def length(self) -> int:
@@ -215,19 +219,20 @@ def collate(prompts: Sequence[Prompt], completions: Sequence[torch.Tensor] | Non
     completion_ids = torch.full((rows, comp_len), pad_id, dtype=torch.long)
     completion_mask = torch.zeros((rows, comp_len), dtype=torch.float32)
     # text-only prompts may lack keys that image prompts carry: absent per-token extras are zeros
-    token_dtypes = {k: v.dtype for p in prompts for k, v in p.token_inputs.items()}
-    token_keys = list(token_dtypes)
-    extras = {k: torch.zeros((rows, width), dtype=token_dtypes[k]) for k in token_keys}
+    token_dtypes = {k: v.dtype for p in prompts
+                    for k, v in [*p.token_inputs.items(), *p.completion_inputs.items()]}
+    extras = {k: torch.zeros((rows, width), dtype=dtype) for k, dtype in token_dtypes.items()}
     for i, (prompt, comp) in enumerate(zip(prompts, comps)):
         start = prompt_len - prompt.length
+        n = int(comp.shape[0])
         input_ids[i, start:prompt_len] = prompt.input_ids
         attention[i, start:prompt_len] = 1
-        # completion tokens are text: their per-token extras (mm_token_type_ids, token_type_ids:
-        # 1 on image tokens) stay 0
-        for key in token_keys:
-            if key in prompt.token_inputs:
-                extras[key][i, start:prompt_len] = prompt.token_inputs[key]
-        n = int(comp.shape[0])
+        # a completion's per-token extras (mm_token_type_ids, token_type_ids: 1 on image tokens)
+        # stay 0 unless it has image tokens (a trajectory's tool turns)
+        for key, value in prompt.token_inputs.items():
+            extras[key][i, start:prompt_len] = value
+        for key, value in prompt.completion_inputs.items():
+            extras[key][i, prompt_len:prompt_len + n] = value
         input_ids[i, prompt_len:prompt_len + n] = comp
         attention[i, prompt_len:prompt_len + n] = 1
         completion_ids[i, :n] = comp

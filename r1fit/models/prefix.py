@@ -64,6 +64,21 @@ class PackedGroups:
                             self.completion_mask.to(device), self.row_of.to(device))
 
 
+def completion_extras(prompt: Prompt, n: int) -> dict[str, torch.Tensor]:
+    """The per-token extras of ``[prompt | its n-token completion]``, each [prompt.length + n]:
+    the prompt's, then the completion's (``prompt.completion_inputs``; 0 for text)."""
+    keys = dict.fromkeys([*prompt.token_inputs, *prompt.completion_inputs])
+    out = {}
+    for key in keys:
+        head = prompt.token_inputs.get(key)
+        tail = prompt.completion_inputs.get(key)
+        like = head if head is not None else tail
+        assert like is not None
+        out[key] = torch.cat([head if head is not None else like.new_zeros(prompt.length),
+                              tail if tail is not None else like.new_zeros(n)])
+    return out
+
+
 def _rope_index(inner: nn.Module, prompt: Prompt, completion: torch.Tensor) -> torch.Tensor:
     """Positions of ``[prompt | completion]`` alone: [D, L] (D = 3 for M-RoPE) or [1, L]."""
     ids = torch.cat([prompt.input_ids, completion.to(prompt.input_ids.dtype)])
@@ -72,9 +87,9 @@ def _rope_index(inner: nn.Module, prompt: Prompt, completion: torch.Tensor) -> t
         return torch.arange(ids.shape[0]).unsqueeze(0)
     accepted = inspect.signature(get_rope_index).parameters
     kwargs: dict[str, Any] = {"attention_mask": torch.ones(1, ids.shape[0], dtype=torch.long)}
-    for key, value in prompt.token_inputs.items():  # per-token extras, completions are text (0)
+    for key, value in completion_extras(prompt, int(completion.shape[0])).items():
         if key in accepted:
-            kwargs[key] = torch.cat([value, value.new_zeros(completion.shape[0])]).unsqueeze(0)
+            kwargs[key] = value.unsqueeze(0)
     for key, value in prompt.image_inputs.items():
         if key in accepted:
             kwargs[key] = value
@@ -117,8 +132,8 @@ def pack_groups(model: nn.Module, prompts: Sequence[Prompt],
                else None)
     text_positions = torch.zeros((rows, width), dtype=torch.long)
     row_positions: torch.Tensor | None = None  # [D, rows, width]
-    extras = {k: torch.zeros((rows, width), dtype=v.dtype)
-              for p in prompts for k, v in p.token_inputs.items()}
+    extras = {k: torch.zeros((rows, width), dtype=v.dtype) for p in prompts
+              for k, v in [*p.token_inputs.items(), *p.completion_inputs.items()]}
     predict_at = torch.zeros((n_completions, widest), dtype=torch.long)
     completion_ids = torch.full((n_completions, widest), pad_id, dtype=torch.long)
     completion_mask = torch.zeros((n_completions, widest))
@@ -126,6 +141,8 @@ def pack_groups(model: nn.Module, prompts: Sequence[Prompt],
     causal = torch.ones(max(lengths), max(lengths), dtype=torch.bool).tril()
     out = 0
     for g, (prompt, group) in enumerate(zip(prompts, groups)):
+        assert not prompt.completion_inputs or len(group) == 1, \
+            "completion_inputs belong to one completion: a trajectory's row is never shared"
         r = 0 if one_row else g
         o, n = offsets[g], prompt.length
         input_ids[r, o:o + n] = prompt.input_ids
@@ -143,6 +160,8 @@ def pack_groups(model: nn.Module, prompts: Sequence[Prompt],
             row_positions[:, r, o:o + n] = alone[:, :n]
             row_positions[:, r, start:start + k] = alone[:, n:]
             input_ids[r, start:start + k] = completion
+            for key, value in prompt.completion_inputs.items():  # a trajectory's image tokens
+                extras[key][r, start:start + k] = value
             if visible is not None:
                 visible[r, start:start + k, o:o + n] = True
                 visible[r, start:start + k, start:start + k] = causal[:k, :k]

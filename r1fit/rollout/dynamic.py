@@ -33,6 +33,7 @@ from r1fit.data.batch import Prompt, pad_rows
 from r1fit.processes import all_gather_objects, world
 from r1fit.rollout.record import Rollout
 from r1fit.rollout.score import AdvantageFn
+from r1fit.rollout.turns import Trajectory
 
 
 def informative_groups(rewards: torch.Tensor, num_generations: int) -> list[int]:
@@ -68,6 +69,7 @@ class StepDraws:
         self.prompts: list[Prompt] = []
         self.completions: list[torch.Tensor] = []
         self.engine_logp: list[torch.Tensor | None] = []
+        self.trajectories: list[Trajectory] | None = None  # with tools, one per row
         self.rewards = torch.zeros(0)
         self.components: dict[str, torch.Tensor] = {}
         self.correct: list[float] = []
@@ -82,12 +84,16 @@ class StepDraws:
         every process (one collective; a no-op in one process)."""
         assert batch.rewards is not None
         engine = batch.engine_logp
-        mine = [(c, None if engine is None else engine[i, :c.shape[0]])
+        trajectories = batch.trajectories
+        mine = [(c, None if engine is None else engine[i, :c.shape[0]],
+                 None if trajectories is None else trajectories[i])
                 for i, c in enumerate(batch.completions)]
         rows = [row for part in all_gather_objects(mine) for row in part]
         self.prompts += batch.prompts
-        self.completions += [completion for completion, _ in rows]
-        self.engine_logp += [logp for _, logp in rows]
+        self.completions += [completion for completion, _, _ in rows]
+        self.engine_logp += [logp for _, logp, _ in rows]
+        if trajectories is not None:
+            self.trajectories = (self.trajectories or []) + [t for _, _, t in rows]
         self.rewards = torch.cat([self.rewards.to(batch.rewards), batch.rewards])
         for name, values in batch.components.items():
             before = self.components.get(name, values[:0])
@@ -134,10 +140,13 @@ class StepDraws:
         engine = [self.engine_logp[r] for r in mine]
         engine_logp = (pad_rows(engine)  # type: ignore[arg-type]  # none is None
                        if engine and all(logp is not None for logp in engine) else None)
+        trajectories = self.trajectories
         return Rollout(
             self.step, [self.prompts[group] for group in groups], g, share,
             completions=[self.completions[r] for r in mine],
-            total_tokens=sum(int(self.completions[r].shape[0]) for r in rows),
+            total_tokens=sum(int(self.completions[r].shape[0]) for r in rows)
+            if trajectories is None else sum(int(trajectories[r].policy_mask.sum()) for r in rows),
+            trajectories=None if trajectories is None else [trajectories[r] for r in mine],
             rewards=rewards,
             components={name: values[index] for name, values in self.components.items()},
             correct=[self.correct[r] for r in rows],

@@ -38,7 +38,7 @@ class Rollout:
     row_offset: int = 0    # rows drawn in the step before this record's (dynamic sampling)
     # generation: this process's rows
     completions: list[torch.Tensor] = field(default_factory=list)
-    total_tokens: int = 0  # completion tokens of the whole step (every process)
+    total_tokens: int = 0  # the policy's sampled tokens of the whole step (every process)
     # scoring: every row of the step
     rewards: torch.Tensor | None = None  # [rows] weighted sum
     components: dict[str, torch.Tensor] = field(default_factory=dict)  # reward name -> [rows]
@@ -62,8 +62,27 @@ class Rollout:
 
     @property
     def rows(self) -> list[Prompt]:
-        """The prompt of each of this process's rows."""
+        """The prompt of each of this process's rows; with trajectories, each row's own prompt
+        grown by its tool images (:meth:`Trajectory.row`): what the model runs before the row's
+        completion."""
+        if self.trajectories is not None:
+            return [trajectory.row() for trajectory in self.trajectories]
         return [p for p in self.prompts for _ in range(self.num_generations)][self.share]
+
+    @property
+    def loss_masks(self) -> list[torch.Tensor] | None:
+        """Per row of this process, 1 on the completion tokens the loss and KL count (the policy's
+        tokens of a trajectory, not its tool turns); None: every completion token counts."""
+        if self.trajectories is None:
+            return None
+        return [trajectory.policy_mask for trajectory in self.trajectories]
+
+    def policy_tokens(self) -> list[int]:
+        """The tokens the policy sampled in each of this process's rows (a whole completion, or a
+        trajectory's policy turns)."""
+        if self.trajectories is None:
+            return [int(c.shape[0]) for c in self.completions]
+        return [int(t.policy_mask.sum()) for t in self.trajectories]
 
     @property
     def first_row(self) -> int:

@@ -14,11 +14,12 @@ from r1fit.algorithms.advantages import get_advantage_estimator
 from r1fit.algorithms.kl import sequence_kl_k1
 from r1fit.algorithms.shaping import overlong_penalty
 from r1fit.config import AlgoConfig
-from r1fit.data.batch import decode_completions
+from r1fit.data.batch import decode_completions, pad_rows
 from r1fit.processes import all_gather_rows, all_sum
 from r1fit.rewards.accuracy import accuracy
 from r1fit.rewards.registry import RewardScorer
 from r1fit.rollout.record import Rollout
+from r1fit.rollout.turns import answer_text
 
 AdvantageFn = Callable[[torch.Tensor, int], torch.Tensor]
 
@@ -48,12 +49,12 @@ def score_rollout(rollout: Rollout, scorer: RewardScorer, processor: Any,
     estimator alone (no shaping). With ``overlong_buffer`` the overlong penalty joins the reward
     as its own component, ``overlong`` (weight 1)."""
     settings = advantage if isinstance(advantage, AdvantageSettings) else AdvantageSettings(advantage)
-    texts = decode_completions(processor, rollout.completions)
+    texts, seen = scored_texts(rollout, processor)
     samples = [p.sample for p in rollout.rows]
     errors_before = scorer.total_errors
     rewards = scorer.score(texts, [s.solution for s in samples],
-                           [{"problem": s.problem, "reward_method": s.reward_method}
-                            for s in samples])
+                           [{"problem": s.problem, "reward_method": s.reward_method, **extra}
+                            for s, extra in zip(samples, seen, strict=True)])
     # the logged accuracy: the reward component when configured, else scored here
     correct = (rewards.components["accuracy"] if "accuracy" in rewards.components else
                torch.tensor([accuracy(t, s.solution, problem=s.problem,
@@ -61,7 +62,7 @@ def score_rollout(rollout: Rollout, scorer: RewardScorer, processor: Any,
                              for t, s in zip(texts, samples)]))
     total, components = rewards.total, dict(rewards.components)
     if settings.overlong_buffer:
-        lengths = torch.tensor([int(c.shape[0]) for c in rollout.completions])
+        lengths = torch.tensor(rollout.policy_tokens())
         components["overlong"] = overlong_penalty(
             lengths, max_new_tokens=settings.max_new_tokens, buffer=settings.overlong_buffer,
             penalty=settings.overlong_penalty)
@@ -74,6 +75,27 @@ def score_rollout(rollout: Rollout, scorer: RewardScorer, processor: Any,
                    advantages=settings.estimator(step_rewards, rollout.num_generations)[rollout.share])
 
 
+def scored_texts(rollout: Rollout, processor: Any) -> tuple[list[str], list[dict[str, Any]]]:
+    """What the rewards score of each of this process's rows, and what more they see: the
+    completion's text; with tools, the trajectory's last turn (its answer), and the trajectory
+    itself as the reward's ``trajectory`` keyword (its turns, calls and results, so a reward can
+    charge for wasted calls)."""
+    if rollout.trajectories is None:
+        return decode_completions(processor, rollout.completions), [{}] * len(rollout.completions)
+    return ([answer_text(t) for t in rollout.trajectories],
+            [{"trajectory": t} for t in rollout.trajectories])
+
+
+def scored_tokens(rollout: Rollout, width: int) -> torch.Tensor:
+    """Bool [this process's rows, width]: the completion tokens the loss and KL count (every
+    token of a completion; a trajectory's policy tokens, not its tool turns)."""
+    masks = rollout.loss_masks
+    if masks is None:
+        lengths = torch.tensor([int(c.shape[0]) for c in rollout.completions])
+        return torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+    return pad_rows([m[:width] for m in masks], width).bool()
+
+
 def kl_in_reward(rollout: Rollout, policy_logp: torch.Tensor, beta: float,
                  estimator: AdvantageFn) -> tuple[torch.Tensor, float]:
     """The advantages (this process's rows) recomputed from each row's reward minus ``beta`` x
@@ -84,8 +106,7 @@ def kl_in_reward(rollout: Rollout, policy_logp: torch.Tensor, beta: float,
     step again; ``rollout.rewards`` stay the task reward (what reward_mean logs)."""
     assert rollout.rewards is not None and rollout.ref_logp is not None
     width = min(policy_logp.shape[1], rollout.ref_logp.shape[1])
-    lengths = torch.tensor([int(c.shape[0]) for c in rollout.completions])
-    mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+    mask = scored_tokens(rollout, width)
     local = sequence_kl_k1(policy_logp[:, :width].double(), rollout.ref_logp[:, :width].double(), mask)
     kl = all_gather_rows(local)
     penalised = rollout.rewards.double() - beta * kl
@@ -107,6 +128,6 @@ def loss_counts(rollout: Rollout, keep: torch.Tensor | None) -> tuple[int, int]:
     only this process's ``keep`` rows summed over processes (``algo.mask_truncated``)."""
     if keep is None:
         return rollout.total_tokens, rollout.total_rows
-    tokens = sum(int(c.shape[0]) for c, k in zip(rollout.completions, keep.tolist()) if k)
+    tokens = sum(n for n, k in zip(rollout.policy_tokens(), keep.tolist()) if k)
     total_tokens, total_rows = all_sum([tokens, int(keep.sum())])
     return int(total_tokens), int(total_rows)

@@ -1,7 +1,8 @@
 """Multi-turn rollouts with tools, on Hugging Face ``generate``: the policy generates until it
 writes ``</tool_call>`` or ends, r1fit runs the calls, appends their results as a tool turn and the
-policy goes on, up to the budgets (docs/tools.md). NOT wired into training yet: nothing calls
-:func:`run_trajectories` but the tests, and a config naming tools is still refused at load.
+policy goes on, up to the budgets (docs/tools.md). GRPO runs it through
+:func:`generate_trajectories` when ``tools`` are configured; the engines give the turn function
+(``hf_generate_turn`` here, the vLLM engine's ``generate_turn``).
 
 A :class:`Trajectory` holds the token ids of the whole conversation after the prompt, the ids the
 policy sampled kept as sampled (re-tokenizing decoded text need not give them back) and each tool
@@ -40,7 +41,15 @@ from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteria
 
 from r1fit.data.batch import Prompt, collate, cut_after_eos, split_encoded
 from r1fit.models.load import unwrap
-from r1fit.rollout.generate import SamplingSettings, SeededSampler, TokenIds, generation_config
+from r1fit.processes import all_sum
+from r1fit.rollout.generate import (
+    SamplingSettings,
+    SeededSampler,
+    TokenIds,
+    generation_config,
+    row_seeds,
+)
+from r1fit.rollout.record import Rollout
 from r1fit.tools import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
@@ -147,11 +156,22 @@ class Trajectory:
         keys = dict.fromkeys([*self.prompt.token_inputs, *self.token_inputs])
         extras = {key: torch.cat([_extra(self.prompt.token_inputs, key, self.prompt.length),
                                   _extra(self.token_inputs, key, self.length)]) for key in keys}
-        images = {key: torch.cat([part[key] for part in (self.prompt.image_inputs,
-                                                         self.image_inputs) if key in part])
-                  for key in dict.fromkeys([*self.prompt.image_inputs, *self.image_inputs])}
-        return Prompt(torch.cat([self.prompt.input_ids, self.token_ids]), extras, images,
-                      self.prompt.sample)
+        return Prompt(torch.cat([self.prompt.input_ids, self.token_ids]), extras,
+                      self._images(), self.prompt.sample)
+
+    def row(self) -> Prompt:
+        """The prompt as the log-prob passes run it before ``token_ids``: the prompt's tokens,
+        its images followed by the tool images (the order of their tokens), and the trajectory's
+        per-token extras as the completion's (``Prompt.completion_inputs``)."""
+        prompt = self.prompt
+        return Prompt(prompt.input_ids, prompt.token_inputs, self._images(), prompt.sample,
+                      dict(self.token_inputs))
+
+    def _images(self) -> dict[str, torch.Tensor]:
+        """The prompt's image tensors followed by the tool images', per key."""
+        parts = (self.prompt.image_inputs, self.image_inputs)
+        return {key: torch.cat([part[key] for part in parts if key in part])
+                for key in dict.fromkeys([*parts[0], *parts[1]])}
 
     def _append(self, ids: torch.Tensor, policy: bool, extras: dict[str, torch.Tensor]) -> None:
         n = int(ids.shape[0])
@@ -283,18 +303,24 @@ def _answer(trajectory: Trajectory, calls: Sequence[ToolCall | MalformedCall],
     return results
 
 
+def tool_context(prompt: Prompt) -> ToolContext:
+    """What the tools see of a row: its images at source resolution when the dataset kept them
+    (``Sample.source_images``, kept when ``tools`` are configured), else the prompt's."""
+    sample = prompt.sample
+    return ToolContext(tuple(sample.source_images or sample.images), sample.source)
+
+
 def run_trajectories(generate_turn: GenerateTurn, processor: Any, prompts: Sequence[Prompt],
                      seeds: Sequence[int] | None, runner: ToolRunner, budgets: TurnBudgets, *,
                      eos: Sequence[int], contexts: Sequence[ToolContext] | None = None
                      ) -> list[Trajectory]:
     """One trajectory per prompt, in order. ``seeds``: one per row (``row_seeds``), None for
     greedy; ``eos``: the end-of-sequence ids; ``contexts``: what the tools see of each row
-    (default: the prompt's images, already shrunk to the pixel budget; a trainer passes the
-    source-resolution ones, see docs/tools.md)."""
+    (default: :func:`tool_context`)."""
     if seeds is not None and len(seeds) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts, {len(seeds)} seeds")
     if contexts is None:
-        contexts = [ToolContext(tuple(p.sample.images), p.sample.source) for p in prompts]
+        contexts = [tool_context(p) for p in prompts]
     trajectories = [Trajectory(prompt) for prompt in prompts]
     open_rows = list(range(len(prompts)))
     while open_rows:
@@ -346,3 +372,26 @@ def _take_turn(trajectory: Trajectory, tokens: torch.Tensor, processor: Any, run
         trajectory.image_inputs[key] = value if held is None else torch.cat([held, value])
     trajectory.images.extend(images)
     return True
+
+
+#: ``run_turns(rows, seeds or None) -> trajectories``: an engine's multi-turn rollouts of rows
+RunTurns = Callable[[Sequence[Prompt], Sequence[int] | None], list[Trajectory]]
+
+
+def generate_trajectories(rollout: Rollout, run_turns: RunTurns, *, seed: int) -> Rollout:
+    """Generation stage with tools: ``rollout`` with a trajectory per row of this process, seeded
+    per row as :func:`~r1fit.rollout.generate.generate_rollout` seeds completions (and per turn
+    by :func:`turn_seed`); its completions are the trajectories' tokens after the prompt, and
+    ``total_tokens`` counts the policy's tokens of the whole step (the loss normaliser)."""
+    seeds = row_seeds(seed, rollout.step, rollout.first_row, len(rollout.rows))
+    trajectories = run_turns(rollout.rows, seeds)
+    local = sum(int(t.policy_mask.sum()) for t in trajectories)
+    return replace(rollout, completions=[t.token_ids for t in trajectories],
+                   trajectories=trajectories, engine_logp=None,
+                   total_tokens=int(all_sum([local])[0]))
+
+
+def answer_text(trajectory: Trajectory) -> str:
+    """What rewards and evaluation score: the policy's last turn (decoded, special tokens left
+    out), where a trajectory ends with its answer."""
+    return trajectory.turns[-1].text if trajectory.turns else ""

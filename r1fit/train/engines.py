@@ -23,17 +23,21 @@ from r1fit.models.weights import full_named_weights
 from r1fit.report.metrics import timed
 from r1fit.rollout.generate import SamplingSettings, generate_completions
 from r1fit.rollout.prefill import PrefillSharing
+from r1fit.rollout.turns import Trajectory, hf_generate_turn
 from r1fit.rollout.vllm_engine import EngineSpec, RolloutEngineError, VllmEngine
 from r1fit.train.run import Run
+from r1fit.train.tool_rollouts import ToolTurns
 
 log = logging.getLogger("r1fit.rollout")
 
 
 class HFRollouts:
-    """Rollouts with ``generate`` on the policy, ``memory.generation_batch`` rows at a time."""
+    """Rollouts with ``generate`` on the policy, ``memory.generation_batch`` rows at a time;
+    with ``tools``, multi-turn trajectories (:meth:`trajectories`)."""
 
-    def __init__(self, run: Run, settings: SamplingSettings) -> None:
-        self.run, self.settings = run, settings
+    def __init__(self, run: Run, settings: SamplingSettings,
+                 tools: ToolTurns | None = None) -> None:
+        self.run, self.settings, self.tools = run, settings, tools
         self.sharing = PrefillSharing(run.cfg.rollout.share_prefill)
 
     @contextmanager
@@ -59,6 +63,24 @@ class HFRollouts:
                                         batch_size=run.cfg.eval.batch, settings=settings,
                                         ids=run.ids, device=run.device, sharing=self.sharing)
 
+    def trajectories(self, rows: Sequence[Prompt], seeds: Sequence[int]) -> list[Trajectory]:
+        """One sampled trajectory per row (with ``tools``; inside ``ready``)."""
+        assert self.tools is not None
+        run = self.run
+        turn = hf_generate_turn(run.policy, run.processor.tokenizer, self.settings, run.ids,
+                                run.device)
+        return self.tools.run_rows(turn, rows, seeds, run.sizes.generation_batch)
+
+    def greedy_trajectories(self, prompts: Sequence[Prompt]) -> list[Trajectory]:
+        """Greedy trajectories (evaluation with ``tools``, inside ``ready``)."""
+        assert self.tools is not None
+        run = self.run
+        settings = SamplingSettings(max_new_tokens=self.settings.max_new_tokens, greedy=True)
+        turn = hf_generate_turn(run.policy, run.processor.tokenizer, settings, run.ids,
+                                run.device)
+        with torch.inference_mode():
+            return self.tools.run_rows(turn, prompts, None, run.cfg.eval.batch, evaluation=True)
+
     def updated(self) -> None:
         """The policy changed (nothing to do: generate reads it directly)."""
 
@@ -72,6 +94,7 @@ class VllmRollouts:
     def __init__(self, run: Run, settings: SamplingSettings) -> None:
         cfg = run.cfg
         self.run, self.settings = run, settings
+        self.tools = None
         model = unwrap(run.model)
         longest = run.max_prompt_tokens if run.max_prompt_tokens is not None else context_length(model)
         if longest is None:
@@ -126,8 +149,9 @@ class VllmRollouts:
         self.engine.close()
 
 
-def rollout_engine(run: Run, settings: SamplingSettings) -> Any:
-    """The engine ``rollout.engine`` names, ready for the run's first rollout."""
+def rollout_engine(run: Run, settings: SamplingSettings, tools: ToolTurns | None = None) -> Any:
+    """The engine ``rollout.engine`` names, ready for the run's first rollout; with ``tools``,
+    for multi-turn rollouts."""
     if run.cfg.rollout.engine == "vllm":
         return VllmRollouts(run, settings)
-    return HFRollouts(run, settings)
+    return HFRollouts(run, settings, tools)

@@ -53,12 +53,14 @@ from r1fit.rollout.dynamic import StepDraws
 from r1fit.rollout.generate import SamplingSettings, generate_rollout
 from r1fit.rollout.record import Rollout
 from r1fit.rollout.score import AdvantageSettings, finished_rows, kl_in_reward, loss_counts, score_rollout
+from r1fit.rollout.turns import generate_trajectories
 from r1fit.train.engines import rollout_engine
 from r1fit.train.evaluate import evaluate
 from r1fit.train.forward import add_logprobs, longest_row, micro_batches, run_logprobs
 from r1fit.train.optim import build_optimizer, build_scheduler, clip_and_step
 from r1fit.train.run import Run, start_run
 from r1fit.train.sft import supervised_steps
+from r1fit.train.tool_rollouts import ToolTurns
 
 log = logging.getLogger("r1fit.grpo")
 
@@ -79,15 +81,17 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
     scorer = RewardScorer(cfg.rewards)
     loop = Counters(best=-1.0, since_best=0)
     rng = RngState(cfg.train.seed, run.world.rank)
+    tools = ToolTurns(run, algo.max_new_tokens) if cfg.tools else None  # multi-turn rollouts
     # everything a resumed run needs to continue exactly; the models are saved alongside
     state = {"optimizer": OptimizerState(run.model, optimizer),
              "scheduler": SchedulerState(scheduler), "sampler": sampler, "loop": loop,
-             "bad_rows": bad_rows, "rewards": scorer, "sizes": run.sizes, "rng": rng}
+             "bad_rows": bad_rows, "rewards": scorer, "sizes": run.sizes, "rng": rng,
+             **({"tools": tools.totals} if tools is not None else {})}
     start = run.checkpoints.restore("grpo", state)
     guard = run.guard(optimizer)
     settings = SamplingSettings(algo.max_new_tokens, algo.temperature, algo.top_p,
                                 min_new_tokens=cfg.rollout.min_new_tokens)
-    engine = rollout_engine(run, settings)
+    engine = rollout_engine(run, settings, tools)
     advantage = AdvantageSettings.of(algo)  # algo.advantage_estimator, overlong shaping
     loss = LossSettings.of(algo)  # clip range, KL term, aggregation, TIS, Clip-Cov/KL-Cov
     if run.eval_set is not None and cfg.eval.before_train and start == 0:
@@ -120,7 +124,9 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
                                     row_offset=draws.rows)
                     with engine.ready(times), timed(times, "seconds_generate"), \
                             guard.phase("generation"):
-                        batch = generate_rollout(batch, engine.generate, seed=cfg.train.seed)
+                        batch = generate_rollout(batch, engine.generate, seed=cfg.train.seed) \
+                            if tools is None else \
+                            generate_trajectories(batch, engine.trajectories, seed=cfg.train.seed)
                     with timed(times, "seconds_score"):
                         batch = score_rollout(batch, scorer, run.processor, advantage)
                     draws.add(batch)
@@ -140,7 +146,8 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
                 return draws, rollout, updates
 
             draws, rollout, updates = guard.run_step(
-                attempt, restore=[rng, scorer, sampler, bad_rows])
+                attempt, restore=[rng, scorer, sampler, bad_rows,
+                                  *([tools.totals] if tools is not None else [])])
             if rollout is None:
                 log.warning("step %d: all %d groups of the %d batches drawn have all-equal rewards "
                             "(algo.max_resample_batches); no update this step", step,
@@ -155,6 +162,7 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
                    "kept_groups": 0 if rollout is None else len(rollout.prompts),
                    "learning_rate": scheduler.get_last_lr()[0], **step_memory(run.device),
                    "bad_rows": bad_rows.count, "reward_errors": scorer.total_errors,
+                   **(tools.totals.step() if tools is not None else {}),
                    "oom_retries": guard.retries, "micro_batch": run.sizes.micro_batch,
                    "micro_batch_tokens": run.sizes.micro_batch_tokens,
                    "generation_batch": run.sizes.generation_batch,
@@ -309,11 +317,13 @@ def accumulate_policy_gradients(run: Run, rollout: Rollout, *, loss: LossSetting
                   chunk_size=run.cfg.head_chunk(), micro_batch=sizes.micro_batch,
                   tokens=sizes.micro_batch_tokens)
     captured: list[torch.Tensor] = []
+    loss_masks = rollout.loss_masks  # a trajectory's policy tokens (None: every token)
     for piece, prompts, comps in micro_batches(rollout.rows, rollout.completions,
                                                sizes.micro_batch, tokens=sizes.micro_batch_tokens,
                                                shared=bool(layout.on)):
         batch = layout.inputs(run.policy, prompts, comps, pad_id=run.ids.pad, device=device,
-                              packed=packed)
+                              packed=packed,
+                              masks=None if loss_masks is None else loss_masks[piece])
         width = batch.completion_mask.shape[1]
         old = rollout.old_logp[piece, :width].to(device) if rollout.old_logp is not None else None
         ref = rollout.ref_logp[piece, :width].to(device) if rollout.ref_logp is not None else None

@@ -49,3 +49,46 @@ def _weights(folder: Path) -> str:
 def same_run():
     """``same_run(a, b)`` asserts two output folders hold the same run, bit for bit."""
     return assert_same_run
+
+
+#: the call a scripted first turn writes (builtin:shapes zoom rows have one image)
+ZOOM_CALL = ('<tool_call>\n{"name": "zoom", "arguments": {"x": 0.5, "y": 0.5, "factor": 4}}\n'
+             '</tool_call>')
+
+
+@pytest.fixture
+def tool_calling_policy(monkeypatch: pytest.MonkeyPatch) -> str:
+    """GRPO's HF engine with the tiny model, except that in its first turn a row writes
+    ``ZOOM_CALL`` when its seed is even (every row when greedy): random weights never write a
+    call. The later turns are the model's own, generated from contexts that hold the tool's
+    image. Returns the call's text."""
+    from r1fit.train import engines
+
+    real = engines.hf_generate_turn
+
+    def make(model, tokenizer, settings, ids, device):
+        model_turn = real(model, tokenizer, settings, ids, device)
+        call = torch.tensor(tokenizer(ZOOM_CALL, add_special_tokens=False)["input_ids"])
+
+        def turn(rows, seeds, limits):
+            out = model_turn(rows, seeds, limits)
+            for i, row in enumerate(rows):
+                first = "<tool_response>" not in tokenizer.decode(row.input_ids.tolist())
+                if first and (seeds is None or seeds[i] % 2 == 0):
+                    out[i] = call[:limits[i]].clone()
+            return out
+
+        return turn
+
+    monkeypatch.setattr(engines, "hf_generate_turn", make)
+    return ZOOM_CALL
+
+
+@pytest.fixture
+def tool_reward(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A reward (``toolreward:calls``) that reads the trajectory: the tool calls it made."""
+    plugin = tmp_path_factory.mktemp("plugins") / "toolreward.py"
+    plugin.write_text("def calls(completion, solution, trajectory=None, **info):\n"
+                      "    return float(trajectory.tool_calls)\n")
+    monkeypatch.syspath_prepend(str(plugin.parent))
+    return plugin.parent

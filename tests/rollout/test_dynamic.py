@@ -158,7 +158,7 @@ def test_two_processes_train_an_even_share_of_the_kept_rows(monkeypatch):
     def gather(mine):
         batch = next(b for b in range(2) for r in range(2)
                      if local[r][b].completions[0] is mine[0][0])
-        return [[(c, None) for c in local[r][batch].completions] for r in range(2)]
+        return [[(c, None, None) for c in local[r][batch].completions] for r in range(2)]
 
     whole = StepDraws(1, 2, only_informative=True)  # one process: the reference
     draw_all(whole)

@@ -344,3 +344,43 @@ def test_generate_stops_a_row_after_its_call_and_lets_the_others_run(tiny):
     turns = hf_generate_turn(model, tok, settings, ids, CPU)(prompts, row_seeds(1, 1, 0, 3),
                                                              [3, 7, 20])
     assert [len(t) for t in turns][:2] == [3, 7] and len(turns[2]) <= 20
+
+
+def test_a_trajectory_row_is_scored_as_its_whole_conversation(tiny_dir, float64_model):
+    """What the log-prob passes run (a row's prompt grown by its tool images, the trajectory as
+    its completion, the policy mask as its loss mask) gives the log-probs one forward of the whole
+    conversation gives, per row of a batch whose rows hold 2 and 1 images, collated and packed."""
+    from r1fit.models.logprobs import completion_logprobs
+    from r1fit.models.prefix import pack_groups
+
+    model, processor, prompts = float64_model(tiny_dir, checkpointing=False)
+    ids = TokenIds.of(model, processor)
+    scripts = {prompts[0].sample.source: [CROP, ANSWER], prompts[1].sample.source: [ANSWER]}
+    trajectories = run_trajectories(ScriptedPolicy(processor, scripts, ids.eos[0]), processor,
+                                    prompts[:2], None, runner(), budgets(), eos=ids.eos)
+    for t in trajectories:  # pixels in float64 like the model
+        if "pixel_values" in t.image_inputs:
+            t.image_inputs["pixel_values"] = t.image_inputs["pixel_values"].double()
+    assert [len(t.images) for t in trajectories] == [1, 0]
+    rows = [t.row() for t in trajectories]
+    completions = [t.token_ids for t in trajectories]
+    masks = [t.policy_mask for t in trajectories]
+    batch = collate(rows, completions, ids.pad, masks)
+    assert batch.inputs["image_grid_thw"].shape[0] == 3  # the prompts' 2 images and the crop
+    packed = pack_groups(model, rows, [[c] for c in completions], ids.pad, torch.float64,
+                         one_row=True, masks=masks)
+    with torch.no_grad():
+        per_row = completion_logprobs(model, batch, chunk_size=64)
+        in_one_row = completion_logprobs(model, packed, chunk_size=64)
+        for i, t in enumerate(trajectories):
+            n, length = t.prompt.length, t.length
+            assert torch.equal(batch.completion_mask[i, :length], masks[i])
+            whole = collate([t.context()], None, ids.pad)
+            logits = model(**whole.inputs).logits[0].double()
+            expected = torch.log_softmax(logits[n - 1:n - 1 + length], dim=-1).gather(
+                -1, t.token_ids.unsqueeze(-1)).squeeze(-1) * masks[i]
+            torch.testing.assert_close(per_row[i, :length].double(), expected, rtol=0, atol=1e-5)
+            torch.testing.assert_close(in_one_row[i, :length].double(), expected, rtol=0,
+                                       atol=1e-5)
+    tool_tokens = masks[0] == 0
+    assert tool_tokens.sum() > 4 and torch.all(per_row[0, :trajectories[0].length][tool_tokens] == 0)
