@@ -133,6 +133,28 @@ def vllm_installed() -> None:
 
 
 @pytest.fixture(scope="session")
+def start_vllm(vllm_installed):
+    """``start_vllm(folder, model, processor, max_images)``: a vLLM engine of the model in
+    ``folder`` (its loaded ``model`` and ``processor`` give the config and the image token) on
+    CPU, float32, 512 tokens per request, a 64 MiB KV cache; the caller closes it."""
+    import torch
+
+    from r1fit.models.load import special_token_ids
+    from r1fit.rollout.vllm_engine import EngineSpec, VllmEngine
+
+    def start(folder: Path, model, processor, max_images: int):
+        spec = EngineSpec(folder=folder, dtype=torch.float32, device=torch.device("cpu"), seed=0,
+                          max_model_len=512, kv_cache_memory=64 << 20,
+                          gpu_memory_utilization=0.3, sleep_level=1, enforce_eager=None,
+                          max_images=max_images,
+                          image_token_id=special_token_ids(model, processor)["image_pad"],
+                          distributed=False)
+        return VllmEngine(spec, model.config.get_text_config())
+
+    return start
+
+
+@pytest.fixture(scope="session")
 def nearly_all_stop():
     """``nearly_all_stop(model, ids)``: ``ids`` (a ``TokenIds``) with every token of the vocabulary
     an end-of-sequence token but 8 (and the blocked placeholders), so a completion ends at its

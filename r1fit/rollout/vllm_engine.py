@@ -7,7 +7,8 @@ per layer). Each row is sampled with its own seed (``row_seeds``) through
 ``SamplingParams(seed=...)``, so a row's completion depends on its prompt, seed and the weights,
 not on the process or the other rows, and a resumed run samples what the uninterrupted one did.
 The engine's log-probs of the sampled tokens come back with the completions (after temperature,
-as the trainer computes them).
+as the trainer computes them). :meth:`VllmEngine.generate_turn` is one turn of the multi-turn
+loop with tools (:func:`r1fit.rollout.turns.run_trajectories`): stopped after ``</tool_call>``.
 
 On CUDA the engine sleeps while the policy trains (``rollout.vllm.sleep_level``); vLLM has no
 sleep mode on CPU, where it keeps its memory.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import torch
 
 from r1fit.data.batch import Prompt, cut_after_eos
 from r1fit.errors import R1fitError, one_line
+from r1fit.tools import TOOL_CALL_CLOSE
 from r1fit.units import format_bytes
 
 log = logging.getLogger("r1fit.vllm")
@@ -69,6 +71,38 @@ def kv_bytes_per_token(text_config: Any, dtype: torch.dtype) -> int:
     return 2 * text_config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
 
 
+def sampling_params(seed: int | None, *, max_tokens: int, temperature: float, top_p: float,
+                    eos: Sequence[int], blocked: Sequence[int], **extra: Any) -> Any:
+    """One row's ``SamplingParams``: greedy when ``seed`` is None, else sampled with ``seed``; an
+    ``eos`` token ends it, a ``blocked`` one is never sampled (image placeholders); ``extra``: more
+    ``SamplingParams`` fields."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=0.0 if seed is None else temperature,
+        top_p=1.0 if seed is None else top_p, seed=seed, stop_token_ids=list(eos),
+        logit_bias={token: -100.0 for token in blocked} or None, **extra)
+
+
+def cut_after_stop(tokens: torch.Tensor, decode: Callable[[list[int]], str], stop: str
+                   ) -> torch.Tensor:
+    """``tokens`` up to and including the one whose text completes the first ``stop`` in their
+    decoding (``decode``); unchanged when the text never holds it. That token is kept whole, also
+    when its text runs past the stop (a stop completed mid-token): it is what the model sampled."""
+    ids = tokens.tolist()
+    if stop not in decode(ids):
+        return tokens.clone()
+    # the shortest prefix whose text holds the stop; a longer prefix's text extends a shorter one's
+    low, high = 1, len(ids)
+    while low < high:
+        middle = (low + high) // 2
+        if stop in decode(ids[:middle]):
+            high = middle
+        else:
+            low = middle + 1
+    return tokens[:low].clone()
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """Everything the engine is started with (from the run's config and model)."""
@@ -89,7 +123,8 @@ class EngineSpec:
 
 class VllmEngine:
     """One vLLM ``LLM`` in this process. ``generate`` takes r1fit prompts and gives completions
-    and their log-probs; ``load_weights`` takes the policy's weights."""
+    and their log-probs, ``generate_turn`` one turn of multi-turn contexts; ``load_weights`` takes
+    the policy's weights."""
 
     def __init__(self, spec: EngineSpec, text_config: Any) -> None:
         vllm = import_vllm()
@@ -193,25 +228,12 @@ class VllmEngine:
         """One completion per row (cut after its EOS) and the engine's log-prob of each of its
         tokens. ``seeds=None`` is greedy decoding. No ``eos`` token ends a completion before
         ``min_new_tokens`` tokens (vLLM's ``min_tokens``)."""
-        from vllm import SamplingParams
-
-        if not self._awake:
-            raise RolloutEngineError("the vLLM engine is asleep: load_weights wakes it")
-        params = [SamplingParams(
-            max_tokens=max_new_tokens, min_tokens=min_new_tokens,
-            temperature=0.0 if seeds is None else temperature,
-            top_p=1.0 if seeds is None else top_p, seed=None if seeds is None else seeds[i],
-            stop_token_ids=list(eos), logprobs=0, detokenize=False,
-            logit_bias={token: -100.0 for token in blocked} or None)  # never sample image pads
-            for i in range(len(rows))]
-        outputs = self.llm.generate([self.request(p) for p in rows], params, use_tqdm=False)
+        params = [sampling_params(
+            None if seeds is None else seeds[i], max_tokens=max_new_tokens, temperature=temperature,
+            top_p=top_p, eos=eos, blocked=blocked, min_tokens=min_new_tokens, logprobs=0,
+            detokenize=False) for i in range(len(rows))]
         completions, logprobs = [], []
-        for prompt, out in zip(rows, outputs):
-            if list(out.prompt_token_ids) != prompt.input_ids.tolist():
-                raise RolloutEngineError(
-                    f"{prompt.sample.source}: vLLM encoded the prompt as {len(out.prompt_token_ids)} "
-                    f"tokens, r1fit as {prompt.length}; the image processors disagree (check the "
-                    f"model folder's preprocessor_config.json)")
+        for out in self._outputs(rows, [self.request(p) for p in rows], params):
             sample = out.outputs[0]
             tokens = cut_after_eos(torch.tensor(list(sample.token_ids), dtype=torch.long), eos)
             completions.append(tokens)
@@ -219,3 +241,71 @@ class VllmEngine:
                 [position[token].logprob for position, token in
                  zip(sample.logprobs or [], tokens.tolist())], dtype=torch.float32))
         return completions, logprobs
+
+    def generate_turn(self, rows: Sequence[Prompt], seeds: Sequence[int] | None,
+                      limits: Sequence[int], *, temperature: float, top_p: float,
+                      eos: Sequence[int], blocked: Sequence[int]) -> list[torch.Tensor]:
+        """One turn of each row for :func:`~r1fit.rollout.turns.run_trajectories` (its
+        ``GenerateTurn`` once the keywords are bound): row i generates at most ``limits[i]``
+        tokens and stops right after the token whose text completes ``</tool_call>`` (kept whole,
+        also when its text runs past the tag) or at an ``eos`` token (kept). ``seeds=None`` is
+        greedy, else row i samples with ``seeds[i]``, whatever rows share its batch.
+
+        A row is a grown context: its ``sample.images`` must be every image its ids hold, in
+        order (the row's own, then the tools'). vLLM takes at most ``spec.max_images`` images
+        (``limit_mm_per_prompt``) and ``spec.max_model_len`` tokens per request: the caller sizes
+        both for whole trajectories (the row's images plus what its tools may return; the longest
+        prompt plus ``rollout.max_trajectory_tokens``); a row past either is refused here."""
+        requests = [self._turn_request(row, limit) for row, limit in zip(rows, limits, strict=True)]
+        # vLLM checks the stop text on its detokenized output (special tokens skipped, as
+        # StopAtToolCall decodes) and drops any token after the one that completed it
+        params = [sampling_params(
+            None if seeds is None else seeds[i], max_tokens=limits[i], temperature=temperature,
+            top_p=top_p, eos=eos, blocked=blocked, stop=[TOOL_CALL_CLOSE],
+            include_stop_str_in_output=True) for i in range(len(rows))]
+        tokenizer = self.llm.get_tokenizer()
+
+        def decode(ids: list[int]) -> str:
+            return tokenizer.decode(ids, skip_special_tokens=True)
+
+        # cut again here: the turn ends where r1fit's decoding sees the tag, whatever vLLM kept
+        return [cut_after_stop(cut_after_eos(torch.tensor(list(out.outputs[0].token_ids),
+                                                          dtype=torch.long), eos),
+                               decode, TOOL_CALL_CLOSE)
+                for out in self._outputs(rows, requests, params)]
+
+    def _turn_request(self, row: Prompt, limit: int) -> dict[str, Any]:
+        """``row``'s request, refused when its images or tokens do not fit the engine."""
+        request = self.request(row)
+        images = len(row.sample.images)
+        held = request["prompt_token_ids"].count(self.spec.image_token_id)  # one per image now
+        if held != images:
+            raise RolloutEngineError(
+                f"{row.sample.source}: the context's ids hold {held} images but its "
+                f"sample.images {images}: a grown context must carry the tools' images as well")
+        if images > self.spec.max_images:
+            raise RolloutEngineError(
+                f"{row.sample.source}: the context holds {images} images, more than the vLLM "
+                f"engine's max_images={self.spec.max_images} (limit_mm_per_prompt): start it "
+                f"with room for the prompt's images plus all its tools may return")
+        if row.length + limit > self.spec.max_model_len:
+            raise RolloutEngineError(
+                f"{row.sample.source}: a context of {row.length} tokens and a turn of {limit} "
+                f"exceed the vLLM engine's max_model_len={self.spec.max_model_len}: start it "
+                f"with room for the longest prompt plus a whole trajectory")
+        return request
+
+    def _outputs(self, rows: Sequence[Prompt], requests: Sequence[dict[str, Any]],
+                 params: Sequence[Any]) -> list[Any]:
+        """vLLM's outputs of ``requests`` (those of ``rows``), after checking that vLLM expanded
+        each prompt to r1fit's tokens."""
+        if not self._awake:
+            raise RolloutEngineError("the vLLM engine is asleep: load_weights wakes it")
+        outputs = self.llm.generate(list(requests), list(params), use_tqdm=False)
+        for prompt, out in zip(rows, outputs):
+            if list(out.prompt_token_ids) != prompt.input_ids.tolist():
+                raise RolloutEngineError(
+                    f"{prompt.sample.source}: vLLM encoded the prompt as {len(out.prompt_token_ids)} "
+                    f"tokens, r1fit as {prompt.length}; the image processors disagree (check the "
+                    f"model folder's preprocessor_config.json)")
+        return outputs

@@ -12,7 +12,7 @@ import torch
 
 from r1fit.data.batch import collate, encode_prompts
 from r1fit.data.dataset import load_dataset
-from r1fit.models.load import load_policy, special_token_ids
+from r1fit.models.load import load_policy
 from r1fit.models.weights import full_named_weights
 from r1fit.rollout.generate import SamplingSettings, TokenIds, generate_completions, row_seeds
 
@@ -28,10 +28,8 @@ def policy(folder, lora_r=0):
 
 
 @pytest.fixture(scope="module")
-def setup(hd32_dir, vllm_installed):
+def setup(hd32_dir, start_vllm):
     """(engine, processor, prompts): 3 image prompts of builtin:shapes and 2 text-only ones."""
-    from r1fit.rollout.vllm_engine import EngineSpec, VllmEngine
-
     model, processor = policy(hd32_dir)
     data = load_dataset("builtin:shapes", split="train", min_pixels=784, max_pixels=3136,
                         max_images=1, max_bad_fraction=0.0, seed=0, size=8)
@@ -39,12 +37,7 @@ def setup(hd32_dir, vllm_installed):
                                               for i in range(3, 5)]
     prompts = encode_prompts(processor, samples, "Think, then answer.")
     assert [bool(p.sample.images) for p in prompts] == [True] * 3 + [False] * 2
-    spec = EngineSpec(folder=hd32_dir, dtype=torch.float32, device=CPU, seed=0,
-                      max_model_len=512, kv_cache_memory=64 << 20, gpu_memory_utilization=0.3,
-                      sleep_level=1, enforce_eager=None, max_images=1,
-                      image_token_id=special_token_ids(model, processor)["image_pad"],
-                      distributed=False)
-    engine = VllmEngine(spec, model.config.get_text_config())
+    engine = start_vllm(hd32_dir, model, processor, max_images=1)
     yield engine, processor, prompts
     engine.close()
 
