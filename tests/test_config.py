@@ -213,8 +213,6 @@ def test_tools_are_off_by_default_with_their_budgets():
 
 @pytest.mark.parametrize("overrides, message", [
     # what multi-turn rollouts do not run with yet
-    (["tools=[crop]", "data.max_images=2", "rollout.engine=vllm"],
-     "tools: multi-turn rollouts run on rollout.engine=hf"),
     (["tools=[crop]", "data.max_images=2", "algo.overlong_buffer=4"],
      "algo.overlong_buffer: DAPO's overlong shaping"),
     (["tools=[crop,mypkg:f]"], "data.max_images=1: tools ['crop'] return images"),

@@ -83,9 +83,6 @@ def _check_tools(cfg: Config) -> None:
         raise ConfigError(f"data.max_images={cfg.data.max_images}: tools {image_tools} return "
                           "images, and a trajectory's images (the row's and the tools' together) "
                           "must fit in it; set data.max_images >= 2")
-    if rollout.engine == "vllm":
-        raise ConfigError("tools: multi-turn rollouts run on rollout.engine=hf only for now; set "
-                          "rollout.engine=hf or remove tools")
     if cfg.algo.overlong_buffer:
         raise ConfigError("algo.overlong_buffer: DAPO's overlong shaping measures one completion "
                           "against algo.max_new_tokens, not a trajectory of several turns; set it "

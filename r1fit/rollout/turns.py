@@ -156,8 +156,10 @@ class Trajectory:
         keys = dict.fromkeys([*self.prompt.token_inputs, *self.token_inputs])
         extras = {key: torch.cat([_extra(self.prompt.token_inputs, key, self.prompt.length),
                                   _extra(self.token_inputs, key, self.length)]) for key in keys}
+        # the sample shows every image the ids hold, in order (the vLLM engine sends them)
+        sample = replace(self.prompt.sample, images=[*self.prompt.sample.images, *self.images])
         return Prompt(torch.cat([self.prompt.input_ids, self.token_ids]), extras,
-                      self._images(), self.prompt.sample)
+                      self._images(), sample)
 
     def row(self) -> Prompt:
         """The prompt as the log-prob passes run it before ``token_ids``: the prompt's tokens,

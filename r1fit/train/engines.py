@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -89,18 +90,20 @@ class HFRollouts:
 
 
 class VllmRollouts:
-    """Rollouts on this process's vLLM engine, synced from the policy when it changed."""
+    """Rollouts on this process's vLLM engine, synced from the policy when it changed; with
+    ``tools``, multi-turn trajectories, each turn of the open rows one engine call."""
 
-    def __init__(self, run: Run, settings: SamplingSettings) -> None:
+    def __init__(self, run: Run, settings: SamplingSettings,
+                 tools: ToolTurns | None = None) -> None:
         cfg = run.cfg
-        self.run, self.settings = run, settings
-        self.tools = None
+        self.run, self.settings, self.tools = run, settings, tools
         model = unwrap(run.model)
         longest = run.max_prompt_tokens if run.max_prompt_tokens is not None else context_length(model)
         if longest is None:
             raise RolloutEngineError("rollout.engine=vllm needs data.max_prompt_tokens (the model config "
                              "gives no context length)")
-        max_len = longest + cfg.algo.max_new_tokens
+        # a trajectory grows its context turn by turn up to its budget after the prompt
+        max_len = longest + (cfg.algo.max_new_tokens if tools is None else tools.budgets.tokens)
         if (context := context_length(model)) is not None:
             max_len = min(max_len, context)
         spec = EngineSpec(
@@ -140,6 +143,21 @@ class VllmRollouts:
                                     temperature=1.0, top_p=1.0, eos=ids.eos,
                                     blocked=ids.blocked)[0]
 
+    def trajectories(self, rows: Sequence[Prompt], seeds: Sequence[int] | None
+                     ) -> list[Trajectory]:
+        """One trajectory per row (with ``tools``, inside ``ready``): sampled with ``seeds``,
+        greedy without (evaluation)."""
+        assert self.tools is not None
+        s, ids = self.settings, self.run.ids
+        greedy = seeds is None
+        turn = partial(self.engine.generate_turn, temperature=1.0 if greedy else s.temperature,
+                       top_p=1.0 if greedy else s.top_p, eos=ids.eos, blocked=ids.blocked)
+        return self.tools.run_rows(turn, rows, seeds, max(len(rows), 1), evaluation=greedy)
+
+    def greedy_trajectories(self, prompts: Sequence[Prompt]) -> list[Trajectory]:
+        """Greedy trajectories (evaluation with ``tools``, inside ``ready``)."""
+        return self.trajectories(prompts, None)
+
     def updated(self) -> None:
         """The policy changed: sync before the next rollout; free the engine's memory meanwhile."""
         self.stale = True
@@ -153,5 +171,5 @@ def rollout_engine(run: Run, settings: SamplingSettings, tools: ToolTurns | None
     """The engine ``rollout.engine`` names, ready for the run's first rollout; with ``tools``,
     for multi-turn rollouts."""
     if run.cfg.rollout.engine == "vllm":
-        return VllmRollouts(run, settings)
+        return VllmRollouts(run, settings, tools)
     return HFRollouts(run, settings, tools)

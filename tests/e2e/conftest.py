@@ -51,44 +51,93 @@ def same_run():
     return assert_same_run
 
 
-#: the call a scripted first turn writes (builtin:shapes zoom rows have one image)
-ZOOM_CALL = ('<tool_call>\n{"name": "zoom", "arguments": {"x": 0.5, "y": 0.5, "factor": 4}}\n'
-             '</tool_call>')
+
+# Plugins of the runs with tools, written into one folder: a policy that calls the tool (random
+# weights never do), a reward that reads the trajectory, and a zoom that says when it runs and can
+# be slow (so a kill lands while a call is in flight). ``sitecustomize`` installs the policy in
+# the child processes of tests/e2e/test_kill.py, whose PYTHONPATH holds the folder.
+TOOL_PLUGINS = {
+    "toolpolicy.py": '''
+"""GRPO's engines (HF and vLLM) with the tiny model, except that in its first turn a row writes
+CALL when its seed is even (every row when greedy). The later turns are the model's own, generated from
+contexts that hold the tool's image."""
+import torch
+
+from r1fit.rollout.vllm_engine import VllmEngine
+from r1fit.train import engines
+
+CALL = ('<tool_call>\\n{"name": "zoom", "arguments": {"x": 0.5, "y": 0.5, "factor": 4}}\\n'
+        '</tool_call>')
 
 
-@pytest.fixture
-def tool_calling_policy(monkeypatch: pytest.MonkeyPatch) -> str:
-    """GRPO's HF engine with the tiny model, except that in its first turn a row writes
-    ``ZOOM_CALL`` when its seed is even (every row when greedy): random weights never write a
-    call. The later turns are the model's own, generated from contexts that hold the tool's
-    image. Returns the call's text."""
-    from r1fit.train import engines
+def scripted(model_turn, tokenizer):
+    """``model_turn`` with the first turn of even-seeded (or greedy) rows replaced by CALL."""
+    call = torch.tensor(tokenizer(CALL, add_special_tokens=False)["input_ids"])
 
-    real = engines.hf_generate_turn
+    def turn(rows, seeds, limits):
+        out = model_turn(rows, seeds, limits)
+        for i, row in enumerate(rows):
+            first = "<tool_response>" not in tokenizer.decode(row.input_ids.tolist())
+            if first and (seeds is None or seeds[i] % 2 == 0):
+                out[i] = call[:limits[i]].clone()
+        return out
+
+    return turn
+
+
+def install(setattr=setattr):
+    """Script both engines' turns: the HF turn function and the vLLM engine's."""
+    real_hf, real_vllm = engines.hf_generate_turn, VllmEngine.generate_turn
 
     def make(model, tokenizer, settings, ids, device):
-        model_turn = real(model, tokenizer, settings, ids, device)
-        call = torch.tensor(tokenizer(ZOOM_CALL, add_special_tokens=False)["input_ids"])
+        return scripted(real_hf(model, tokenizer, settings, ids, device), tokenizer)
 
-        def turn(rows, seeds, limits):
-            out = model_turn(rows, seeds, limits)
-            for i, row in enumerate(rows):
-                first = "<tool_response>" not in tokenizer.decode(row.input_ids.tolist())
-                if first and (seeds is None or seeds[i] % 2 == 0):
-                    out[i] = call[:limits[i]].clone()
-            return out
+    def vllm_turn(self, rows, seeds, limits, **keywords):
+        def model_turn(rows_, seeds_, limits_):
+            return real_vllm(self, rows_, seeds_, limits_, **keywords)
 
-        return turn
+        return scripted(model_turn, self.llm.get_tokenizer())(rows, seeds, limits)
 
-    monkeypatch.setattr(engines, "hf_generate_turn", make)
-    return ZOOM_CALL
+    setattr(engines, "hf_generate_turn", make)
+    setattr(VllmEngine, "generate_turn", vllm_turn)
+''',
+    "sitecustomize.py": "import toolpolicy\n\ntoolpolicy.install()\n",
+    "toolreward.py": '''
+def calls(completion, solution, trajectory=None, **info):
+    return float(trajectory.tool_calls)
+''',
+    "slowtool.py": '''
+import os
+import time
+from pathlib import Path
+
+from r1fit.tools.builtin import zoom as builtin_zoom
+
+
+def zoom(context, **arguments):
+    marker = os.environ.get("R1FIT_TEST_TOOL_MARKER")
+    if marker:
+        Path(marker).touch()
+        time.sleep(0.5)
+    return builtin_zoom(context, **arguments)
+''',
+}
 
 
 @pytest.fixture
-def tool_reward(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A reward (``toolreward:calls``) that reads the trajectory: the tool calls it made."""
-    plugin = tmp_path_factory.mktemp("plugins") / "toolreward.py"
-    plugin.write_text("def calls(completion, solution, trajectory=None, **info):\n"
-                      "    return float(trajectory.tool_calls)\n")
-    monkeypatch.syspath_prepend(str(plugin.parent))
-    return plugin.parent
+def tool_plugins(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The folder of ``TOOL_PLUGINS``, on the path (of a child process too, via PYTHONPATH)."""
+    folder = tmp_path_factory.mktemp("tool_plugins")
+    for name, text in TOOL_PLUGINS.items():
+        (folder / name).write_text(text.lstrip())
+    monkeypatch.syspath_prepend(str(folder))
+    return folder
+
+
+@pytest.fixture
+def tool_calling_policy(tool_plugins: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``toolpolicy`` installed in this process (until the test ends); returns the call."""
+    import toolpolicy
+
+    toolpolicy.install(monkeypatch.setattr)
+    return toolpolicy.CALL

@@ -198,3 +198,44 @@ def after_rows(proc: subprocess.Popen, out: Path, rows: int, seconds: float):
         return bool(deadline) and time.perf_counter() >= deadline[0]
 
     return ready
+
+
+def test_sigkill_while_a_tool_call_runs(use_tiny_cache, reward_plugin, tool_plugins, same_run,
+                                        tmp_path, monkeypatch):
+    """GRPO with a tool, killed while a call runs in the middle of a step (the zoom has started:
+    it touches a file, then takes 0.5 s) and resumed, equals an uninterrupted run: a step's
+    trajectories, tool results included, come back from its seeds. The policy writes the call in
+    its first turn (``toolpolicy``, installed in the child by ``sitecustomize``)."""
+    tools = ["data.shapes.kinds=[zoom]", "tools=[slowtool:zoom]", "data.max_images=2",
+             "rollout.max_turns=3", "algo.max_new_tokens=80", "rewards.toolreward:calls=1.0",
+             "train.max_steps=3"]
+    monkeypatch.setenv("PYTHONPATH", str(reward_plugin))  # start() puts the tools' folder first
+    straight = tmp_path / "straight"
+    run_straight(straight, tool_plugins, *tools)
+    rows = read_metrics(straight / "metrics.jsonl")
+    assert rows[-1]["tools/zoom/calls"] > 0 and rows[-1]["tool_calls_mean"] > 0
+    killed = tmp_path / "killed"
+    marker = tmp_path / "calling"
+    monkeypatch.setenv("R1FIT_TEST_TOOL_MARKER", str(marker))
+    proc = start(killed, tool_plugins, *tools)
+    assert kill_when(proc, call_after_rows(killed / "metrics.jsonl", len(rows) - 1, marker))
+    assert any(killed.glob("checkpoint-*")), "killed before any checkpoint"
+    monkeypatch.delenv("R1FIT_TEST_TOOL_MARKER")
+    finish(killed, tool_plugins, *tools)
+    same_run(straight, killed)
+
+
+def call_after_rows(metrics: Path, rows: int, marker: Path):
+    """A ``ready`` test: true once a tool call starts (``marker`` touched) after ``metrics`` has
+    ``rows`` rows."""
+    counted: list[bool] = []
+
+    def ready() -> bool:
+        if not counted:
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= rows:
+                marker.unlink(missing_ok=True)
+                counted.append(True)
+            return False
+        return marker.exists()
+
+    return ready

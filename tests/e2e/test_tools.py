@@ -18,7 +18,7 @@ TOOLS = ["train.prompts_per_step=2", "algo.num_generations=4", "algo.max_new_tok
 
 
 def test_grpo_runs_the_tool_and_rewards_see_its_calls(use_tiny_cache, tool_calling_policy,
-                                                      tool_reward, tmp_path):
+                                                      tmp_path):
     out = tmp_path / "run"
     assert main(["train", f"train.output_dir={out}", "train.max_steps=3", "eval.every=3",
                  *TOOLS]) == 0

@@ -128,3 +128,25 @@ def test_model_the_engine_cannot_run_is_one_line_before_training(use_tiny_cache,
     assert re.fullmatch(r"r1fit: error: vLLM cannot run \S+tiny-v\d+: Unsupported CPU attention "
                         r"configuration: head_dim=16 .*", last), last
     assert not (out / "metrics.jsonl").exists() or not step_rows(out)
+
+
+def test_grpo_with_a_tool_on_vllm(hd32_dir, use_tiny_cache, vllm_installed, reward_plugin,
+                                  tool_plugins, monkeypatch, tmp_path):
+    """The multi-turn loop on the engine: the first turn's call (``toolpolicy``, installed in the
+    child by ``sitecustomize``) runs zoom on the source image and the engine generates the next
+    turn from the context holding its result; the trainer scores those trajectories."""
+    monkeypatch.setenv("PYTHONPATH", str(reward_plugin))  # launch() puts the tools' folder first
+    out = tmp_path / "tools"
+    done = launch(out, tool_plugins, "data.shapes.kinds=[zoom]", "tools=[slowtool:zoom]",
+                  "data.max_images=2", "rollout.max_turns=3", "algo.max_new_tokens=80",
+                  "rewards.toolreward:calls=1.0", "sft.format_warmup_steps=0", "eval.every=3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = step_rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert 0 < row["tool_calls_mean"] < 1 and row["tool_errors_mean"] == 0
+        assert row["turns_mean"] == pytest.approx(1 + row["tool_calls_mean"])
+        assert row["reward/toolreward:calls"] == pytest.approx(row["tool_calls_mean"])
+        assert math.isfinite(row["loss"])
+    assert any(r["grad_norm"] > 0 for r in rows)
+    assert rows[-1]["eval/tool_use"] == 1.0  # greedy on the engine: every row calls first

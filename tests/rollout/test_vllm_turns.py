@@ -244,9 +244,10 @@ def test_run_trajectories_runs_on_the_engine(setup, chain):
         assert torch.equal(alone.policy_mask, together[i].policy_mask)
 
 
-def tool_image_contexts(processor, ids, prompt, crops: int):
-    """A trajectory of ``prompt`` that crops ``crops`` times, and the context its next turn is
-    generated from, as ``Trajectory.context()`` gives it (its sample holds the row's image)."""
+def tool_image_context(processor, ids, prompt, crops: int):
+    """The context the next turn of a trajectory of ``prompt`` that cropped ``crops`` times is
+    generated from, as ``Trajectory.context()`` gives it (its sample holds the row's image and
+    the crops)."""
     tok = processor.tokenizer
     seen = []
 
@@ -262,14 +263,7 @@ def tool_image_contexts(processor, ids, prompt, crops: int):
     (trajectory,) = run_trajectories(scripted, processor, [prompt], None, runner(), budgets,
                                      eos=ids.eos)
     assert len(trajectory.images) == crops
-    return trajectory, seen[0]
-
-
-def with_tool_images(trajectory, context):
-    """``context`` with its sample carrying the tool images after the row's own."""
-    sample = context.sample
-    return dataclasses.replace(context, sample=dataclasses.replace(
-        sample, images=[*sample.images, *trajectory.images]))
+    return seen[0]
 
 
 @pytest.mark.vllm
@@ -278,9 +272,9 @@ def test_a_context_with_a_tool_image_generates_as_hf_does(setup, noisy):
 
     engine, _, processor, ids, prompts = setup
     engine.load_weights(full_named_weights(noisy))
-    trajectory, context = tool_image_contexts(processor, ids, prompts[0], crops=1)
-    grown = with_tool_images(trajectory, context)
-    assert context.image_inputs["image_grid_thw"].shape[0] == len(grown.sample.images) == 2
+    # the grown context's sample carries the tool image after the row's own (Trajectory.context)
+    grown = tool_image_context(processor, ids, prompts[0], crops=1)
+    assert grown.image_inputs["image_grid_thw"].shape[0] == len(grown.sample.images) == 2
     (vllm_turn,) = turn_fn(engine, ids)([grown], None, [12])
     hf = hf_generate_turn(noisy, processor.tokenizer, SamplingSettings(12, greedy=True), ids, CPU)
     (hf_turn,) = hf([grown], None, [12])
@@ -291,10 +285,12 @@ def test_a_context_with_a_tool_image_generates_as_hf_does(setup, noisy):
         grown.sample, images=[grown.sample.images[0], black]))], None, [12])
     assert other.tolist() != vllm_turn.tolist()
     # refused before vLLM: images not carried, more images or tokens than the engine holds
+    without = dataclasses.replace(grown, sample=dataclasses.replace(
+        grown.sample, images=grown.sample.images[:1]))
     with pytest.raises(RolloutEngineError, match="sample.images 1"):
-        turn_fn(engine, ids)([context], None, [12])
-    trajectory, context = tool_image_contexts(processor, ids, prompts[0], crops=2)
+        turn_fn(engine, ids)([without], None, [12])
+    two_crops = tool_image_context(processor, ids, prompts[0], crops=2)
     with pytest.raises(RolloutEngineError, match="max_images=2"):
-        turn_fn(engine, ids)([with_tool_images(trajectory, context)], None, [12])
+        turn_fn(engine, ids)([two_crops], None, [12])
     with pytest.raises(RolloutEngineError, match="max_model_len=512"):
         turn_fn(engine, ids)([grown], None, [512 - grown.length + 1])
