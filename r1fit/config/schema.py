@@ -72,8 +72,7 @@ class ShapesConfig:
                            "position, box (the [x1,y1,x2,y2] box of a named shape, in pixels of "
                            "the image; its accuracy method is iou), zoom (the stripes of a 32 px "
                            "mark in an image 8 x image_size on a side, unreadable once shrunk to "
-                           "data.max_pixels, readable in a crop: a task for tools, whose rollout "
-                           "is not wired in yet).")
+                           "data.max_pixels, readable in a crop: a task for tools).")
     image_size: int = opt(112, "Side of the square builtin:shapes images in pixels (112 px = 16 "
                           "image tokens; the tiny demo model learns far faster than at 56 px). "
                           "With box questions its square must lie within data.min_pixels.."
@@ -126,10 +125,10 @@ class DataConfig:
                           "(112 x 112).", ge=28 * 28)
     min_pixels: int = opt(28 * 28, "Images are resized (aspect kept) to at least this many pixels.",
                           ge=28 * 28)
-    max_images: int = opt(1, "Most images per row; rows with more are bad rows. With tools "
-                          "(planned: the multi-turn rollout is not wired in yet), also the most "
-                          "images one trajectory may hold, the row's and those tools returned "
-                          "together.", ge=0)
+    max_images: int = opt(1, "Most images per row; rows with more are bad rows. With tools, "
+                          "also the most images one trajectory may hold, the row's and those "
+                          "tools returned together (an image past it is an error result).",
+                          ge=0)
     max_prompt_tokens: int | None = opt(
         None, "Longest prompt in tokens (image tokens included); longer rows are bad rows, "
         "skipped and counted, never truncated (truncation would cut image tokens out). null: the "
@@ -459,20 +458,18 @@ class RolloutConfig:
         ge=0)
     max_turns: int = opt(
         4, "With tools: the most policy turns in one trajectory (each one generation of up to "
-        "algo.max_new_tokens tokens; the last one's tool calls are not run). Not used yet: the "
-        "multi-turn rollout is not wired in, and a config with tools is refused.", ge=1)
+        "algo.max_new_tokens tokens; the last one's tool calls are not run).", ge=1)
     max_tool_calls: int = opt(
         3, "With tools: the most tool calls one trajectory may make, all its turns together; a "
-        "call past it gets an error result. Not used yet (see rollout.max_turns).", ge=0)
+        "call past it gets an error result.", ge=0)
     max_trajectory_tokens: int | None = opt(
         None, "With tools: the most tokens after the prompt in one trajectory, policy turns and "
         "tool results (image tokens included) together; a trajectory that reaches it ends. "
-        "null: rollout.max_turns x algo.max_new_tokens. Not used yet (see rollout.max_turns).",
+        "null: rollout.max_turns x algo.max_new_tokens.",
         ge=1)
     tool_timeout: float = opt(
         10.0, "With tools: seconds one tool call may run before its result is an error (the "
-        "call's thread is abandoned, not killed: see docs/tools.md). Not used yet (see "
-        "rollout.max_turns).", gt=0)
+        "call's thread is abandoned, not killed: see docs/tools.md).", gt=0)
     vllm: VllmConfig = opt(VllmConfig(), "Settings of rollout.engine=vllm.")
 
 
@@ -539,8 +536,8 @@ class Config:
     tools: tuple[str, ...] = opt(
         [], "Tools the policy may call in its answer (<tool_call> JSON, see docs/tools.md): "
         "built-in crop, zoom, or 'package.module:function'; empty: no tools, one completion per "
-        "prompt. NOT IMPLEMENTED YET: the multi-turn rollout that runs them is not wired in, so a "
-        "config that names any is refused at load.")
+        "prompt. With tools GRPO rolls out multi-turn trajectories (budgets under rollout.) and "
+        "trains on the policy's tokens only; crop and zoom need data.max_images >= 2.")
     train: TrainConfig = opt(TrainConfig(), "The optimisation loop.")
     sft: SFTConfig = opt(SFTConfig(), "Supervised fine-tuning (and the warm-up before GRPO).")
     memory: MemoryConfig = opt(MemoryConfig(), "What bounds peak memory.")

@@ -3,8 +3,8 @@
 and the runner with its timeout and counts (registry.py), and the tool turn appended to a
 conversation (conversation.py). See docs/tools.md.
 
-The multi-turn rollout loop that uses them is not wired in yet: a config with ``tools`` set is
-refused at load.
+GRPO runs them in its multi-turn rollouts (r1fit/rollout/turns.py, r1fit/train/tool_rollouts.py)
+when ``tools`` are configured.
 """
 
 from r1fit.tools.api import (
