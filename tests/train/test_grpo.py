@@ -152,3 +152,47 @@ def test_fused_loss_gives_the_gradient_of_the_recomputing_head(float64_tiny, lor
             assert fused_sums[key] == pytest.approx(value, rel=1e-10, abs=1e-12), key
     for a, b in zip(fused_grads, grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("micro, tokens", [(4, None), (6, 60)])
+def test_a_trajectorys_tool_turns_are_out_of_the_loss(float64_tiny, micro, tokens):
+    """With trajectories the update trains the policy's tokens only: its gradient equals the
+    hand-written GRPO gradient at ratio 1, -sum_i A_i sum_{t in policy(i)} grad log p_it / N,
+    where N counts the policy's tokens of the step, collated or packed."""
+    from r1fit.data.batch import collate
+    from r1fit.models.logprobs import completion_logprobs
+    from r1fit.rollout.turns import Trajectory
+
+    model, processor, rows, completions = float64_tiny(0)
+    pad = special_token_ids(model, processor)["pad"]
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0], dtype=torch.float64)
+    params = [p for p in model.parameters() if p.requires_grad]
+    # a "tool turn" of context in the middle of every row longer than 4 tokens
+    masks = []
+    for c in completions:
+        mask = torch.ones(c.shape[0])
+        if c.shape[0] > 4:
+            mask[2:c.shape[0] - 2] = 0.0
+        masks.append(mask)
+    trajectories = [Trajectory(p, token_ids=c, policy_mask=m)
+                    for p, c, m in zip(rows, completions, masks, strict=True)]
+    policy_tokens = int(sum(m.sum() for m in masks))
+    assert policy_tokens < sum(int(c.shape[0]) for c in completions)
+    cfg = load_config(None, [f"memory.micro_batch={micro}", "algo.beta=0", "algo.max_new_tokens=10",
+                             "memory.logits_chunk=4"])
+    rollout = Rollout(1, rows, 1, slice(0, len(rows)), completions=completions,
+                      total_tokens=policy_tokens, advantages=advantages, trajectories=trajectories)
+    run = SimpleNamespace(cfg=cfg, device=CPU, ids=SimpleNamespace(pad=pad), policy=model,
+                          sizes=ChunkSizes(micro, 64, asked={}, micro_batch_tokens=tokens),
+                          layout=BatchLayout(False))
+    model.zero_grad(set_to_none=True)
+    accumulate_policy_gradients(run, rollout, loss=LossSettings.of(cfg.algo))
+    trained = [p.grad.clone() for p in params]
+    model.zero_grad(set_to_none=True)
+    logp = completion_logprobs(model, collate(rows, completions, pad), chunk_size=4)
+    width = logp.shape[1]
+    mask = torch.stack([torch.nn.functional.pad(m, (0, width - m.shape[0])) for m in masks])
+    (-(advantages.unsqueeze(1) * logp * mask).sum() / policy_tokens).backward()
+    assert any(g.abs().sum() > 0 for g in trained)
+    for a, p in zip(trained, params, strict=True):
+        torch.testing.assert_close(a, p.grad, rtol=1e-8, atol=1e-12)
