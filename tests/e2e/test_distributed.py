@@ -183,6 +183,33 @@ def test_sft_on_two_processes_equals_one(tiny_cache, reward_plugin, monkeypatch,
     assert_close_weights(tmp_path / "one", tmp_path / "two", start=tiny_cache)
 
 
+def test_grpo_with_a_tool_on_two_processes_equals_one(tiny_cache, reward_plugin, tool_plugins,
+                                                      monkeypatch, tmp_path):
+    """Each rank runs its rows' trajectories (the scripted first-turn call, installed in each
+    child by ``sitecustomize``, runs zoom): the turns, calls, rewards and the tools' counts summed
+    over the ranks are those of one process."""
+    monkeypatch.setenv("R1FIT_CACHE", str(tiny_cache))
+    monkeypatch.setenv("PYTHONPATH", str(reward_plugin))  # launch() puts the tools' folder first
+    args = [*GRPO, "data.shapes.kinds=[zoom]", "tools=[zoom]", "data.max_images=2",
+            "rollout.max_turns=3", "algo.max_new_tokens=80", "rewards.toolreward:calls=1.0",
+            "sft.format_warmup_steps=0", "checkpoint.every=0", "train.max_steps=2"]
+    launch(1, "train", tmp_path / "one", tool_plugins, *args)
+    launch(2, "train", tmp_path / "two", tool_plugins, *args)
+    one, two = rows(tmp_path / "one"), rows(tmp_path / "two")
+    # step 2 samples 80-token turns from weights that differ in float rounding after step 1 (the
+    # two ranks' gradients summed in another order), which may change a token: the whole rows
+    # are compared up to step 1, the calls (the script's, by row seed) at every step
+    assert_close_rows([r for r in one if r["step"] <= 1], [r for r in two if r["step"] <= 1])
+    steps = [(a, b) for a, b in zip(one, two, strict=True) if "reward_mean" in a]
+    assert len(steps) == 2 and all(a["tool_calls_mean"] > 0 and a["grad_norm"] > 0
+                                   for a, _ in steps)
+    for a, b in steps:
+        for key in ("turns_mean", "tool_calls_mean", "tool_errors_mean", "tools/zoom/calls",
+                    "reward/toolreward:calls"):
+            assert a[key] == b[key], key
+    assert steps[0][0]["trajectory_end/eos"] == steps[0][1]["trajectory_end/eos"]
+
+
 def test_lora_on_two_processes_equals_one(tiny_cache, reward_plugin, monkeypatch, tmp_path):
     """LoRA: adapter-only shards, the KL reference is the policy with adapters off."""
     monkeypatch.setenv("R1FIT_CACHE", str(tiny_cache))
