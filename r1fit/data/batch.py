@@ -8,12 +8,11 @@ Layout of every batch (generation and training alike, the layout ``generate`` it
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from r1fit.data.errors import BadRowError
 from r1fit.data.rows import IMAGE_TOKEN
 from r1fit.data.sample import Sample
 
@@ -48,6 +47,12 @@ def _content(text: str) -> list[dict[str, Any]]:
     return parts
 
 
+def turn_message(role: str, text: str) -> dict[str, Any]:
+    """One ``(role, text)`` turn as a chat message; a ``"tool"`` turn is the user turn that
+    :func:`r1fit.tools.append_tool_turn` writes for a tool's results."""
+    return {"role": "user" if role == "tool" else role, "content": _content(text)}
+
+
 def chat_messages(sample: Sample, system_prompt: str, *, answer: bool = False
                   ) -> list[dict[str, Any]]:
     """The chat messages of a sample: the system text (the row's own system turn wins over
@@ -60,7 +65,7 @@ def chat_messages(sample: Sample, system_prompt: str, *, answer: bool = False
     messages: list[dict[str, Any]] = []
     if system_prompt and not any(role == "system" for role, _ in turns):
         messages.append({"role": "system", "content": [{"type": "text", "text": system_prompt}]})
-    messages.extend({"role": role, "content": _content(text)} for role, text in turns)
+    messages.extend(turn_message(role, text) for role, text in turns)
     return messages
 
 
@@ -99,52 +104,6 @@ def _template_specials(processor: Any, text: str) -> dict[str, bool]:
     transformers' own ``apply_chat_template(tokenize=True)`` decides; else the processor's default."""
     bos = processor.tokenizer.bos_token
     return {"add_special_tokens": False} if bos is not None and text.startswith(bos) else {}
-
-
-def _rendered(processor: Any, sample: Sample, turns: Sequence[tuple[str, str]],
-              system_prompt: str, generation_prompt: bool) -> str:
-    shown = replace(sample, turns=tuple(turns) + ((("assistant", ""),) if generation_prompt else ()))
-    return processor.apply_chat_template(chat_messages(shown, system_prompt,
-                                                       answer=not generation_prompt),
-                                         tokenize=False, add_generation_prompt=generation_prompt)
-
-
-def conversation_target(processor: Any, sample: Sample, system_prompt: str, answer: str
-                        ) -> tuple[Sample, torch.Tensor, torch.Tensor] | None:
-    """For SFT on a row with several assistant turns: ``(prompt sample, completion ids, mask)``
-    where the prompt runs to the first assistant turn after the row's last image, the completion
-    is the rest of the conversation (its last turn replaced by ``answer``) and the mask is 1 on
-    the assistant turns. ``None`` for a row with one answer to learn (prompt + answer as usual).
-
-    The chat template renders the conversation turn by turn and each piece is tokenized on its
-    own; a template whose rendering of a shorter conversation is not a prefix of the longer one
-    makes the row bad (``BadRowError``)."""
-    turns = list(sample.turns)
-    if not turns:
-        return None
-    last_image = max((i for i, (_, text) in enumerate(turns) if IMAGE_TOKEN in text), default=-1)
-    first = next(i for i, (role, _) in enumerate(turns) if role == "assistant" and i > last_image)
-    learned = [i for i in range(first, len(turns)) if turns[i][0] == "assistant"]
-    if len(learned) == 1:
-        return None
-    turns[-1] = ("assistant", answer)
-    tokenizer = processor.tokenizer
-    ids: list[int] = []
-    mask: list[float] = []
-    done = _rendered(processor, sample, turns[:first], system_prompt, True)
-    for index in learned:
-        before = _rendered(processor, sample, turns[:index], system_prompt, True)
-        after = _rendered(processor, sample, turns[:index + 1], system_prompt, False)
-        if not (before.startswith(done) and after.startswith(before)):
-            raise BadRowError(f"{sample.source}: the chat template does not render this "
-                              "conversation turn by turn; SFT cannot tell its assistant turns")
-        for text, scored in ((before[len(done):], 0.0), (after[len(before):], 1.0)):
-            piece = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
-            ids.extend(piece)
-            mask.extend([scored] * len(piece))
-        done = after
-    prompt = replace(sample, turns=tuple(turns[:first + 1]))
-    return prompt, torch.tensor(ids, dtype=torch.long), torch.tensor(mask)
 
 
 class TooLong(str):

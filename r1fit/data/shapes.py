@@ -425,7 +425,7 @@ class ShapesSource:
 
     def sample(self, index: int) -> Sample:
         """Render item ``index`` into a ``Sample`` (answer as the solution; a box question's
-        accuracy method is ``iou``)."""
+        accuracy method is ``iou``; a zoom question's focus is its mark)."""
         item = self.items[index]
         return Sample(
             images=[render_item(item, self.spec)],
@@ -433,4 +433,13 @@ class ShapesSource:
             solution=item.answer,
             source=f"{self.name}#{index % len(self.items)}",
             reward_method="iou" if item.kind == "box" else "default",
+            focus=mark_focus(item) if item.kind == "zoom" else None,
         )
+
+
+def mark_focus(item: ShapesItem) -> tuple[float, float, float, float]:
+    """A zoom item's mark as ``Sample.focus``: its square (``2 r`` px from ``cx - r``, ``cy -
+    r``) in fractions of the image's side."""
+    mark, size = item.shapes[0], item.image_size
+    return ((mark.cx - mark.r) / size, (mark.cy - mark.r) / size,
+            (mark.cx + mark.r) / size, (mark.cy + mark.r) / size)

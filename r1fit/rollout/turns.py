@@ -39,7 +39,8 @@ import torch
 from PIL import Image
 from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from r1fit.data.batch import Prompt, collate, cut_after_eos, split_encoded
+from r1fit.data.batch import Prompt, collate, cut_after_eos
+from r1fit.data.conversation import after_assistant_tokens
 from r1fit.models.load import unwrap
 from r1fit.processes import all_sum
 from r1fit.rollout.generate import (
@@ -58,8 +59,8 @@ from r1fit.tools import (
     ToolContext,
     ToolResult,
     ToolRunner,
-    append_tool_turn,
     parse_tool_calls,
+    tool_turn_content,
 )
 
 #: why a trajectory ended
@@ -68,9 +69,6 @@ END_REASONS = ("eos", "max_new_tokens", "max_turns", "max_trajectory_tokens")
 #: tokens at the end of a row decoded to look for ``</tool_call>``; more than any tokenizer
 #: splits the tag into
 STOP_WINDOW = 32
-
-# written as the assistant's text when rendering a tool turn: the tool turn is what follows it
-_MARKER = "R1FIT-ASSISTANT-TURN-MARKER"
 
 
 @dataclass(frozen=True)
@@ -260,16 +258,11 @@ def tool_turn_tokens(processor: Any, results: Sequence[ToolResult]
                                 list[Image.Image]]:
     """The tool turn of ``results`` as the chat template writes it after an assistant turn's text
     (closing that turn, the user turn of results, the next assistant turn's opening), encoded by
-    the processor with its images: ``(ids, per-token extras, image tensors, images)``."""
-    base = [{"role": "user", "content": [{"type": "text", "text": "."}]}]
-    messages, images = append_tool_turn(base, [], _MARKER, results)
-    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    if text.count(_MARKER) != 1:
-        raise ValueError("the chat template does not write an assistant turn's text as given; "
-                         "multi-turn rollouts cannot tell the tool turn's tokens")
-    enc = processor(text=[text.split(_MARKER)[1]], images=images or None, return_tensors="pt",
-                    add_special_tokens=False)
-    ids, extras, image_inputs = split_encoded(enc)
+    the processor with its images: ``(ids, per-token extras, image tensors, images)``. SFT on
+    tool demonstrations encodes their tool turns by the same function."""
+    content, images = tool_turn_content(results)
+    ids, extras, image_inputs = after_assistant_tokens(
+        processor, [{"role": "user", "content": content}], images)
     return ids, extras, image_inputs, images
 
 

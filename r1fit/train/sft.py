@@ -11,20 +11,24 @@ from __future__ import annotations
 import logging
 import random
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from r1fit.checkpoint.state import OptimizerState, PythonRandomState, SchedulerState
 from r1fit.config import Config
-from r1fit.data.batch import Prompt, conversation_target, encode_prompts
+from r1fit.data.batch import Batch, Prompt
 from r1fit.data.build import BadRowCounter
+from r1fit.data.conversation import conversation_target
 from r1fit.data.dataset import PromptSampler
+from r1fit.data.demonstrations import ToolDemonstrations
 from r1fit.data.errors import BadRowError, DataError
 from r1fit.data.sample import Sample
 from r1fit.memory.telemetry import reset_peak, step_memory
 from r1fit.models.load import special_token_ids
 from r1fit.models.logprobs import completion_logprobs, completion_loss
+from r1fit.models.prefix import PackedGroups
 from r1fit.processes import all_sum
 from r1fit.progress import progress_bar
 from r1fit.report.html import LiveReport
@@ -34,6 +38,7 @@ from r1fit.train.evaluate import evaluate
 from r1fit.train.forward import BatchLayout, longest_row, micro_batches
 from r1fit.train.optim import build_optimizer, build_scheduler, clip_and_step
 from r1fit.train.run import Run, start_run
+from r1fit.train.tool_rollouts import tool_runner
 
 log = logging.getLogger("r1fit.sft")
 
@@ -64,14 +69,14 @@ def sft_rows(run: Run, prompts: list[Prompt], answers: list[str], end_of_turn: i
              ) -> tuple[list[Prompt], list[torch.Tensor], list[torch.Tensor | None]]:
     """Prompts, completion tokens and masks (None: every token) of one SFT batch. A row with one
     answer to learn is its prompt and the answer followed by the end-of-turn token; a row with
-    several assistant turns is its conversation up to the first of them and the rest, scored on
-    the assistant turns only (:func:`conversation_target`)."""
+    several assistant turns (a tool demonstration too) is its conversation up to the first of
+    them and the rest, scored on the assistant turns only (:func:`conversation_target`)."""
     tokenizer = run.processor.tokenizer
     out_prompts, targets, masks = [], [], []
     for prompt, answer in zip(prompts, answers):
         try:
             turns = conversation_target(run.processor, prompt.sample, run.cfg.data.system_prompt,
-                                        answer)
+                                        answer, end_of_turn=end_of_turn)
         except BadRowError as exc:  # the template's doing: every multi-turn row would fail
             raise DataError(f"SFT on multi-turn rows: {exc}") from None
         if turns is None:
@@ -80,12 +85,35 @@ def sft_rows(run: Run, prompts: list[Prompt], answers: list[str], end_of_turn: i
                                         + [end_of_turn], dtype=torch.long))
             masks.append(None)
             continue
-        sample, ids, mask = turns
         # the prompt is a prefix of the row's prompt, so never longer than one that was accepted
-        out_prompts.extend(encode_prompts(run.processor, [sample], run.cfg.data.system_prompt))
+        row, ids, mask = turns
+        out_prompts.append(row)
         targets.append(ids)
         masks.append(mask)
     return out_prompts, targets, masks
+
+
+def demonstrate(prompts: list[Prompt], demonstrations: ToolDemonstrations | None
+                ) -> tuple[list[Prompt], int]:
+    """The batch with each row that has a focus written as a tool demonstration (its prompt's
+    ids stay: :func:`sft_rows` encodes the conversation), and how many were."""
+    if demonstrations is None:
+        return prompts, 0
+    written = [replace(p, sample=demonstrations.write(p.sample)) if p.sample.focus is not None
+               else p for p in prompts]
+    return written, sum(p.sample.focus is not None for p in prompts)
+
+
+def tool_demonstrations(run: Run) -> ToolDemonstrations | None:
+    """``r1fit sft`` with ``crop`` or ``zoom`` among ``tools``: rows with a focus become
+    demonstrations of that tool (:mod:`r1fit.data.demonstrations`), run as the rollouts run it."""
+    demonstrations = ToolDemonstrations.of(run.cfg.tools, tool_runner(run.cfg)) \
+        if run.cfg.tools else None
+    if demonstrations is not None:
+        log.info("SFT with tools: rows with a known focus (builtin:shapes zoom) are learned as "
+                 "a %s call there, its result, then the answer (the step's demonstrations "
+                 "column counts them)", demonstrations.tool)
+    return demonstrations
 
 
 def cut_answers(targets: list[torch.Tensor], masks: list[torch.Tensor | None], limit: int
@@ -98,6 +126,35 @@ def cut_answers(targets: list[torch.Tensor], masks: list[torch.Tensor | None], l
         if masks[i] is not None:
             masks[i] = masks[i][:limit]
     return targets, masks, cut
+
+
+def cut_completion_inputs(prompts: list[Prompt], cut: list[int], limit: int) -> list[Prompt]:
+    """The cut rows' per-token extras of their completion (a tool demonstration's) cut to
+    ``limit`` as well; a cut through a tool image's tokens is refused (its image would stay
+    without them)."""
+    prompts = list(prompts)
+    for i in cut:
+        extras = prompts[i].completion_inputs
+        if any(bool(value[limit:].any()) for value in extras.values()):
+            raise DataError(f"{prompts[i].sample.source}: sft.max_answer_tokens={limit} cuts a "
+                            "tool image out of the conversation; raise sft.max_answer_tokens")
+        prompts[i] = replace(prompts[i], completion_inputs={k: v[:limit] for k, v in extras.items()})
+    return prompts
+
+
+def micro_batch_loss(policy: Any, batch: Batch | PackedGroups, total_tokens: int, *,
+                     fused: bool, chunk_size: int) -> torch.Tensor:
+    """This micro-batch's share of the batch's token-mean cross-entropy: minus the log-probs of
+    its scored tokens (``batch.completion_mask``) summed, over the batch's ``total_tokens``.
+    ``fused`` (``memory.fused_loss``): one term per scored token, the LM head's gradient made in
+    its forward."""
+    options = dict(chunk_size=chunk_size, into_grad=True)
+    if fused:
+        loss, _, _ = completion_loss(policy, batch, lambda rows, logp, _: -logp.sum() / total_tokens,
+                                     entropy=False, **options)
+        return loss
+    logp = completion_logprobs(policy, batch, **options)
+    return -(logp * batch.completion_mask).sum() / total_tokens
 
 
 def supervised_steps(run: Run, steps: int, *, format_only: bool,
@@ -115,6 +172,8 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool,
     optimizer = build_optimizer(run.model, cfg.sft.learning_rate, cfg.train.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.train.lr_schedule, cfg.train.warmup_steps, steps)
     rng_state = RngState(cfg.train.seed, run.world.rank)
+    # the format warm-up teaches the answer format, not the task: no demonstrations there
+    demonstrations = None if format_only else tool_demonstrations(run)
     state = {"optimizer": OptimizerState(run.model, optimizer),
              "scheduler": SchedulerState(scheduler), "sampler": sampler, "bad_rows": bad_rows,
              "sizes": run.sizes, "rng": rng_state}
@@ -136,11 +195,13 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool,
         for step in range(start + 1, steps + 1):
             started = time.perf_counter()
             reset_peak(run.device)
-            prompts = run.fetch(sampler, bad_rows, cfg.sft.batch_size)
+            prompts, demonstrated = demonstrate(run.fetch(sampler, bad_rows, cfg.sft.batch_size),
+                                                demonstrations)
             prompts, targets, masks = sft_rows(run, prompts,
                                                build_targets([p.sample for p in prompts],
                                                              cfg.sft.think, rng), end_of_turn)
             targets, masks, cut = cut_answers(targets, masks, cfg.sft.max_answer_tokens)
+            prompts = cut_completion_inputs(prompts, cut, cfg.sft.max_answer_tokens)
             if cut and not warned_cut:
                 log.warning("%s: answer longer than sft.max_answer_tokens=%d tokens, cut there "
                             "(each step's truncated_answers counts the rows cut; raise the key to "
@@ -174,16 +235,9 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool,
                                               pad_id=run.ids.pad, device=run.device,
                                               packed=sizes.micro_batch_tokens is not None,
                                               masks=masks[piece])
-                        options = dict(chunk_size=cfg.head_chunk(sft=True), into_grad=True)
-                        # this micro-batch's share of the batch's token-mean cross-entropy
-                        if cfg.fuses_loss(sft=True):
-                            # one term per scored token: the LM head's gradient in its forward
-                            loss, _, _ = completion_loss(
-                                run.policy, batch, lambda rows, logp, _: -logp.sum() / total_tokens,
-                                entropy=False, **options)
-                        else:
-                            logp = completion_logprobs(run.policy, batch, **options)
-                            loss = -(logp * batch.completion_mask).sum() / total_tokens
+                        loss = micro_batch_loss(run.policy, batch, total_tokens,
+                                                fused=cfg.fuses_loss(sft=True),
+                                                chunk_size=cfg.head_chunk(sft=True))
                         loss.backward()
                         loss_sum += loss.item()
                 return loss_sum
@@ -204,6 +258,7 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool,
                    f"{prefix}mfu": meter.mfu(flops, seconds, run.world.size),
                    **step_memory(run.device, prefix), f"{prefix}bad_rows": bad_rows.count,
                    f"{prefix}truncated_answers": len(cut),
+                   **({f"{prefix}demonstrations": demonstrated} if demonstrations else {}),
                    f"{prefix}oom_retries": guard.retries}
             if not format_only and step == steps and run.eval_set is not None:
                 row.update(evaluate(run))

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from r1fit.config import Config
 from r1fit.data.batch import Prompt
 from r1fit.processes import all_sum
 from r1fit.rollout.turns import (
@@ -24,6 +25,13 @@ from r1fit.rollout.turns import (
 )
 from r1fit.tools import ToolRunner
 from r1fit.tools.registry import ToolStats
+
+
+def tool_runner(cfg: Config) -> ToolRunner:
+    """The run's tools (``tools``), each call timed out after ``rollout.tool_timeout`` s, the
+    images they return fitted to ``data.min_pixels``..``max_pixels``."""
+    return ToolRunner(cfg.tools, timeout=cfg.rollout.tool_timeout,
+                      min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
 
 
 class ToolTotals:
@@ -69,12 +77,7 @@ class ToolTurns:
     def __init__(self, run: Any, max_new_tokens: int) -> None:
         cfg = run.cfg
         self.run = run
-
-        def runner() -> ToolRunner:
-            return ToolRunner(cfg.tools, timeout=cfg.rollout.tool_timeout,
-                              min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
-
-        self.runner, self.eval_runner = runner(), runner()
+        self.runner, self.eval_runner = tool_runner(cfg), tool_runner(cfg)
         self.totals = ToolTotals(self.runner.stats)
         self.budgets = TurnBudgets(cfg.rollout.max_turns, cfg.rollout.max_tool_calls,
                                    max_new_tokens, cfg.data.max_images,

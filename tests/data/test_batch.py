@@ -96,34 +96,6 @@ def test_chat_messages_put_images_at_their_placeholders_and_keep_the_rows_system
                                      {"type": "text", "text": "q?"}]}]
 
 
-def test_multi_turn_sft_target_scores_the_assistant_turns_only(tiny_dir):
-    from transformers import AutoProcessor
-
-    from r1fit.data.batch import conversation_target, encode_prompts
-
-    processor = AutoProcessor.from_pretrained(tiny_dir)
-    turns = (("user", "Is there a square?"), ("assistant", "Yes."),
-             ("user", "What colour?"), ("assistant", "red"))
-    sample = Sample(images=[], problem="What colour?", solution="red", source="t", turns=turns)
-    prompt_sample, ids, mask = conversation_target(processor, sample, "", "<answer>red</answer>")
-    assert prompt_sample.turns == turns[:2]  # the prompt runs to the first assistant turn
-    decode = processor.tokenizer.decode
-    scored = decode(ids[mask.bool()].tolist())
-    context = decode(ids[~mask.bool()].tolist())
-    assert scored == "Yes.<|im_end|>\n<answer>red</answer><|im_end|>\n"
-    assert context == "<|im_start|>user\nWhat colour?<|im_end|>\n<|im_start|>assistant\n"
-    # prompt + completion is the whole conversation as the chat template renders it
-    whole = processor.apply_chat_template(
-        [{"role": r, "content": [{"type": "text", "text": t}]}
-         for r, t in turns[:-1] + (("assistant", "<answer>red</answer>"),)], tokenize=False)
-    (encoded,) = encode_prompts(processor, [prompt_sample], "")
-    assert decode(encoded.input_ids.tolist() + ids.tolist()) == whole
-    # one answer to learn: the usual prompt + answer
-    single = Sample(images=[], problem="q", solution="a", source="t",
-                    turns=(("user", "q"), ("assistant", "a")))
-    assert conversation_target(processor, single, "", "a") is None
-
-
 def test_micro_batches_cover_the_rows_in_order():
     rows, comps = list("abcde"), [torch.tensor([i]) for i in range(5)]
     pieces = [(p, r) for p, r, _ in micro_batches(rows, comps, 2)]

@@ -309,3 +309,31 @@ def test_a_zoom_mark_is_unreadable_shrunk_and_readable_in_a_crop() -> None:
         x, y = (mark.cx - mark.r) // ZOOM_SCALE, (mark.cy - mark.r) // ZOOM_SCALE
         block = shrunk[0][y:y + 4, x:x + 4, 0]
         assert block.max() < 160 and shrunk[0][:, :, 0].min() == block.min()
+
+
+def test_a_zoom_rows_focus_is_its_mark_and_its_demonstration_reads_it() -> None:
+    """Sample.focus of a zoom row is the mark's square (every ink pixel of the image inside it),
+    and the zoom its tool demonstration calls shows the stripes readable at the demo's pixel
+    budget; other kinds have no focus."""
+    from r1fit.data.demonstrations import ToolDemonstrations
+    from r1fit.tools import ToolRunner
+
+    spec = ShapesSpec(image_size=112, kinds=["zoom", "color"], max_distractors=0)
+    source = ShapesSource(spec, split="train", size=24, seed=5)
+    runner = ToolRunner(["zoom"], timeout=5.0, min_pixels=28 * 28, max_pixels=112 * 112)
+    demonstrations = ToolDemonstrations.of(["zoom"], runner)
+    for index, item in enumerate(source.items):
+        sample = source.sample(index)
+        if item.kind != "zoom":
+            assert sample.focus is None
+            continue
+        x1, y1, x2, y2 = (round(f * 896) for f in sample.focus)
+        assert (x2 - x1, y2 - y1) == (MARK_PX, MARK_PX)
+        ink = np.asarray(sample.images[0]).min(axis=-1) < 128
+        assert ink.sum() == ink[y1:y2, x1:x2].sum() > 0
+        shrunk = fit_pixel_budget(sample.images[0], 28 * 28, 112 * 112)
+        shown = demonstrations.write(dataclasses.replace(sample, images=[shrunk],
+                                                         source_images=tuple(sample.images)))
+        # the zoom's region (113 or 112 px a side: its centre rounded to 2 decimals) fitted
+        assert 111 <= min(shown.images[1].size) <= max(shown.images[1].size) <= 112
+        assert _read_stripes(np.asarray(shown.images[1]), spec) == item.answer
