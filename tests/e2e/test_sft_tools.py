@@ -1,0 +1,32 @@
+"""`r1fit sft` with tools on builtin:shapes zoom, end to end on builtin:tiny: every row is learned as
+a zoom demonstration (counted each step), the loss falls, evaluation runs the tool loop, and the
+SFT output folder is the model.path of a GRPO run with tools (the R1 recipe: SFT, then RL)."""
+
+from __future__ import annotations
+
+import math
+
+from r1fit.cli import main
+from r1fit.report.metrics import read_metrics
+
+ZOOM = ["data.shapes.kinds=[zoom]", "data.shapes.image_size=56", "data.max_pixels=3136",
+        "data.max_images=2", "tools=[zoom]", "data.shapes.train_size=40", "data.eval_size=4",
+        "algo.max_new_tokens=96", "checkpoint.keep=0"]
+
+
+def test_sft_learns_zoom_demonstrations_and_grpo_starts_from_its_folder(use_tiny_cache, tmp_path):
+    sft = tmp_path / "sft"
+    assert main(["sft", f"train.output_dir={sft}", "sft.steps=5", "sft.batch_size=4",
+                 "eval.before_train=false", *ZOOM]) == 0
+    rows = read_metrics(sft / "metrics.jsonl")
+    assert [r["demonstrations"] for r in rows] == [4] * 5
+    losses = [r["loss"] for r in rows]
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
+    assert rows[-1]["truncated_answers"] == 0 and rows[-1]["eval/size"] == 4
+    assert 0.0 <= rows[-1]["eval/tool_use"] <= 1.0  # evaluation ran the multi-turn loop
+    grpo = tmp_path / "grpo"
+    assert main(["train", f"model.path={sft / 'final'}", "preset=demo", f"train.output_dir={grpo}",
+                 "train.max_steps=1", "train.prompts_per_step=2", "algo.num_generations=2",
+                 "sft.format_warmup_steps=0", "data.eval=null", *ZOOM]) == 0
+    (step,) = [r for r in read_metrics(grpo / "metrics.jsonl") if "reward_mean" in r]
+    assert "tools/zoom/calls" in step and step["turns_mean"] >= 1
