@@ -162,6 +162,24 @@ BUILTINS: dict[str, BuiltinSpec] = {
         tie_word_embeddings=False,
         vocab_size=151_936,
     ),
+    "small": BuiltinSpec(
+        name="small",
+        description="hidden 256, 4 layers, tiny's vocabulary, tied head, a 4-block 256-wide "
+        "vision tower (7.6M params): a tower wide and deep enough to be a candidate for "
+        "learning measurements on the image (benchmarks/zoom_skills.py)",
+        seed=5678,
+        hidden_size=256,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=768,
+        mrope_section=(8, 12, 12),  # sums to head_dim / 2 = 32
+        vision_hidden=256,
+        vision_depth=4,
+        vision_heads=4,
+        vision_intermediate=512,
+        tie_word_embeddings=True,
+    ),
     "bench-1024": BuiltinSpec(
         name="bench-1024",
         description="hidden 1024, 8 layers, Qwen's 151,936-row vocabulary, untied head (0.41B "

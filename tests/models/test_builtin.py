@@ -186,3 +186,27 @@ def test_small_realvocab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, image5
     with torch.no_grad():
         logits = model(**batch).logits
     assert logits.shape == (1, batch["input_ids"].shape[1], 151_936)
+
+
+def test_small_builds_and_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, image56) -> None:
+    """builtin:small (7.6M params, the zoom task's model: benchmarks/zoom_skills.py): tiny's
+    tokenizer and processor, hidden 256 over 4 layers, a 4-block 256-wide vision tower; loads back
+    with the weights it was built with and runs an image prompt (~2 s)."""
+    monkeypatch.setenv("R1FIT_CACHE", str(tmp_path))
+    folder = ensure_builtin("small")
+    model = AutoModelForImageTextToText.from_pretrained(folder).eval()
+    processor = AutoProcessor.from_pretrained(folder)
+    assert isinstance(model, Qwen2_5_VLForConditionalGeneration)
+    text, vision = model.config.text_config, model.config.vision_config
+    assert (text.hidden_size, text.num_hidden_layers, text.vocab_size) == (256, 4, len(processor.tokenizer))
+    assert (vision.hidden_size, vision.depth, vision.out_hidden_size) == (256, 4, 256)
+    assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    n_params = sum(p.numel() for p in model.parameters())
+    assert 7_000_000 < n_params < 8_000_000
+    built, _ = create_model("small")
+    for key, value in built.state_dict().items():
+        assert torch.equal(value, model.state_dict()[key]), key
+    batch = processor(text=[image_prompt(processor)], images=[image56], return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**batch).logits
+    assert logits.shape == (1, batch["input_ids"].shape[1], len(processor.tokenizer))
