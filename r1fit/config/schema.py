@@ -80,6 +80,8 @@ class ShapesConfig:
                           "frame the model sees (keep it a multiple of 28 for Qwen2/2.5-VL "
                           "processors).", ge=28)
     max_distractors: int = opt(0, "Most extra shapes drawn besides the asked-about one.", ge=0)
+    zoom_hint: bool = opt(False, "Zoom questions say where the mark is (its centre in fractions "
+                          "of the image): the tool is still needed to read it, finding it is not.")
     train_size: int = opt(5000, "Number of builtin:shapes training questions.", ge=1)
 
 

@@ -27,7 +27,7 @@ def build_datasets(cfg: Config) -> tuple[PromptDataset, PromptDataset | None]:
     (``tools`` not empty) their samples carry their source-resolution images too."""
     d = cfg.data
     shapes = ShapesSpec(image_size=d.shapes.image_size, kinds=list(d.shapes.kinds),
-                        max_distractors=d.shapes.max_distractors)
+                        max_distractors=d.shapes.max_distractors, zoom_hint=d.shapes.zoom_hint)
     options = FormatOptions(kind=d.format, problem_key=d.problem_key, answer_key=d.answer_key,
                             image_key=d.image_key, conversations_key=d.conversations_key,
                             reward_method_key=d.reward_method_key)

@@ -58,7 +58,7 @@ import json
 import math
 import random
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from PIL import Image, ImageColor, ImageDraw
 
@@ -143,6 +143,10 @@ class ShapesSpec:
     """Extra shapes besides the asked-about one: 0..max_distractors per image; counts go to 1+this."""
     background: str = "white"
     """Plain background colour; must differ from every shape colour."""
+    zoom_hint: bool = False
+    """Zoom questions say where the mark is (its centre in fractions of the image, 2 decimals):
+    the tool is still needed to read it, but finding it is not (a policy that cannot localise
+    can learn to zoom there)."""
     _rgb: dict[str, tuple[int, int, int]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -259,8 +263,19 @@ def _zoom_scene(spec: ShapesSpec, answer: str, rng: random.Random) -> ShapesItem
     return ShapesItem(
         kind="zoom", answer=answer, image_size=size, background=spec.background,
         shapes=(Shape(name=answer, color=ink, cx=cx, cy=cy, r=half),),
-        problem=("A small grey square is hidden in this image. Zoom in: are its stripes "
-                 "horizontal, vertical or checkered? Answer with one word."))
+        problem=_zoom_problem(""))
+
+
+def _zoom_problem(where: str) -> str:
+    return (f"A small grey square is hidden in this image{where}. Zoom in: are its stripes "
+            "horizontal, vertical or checkered? Answer with one word.")
+
+
+def _hinted(item: ShapesItem) -> ShapesItem:
+    """A zoom item whose question says where its mark is (``ShapesSpec.zoom_hint``)."""
+    (mark,) = item.shapes
+    where = f", centred at x={mark.cx / item.image_size:.2f}, y={mark.cy / item.image_size:.2f}"
+    return replace(item, problem=_zoom_problem(where))
 
 
 def _draw_scene(spec: ShapesSpec, kind: str, answer: str, rng: random.Random) -> ShapesItem:
@@ -341,8 +356,8 @@ def make_item(spec: ShapesSpec, *, seed: int, split: str, index: int) -> ShapesI
         # independent of PYTHONHASHSEED; each (seed, split, index, attempt) gets its own stream.
         rng = random.Random(f"r1fit-shapes:{seed}:{split}:{index}:{attempt}")
         item = _draw_scene(spec, kind, answer, rng)
-        if split_of(item.key) == split:
-            return item
+        if split_of(item.key) == split:  # the hint left out: the same items with and without
+            return _hinted(item) if spec.zoom_hint and kind == "zoom" else item
     raise DataError(
         f"builtin:shapes could not draw a {split} item #{index} in {MAX_ATTEMPTS} tries; "
         f"increase ShapesSpec.image_size (now {spec.image_size})"

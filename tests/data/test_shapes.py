@@ -337,3 +337,22 @@ def test_a_zoom_rows_focus_is_its_mark_and_its_demonstration_reads_it() -> None:
         # the zoom's region (113 or 112 px a side: its centre rounded to 2 decimals) fitted
         assert 111 <= min(shown.images[1].size) <= max(shown.images[1].size) <= 112
         assert _read_stripes(np.asarray(shown.images[1]), spec) == item.answer
+
+
+def test_a_zoom_hint_says_where_the_mark_is_and_changes_nothing_else() -> None:
+    """data.shapes.zoom_hint: the question gives the mark's centre (2 decimals); the items are
+    the same marks, and a zoom at the stated place reads the stripes."""
+    import re
+
+    plain = ShapesSpec(image_size=112, kinds=["zoom"], max_distractors=0)
+    hinted = dataclasses.replace(plain, zoom_hint=True)
+    for a, b in zip(ShapesSource(plain, split="train", size=6, seed=3).items,
+                    ShapesSource(hinted, split="train", size=6, seed=3).items, strict=True):
+        assert (a.shapes, a.answer) == (b.shapes, b.answer)
+        assert "centred at" not in a.problem
+        (mark,) = b.shapes
+        x, y = (float(v) for v in re.search(r"centred at x=(\d\.\d\d), y=(\d\.\d\d)",
+                                             b.problem).groups())
+        assert abs(x - mark.cx / 896) <= 0.005 and abs(y - mark.cy / 896) <= 0.005
+        crop = zoom(ToolContext((render_item(b, hinted),)), x, y, factor=8)
+        assert _read_stripes(np.asarray(crop), hinted) == b.answer
