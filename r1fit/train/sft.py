@@ -4,6 +4,9 @@ The loss is the token-mean cross-entropy of the answer tokens only (the prompt a
 context), computed with the chunked LM head and accumulated over micro-batches. ``r1fit train`` uses
 the same steps as a short warm-up before GRPO; there it learns the
 ``<think>/<answer>`` format with a random row's answer, so the task itself is left to GRPO.
+With ``zoom`` or ``crop`` among ``tools``, ``r1fit sft`` learns each row whose focus is known as a
+tool demonstration (:mod:`r1fit.data.demonstrations`), laid out as GRPO's multi-turn rollouts lay
+out the same conversation, so that GRPO with tools starts from a policy that calls them.
 """
 
 from __future__ import annotations
