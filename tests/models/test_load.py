@@ -72,7 +72,7 @@ def test_resolve_builtin_to_cache_folder(use_tiny_cache: Path, tiny_dir: Path) -
 
 def test_resolve_unknown_builtin_lists_names(use_tiny_cache: Path) -> None:
     with pytest.raises(ModelConfigError, match="available: builtin:bench-1024, builtin:bench-3b-cut, "
-                       "builtin:small-realvocab, "
+                       "builtin:small, builtin:small-realvocab, "
                        "builtin:tiny, "):
         resolve_model_path("builtin:huge")
 
