@@ -208,7 +208,7 @@ def test_sigkill_while_a_tool_call_runs(use_tiny_cache, reward_plugin, tool_plug
     its first turn (``toolpolicy``, installed in the child by ``sitecustomize``)."""
     tools = ["data.shapes.kinds=[zoom]", "tools=[slowtool:zoom]", "data.max_images=2",
              "rollout.max_turns=3", "algo.max_new_tokens=80", "rewards.toolreward:calls=1.0",
-             "train.max_steps=3"]
+             "train.max_steps=3", "sft.format_warmup_steps=0", "eval.before_train=false"]
     monkeypatch.setenv("PYTHONPATH", str(reward_plugin))  # start() puts the tools' folder first
     straight = tmp_path / "straight"
     run_straight(straight, tool_plugins, *tools)
