@@ -145,7 +145,7 @@ class StepDraws:
             self.step, [self.prompts[group] for group in groups], g, share,
             completions=[self.completions[r] for r in mine],
             total_tokens=sum(int(self.completions[r].shape[0]) for r in rows)
-            if trajectories is None else sum(int(trajectories[r].policy_mask.sum()) for r in rows),
+            if trajectories is None else sum(trajectories[r].policy_tokens for r in rows),
             trajectories=None if trajectories is None else [trajectories[r] for r in mine],
             rewards=rewards,
             components={name: values[index] for name, values in self.components.items()},

@@ -16,6 +16,7 @@ together from the kept groups (:class:`r1fit.rollout.dynamic.StepDraws`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -60,11 +61,12 @@ class Rollout:
     def total_rows(self) -> int:
         return len(self.prompts) * self.num_generations
 
-    @property
+    @cached_property
     def rows(self) -> list[Prompt]:
         """The prompt of each of this process's rows; with trajectories, each row's own prompt
         grown by its tool images (:meth:`Trajectory.row`): what the model runs before the row's
-        completion."""
+        completion. Built once per record (the stages read it several times; a trajectory row
+        concatenates image tensors): stages return new records, they never change one's fields."""
         if self.trajectories is not None:
             return [trajectory.row() for trajectory in self.trajectories]
         return [p for p in self.prompts for _ in range(self.num_generations)][self.share]
@@ -82,7 +84,7 @@ class Rollout:
         trajectory's policy turns)."""
         if self.trajectories is None:
             return [int(c.shape[0]) for c in self.completions]
-        return [int(t.policy_mask.sum()) for t in self.trajectories]
+        return [t.policy_tokens for t in self.trajectories]
 
     @property
     def first_row(self) -> int:

@@ -137,6 +137,11 @@ class Trajectory:
         return int(self.token_ids.shape[0])
 
     @property
+    def policy_tokens(self) -> int:
+        """The tokens the policy sampled (the loss's tokens)."""
+        return int(self.policy_mask.sum())
+
+    @property
     def num_turns(self) -> int:
         return len(self.turns)
 
@@ -380,7 +385,7 @@ def generate_trajectories(rollout: Rollout, run_turns: RunTurns, *, seed: int) -
     ``total_tokens`` counts the policy's tokens of the whole step (the loss normaliser)."""
     seeds = row_seeds(seed, rollout.step, rollout.first_row, len(rollout.rows))
     trajectories = run_turns(rollout.rows, seeds)
-    local = sum(int(t.policy_mask.sum()) for t in trajectories)
+    local = sum(t.policy_tokens for t in trajectories)
     return replace(rollout, completions=[t.token_ids for t in trajectories],
                    trajectories=trajectories, engine_logp=None,
                    total_tokens=int(all_sum([local])[0]))

@@ -66,21 +66,21 @@ class HFRollouts:
 
     def trajectories(self, rows: Sequence[Prompt], seeds: Sequence[int]) -> list[Trajectory]:
         """One sampled trajectory per row (with ``tools``; inside ``ready``)."""
-        assert self.tools is not None
-        run = self.run
-        turn = hf_generate_turn(run.policy, run.processor.tokenizer, self.settings, run.ids,
-                                run.device)
-        return self.tools.run_rows(turn, rows, seeds, run.sizes.generation_batch)
+        return self._turns(self.settings, rows, seeds, self.run.sizes.generation_batch)
 
     def greedy_trajectories(self, prompts: Sequence[Prompt]) -> list[Trajectory]:
         """Greedy trajectories (evaluation with ``tools``, inside ``ready``)."""
+        settings = SamplingSettings(max_new_tokens=self.settings.max_new_tokens, greedy=True)
+        with torch.inference_mode():
+            return self._turns(settings, prompts, None, self.run.cfg.eval.batch)
+
+    def _turns(self, settings: SamplingSettings, rows: Sequence[Prompt],
+               seeds: Sequence[int] | None, batch_size: int) -> list[Trajectory]:
         assert self.tools is not None
         run = self.run
-        settings = SamplingSettings(max_new_tokens=self.settings.max_new_tokens, greedy=True)
         turn = hf_generate_turn(run.policy, run.processor.tokenizer, settings, run.ids,
                                 run.device)
-        with torch.inference_mode():
-            return self.tools.run_rows(turn, prompts, None, run.cfg.eval.batch, evaluation=True)
+        return self.tools.run_rows(turn, rows, seeds, batch_size, evaluation=seeds is None)
 
     def updated(self) -> None:
         """The policy changed (nothing to do: generate reads it directly)."""
