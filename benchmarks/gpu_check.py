@@ -683,7 +683,7 @@ STAGES: dict[str, tuple[Callable[[argparse.Namespace, Path], StageResult], float
     "memtrace": (stage_memtrace, 120),
     "oom": (stage_oom, 130),
     "autofit": (stage_autofit, 80),
-    "resume": (stage_resume, 150),
+    "resume": (stage_resume, 200),
     "numerics": (stage_numerics, 60),
     "detcost": (stage_detcost, 60),
     "plan7b": (stage_plan7b, 170),
