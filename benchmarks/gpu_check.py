@@ -48,8 +48,9 @@ ones); the whole run stops starting stages when ``--budget`` seconds are spent:
   step. Target: ``oom_retries`` > 0, micro_batch lowered, every step present. (``--cpu-smoke``:
   an OOM raised by a wrapper around the first log-prob pass, labelled simulated: a tiny model
   cannot run out of memory.)
-- ``autofit``: ``memory.micro_batch=auto`` and ``generation_batch=auto`` under the same budget
-  and run. Target: no OOM retry, every step, and the reserved peak within the budget.
+- ``autofit``: ``memory.micro_batch=auto`` and ``generation_batch=auto`` under a budget that
+  holds micro_batch 4 by the plan with the planner's 10% margin (``autofit_budget``), and run.
+  Target: no OOM retry, every step, and the reserved peak within the budget.
 - ``resume``: 3B LoRA, G=4, 32 tokens, 3 steps uninterrupted against 3 steps SIGKILLed once
   checkpoint 1 exists, then resumed, with ``train.deterministic=true``. Reported: which metrics
   and which final weights differ. Target: none differ.
@@ -509,6 +510,19 @@ def squeeze_budget(args: argparse.Namespace) -> tuple[str, dict[str, int]]:
                          f"planned_allocated_mb{g}": full}
 
 
+def autofit_budget(args: argparse.Namespace) -> tuple[str, dict[str, int]]:
+    """memory.budget of the autofit stage on a GPU: the planned peak (CUDA overhead included) at
+    micro_batch :data:`SQUEEZE_FITS` plus the planner's safety margin, so that the plan's largest
+    micro_batch is about SQUEEZE_FITS. (The oom stage's budget leaves no room for that margin:
+    on 2026-11-26 auto-fit refused it, rightly, as too small for micro_batch 1.)"""
+    from r1fit.memory.planner.estimate import SAFETY_MARGIN
+
+    peak = plan_of([*squeeze_values(args), f"memory.micro_batch={SQUEEZE_FITS}",
+                    f"memory.generation_batch={SQUEEZE_FITS}"], gpu=True)["peak"]
+    budget = int(peak / (1 - SAFETY_MARGIN)) + 1
+    return str(budget), {"budget": budget, f"planned_peak_mb{SQUEEZE_FITS}": peak}
+
+
 def squeeze_values(args: argparse.Namespace) -> list[str]:
     """The oom and autofit stages' run (squeeze's G and tokens; 3B LoRA on a GPU, the smoke's
     model fully trained) before its memory keys."""
@@ -572,7 +586,7 @@ def stage_autofit(args: argparse.Namespace, work: Path) -> StageResult:
     chooses must run without an OOM and within the budget."""
     s = scale_of(args)
     g = s.squeeze[0]
-    budget, plan = squeeze_budget(args) if s.gpu else (SMOKE_BUDGET, {})
+    budget, plan = autofit_budget(args) if s.gpu else (SMOKE_BUDGET, {})
     values = squeeze_values(args) + [
         "memory.micro_batch=auto", "memory.generation_batch=auto", f"memory.budget={budget}"]
     from r1fit.units import parse_bytes
