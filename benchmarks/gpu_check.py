@@ -696,7 +696,7 @@ STAGES: dict[str, tuple[Callable[[argparse.Namespace, Path], StageResult], float
     "plan": (stage_plan, 170),
     "memtrace": (stage_memtrace, 120),
     "oom": (stage_oom, 130),
-    "autofit": (stage_autofit, 80),
+    "autofit": (stage_autofit, 130),
     "resume": (stage_resume, 200),
     "numerics": (stage_numerics, 60),
     "detcost": (stage_detcost, 60),

@@ -128,7 +128,7 @@ def resolve_sizes(cfg: Any, device: torch.device, kind: str = "grpo") -> ChunkSi
         asked["micro_batch_tokens"] = memory.micro_batch_tokens
     chosen = dict(asked)
     if "auto" in asked.values():
-        from r1fit.memory.planner import plan_memory
+        from r1fit.memory.planner import SAFETY_MARGIN, plan_memory
 
         budget = device_budget(memory, device)
         # over several processes: one device of the FSDP run (sharded states, 1/N of the rows)
@@ -142,8 +142,11 @@ def resolve_sizes(cfg: Any, device: torch.device, kind: str = "grpo") -> ChunkSi
             what = ("memory.micro_batch_tokens (one row alone)"
                     if "micro_batch_tokens" in picked and not answers["micro_batch_tokens"]
                     else "memory.micro_batch=1")
-            raise AutoFitError(f"even {what} does not fit {format_bytes(budget)} on "
-                               f"{device}: {'; '.join(plan.advice) or 'see r1fit plan'}")
+            raise AutoFitError(
+                f"even {what} does not fit {format_bytes(budget)} on {device}: planned peak "
+                f"{format_bytes(plan.peak_bytes)}, usable {format_bytes(plan.usable_bytes)} "
+                f"({SAFETY_MARGIN:.0%} of the budget kept free); what would fit: "
+                f"{'; '.join(plan.advice) or 'see r1fit plan'}")
         for key in picked:
             chosen[key] = int(answers[key])
         if world().distributed:

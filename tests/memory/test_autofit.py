@@ -13,6 +13,7 @@ from r1fit.memory.autofit import (
     resolve_sizes,
 )
 from r1fit.memory.planner import SAFETY_MARGIN, model_facts, plan_memory
+from r1fit.units import format_bytes
 
 CPU = torch.device("cpu")
 BASE = ["model.path=builtin:tiny", "algo.num_generations=8", "train.prompts_per_step=4",
@@ -51,8 +52,13 @@ def test_auto_on_cpu_needs_a_budget(use_tiny_cache):
 
 def test_nothing_fits(use_tiny_cache):
     cfg = load_config(None, [*BASE, "memory.micro_batch=auto", "memory.budget=1MiB"])
-    with pytest.raises(AutoFitError, match="even memory.micro_batch=1 does not fit 1.00 MiB"):
+    with pytest.raises(AutoFitError, match="even memory.micro_batch=1 does not fit 1.00 MiB") as err:
         resolve_sizes(cfg, CPU)
+    # the message gives the planned peak at micro_batch 1 and what the margin leaves usable
+    one = plan_memory(cfg.with_values({"memory.micro_batch": 1}), device_memory_bytes=2**20,
+                      device_type="cpu")
+    assert f"planned peak {format_bytes(one.peak_bytes)}, usable {format_bytes(one.usable_bytes)} " \
+        "(10% of the budget kept free)" in str(err.value)
 
 
 def _peaks(cfg, budget):
