@@ -82,6 +82,9 @@ class ShapesConfig:
     max_distractors: int = opt(0, "Most extra shapes drawn besides the asked-about one.", ge=0)
     zoom_hint: bool = opt(False, "Zoom questions say where the mark is (its centre in fractions "
                           "of the image): the tool is still needed to read it, finding it is not.")
+    zoom_cells: int = opt(0, "0: a zoom mark lies anywhere in the image; n: at the centre of one "
+                          "of n x n equal cells (n^2 places: easier to find or to copy from "
+                          "zoom_hint).", ge=0)
     train_size: int = opt(5000, "Number of builtin:shapes training questions.", ge=1)
 
 
@@ -119,6 +122,11 @@ class DataConfig:
         "math, fuzzy, iou (see docs/rewards.md).")
     reward_method_key: str = opt("accu_reward_method", "Column a row names its own accuracy "
                                  "method in (VLM-R1's); it wins over data.reward_method.")
+    focus_key: str = opt("focus", "Column of a row's focus box [x1, y1, x2, y2] on its first "
+                         "image: fractions of its width and height when every number is at most "
+                         "1, else pixels of the image as stored. `r1fit sft` with the crop or "
+                         "zoom tool learns a row that has one as a tool demonstration (a call on "
+                         "the box, the tool's image, the answer); training ignores it.")
     eval_size: int = opt(200, "Evaluate on at most this many held-out questions.", ge=1)
     max_pixels: int = opt(4194304, "Images are resized (aspect kept) to at most this many "
                           "pixels (4,194,304 = 2048 x 2048: EasyR1's examples/config.yaml; up to "

@@ -27,10 +27,11 @@ def build_datasets(cfg: Config) -> tuple[PromptDataset, PromptDataset | None]:
     (``tools`` not empty) their samples carry their source-resolution images too."""
     d = cfg.data
     shapes = ShapesSpec(image_size=d.shapes.image_size, kinds=list(d.shapes.kinds),
-                        max_distractors=d.shapes.max_distractors, zoom_hint=d.shapes.zoom_hint)
+                        max_distractors=d.shapes.max_distractors, zoom_hint=d.shapes.zoom_hint,
+                        zoom_cells=d.shapes.zoom_cells)
     options = FormatOptions(kind=d.format, problem_key=d.problem_key, answer_key=d.answer_key,
                             image_key=d.image_key, conversations_key=d.conversations_key,
-                            reward_method_key=d.reward_method_key)
+                            reward_method_key=d.reward_method_key, focus_key=d.focus_key)
     methods = _as_list(d.reward_method)
     for method in methods:  # a misspelt method in the config is the config's error, not a row's
         try:

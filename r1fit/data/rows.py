@@ -24,6 +24,9 @@ it and scores against it; SFT learns every assistant turn.
 
 from __future__ import annotations
 
+import json
+import math
+import numbers
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -54,11 +57,14 @@ class Row:
             ``<image>`` placeholder per image, in image order.
         images: one reference per placeholder.
         reward_method: the accuracy method that scores the answer (``data.reward_method``).
+        focus: the row's focus box (``data.focus_key``) as written, fractions or pixels of the
+            first image (:func:`focus_fractions` turns it into ``Sample.focus``); None: none.
     """
 
     turns: tuple[Turn, ...]
     images: tuple[ImageRef, ...]
     reward_method: str
+    focus: tuple[float, float, float, float] | None = None
 
     @property
     def problem(self) -> str:
@@ -81,6 +87,7 @@ class RowFormat:
     conversations_key: str | None  # conversations
     image_key: str | None  # None: the rows carry no images
     reward_method_key: str
+    focus_key: str = "focus"
 
     def describe(self) -> str:
         parts = ([f"question '{self.problem_key}'", f"answer '{self.answer_key}'"]
@@ -99,6 +106,7 @@ class FormatOptions:
     image_key: str | None = None
     conversations_key: str | None = None
     reward_method_key: str = "accu_reward_method"
+    focus_key: str = "focus"
 
 
 def _first_present(row: Mapping[str, Any], given: str | None, candidates: Sequence[str]
@@ -121,7 +129,7 @@ def detect_format(row: Mapping[str, Any], options: FormatOptions) -> RowFormat:
             raise BadRowError(f"no 'conversations' or 'messages' list in the row (keys: "
                               f"{sorted(row)}); set data.conversations_key")
         return RowFormat("conversations", None, None, conversations, image,
-                         options.reward_method_key)
+                         options.reward_method_key, options.focus_key)
     problem = _first_present(row, options.problem_key, ("problem", "prompt"))
     answer = _first_present(row, options.answer_key, ("solution", "answer"))
     if problem is None or answer is None:
@@ -129,7 +137,40 @@ def detect_format(row: Mapping[str, Any], options: FormatOptions) -> RowFormat:
                           "'problem' or 'prompt' with 'solution' or 'answer', or "
                           "'conversations'; set "
                           "data.format and data.problem_key / data.answer_key")
-    return RowFormat("columns", problem, answer, None, image, options.reward_method_key)
+    return RowFormat("columns", problem, answer, None, image, options.reward_method_key,
+                     options.focus_key)
+
+
+def _focus(raw: Any, key: str) -> tuple[float, float, float, float]:
+    """A row's focus box ``[x1, y1, x2, y2]``: four finite numbers, >= 0, x1 < x2, y1 < y2."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError:
+            raise BadRowError(f"'{key}' must be a box [x1, y1, x2, y2], got {raw!r}") from None
+    values = list(raw) if isinstance(raw, list | tuple) else None
+    if (values is None or len(values) != 4
+            or not all(isinstance(v, numbers.Real) and not isinstance(v, bool)
+                       and math.isfinite(v) for v in values)):
+        raise BadRowError(f"'{key}' must be a box [x1, y1, x2, y2] of 4 numbers, got {raw!r}")
+    x1, y1, x2, y2 = (float(v) for v in values)
+    if min(x1, y1) < 0 or x1 >= x2 or y1 >= y2:
+        raise BadRowError(f"'{key}' {values} is not a box (need 0 <= x1 < x2 and 0 <= y1 < y2)")
+    return x1, y1, x2, y2
+
+
+def focus_fractions(box: tuple[float, float, float, float], size: tuple[int, int]
+                    ) -> tuple[float, float, float, float]:
+    """``Row.focus`` as fractions of an image of ``size`` (width, height): a box whose numbers
+    are all at most 1 is taken as fractions already, any other as pixels of that image (at the
+    resolution the source gives); ``BadRowError`` when it reaches outside the image."""
+    if max(box) <= 1.0:
+        return box
+    width, height = size
+    if box[2] > width or box[3] > height:
+        raise BadRowError(f"focus box {list(box)} (pixels) reaches outside the {width} x {height} "
+                          "image")
+    return box[0] / width, box[1] / height, box[2] / width, box[3] / height
 
 
 def _text(value: Any, what: str) -> str:
@@ -267,4 +308,9 @@ def parse_row(raw: Any, fmt: RowFormat, *, folder: Path | None, reward_method: s
     method = raw.get(fmt.reward_method_key, reward_method)
     if not isinstance(method, str) or not method.strip():
         raise BadRowError(f"'{fmt.reward_method_key}' must be a method name, got {method!r}")
-    return Row(tuple(turns), tuple(images), method.strip())
+    focus = raw.get(fmt.focus_key)
+    if focus is not None:
+        focus = _focus(focus, fmt.focus_key)
+        if not images:
+            raise BadRowError(f"has a '{fmt.focus_key}' box but no image")
+    return Row(tuple(turns), tuple(images), method.strip(), focus)

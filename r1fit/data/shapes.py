@@ -147,6 +147,9 @@ class ShapesSpec:
     """Zoom questions say where the mark is (its centre in fractions of the image, 2 decimals):
     the tool is still needed to read it, but finding it is not (a policy that cannot localise
     can learn to zoom there)."""
+    zoom_cells: int = 0
+    """0: a zoom mark lies anywhere on the ``ZOOM_SCALE`` px grid; n: its centre is the centre of
+    one of n x n equal cells of the image (n^2 places: a coarser place to find or state)."""
     _rgb: dict[str, tuple[int, int, int]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -157,10 +160,14 @@ class ShapesSpec:
         object.__setattr__(self, "colors", colors)
         object.__setattr__(self, "background", background)
 
-        for name in ("image_size", "max_distractors"):
+        for name in ("image_size", "max_distractors", "zoom_cells"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise DataError(f"ShapesSpec.{name} must be an integer, got {value!r}")
+        if self.zoom_cells and not 1 <= self.zoom_cells <= ZOOM_SCALE * self.image_size // MARK_PX:
+            raise DataError(
+                f"ShapesSpec.zoom_cells must be 0 or 1..{ZOOM_SCALE * self.image_size // MARK_PX} "
+                f"(cells at least the {MARK_PX} px mark wide), got {self.zoom_cells}")
         if self.max_distractors < 0:
             raise DataError(f"ShapesSpec.max_distractors must be >= 0, got {self.max_distractors}")
         columns = max(2, 1 + self.max_distractors)
@@ -253,12 +260,16 @@ def _place(rng: random.Random, size: int, left: int, right: int, columns: int,
 
 def _zoom_scene(spec: ShapesSpec, answer: str, rng: random.Random) -> ShapesItem:
     """A ``ZOOM_SCALE`` times larger blank image with one ``MARK_PX`` mark of pattern ``answer``
-    at a random place on the ``ZOOM_SCALE`` px grid (a Shape named by its pattern, ``r`` half its
-    side)."""
+    at a random place on the ``ZOOM_SCALE`` px grid, or at a cell's centre (``zoom_cells``) (a
+    Shape named by its pattern, ``r`` half its side)."""
     size = ZOOM_SCALE * spec.image_size
     half = MARK_PX // 2
-    cells = (size - MARK_PX) // ZOOM_SCALE
-    cx, cy = (half + ZOOM_SCALE * rng.randint(0, cells) for _ in range(2))
+    if spec.zoom_cells:  # the centre of one of zoom_cells x zoom_cells cells
+        n = spec.zoom_cells
+        cx, cy = (round((rng.randint(0, n - 1) + 0.5) * size / n) for _ in range(2))
+    else:
+        cells = (size - MARK_PX) // ZOOM_SCALE
+        cx, cy = (half + ZOOM_SCALE * rng.randint(0, cells) for _ in range(2))
     ink = "white" if spec.rgb(spec.background) == (0, 0, 0) else "black"
     return ShapesItem(
         kind="zoom", answer=answer, image_size=size, background=spec.background,

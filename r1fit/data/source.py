@@ -17,7 +17,14 @@ from typing import Any
 
 from r1fit.data.errors import BadRowError, DataError
 from r1fit.data.images import load_image, verify_image
-from r1fit.data.rows import FormatOptions, Row, RowFormat, detect_format, parse_row
+from r1fit.data.rows import (
+    FormatOptions,
+    Row,
+    RowFormat,
+    detect_format,
+    focus_fractions,
+    parse_row,
+)
 from r1fit.data.sample import Sample
 from r1fit.data.tables import Table, open_table
 from r1fit.progress import progress_bar
@@ -192,7 +199,8 @@ class RowSource:
                             reward_method=self._methods[good.table], max_images=self._max_images)
         try:
             images = [load_image(image) for image in row.images]
+            focus = None if row.focus is None else focus_fractions(row.focus, images[0].size)
         except BadRowError as exc:
             raise BadRowError(f"{where}: {exc}") from exc
         return Sample(images=images, problem=row.problem, solution=row.solution, source=where,
-                      turns=row.turns, reward_method=row.reward_method)
+                      turns=row.turns, reward_method=row.reward_method, focus=focus)

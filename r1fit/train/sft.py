@@ -113,7 +113,8 @@ def tool_demonstrations(run: Run) -> ToolDemonstrations | None:
     demonstrations = ToolDemonstrations.of(run.cfg.tools, tool_runner(run.cfg)) \
         if run.cfg.tools else None
     if demonstrations is not None:
-        log.info("SFT with tools: rows with a known focus (builtin:shapes zoom) are learned as "
+        log.info("SFT with tools: rows with a known focus (a data.focus_key box, builtin:shapes "
+                 "zoom marks) are learned as "
                  "a %s call there, its result, then the answer (the step's demonstrations "
                  "column counts them)", demonstrations.tool)
     return demonstrations

@@ -9,7 +9,14 @@ import pytest
 from PIL import Image
 
 from r1fit.data.errors import BadRowError
-from r1fit.data.rows import FormatOptions, Row, RowFormat, detect_format, parse_row
+from r1fit.data.rows import (
+    FormatOptions,
+    Row,
+    RowFormat,
+    detect_format,
+    focus_fractions,
+    parse_row,
+)
 
 FOLDER = Path("/data/imgs")
 
@@ -134,6 +141,20 @@ def test_explicit_keys_and_format_override_detection() -> None:
     ({"image": {"<image_00>": "a.png"}, "conversations": [
         {"from": "human", "value": "no placeholder"}, {"from": "gpt", "value": "a"}]},
      "the text's placeholders ['<image_00>'] do not name each image once"),
+    ({"problem": "q", "solution": "a", "image": "a.png", "focus": [0.1, 0.2, 0.3]},
+     "'focus' must be a box [x1, y1, x2, y2] of 4 numbers, got [0.1, 0.2, 0.3]"),
+    ({"problem": "q", "solution": "a", "image": "a.png", "focus": [0, 0, True, 1]},
+     "'focus' must be a box [x1, y1, x2, y2] of 4 numbers"),
+    ({"problem": "q", "solution": "a", "image": "a.png", "focus": [0, 0, float("nan"), 1]},
+     "'focus' must be a box [x1, y1, x2, y2] of 4 numbers"),
+    ({"problem": "q", "solution": "a", "image": "a.png", "focus": "near the top"},
+     "'focus' must be a box [x1, y1, x2, y2], got 'near the top'"),
+    ({"problem": "q", "solution": "a", "image": "a.png", "focus": [0.5, 0.1, 0.4, 0.2]},
+     "'focus' [0.5, 0.1, 0.4, 0.2] is not a box (need 0 <= x1 < x2 and 0 <= y1 < y2)"),
+    ({"problem": "q", "solution": "a", "image": "a.png", "focus": [-1, 0, 4, 4]},
+     "'focus' [-1, 0, 4, 4] is not a box"),
+    ({"problem": "q", "solution": "a", "focus": [0.1, 0.1, 0.2, 0.2]},
+     "has a 'focus' box but no image"),
 ])
 def test_bad_rows_say_what_is_wrong(raw: dict, reason: str) -> None:
     # the format is the source's, detected on its first row: these rows are later ones
@@ -143,6 +164,22 @@ def test_bad_rows_say_what_is_wrong(raw: dict, reason: str) -> None:
     with pytest.raises(BadRowError) as info:
         parse_row(raw, fmt, folder=FOLDER, reward_method="default", max_images=4)
     assert str(info.value).startswith(reason)
+
+
+def test_a_focus_box_is_read_as_written_and_turned_into_fractions() -> None:
+    """data.focus_key: a box as a list or a JSON string; focus_fractions keeps a box of numbers
+    <= 1 (fractions) and divides any other by the image's size (pixels), refusing one that
+    reaches outside the image."""
+    row = parse({"problem": "q", "solution": "a", "image": "a.png", "focus": [10, 5, 30, 25]})
+    assert row.focus == (10.0, 5.0, 30.0, 25.0)
+    assert focus_fractions(row.focus, (40, 50)) == (0.25, 0.1, 0.75, 0.5)
+    row = parse({"problem": "q", "solution": "a", "image": "a.png", "box": "[0.1, 0.2, 0.5, 1]"},
+                FormatOptions(focus_key="box"))
+    assert focus_fractions(row.focus, (40, 50)) == (0.1, 0.2, 0.5, 1.0)
+    assert parse({"problem": "q", "solution": "a", "image": "a.png"}).focus is None
+    with pytest.raises(BadRowError, match=r"focus box \[10.0, 5.0, 41.0, 25.0\] \(pixels\) "
+                                          r"reaches outside the 40 x 50 image"):
+        focus_fractions((10.0, 5.0, 41.0, 25.0), (40, 50))
 
 
 def test_relative_path_without_a_folder_names_the_fix() -> None:

@@ -356,3 +356,29 @@ def test_a_zoom_hint_says_where_the_mark_is_and_changes_nothing_else() -> None:
         assert abs(x - mark.cx / 896) <= 0.005 and abs(y - mark.cy / 896) <= 0.005
         crop = zoom(ToolContext((render_item(b, hinted),)), x, y, factor=8)
         assert _read_stripes(np.asarray(crop), hinted) == b.answer
+
+
+def test_zoom_cells_put_the_mark_at_a_cells_centre() -> None:
+    """data.shapes.zoom_cells=8: every mark's centre is the centre of one of 8 x 8 cells of the
+    896 px image (56 + 112 k px), every cell is drawn (train and eval together: a place's 3
+    scenes can all fall in one split), the hint states one of 8 places per axis,
+    and a zoom at the stated place reads the stripes; bad values are one-line errors."""
+    import re
+
+    spec = ShapesSpec(image_size=112, kinds=["zoom"], max_distractors=0, zoom_cells=8,
+                      zoom_hint=True)
+    items = [*ShapesSource(spec, split="train", size=400, seed=0).items,
+             *ShapesSource(spec, split="eval", size=200, seed=0).items]
+    centres = {(item.shapes[0].cx, item.shapes[0].cy) for item in items}
+    assert centres == {(56 + 112 * i, 56 + 112 * j) for i in range(8) for j in range(8)}
+    stated = {re.search(r"x=(\d\.\d\d)", item.problem).group(1) for item in items}
+    assert stated == {"0.06", "0.19", "0.31", "0.44", "0.56", "0.69", "0.81", "0.94"}
+    for item in items[:6]:
+        x, y = (float(v) for v in re.search(r"x=(\d\.\d\d), y=(\d\.\d\d)", item.problem).groups())
+        crop = zoom(ToolContext((render_item(item, spec),)), x, y, factor=8)
+        assert _read_stripes(np.asarray(crop), spec) == item.answer
+    for bad in (-1, 29):  # 29 cells of 896 px are narrower than the 32 px mark
+        with pytest.raises(DataError, match="zoom_cells must be 0 or 1..28"):
+            dataclasses.replace(spec, zoom_cells=bad)
+    cfg = load_config(None, ["data.shapes.zoom_cells=4", "data.shapes.kinds=[zoom]"])
+    assert cfg.data.shapes.zoom_cells == 4

@@ -150,6 +150,24 @@ def test_decode_failure_after_load_names_file_and_line(tmp_path) -> None:
         src.sample(0)
 
 
+def test_a_focus_box_reaches_the_sample_in_fractions_of_the_first_image(tmp_path) -> None:
+    """data.focus_key rows: pixels of the stored image or fractions become Sample.focus in
+    fractions; a pixel box outside the image fails when the row is decoded, naming file:line."""
+    _png(tmp_path / "a.png", size=(40, 30))
+    rows = [{"image": "a.png", "problem": "q", "solution": "a", "focus": [4, 3, 20, 15]},
+            {"image": "a.png", "problem": "q", "solution": "a", "focus": [0.1, 0.1, 0.5, 0.5]},
+            {"image": "a.png", "problem": "q", "solution": "a"},
+            {"image": "a.png", "problem": "q", "solution": "a", "focus": [4, 3, 50, 15]}]
+    path = _write_lines(tmp_path / "d.jsonl", [json.dumps(r) for r in rows])
+    src = JsonlSource(path, max_images=1, max_bad_fraction=0.0)
+    assert src.sample(0).focus == (0.1, 0.1, 0.5, 0.5)
+    assert src.sample(1).focus == (0.1, 0.1, 0.5, 0.5)
+    assert src.sample(2).focus is None
+    with pytest.raises(BadRowError, match=re.escape(
+            f"{path}:4: focus box [4.0, 3.0, 50.0, 15.0] (pixels) reaches outside the 40 x 30 image")):
+        src.sample(3)
+
+
 def test_warnings_are_capped_but_counts_exact(tmp_path, caplog) -> None:
     lines = [json.dumps({"problem": "q", "solution": "a"})] + ["{bad"] * (MAX_ROW_WARNINGS + 5)
     path = _write_lines(tmp_path / "d.jsonl", lines)

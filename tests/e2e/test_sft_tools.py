@@ -30,3 +30,29 @@ def test_sft_learns_zoom_demonstrations_and_grpo_starts_from_its_folder(use_tiny
                  "sft.format_warmup_steps=0", "data.eval=null", *ZOOM]) == 0
     (step,) = [r for r in read_metrics(grpo / "metrics.jsonl") if "reward_mean" in r]
     assert "tools/zoom/calls" in step and step["turns_mean"] >= 1
+
+
+def test_sft_learns_demonstrations_from_a_data_files_focus_boxes(use_tiny_cache, tmp_path):
+    """data.focus_key on a JSONL file: rows with a box (pixels or fractions) are learned as zoom
+    demonstrations, a row without one as a plain answer (the demonstrations column counts)."""
+    import json
+
+    from PIL import Image, ImageDraw
+
+    rows = []
+    for i in range(4):
+        image = Image.new("RGB", (224, 224), "white")
+        x = 20 + 40 * i
+        ImageDraw.Draw(image).rectangle([x, 100, x + 15, 115], fill="black")
+        image.save(tmp_path / f"{i}.png")
+        focus = [x, 100, x + 16, 116] if i % 2 == 0 else [x / 224, 100 / 224, (x + 16) / 224,
+                                                          116 / 224]
+        rows.append({"image": f"{i}.png", "problem": "What is in the box?", "solution": "black",
+                     **({"focus": focus} if i < 3 else {})})
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "sft"
+    assert main(["sft", f"train.output_dir={out}", f"data.train={data}", "data.eval=null",
+                 "tools=[zoom]", "data.max_images=2", "data.max_pixels=3136", "sft.steps=2",
+                 "sft.batch_size=4", "eval.before_train=false", "checkpoint.keep=0"]) == 0
+    assert [r["demonstrations"] for r in read_metrics(out / "metrics.jsonl")] == [3, 3]
