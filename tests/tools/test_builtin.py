@@ -65,8 +65,13 @@ def test_crop_of_a_row_without_images():
 def test_zoom_is_the_centred_region_of_one_over_factor():
     # factor 4 on 200 x 100: a 50 x 25 region centred on (100, 50) -> x 75..125, y 37.5..62.5
     out = zoom(CONTEXT, 0.5, 0.5, factor=4)
-    assert out.size == (50, 26)  # rows 37..62: the half-pixel edges round outwards
-    assert out.getpixel((0, 0)) == (75, 37, 0)
+    assert out.size == (50, 25)  # whole pixels: 1/factor of each side, rounded
+    assert out.getpixel((0, 0)) == (75, 38, 0)  # the half-pixel start rounds up: rows 38..62
+    # an 896 px image at factor 8 is exactly 112 px wherever the centre is (no resampling in a
+    # 112 px budget); 0.56 of 896 = 501.76 px: columns 446..557
+    big = ToolContext((Image.new("RGB", (896, 896)),))
+    assert {zoom(big, x, 0.19, factor=8).size for x in (0.06, 0.31, 0.56, 0.94)} == {(112, 112)}
+    assert zoom(big, 0.56, 0.5, factor=3).size == (299, 299)
 
 
 def test_zoom_near_an_edge_moves_inside_the_image():
