@@ -380,5 +380,8 @@ def test_zoom_cells_put_the_mark_at_a_cells_centre() -> None:
     for bad in (-1, 29):  # 29 cells of 896 px are narrower than the 32 px mark
         with pytest.raises(DataError, match="zoom_cells must be 0 or 1..28"):
             dataclasses.replace(spec, zoom_cells=bad)
+    with pytest.raises(DataError, match=r"data.shapes.zoom_cells=1 gives only 3 scenes to split "
+                                        r"between train and eval; raise it \(4 or more\)"):
+        ShapesSource(dataclasses.replace(spec, zoom_cells=1), split="train", size=6, seed=0)
     cfg = load_config(None, ["data.shapes.zoom_cells=4", "data.shapes.kinds=[zoom]"])
     assert cfg.data.shapes.zoom_cells == 4
