@@ -369,11 +369,11 @@ def make_item(spec: ShapesSpec, *, seed: int, split: str, index: int) -> ShapesI
         item = _draw_scene(spec, kind, answer, rng)
         if split_of(item.key) == split:  # the hint left out: the same items with and without
             return _hinted(item) if spec.zoom_hint and kind == "zoom" else item
-    if kind == "zoom" and spec.zoom_cells:  # n^2 places x 3 patterns: too few scenes to split
+    if kind == "zoom" and spec.zoom_cells:  # n^2 places x the patterns: too few scenes to split
         raise DataError(
             f"builtin:shapes could not draw a {split} zoom item #{index} ({answer}) in "
             f"{MAX_ATTEMPTS} tries: data.shapes.zoom_cells={spec.zoom_cells} gives only "
-            f"{3 * spec.zoom_cells ** 2} scenes to split between train and eval; raise it (4 or more)")
+            f"{len(ZOOM_PATTERNS) * spec.zoom_cells ** 2} scenes to split between train and eval; raise it (4 or more)")
     raise DataError(
         f"builtin:shapes could not draw a {split} item #{index} in {MAX_ATTEMPTS} tries; "
         f"increase ShapesSpec.image_size (now {spec.image_size})"
