@@ -24,6 +24,7 @@ from r1fit.memory.planner import (
     QUESTION_TOKENS,
     SAFETY_MARGIN,
     TextDims,
+    cublas_workspaces,
     layer_saved_per_token,
     model_facts,
     plan_memory,
@@ -165,12 +166,27 @@ def test_prompt_estimate_and_kv_cache_without_a_processor(small_model):
     assert d["kv_cache"] == 4 * length * 2 * 2 * 2 * 8 * 4
 
 
-def test_cuda_adds_context_and_slack_cpu_does_not(small_model):
+def test_cuda_adds_workspaces_context_and_slack_cpu_does_not(small_model, monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     cfg = cfg_for(small_model)
     cpu, cuda = plan_memory(cfg, device_type="cpu"), plan_memory(cfg, device_type="cuda")
-    assert cpu.parts["overhead"] == 0
-    allocated = cpu.peak_bytes
+    assert cpu.parts["overhead"] == 0 and cpu.parts["workspaces"] == 0
+    # two threads (forward, autograd's backward) x cuBLAS's 32 MiB Hopper default, allocated
+    assert cuda.parts["workspaces"] == 64 << 20
+    allocated = cpu.peak_bytes + (64 << 20)
     assert cuda.peak_bytes == allocated + CUDA_CONTEXT_BYTES + int(CUDA_ALLOCATOR_SLACK * allocated)
+
+
+@pytest.mark.parametrize(("env", "mib"), [
+    (None, 64),  # cuBLAS's Hopper default, and r1fit's train.deterministic (:4096:8): 4 MiB x 8
+    (":16:8", 0.25), (":4096:2:16:8", 16.25),  # PyTorch sums SIZE KiB x COUNT
+])
+def test_cublas_workspaces_follow_the_environment(monkeypatch, env, mib):
+    if env is None:
+        monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", env)
+    assert cublas_workspaces() == int(mib * (1 << 20))
 
 
 def test_max_micro_batch_respects_the_budget(small_model):

@@ -60,6 +60,8 @@ makes SDPA repeat the KV heads).
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -106,11 +108,19 @@ CUDA_CONTEXT_BYTES = 768 << 20
 #: allocated peak. r1fit turns on expandable segments, which keeps this small; 5% is an estimate,
 #: not a measurement. 0 on CPU (the plan there is live tensor bytes, what the probe measures).
 CUDA_ALLOCATOR_SLACK = 0.05
+#: cuBLAS's workspace per (thread, stream) that runs matmuls, which PyTorch takes from its caching
+#: allocator (so ``max_memory_allocated`` counts it) when ``CUBLAS_WORKSPACE_CONFIG`` is unset: 32 MiB
+#: on Hopper (``:4096:8``), 8.125 MiB on other GPUs; the plan assumes Hopper's, the larger.
+CUBLAS_DEFAULT_WORKSPACE = 32 << 20
+#: Threads that run a step's matmuls, each with its own cuBLAS handle and workspace: the training
+#: loop's (forward, generation) and autograd's device thread (backward). Measured on an H100
+#: (benchmarks/RESULTS.md, "GPU check"): builtin:tiny allocated 70 MiB for 4 MiB of tensors.
+CUBLAS_THREADS = 2
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 PARTS = ("weights", "gradients", "optimizer", "reference", "all_gather", "reduce_scatter",
          "activations", "logits_chunk", "vision", "unsharded_weights", "generation",
-         "engine_weights", "engine_kv_cache", "inputs", "overhead")
+         "engine_weights", "engine_kv_cache", "inputs", "workspaces", "overhead")
 #: Parts that exist only under FSDP (--gpus > 1); 0, and not printed, on one GPU.
 FSDP_PARTS = ("all_gather", "reduce_scatter", "unsharded_weights")
 #: Parts of rollout.engine=vllm (the engine's own copy of the weights and its KV pool); 0, and
@@ -385,7 +395,8 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
                                   sampling_logits_f32(cfg.algo.temperature, cfg.algo.top_p))
     update = update_bytes(step, s, states, buffers, chunk)
 
-    persistent = states.weights + states.optimizer + states.reference + step_inputs
+    workspaces = cublas_workspaces() if cuda else 0
+    persistent = states.weights + states.optimizer + states.reference + step_inputs + workspaces
     engine = engine_memory(f, cfg, stored, cuda, budget)
     if engine.weights or engine.kv_cache:
         # the engine generates from its own weights (synced one parameter at a time, so no
@@ -414,7 +425,7 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
              "unsharded_weights": buffers.unsharded_weights, "generation": generation,
              "engine_weights": engine.weights, "engine_kv_cache": engine.kv_cache,
              "inputs": step_inputs + step.pixels(max(s.micro, s.generation)),
-             "overhead": cuda_overhead(allocated, cuda)}
+             "workspaces": workspaces, "overhead": cuda_overhead(allocated, cuda)}
     return _Estimate(
         parts=parts, phases=phases, peak=max(phases.values()),
         update_peak=max(x for k, x in phases.items() if k in ("update", "log-probs")),
@@ -899,6 +910,17 @@ def update_bytes(step: StepShape, s: Sizes, states: States, fsdp: FsdpBuffers,
         states.gradients + pixels + backward_end_bytes(step, s, fsdp)
         + step.patch_embed_workspace)
     return Update(peak=peak, activations=activations, logits_chunk=logits_chunk, vision=vision)
+
+
+def cublas_workspaces() -> int:
+    """The cuBLAS workspaces a step allocates through PyTorch's allocator: ``CUBLAS_THREADS`` of
+    the size ``CUBLAS_WORKSPACE_CONFIG`` states (``:SIZE_KIB:COUNT`` pairs, summed as PyTorch
+    does), else of ``CUBLAS_DEFAULT_WORKSPACE`` (also what ``train.deterministic`` sets when the
+    variable is unset: ``:4096:8``)."""
+    pairs = re.findall(r":(\d+):(\d+)", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""))
+    size = sum(int(kib) * 1024 * int(count) for kib, count in pairs) if pairs else (
+        CUBLAS_DEFAULT_WORKSPACE)
+    return CUBLAS_THREADS * size
 
 
 def cuda_overhead(peak: int, cuda: bool) -> int:

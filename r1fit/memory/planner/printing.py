@@ -19,13 +19,13 @@ _LABELS = {"weights": "weights", "gradients": "gradients", "optimizer": "optimiz
            "generation": "generation (KV cache + logits)",
            "engine_weights": "vLLM engine: its copy of the weights",
            "engine_kv_cache": "vLLM engine: KV cache pool", "inputs": "inputs (pixel values)",
-           "overhead": "CUDA context + allocator slack"}
+           "workspaces": "cuBLAS workspaces (2 threads)", "overhead": "CUDA context + allocator slack"}
 _WHEN = {"weights": "always", "gradients": "update", "optimizer": "always", "reference": "always",
          "all_gather": "log-probs, update", "reduce_scatter": "update",
          "activations": "update", "logits_chunk": "update", "vision": "update",
          "unsharded_weights": "generation", "generation": "generation",
          "engine_weights": "always", "engine_kv_cache": "always", "inputs": "step",
-         "overhead": "always"}
+         "workspaces": "always", "overhead": "always"}
 
 
 def _completion(cfg: Config, d: dict[str, Any]) -> str:
