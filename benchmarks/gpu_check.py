@@ -477,6 +477,73 @@ def stage_plan7b(args: argparse.Namespace, work: Path) -> StageResult:
     return result
 
 
+#: the sft stage's rows per step and answer budget (builtin:shapes answers are shorter: the plan,
+#: which counts every answer at sft.max_answer_tokens, is pessimistic by their difference)
+SFT_BATCH, SFT_ANSWER_TOKENS = 16, 64
+
+
+def sft_values(args: argparse.Namespace) -> list[str]:
+    """The sft stage's run: 3B LoRA ``r1fit sft``, no evaluation (so no generation)."""
+    s = scale_of(args)
+    return overrides(args, "3b", lora=True) + [
+        f"sft.steps={s.steps}", f"sft.batch_size={SFT_BATCH}",
+        f"sft.max_answer_tokens={SFT_ANSWER_TOKENS}", "sft.learning_rate=1e-4",
+        "sft.think=null", f"memory.micro_batch={s.micro_batch}"]
+
+
+def sft(values: list[str], out: Path, what: str) -> RunOutput:
+    """``r1fit sft`` in a fresh process into ``out``: its step rows (those with a loss)."""
+    from r1fit.report.metrics import read_metrics
+
+    started = time.perf_counter()
+    run_child([sys.executable, "-c", LAUNCHER, "sft", f"train.output_dir={out}", *values], what,
+              "r1fit", env=child_env(), log=LOG)
+    seconds = time.perf_counter() - started
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if r.get("loss") is not None]
+    log = (out / "log.txt").read_text() if (out / "log.txt").is_file() else ""
+    return RunOutput(out, rows, log, seconds)
+
+
+def stage_sft(args: argparse.Namespace, work: Path) -> StageResult:
+    """``r1fit plan --sft`` against ``r1fit sft``'s measured peak, 3B LoRA: the plan's update
+    phase (the run evaluates nothing, so it never generates), less the CUDA overhead, against
+    max allocated; speed beside it."""
+    from r1fit.config import load_config
+    from r1fit.memory.planner import plan_memory
+
+    gpu = scale_of(args).gpu
+    values = sft_values(args)
+    plan = plan_memory(load_config(None, values), device_type="cuda" if gpu else "cpu", kind="sft")
+    update = allocated_of(plan.phases["update"], gpu)
+    run = sft(values, work / "sft", "sft 3b-lora")
+    measured = run.peak()
+    error, met = plan_verdict(update, measured)
+    last = run.rows[-1]
+    result = StageResult(data={"plan_phases": plan.phases, "plan_update_allocated": update,
+                               "measured_bytes": measured, "error": error, "met": met,
+                               "steps": run.steps, "seconds": run.seconds,
+                               "tokens_per_second": last.get("tokens_per_second"),
+                               "mfu": last.get("mfu")})
+    result.add(f"sft 3b LoRA, {SFT_BATCH} rows, answers <= {SFT_ANSWER_TOKENS} tokens",
+               f"plan (update phase) {update / MIB:,.0f} MiB vs measured {measured / MIB:,.0f} "
+               f"MiB: {error:+.1%}; steps {run.steps}, {last.get('tokens_per_second', 0):,.0f} "
+               f"tokens/s, MFU {last.get('mfu') or 0:.1%}",
+               f"-{PLAN_LOW:.0%}..+{PLAN_HIGH:.0%}" + ("" if gpu else " on a GPU"),
+               met if gpu else None)
+    return result
+
+
+def allocated_of(phase_bytes: int, gpu: bool) -> int:
+    """A plan phase's bytes less the CUDA context and slack the planner added (on a GPU)."""
+    from r1fit.memory.planner.estimate import CUDA_ALLOCATOR_SLACK, CUDA_CONTEXT_BYTES, cuda_overhead
+
+    if not gpu:
+        return phase_bytes
+    guess = round((phase_bytes - CUDA_CONTEXT_BYTES) / (1 + CUDA_ALLOCATOR_SLACK))
+    return next(x for x in (guess - 1, guess, guess + 1, guess + 2)
+                if x + cuda_overhead(x, True) == phase_bytes)
+
+
 def stage_numerics(args: argparse.Namespace, work: Path) -> StageResult:
     """r1fit doctor's numerics check (r1fit/doctor/selfcheck.py) on the 3B model, LoRA, in this
     process on the device: the shared prompt's and the shared prefill's distances from the per-row
@@ -701,6 +768,7 @@ STAGES: dict[str, tuple[Callable[[argparse.Namespace, Path], StageResult], float
     "numerics": (stage_numerics, 60),
     "detcost": (stage_detcost, 60),
     "plan7b": (stage_plan7b, 170),
+    "sft": (stage_sft, 120),
     "trl": (stage_trl, 150),
 }
 

@@ -151,6 +151,9 @@ def test_the_smoke_runs_every_stage_with_numbers(tmp_path, capsys):
     memtrace = stages["memtrace"]["data"]  # the plan's phases; the history needs CUDA
     assert memtrace["plan_peak_phase"] in memtrace["plan_phases"] and "breakdown" not in memtrace
     assert stages["autofit"]["met"]
+    sft = stages["sft"]["data"]  # r1fit sft's steps, measured, beside its plan's update phase
+    assert sft["steps"] == [1, 2] and sft["measured_bytes"] > 0
+    assert sft["error"] == sft["plan_update_allocated"] / sft["measured_bytes"] - 1
     assert [v["name"] for v in stages["numerics"]["data"]["verdicts"]] == ["shared prompt",
                                                                            "shared prefill"]
     for stage in SMOKED:
