@@ -85,15 +85,19 @@ class StepDraws:
         assert batch.rewards is not None
         engine = batch.engine_logp
         trajectories = batch.trajectories
+        # a trajectory travels without its prompt (the row's encoded image and its source image,
+        # which every process holds already: row r of the batch is prompt r // G's)
         mine = [(c, None if engine is None else engine[i, :c.shape[0]],
-                 None if trajectories is None else trajectories[i])
+                 None if trajectories is None else replace(trajectories[i], prompt=None))
                 for i, c in enumerate(batch.completions)]
         rows = [row for part in all_gather_objects(mine) for row in part]
         self.prompts += batch.prompts
         self.completions += [completion for completion, _, _ in rows]
         self.engine_logp += [logp for _, logp, _ in rows]
         if trajectories is not None:
-            self.trajectories = (self.trajectories or []) + [t for _, _, t in rows]
+            g = self.num_generations
+            self.trajectories = (self.trajectories or []) + [
+                replace(t, prompt=batch.prompts[r // g]) for r, (_, _, t) in enumerate(rows)]
         self.rewards = torch.cat([self.rewards.to(batch.rewards), batch.rewards])
         for name, values in batch.components.items():
             before = self.components.get(name, values[:0])
