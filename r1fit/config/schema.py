@@ -353,6 +353,13 @@ class SFTConfig:
         "of the warm-up's targets, and `r1fit sft` rewrites every answer that lacks the "
         "<think>/<answer> tags into <think>TEXT</think><answer>ANSWER</answer>. The demo preset: "
         "'I look at the image.'.")
+    balance_turns: bool = opt(
+        False, "Weigh each assistant turn of a multi-turn row the same in the row's loss (its "
+        "tokens share the turn's weight; the row's total weight is unchanged). A tool "
+        "demonstration's call is ~80 tokens and its answer ~10: under the token mean (false, as "
+        "TRL's SFTTrainer) the call drowns the answer, and builtin:tiny learned the calls but "
+        "answered at chance; with true it read every zoom (docs/tools.md). Rows of one turn are "
+        "unchanged.")
 
 
 @dataclass(frozen=True)

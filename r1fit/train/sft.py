@@ -146,6 +146,23 @@ def cut_completion_inputs(prompts: list[Prompt], cut: list[int], limit: int) -> 
     return prompts
 
 
+def balance_turns(mask: torch.Tensor) -> torch.Tensor:
+    """``sft.balance_turns``: a row's loss mask [T] (1 on scored tokens) reweighted so that each
+    scored turn (a run of scored tokens between tool or user turns) weighs the same: the row's
+    total weight ``mask.sum()`` split evenly over its turns, and each turn's share evenly over its
+    tokens. A row of one turn comes back unchanged."""
+    scored = mask > 0
+    starts = scored & ~torch.cat([scored.new_zeros(1), scored[:-1]])
+    turn = torch.cumsum(starts.long(), 0) - 1  # the turn index of each scored token
+    turns = int(starts.sum())
+    if turns < 2:
+        return mask
+    sizes = torch.bincount(turn[scored], minlength=turns).to(torch.float32)
+    weights = torch.zeros_like(mask, dtype=torch.float32)
+    weights[scored] = float(mask.sum()) / turns / sizes[turn[scored]]
+    return weights
+
+
 def micro_batch_loss(policy: Any, batch: Batch | PackedGroups, total_tokens: int, *,
                      fused: bool, chunk_size: int) -> torch.Tensor:
     """This micro-batch's share of the batch's token-mean cross-entropy: minus the log-probs of
@@ -153,9 +170,12 @@ def micro_batch_loss(policy: Any, batch: Batch | PackedGroups, total_tokens: int
     ``fused`` (``memory.fused_loss``): one term per scored token, the LM head's gradient made in
     its forward."""
     options = dict(chunk_size=chunk_size, into_grad=True)
-    if fused:
-        loss, _, _ = completion_loss(policy, batch, lambda rows, logp, _: -logp.sum() / total_tokens,
-                                     entropy=False, **options)
+    if fused:  # the scored tokens' weights, flattened as completion_loss flattens its tokens
+        mask = batch.completion_mask
+        weights = mask[mask.bool()].to(torch.float32)
+        loss, _, _ = completion_loss(
+            policy, batch, lambda rows, logp, _: -(logp * weights[rows]).sum() / total_tokens,
+            entropy=False, **options)
         return loss
     logp = completion_logprobs(policy, batch, **options)
     return -(logp * batch.completion_mask).sum() / total_tokens
@@ -206,13 +226,15 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool,
                                                              cfg.sft.think, rng), end_of_turn)
             targets, masks, cut = cut_answers(targets, masks, cfg.sft.max_answer_tokens)
             prompts = cut_completion_inputs(prompts, cut, cfg.sft.max_answer_tokens)
+            if cfg.sft.balance_turns:
+                masks = [None if m is None else balance_turns(m) for m in masks]
             if cut and not warned_cut:
                 log.warning("%s: answer longer than sft.max_answer_tokens=%d tokens, cut there "
                             "(each step's truncated_answers counts the rows cut; raise the key to "
                             "keep whole answers)", prompts[cut[0]].sample.source,
                             cfg.sft.max_answer_tokens)
                 warned_cut = True
-            total_tokens = sum(int(t.shape[0]) if m is None else int(m.sum())
+            total_tokens = sum(int(t.shape[0]) if m is None else round(float(m.sum()))
                                for t, m in zip(targets, masks))
             if total_tokens == 0:
                 raise DataError(f"SFT step {step}: no answer token to learn in the batch "

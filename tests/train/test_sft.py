@@ -54,14 +54,28 @@ def test_cut_answers_cuts_targets_and_masks_past_the_limit_only():
     assert cut_answers([torch.arange(4)], [None], 4)[2] == []  # at the limit: kept whole
 
 
+def test_balance_turns_splits_the_row_weight_evenly_over_its_turns():
+    from r1fit.train.sft import balance_turns
+
+    # a call of 3 tokens, a tool turn (context), an answer of 1 token: 4 tokens, 2 turns of 2
+    got = balance_turns(torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 1.0]))
+    assert got.tolist() == pytest.approx([2 / 3, 2 / 3, 2 / 3, 0.0, 0.0, 2.0])
+    got = balance_turns(torch.tensor([0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0]))
+    assert got.tolist() == pytest.approx([0, 2, 0, 2 / 3, 2 / 3, 2 / 3, 0, 1, 1])  # 6 over 3
+    one = torch.tensor([0.0, 1.0, 1.0])
+    assert balance_turns(one) is one  # one turn: unchanged
+
+
+@pytest.mark.parametrize("balance", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("fused", [False, True])
 def test_the_loss_of_a_tool_demonstration_is_the_cross_entropy_of_its_conversation(
-        tiny_dir, float64_model, packed, fused):
+        tiny_dir, float64_model, packed, fused, balance):
     """SFT's loss on a batch of a zoom demonstration (its tool turn's image in the completion)
     and a plain row, collated or packed (memory.micro_batch_tokens), with the LM head's loss fused
     or not: the cross-entropy of the scored tokens from one forward of each whole conversation as
-    the processor encodes it, over the batch's scored tokens (float64, builtin:tiny)."""
+    the processor encodes it, over the batch's scored tokens (float64, builtin:tiny); with
+    ``sft.balance_turns`` each token's term weighted as its mask says."""
     from r1fit.data.batch import chat_messages
     from r1fit.data.conversation import conversation_target
     from r1fit.data.dataset import load_dataset
@@ -80,13 +94,18 @@ def test_the_loss_of_a_tool_demonstration_is_the_cross_entropy_of_its_conversati
     shown = ToolDemonstrations.of(["zoom"], runner).write(data[0])
     answer = "<think>x</think>" + shown.solution
     prompt, ids, mask = conversation_target(processor, shown, SYSTEM, answer, end_of_turn=end)
+    if balance:
+        from r1fit.train.sft import balance_turns
+
+        mask = balance_turns(mask)
+        assert len(set(mask.tolist())) == 3  # the call's weight, the answer's, 0
     plain = replace(data[1], source_images=())
     (plain_prompt,) = encode_prompts(processor, [plain], SYSTEM)
     plain_ids = torch.tensor(processor.tokenizer("<answer>red</answer>")["input_ids"] + [end])
     rows, targets, masks = [prompt, plain_prompt], [ids, plain_ids], [mask, None]
     for row in rows:
         row.image_inputs["pixel_values"] = row.image_inputs["pixel_values"].double()
-    total = int(mask.sum()) + len(plain_ids)
+    total = round(float(mask.sum())) + len(plain_ids)
     batch = BatchLayout(False).inputs(model, rows, targets, pad_id=0, device=torch.device("cpu"),
                                       packed=packed, masks=masks)
     loss = micro_batch_loss(model, batch, total, fused=fused, chunk_size=16)
