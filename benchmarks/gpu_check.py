@@ -215,19 +215,25 @@ class RunOutput:
         return [line[line.index(marker):] for line in self.log.splitlines() if marker in line]
 
 
-def read_run(out: Path, seconds: float) -> RunOutput:
-    from r1fit.report.metrics import grpo_step_rows
+def read_run(out: Path, seconds: float, *, sft: bool = False) -> RunOutput:
+    """A run's step rows: GRPO's (the last of each step), or with ``sft`` those with a loss."""
+    from r1fit.report.metrics import grpo_step_rows, read_metrics
 
     log = (out / "log.txt").read_text() if (out / "log.txt").is_file() else ""
-    return RunOutput(out, grpo_step_rows(out / "metrics.jsonl", last_per_step=True), log, seconds)
+    metrics = out / "metrics.jsonl"
+    rows = ([r for r in read_metrics(metrics) if r.get("loss") is not None] if sft
+            else grpo_step_rows(metrics, last_per_step=True))
+    return RunOutput(out, rows, log, seconds)
 
 
-def train(values: list[str], out: Path, what: str, *, timeout: float | None = None) -> RunOutput:
-    """``r1fit train`` in a fresh process (MISSING_ON_DEVICE unimportable) into ``out``."""
+def train(values: list[str], out: Path, what: str, *, timeout: float | None = None,
+          command: str = "train") -> RunOutput:
+    """``r1fit train`` (or ``command``: ``sft``) in a fresh process (MISSING_ON_DEVICE
+    unimportable) into ``out``."""
     started = time.perf_counter()
-    run_child([sys.executable, "-c", LAUNCHER, "train", f"train.output_dir={out}", *values], what,
-              "r1fit", env=child_env(), timeout=timeout, log=LOG)
-    return read_run(out, time.perf_counter() - started)
+    run_child([sys.executable, "-c", LAUNCHER, command, f"train.output_dir={out}", *values],
+              what, "r1fit", env=child_env(), timeout=timeout, log=LOG)
+    return read_run(out, time.perf_counter() - started, sft=command == "sft")
 
 
 def plan_of(values: list[str], *, gpu: bool) -> dict[str, int]:
@@ -491,19 +497,6 @@ def sft_values(args: argparse.Namespace) -> list[str]:
         "sft.think=null", f"memory.micro_batch={s.micro_batch}"]
 
 
-def sft(values: list[str], out: Path, what: str) -> RunOutput:
-    """``r1fit sft`` in a fresh process into ``out``: its step rows (those with a loss)."""
-    from r1fit.report.metrics import read_metrics
-
-    started = time.perf_counter()
-    run_child([sys.executable, "-c", LAUNCHER, "sft", f"train.output_dir={out}", *values], what,
-              "r1fit", env=child_env(), log=LOG)
-    seconds = time.perf_counter() - started
-    rows = [r for r in read_metrics(out / "metrics.jsonl") if r.get("loss") is not None]
-    log = (out / "log.txt").read_text() if (out / "log.txt").is_file() else ""
-    return RunOutput(out, rows, log, seconds)
-
-
 def stage_sft(args: argparse.Namespace, work: Path) -> StageResult:
     """``r1fit plan --sft`` against ``r1fit sft``'s measured peak, 3B LoRA: the plan's update
     phase (the run evaluates nothing, so it never generates), less the CUDA overhead, against
@@ -515,7 +508,7 @@ def stage_sft(args: argparse.Namespace, work: Path) -> StageResult:
     values = sft_values(args)
     plan = plan_memory(load_config(None, values), device_type="cuda" if gpu else "cpu", kind="sft")
     update = allocated_of(plan.phases["update"], gpu)
-    run = sft(values, work / "sft", "sft 3b-lora")
+    run = train(values, work / "sft", "sft 3b-lora", command="sft")
     measured = run.peak()
     error, met = plan_verdict(update, measured)
     last = run.rows[-1]

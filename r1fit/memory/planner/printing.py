@@ -6,7 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 from r1fit.config import Config
-from r1fit.memory.planner.estimate import ENGINE_PARTS, FSDP_PARTS, PARTS, SAFETY_MARGIN, Plan
+from r1fit.memory.planner.estimate import (
+    CUBLAS_THREADS,
+    ENGINE_PARTS,
+    FSDP_PARTS,
+    PARTS,
+    SAFETY_MARGIN,
+    Plan,
+)
 from r1fit.units import format_bytes
 
 _LABELS = {"weights": "weights", "gradients": "gradients", "optimizer": "optimizer (AdamW)",
@@ -19,7 +26,7 @@ _LABELS = {"weights": "weights", "gradients": "gradients", "optimizer": "optimiz
            "generation": "generation (KV cache + logits)",
            "engine_weights": "vLLM engine: its copy of the weights",
            "engine_kv_cache": "vLLM engine: KV cache pool", "inputs": "inputs (pixel values)",
-           "workspaces": "cuBLAS workspaces (2 threads)", "overhead": "CUDA context + allocator slack"}
+           "workspaces": f"cuBLAS workspaces ({CUBLAS_THREADS} threads)", "overhead": "CUDA context + allocator slack"}
 _WHEN = {"weights": "always", "gradients": "update", "optimizer": "always", "reference": "always",
          "all_gather": "log-probs, update", "reduce_scatter": "update",
          "activations": "update", "logits_chunk": "update", "vision": "update",
