@@ -58,12 +58,14 @@ class Arm:
     accuracy: float | None = None
     tool_use: float | None = None
     minutes: float | None = None
+    curve: list[tuple[int, float]] | None = None  # (step, accuracy) of every evaluation
 
 
 def arms(args: argparse.Namespace) -> list[Arm]:
     """The arms in the order they run (each GRPO arm after the SFT it starts from)."""
     common = [f"data.eval_size={args.eval_size}", "checkpoint.every=0", *args.set]
-    sft = [f"model.path={args.model}", f"sft.steps={args.sft_steps}", *common]
+    sft = [f"model.path={args.model}", f"sft.steps={args.sft_steps}",
+           f"sft.eval_every={args.sft_eval_every}", *common]
     grpo = [f"train.max_steps={args.grpo_steps}", f"eval.every={args.grpo_steps}",
             "eval.before_train=true", *common]
     return [Arm("sft-plain", "sft", [*sft, *NO_TOOLS]),
@@ -73,13 +75,19 @@ def arms(args: argparse.Namespace) -> list[Arm]:
             Arm("grpo-tools-variant", "train", [*grpo, *args.variant], start_from="sft-tools")]
 
 
-def last_eval(metrics: Path) -> tuple[dict, dict]:
-    """The first and the last row of ``metrics`` (metrics.jsonl) that hold an evaluation."""
+def evaluations(metrics: Path) -> list[dict]:
+    """The rows of ``metrics`` (metrics.jsonl) that hold an evaluation, in step order."""
     from r1fit.report.metrics import read_metrics  # plain json; no torch
 
     evals = [row for row in read_metrics(metrics) if "eval/accuracy" in row]
     if not evals:
         raise BenchmarkError(f"{metrics}: no evaluation row")
+    return evals
+
+
+def last_eval(metrics: Path) -> tuple[dict, dict]:
+    """The first and the last row of ``metrics`` that hold an evaluation."""
+    evals = evaluations(metrics)
     return evals[0], evals[-1]
 
 
@@ -92,7 +100,9 @@ def run_arm(arm: Arm, folder: Path, log: Path, timeout: float) -> None:
     began = time.perf_counter()
     run_child(command, f"arm {arm.name}", "r1fit", timeout=timeout, log=log)
     arm.minutes = (time.perf_counter() - began) / 60
-    first, last = last_eval(out / "metrics.jsonl")
+    evals = evaluations(out / "metrics.jsonl")
+    first, last = evals[0], evals[-1]
+    arm.curve = [(int(row["step"]), float(row["eval/accuracy"])) for row in evals]
     arm.accuracy = float(last["eval/accuracy"])
     arm.tool_use = last.get("eval/tool_use")
     if arm.command == "train":
@@ -130,6 +140,9 @@ def run(args: argparse.Namespace) -> int:
         run_arm(arm, folder, log, args.timeout)
     met, line = verdict({a.name: a for a in results})
     print(table(results))
+    for arm in results:  # the held-out accuracy at each evaluation (sft.eval_every, eval.every)
+        print(f"{arm.name} accuracy by step: " + ", ".join(f"{step}: {accuracy:.3f}"
+                                                          for step, accuracy in arm.curve or []))
     print(line)
     (folder / "result.json").write_text(json.dumps([asdict(a) for a in results], indent=1))
     return 0 if met else 1
@@ -138,7 +151,9 @@ def run(args: argparse.Namespace) -> int:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=NAME, description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="builtin:tiny", help="the model every arm starts from")
-    parser.add_argument("--sft-steps", type=positive, default=300)
+    parser.add_argument("--sft-steps", type=positive, default=2500)
+    parser.add_argument("--sft-eval-every", type=int, default=500, metavar="N",
+                        help="the SFT arms also evaluate every N steps (0: before and after only)")
     parser.add_argument("--grpo-steps", type=positive, default=10)
     parser.add_argument("--eval-size", type=positive, default=48, help="held-out rows")
     parser.add_argument("--variant", nargs="*", default=["algo.num_iterations=2"],

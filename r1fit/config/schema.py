@@ -360,6 +360,11 @@ class SFTConfig:
         "TRL's SFTTrainer) the call drowns the answer, and builtin:tiny learned the calls but "
         "answered at chance; with true it read every zoom (docs/tools.md). Rows of one turn are "
         "unchanged.")
+    eval_every: int = opt(
+        0, "`r1fit sft` evaluates every N steps besides before (eval.before_train) and after the "
+        "last step (0 = only then): the held-out accuracy as a curve over the steps, in "
+        "metrics.jsonl and the run report. Each evaluation generates greedily on the eval set, "
+        "tool turns included.", ge=0)
 
 
 @dataclass(frozen=True)

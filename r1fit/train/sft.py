@@ -186,8 +186,9 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool,
     """``steps`` SFT updates on the training set with their own AdamW and schedule; one metrics
     row per step. ``format_only`` learns the answer format with random answers (the warm-up before
     GRPO, logged with a ``warmup/`` prefix); otherwise each row's solution, and the last step's row
-    holds the final evaluation. ``report`` (``r1fit sft``'s; the warm-up has none, its rows go on
-    GRPO's page) sees each row: the page every ``report.every`` steps."""
+    (and every ``sft.eval_every``-th) holds an evaluation. ``report`` (``r1fit sft``'s; the
+    warm-up has none, its rows go on GRPO's page) sees each row: the page every ``report.every``
+    steps."""
     cfg, processor = run.cfg, run.processor
     phase, prefix = ("warmup", "warmup/") if format_only else ("sft", "")
     sampler = PromptSampler(len(run.train_set), seed=cfg.train.seed + 1)
@@ -286,7 +287,8 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool,
                    f"{prefix}truncated_answers": len(cut),
                    **({f"{prefix}demonstrations": demonstrated} if demonstrations else {}),
                    f"{prefix}oom_retries": guard.retries}
-            if not format_only and step == steps and run.eval_set is not None:
+            if not format_only and run.eval_set is not None and (
+                    step == steps or (cfg.sft.eval_every and step % cfg.sft.eval_every == 0)):
                 row.update(evaluate(run))
             run.metrics.write(row)
             if report is not None:

@@ -14,7 +14,7 @@ tl = load_script("tools_learning")
 
 def test_each_grpo_arm_starts_from_an_sft_arm_run_before_it():
     args = tl.parse_args(["--sft-steps", "7", "--grpo-steps", "3", "--variant", "algo.beta=0",
-                          "--set", "data.shapes.zoom_hint=true"])
+                          "--set", "data.shapes.zoom_hint=true", "--sft-eval-every", "2"])
     arms = tl.arms(args)
     order = [a.name for a in arms]
     assert order == ["sft-plain", "sft-tools", "grpo-plain", "grpo-tools", "grpo-tools-variant"]
@@ -24,6 +24,7 @@ def test_each_grpo_arm_starts_from_an_sft_arm_run_before_it():
             assert arm.command == "train" and "train.max_steps=3" in arm.overrides
         else:
             assert arm.command == "sft" and "sft.steps=7" in arm.overrides
+            assert "sft.eval_every=2" in arm.overrides
         assert "data.shapes.zoom_hint=true" in arm.overrides  # --set: every arm
         # the plain arms run without the tool, the others with the config's
         assert ("tools=[]" in arm.overrides) == arm.name.endswith("plain")
@@ -81,6 +82,7 @@ def test_the_parent_runs_every_arm_and_exits_1_on_a_miss(tmp_path, monkeypatch, 
     out = capsys.readouterr().out
     assert "| grpo-tools | 0.300 | 0.400 | 1.000 |" in out
     assert "| sft-plain | - | 0.330 | - |" in out
+    assert "grpo-tools accuracy by step: 0: 0.300, 1: 0.400" in out  # every evaluation
     assert "grpo-tools - grpo-plain = +5.0 points" in out and out.rstrip().endswith("missed")
     grpo_tools = commands[3]
     assert grpo_tools[3] == "train" and f"model.path={tmp_path / 'runs' / 'sft-tools' / 'final'}" \

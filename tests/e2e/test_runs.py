@@ -81,10 +81,11 @@ def test_sft_three_steps_changes_weights(use_tiny_cache, tmp_path):
     out = tmp_path / "run"
     assert run_cli("sft", f"train.output_dir={out}", "sft.steps=3", "sft.batch_size=4",
                    "data.eval_size=4", "data.shapes.train_size=50", "data.max_pixels=3136",
-                   "data.shapes.image_size=56") == 0
+                   "data.shapes.image_size=56", "sft.eval_every=2") == 0
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert "eval/accuracy" in rows[-1]  # the final evaluation rides on the last step's line
+    # the final evaluation rides on the last step's line, and sft.eval_every=2 adds step 2's
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [2, 3]
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2, 3]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_accuracy_end"] == rows[-1]["eval/accuracy"]
