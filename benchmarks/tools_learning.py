@@ -1,17 +1,19 @@
 """Learning with a tool, measured: the R1 recipe (SFT, then GRPO) on builtin:shapes zoom questions
 with the zoom tool against the same recipe without it.
 
-Command (on 2 CPU cores, about 10 minutes per arm at the defaults; the arms run one after
-another, each `r1fit` run a process of its own):
+Command (on 2 CPU cores; the arms run one after another, each `r1fit` run a process of its own;
+the SFT with tools is the longest, ~20 minutes):
 
     python benchmarks/tools_learning.py
-    # = --model builtin:tiny --sft-steps 300 --grpo-steps 10 --eval-size 48 --variant algo.num_iterations=2
-    python benchmarks/tools_learning.py --set data.shapes.zoom_hint=true  # the mark's place given
+    # = --model builtin:tiny --sft-steps 2500 --sft-eval-every 500 --grpo-steps 10 --eval-size 48
+    #   --variant algo.num_iterations=2
 
-The task (``configs/zoom-tools.yaml``): a 32 px striped mark (horizontal, vertical or checkered)
-in an 896 px image, shrunk to 112 x 112 for the prompt, where the three patterns differ by at
-most 2 grey levels: without the tool the answer is a guess (1/3). Arms, every one evaluated
-greedily on the same held-out rows:
+The task (``configs/zoom-tools.yaml``, whose values every arm runs with): a 32 px striped mark
+(horizontal, vertical or checkered) in an 896 px image, shrunk to 112 x 112 for the prompt,
+where the three patterns differ by at most 2 grey levels: without the tool the answer is a
+guess (1/3). The question states the mark's place (one of 8 x 8 cell centres); held-out rows
+are scenes (place and pattern) that no training row shows. Arms, every one evaluated greedily on
+the same held-out rows:
 
 - ``sft-plain``: ``r1fit sft`` on the answers, no tools (tools off, before RL);
 - ``sft-tools``: ``r1fit sft`` with the zoom tool, every row a demonstration (call on the mark,
