@@ -2,7 +2,7 @@
 with the zoom tool against the same recipe without it.
 
 Command (on 2 CPU cores; the arms run one after another, each `r1fit` run a process of its own;
-the SFT with tools is the longest, ~20 minutes):
+the SFT with tools is the longest, ~17 minutes, and the whole ~33):
 
     python benchmarks/tools_learning.py
     # = --model builtin:tiny --sft-steps 2500 --sft-eval-every 500 --grpo-steps 10 --eval-size 48
