@@ -87,12 +87,6 @@ def evaluations(metrics: Path) -> list[dict]:
     return evals
 
 
-def last_eval(metrics: Path) -> tuple[dict, dict]:
-    """The first and the last row of ``metrics`` that hold an evaluation."""
-    evals = evaluations(metrics)
-    return evals[0], evals[-1]
-
-
 def run_arm(arm: Arm, folder: Path, log: Path, timeout: float) -> None:
     """Run ``arm`` into ``folder/<name>`` and record its evaluations and wall time."""
     out = folder / arm.name

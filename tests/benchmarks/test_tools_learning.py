@@ -37,11 +37,11 @@ def test_the_first_and_last_evaluations_are_read(tmp_path):
     rows = [{"step": 0, "eval/accuracy": 0.3, "eval/tool_use": 1.0}, {"step": 1, "loss": 0.1},
             {"step": 2, "reward_mean": 0.5, "eval/accuracy": 0.6, "eval/tool_use": 0.9}]
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    first, last = tl.last_eval(metrics)
+    first, *_, last = tl.evaluations(metrics)
     assert (first["eval/accuracy"], last["eval/accuracy"], last["eval/tool_use"]) == (0.3, 0.6, 0.9)
     metrics.write_text(json.dumps({"step": 1, "loss": 0.1}) + "\n")
     with pytest.raises(BenchmarkError, match="no evaluation row"):
-        tl.last_eval(metrics)
+        tl.evaluations(metrics)
 
 
 @pytest.mark.parametrize("tools, plain, minutes, met", [
