@@ -326,6 +326,90 @@ def stage_build(args: argparse.Namespace, work: Path) -> StageResult:
     return result
 
 
+#: the speed stage's rollout shape: the shipped recipe's 16 prompts x G=8 at 448 px, 512 forced
+#: tokens; Hugging Face generate timed over hf_tokens of them (its per-step time is flat: the
+#: whole 512 would take ~30 s for 3B LoRA), the smoke's on builtin:tiny
+SPEED_GPU = {"prompts": 16, "generations": 8, "image_size": 448, "new_tokens": 512, "hf_tokens": 64}
+SPEED_SMOKE = {"prompts": 2, "generations": 2, "image_size": 56, "new_tokens": 8, "hf_tokens": 4}
+SPEEDUP_TARGET, ROOFLINE_TARGET, MFU_NOTE = 10.0, 0.5, 0.30
+
+
+def speed_values(args: argparse.Namespace) -> list[str]:
+    """The whole-step run of the speed stage: 3B LoRA (the recipe's r=64) with the static engine
+    at the recipe's rollout shape, all 128 rows in one generation batch, 2 steps."""
+    shape = SPEED_SMOKE if args.cpu_smoke else SPEED_GPU
+    return [*overrides(args, "3b", lora=True, generations=shape["generations"],
+                       new_tokens=shape["new_tokens"], image_size=shape["image_size"]),
+            f"train.prompts_per_step={shape['prompts']}",
+            f"memory.generation_batch={shape['prompts'] * shape['generations']}",
+            "memory.micro_batch=8", "rollout.engine=static",
+            *([] if args.cpu_smoke else ["model.lora.r=64", "model.lora.alpha=128"])]
+
+
+def free_cuda() -> None:
+    """Give the last case's GPU memory back before the next one loads."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def stage_speed(args: argparse.Namespace, work: Path) -> StageResult:
+    """Decode speed of Hugging Face generate and the static engine on the 3B model (LoRA r=64
+    and full, bf16) at the recipe's rollout shape (benchmarks/decode_speed.py), then two GRPO
+    steps of 3B LoRA with the static engine: whole-step seconds and the update's MFU."""
+    import decode_speed
+
+    result = StageResult()
+    shape = SPEED_SMOKE if args.cpu_smoke else SPEED_GPU
+    gpu = not args.cpu_smoke
+    bandwidth = None
+    for name, lora in (("3b-lora", True), ("3b-full", False)):
+        r = decode_speed.measure(
+            model_path(args, "3b"), lora_r=(64 if gpu else 8) if lora else 0,
+            lora_alpha=128 if gpu else 16, device="cuda" if gpu else "cpu",
+            dtype="bfloat16" if gpu else "float32", bandwidth=bandwidth, **shape)
+        bandwidth = r["copy_bandwidth_bytes_per_s"]  # measured once, in the first case
+        free_cuda()
+        result.data[name] = r
+        for line in decode_speed.lines(name, r):
+            result.add(f"speed {name}", line.strip())
+            say(line)
+        roof = r["static"]["roofline_fraction"]
+        if lora:
+            result.add(f"speed {name} decode vs hf", f"{r['speedup_tokens_per_second']:.1f}x",
+                       f">= {SPEEDUP_TARGET:.0f}x" + ("" if gpu else " on a GPU"),
+                       r["speedup_tokens_per_second"] >= SPEEDUP_TARGET if gpu else None)
+        result.add(f"speed {name} roofline", f"{roof:.0%} of the copy bandwidth's",
+                   f">= {ROOFLINE_TARGET:.0%}" + ("" if gpu else " on a GPU"),
+                   roof >= ROOFLINE_TARGET if gpu else None)
+    values = speed_values(args)
+    try:
+        run = train(values, work / "step", "speed step")
+    except BenchmarkError as exc:  # the decode rows above stay
+        log_run_tails(work / "step")
+        result.add("speed 3b-lora GRPO step (static engine)", f"FAILED: {exc}", "runs", False)
+        return result
+    last = run.rows[-1]
+    step = {k: float(last[k]) for k in ("seconds_generate", "seconds_score", "seconds_update",
+                                         "tokens_per_second", "mfu") if last.get(k) is not None}
+    step["seconds_step"] = sum(step.get(k, 0.0) for k in ("seconds_generate", "seconds_score",
+                                                          "seconds_update"))
+    step["peak_allocated_bytes"] = run.peak()
+    step["engine_lines"] = run.lines("rollout.engine=")
+    result.data["3b-lora-step"] = step
+    result.add("speed 3b-lora GRPO step (static engine)",
+               f"step {last['step']}: generate {step['seconds_generate']:.2f} s, score "
+               f"{step.get('seconds_score', 0):.2f} s, update {step['seconds_update']:.2f} s; "
+               f"{step['tokens_per_second']:,.0f} tokens/s; peak {run.peak() / MIB:,.0f} MiB")
+    result.add("speed 3b-lora update MFU", f"{step['mfu']:.1%}",
+               f"under {MFU_NOTE:.0%}: the note profiles the update" if gpu else "")
+    return result
+
+
 def cuda_facts() -> dict[str, Any]:
     """The GPU's name and memory, and the CUDA context's size: device memory in use that the
     caching allocator does not hold, after cuBLAS's first bf16 matmul."""
@@ -753,6 +837,7 @@ def stage_trl(args: argparse.Namespace, work: Path) -> StageResult:
 STAGES: dict[str, tuple[Callable[[argparse.Namespace, Path], StageResult], float]] = {
     # name: (function, time cap in seconds on a GPU; the smoke gives each its whole budget)
     "build": (stage_build, 120),
+    "speed": (stage_speed, 300),
     "plan": (stage_plan, 170),
     "memtrace": (stage_memtrace, 120),
     "oom": (stage_oom, 130),

@@ -460,11 +460,27 @@ class VllmConfig:
 
 
 @dataclass(frozen=True)
+class StaticConfig:
+    cuda_graphs: bool | None = opt(
+        None, "Capture the decode step as CUDA graphs, one per batch-size bucket, replayed once "
+        "per token. null: on CUDA yes; on CPU the step runs eagerly (no graphs there).")
+    sync_every: int = opt(
+        16, "Decode steps between the host's looks at which rows have finished (the only host "
+        "synchronisation of decoding): there generation stops when every row has, and the rows "
+        "still running move into a smaller batch-size bucket.", ge=1)
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
-    engine: Literal["hf", "vllm"] = opt(
-        "hf", "What generates the rollouts: 'hf' (Hugging Face generate on the policy itself; no "
-        "extra install, any device) or 'vllm' (one in-process vLLM engine per training process, "
-        "its weights synced from the policy before each rollout; pip install -e '.[vllm]').")
+    engine: Literal["auto", "hf", "static", "vllm"] = opt(
+        "auto", "What generates the rollouts: 'hf' (Hugging Face generate on the policy itself; "
+        "no extra install, any device), 'static' (r1fit's engine on the policy itself: a static "
+        "KV cache, the decode step replayed as CUDA graphs on CUDA, LoRA merged for generation; "
+        "one process, no tools yet; r1fit/rollout/static_engine.py), 'vllm' (one in-process "
+        "vLLM engine per training process, its weights synced from the policy before each "
+        "rollout; pip install -e '.[vllm]'), or 'auto': vllm where it is installed and the device "
+        "is CUDA, else static on CUDA (hf with tools or several processes), else hf; the run log "
+        "says which and why.")
     share_prefill: bool | Literal["auto"] = opt(
         "auto", "rollout.engine=hf: prefill each distinct prompt of a generation batch once (its "
         "image tokens and vision tower included) and copy its KV cache to the rows that share "
@@ -493,6 +509,7 @@ class RolloutConfig:
         10.0, "With tools: seconds one tool call may run before its result is an error (the "
         "call's thread is abandoned, not killed: see docs/tools.md).", gt=0)
     vllm: VllmConfig = opt(VllmConfig(), "Settings of rollout.engine=vllm.")
+    static: StaticConfig = opt(StaticConfig(), "Settings of rollout.engine=static.")
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,31 @@ def filter_top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     return scores.masked_fill(remove, float("-inf"))
 
 
+MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (the "lowbias32" finaliser) of int64 values in [0, 2**32): each
+    product is cut back to its low 32 bits, which wrapping int64 arithmetic keeps exact."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & MASK32
+    return x ^ (x >> 16)
+
+
+def counter_uniforms(seeds: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """One float64 uniform in [0, 1) per row: a hash of (the row's 63-bit seed, ``counter``),
+    computed on the seeds' device with no host round trip (the static engine's sampling inside
+    a CUDA graph). A pure function of the two, so a row's k-th draw is the same whatever rows
+    share its batch; 53 random bits from two chained hashes."""
+    lo, hi = seeds & MASK32, (seeds >> 32) & MASK32
+    first = _mix32(lo ^ _mix32(hi ^ _mix32(counter.long() & MASK32)))
+    second = _mix32(first ^ 0x9E3779B9)
+    bits = (first << 21) | (second >> 11)
+    return bits.double() * (1.0 / 2**53)
+
+
 #: vocabulary entries per block of the two-level inverse CDF in ``sample_rows``
 SAMPLE_BLOCK = 1024
 

@@ -70,14 +70,14 @@ def distinct_prompts(rows: Sequence[Prompt]) -> tuple[list[Prompt], torch.Tensor
     return unique, torch.tensor(index, dtype=torch.long)
 
 
-def _rope_holders(model: Any) -> list[torch.nn.Module]:
+def rope_holders(model: Any) -> list[torch.nn.Module]:
     """The modules that keep the prefill's per-row M-RoPE offsets (Qwen-VL's backbone)."""
     top = unwrap(model)
     return [m for m in (top, getattr(top, "model", None))
             if isinstance(m, torch.nn.Module) and hasattr(m, "rope_deltas")]
 
 
-def _token_keys(rows: Sequence[Prompt]) -> set[str]:
+def token_keys(rows: Sequence[Prompt]) -> set[str]:
     """The collated inputs that hold one value per token column (the rest are image tensors)."""
     return {"input_ids", "attention_mask", *(k for p in rows for k in p.token_inputs)}
 
@@ -90,15 +90,15 @@ def prefilled_inputs(model: Any, rows: Sequence[Prompt], inputs: dict[str, torch
     unique, index = distinct_prompts(rows)
     device = inputs["input_ids"].device
     first = torch.tensor([index.tolist().index(u) for u in range(len(unique))], device=device)
-    token_keys = _token_keys(rows)
-    prefix = {k: v[first, :-1] for k, v in inputs.items() if k in token_keys}
+    keys = token_keys(rows)
+    prefix = {k: v[first, :-1] for k, v in inputs.items() if k in keys}
     prefix.update({k: v.to(device) for k, v in image_inputs(unique).items()})
     params = inspect.signature(unwrap(model).forward).parameters
     # the forward's name for the KV cache: ``cache`` from transformers 5.24 on, before it
     # ``past_key_values``
     name = "cache" if "cache" in params else "past_key_values"
     cache = DynamicCache(config=unwrap(model).config)
-    holders = _rope_holders(model)
+    holders = rope_holders(model)
     for module in holders:  # a stale value from an earlier call must not be reused
         module.rope_deltas = None
     kwargs: dict[str, Any] = {name: cache, "use_cache": True}
@@ -117,7 +117,7 @@ def prefilled_inputs(model: Any, rows: Sequence[Prompt], inputs: dict[str, torch
         deltas = module.rope_deltas
         if isinstance(deltas, torch.Tensor) and deltas.shape[0] == len(unique) > 1:
             module.rope_deltas = deltas[index.to(deltas.device)]
-    out = {k: v for k, v in inputs.items() if k in token_keys}
+    out = {k: v for k, v in inputs.items() if k in keys}
     out[name] = cache
     return out
 
@@ -227,7 +227,7 @@ def prefill_check(model: Any, rows: Sequence[Prompt], config: GenerationConfig, 
     check.max_new_tokens, check.min_new_tokens = steps, None
     check.output_logits, check.return_dict_in_generate = True, True
     check.use_cache = True  # the caches' keys are compared too
-    inputs = _padded_left(collate(sample, None, pad_id).to(device).inputs, _token_keys(sample),
+    inputs = _padded_left(collate(sample, None, pad_id).to(device).inputs, token_keys(sample),
                           CHECK_PADDING, pad_id)
     plain = model.generate(**inputs, generation_config=check, synced_gpus=False)
     try:

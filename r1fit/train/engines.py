@@ -1,6 +1,8 @@
 """The engine that generates a GRPO run's rollouts (``rollout.engine``).
 
 ``hf``: Hugging Face ``generate`` on the policy itself (FSDP units gathered for the block).
+``static``: r1fit's static-cache engine on the policy itself (:mod:`r1fit.rollout.static_engine`:
+CUDA graphs on CUDA, LoRA merged for generation); one process, no tools.
 ``vllm``: one colocated vLLM engine per process; the policy's weights are streamed into it before
 the first rollout after each update, and it sleeps (CUDA) while the policy trains.
 Both sample row i with seed ``row_seeds(...)[i]``, each with its own sampler, so the two engines
@@ -22,8 +24,10 @@ from r1fit.distributed.parallelize import gathered
 from r1fit.models.load import context_length, resolve_model_path, special_token_ids, unwrap
 from r1fit.models.weights import full_named_weights
 from r1fit.report.metrics import timed
+from r1fit.rollout.choice import resolve_engine
 from r1fit.rollout.generate import SamplingSettings, generate_completions
 from r1fit.rollout.prefill import PrefillSharing
+from r1fit.rollout.static_engine import StaticDecoder
 from r1fit.rollout.turns import Trajectory, hf_generate_turn
 from r1fit.rollout.vllm_engine import EngineSpec, RolloutEngineError, VllmEngine
 from r1fit.train.run import Run
@@ -87,6 +91,26 @@ class HFRollouts:
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+class StaticRollouts(HFRollouts):
+    """Rollouts and evaluation on the static-cache engine (one process, no tools)."""
+
+    def __init__(self, run: Run, settings: SamplingSettings) -> None:
+        super().__init__(run, settings)
+        static = run.cfg.rollout.static
+        self.decoder = StaticDecoder(run.model, run.ids, run.device, graphs=static.cuda_graphs,
+                                     sync_every=static.sync_every)
+
+    def generate(self, rows: Sequence[Prompt], seeds: Sequence[int]
+                 ) -> tuple[list[torch.Tensor], None]:
+        return self.decoder.generate(rows, seeds=seeds, batch_size=self.run.sizes.generation_batch,
+                                     settings=self.settings), None
+
+    def greedy(self, prompts: Sequence[Prompt]) -> list[torch.Tensor]:
+        settings = SamplingSettings(max_new_tokens=self.settings.max_new_tokens, greedy=True)
+        return self.decoder.generate(prompts, seeds=None, batch_size=self.run.cfg.eval.batch,
+                                     settings=settings)
 
 
 class VllmRollouts:
@@ -170,6 +194,11 @@ class VllmRollouts:
 def rollout_engine(run: Run, settings: SamplingSettings, tools: ToolTurns | None = None) -> Any:
     """The engine ``rollout.engine`` names, ready for the run's first rollout; with ``tools``,
     for multi-turn rollouts."""
-    if run.cfg.rollout.engine == "vllm":
+    name, why = resolve_engine(run.cfg.rollout.engine, device_type=run.device.type,
+                               distributed=run.world.distributed, tools=tools is not None)
+    log.info("rollout.engine=%s%s", name, "" if why == "set" else f" (auto: {why})")
+    if name == "vllm":
         return VllmRollouts(run, settings, tools)
+    if name == "static":
+        return StaticRollouts(run, settings)
     return HFRollouts(run, settings, tools)

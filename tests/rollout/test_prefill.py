@@ -213,7 +213,7 @@ def test_the_check_reports_its_distances(tiny64, monkeypatch):
     assert not alone.exact and alone.logits != alone.logits  # NaN: nothing was compared
     assert alone.reason() == "no prompt has two rows to share it"
     with monkeypatch.context() as m:
-        m.setattr(prefill, "_rope_holders", lambda model: [])
+        m.setattr(prefill, "rope_holders", lambda model: [])
         step_logits(model, ids, rows[:3], shared=False)  # leaves an image prompt's offset behind
         wrong = prefill_check(model, rows, config, ids.pad, CPU)
     assert not wrong.exact and wrong.logits > TOLERANCE and "differ" in wrong.reason()
@@ -229,7 +229,7 @@ def test_the_check_catches_positions_that_are_off(tiny64, monkeypatch):
     import r1fit.rollout.prefill as prefill
 
     model, ids, rows = tiny64
-    monkeypatch.setattr(prefill, "_rope_holders", lambda model: [])
+    monkeypatch.setattr(prefill, "rope_holders", lambda model: [])
     step_logits(model, ids, rows[:3], shared=False)  # leaves one image prompt's offset behind
     exact, why = prefill_is_exact(model, rows, generation_config(GREEDY, ids), ids.pad, CPU)
     assert not exact and "differ from the per-row path's" in why
@@ -254,7 +254,7 @@ def test_the_check_catches_positions_that_are_off_in_bfloat16(tiny_dir, float64_
     config = generation_config(GREEDY, ids)
     exact, why = prefill_is_exact(model, rows, config, ids.pad, CPU)
     assert exact, why
-    monkeypatch.setattr(prefill, "_rope_holders", lambda model: [])
+    monkeypatch.setattr(prefill, "rope_holders", lambda model: [])
     step_logits(model, ids, rows[:3], shared=False)  # leaves one image prompt's offset behind
     exact, why = prefill_is_exact(model, rows, config, ids.pad, CPU)
     assert not exact and "cached keys differ" in why, why

@@ -1,0 +1,256 @@
+"""Rollout generation, Hugging Face generate against r1fit's static-cache engine, on one model and
+one batch of rows: completion tokens/s, milliseconds per decode step, and the fraction of the
+memory roofline a decode step reaches (the bytes it must read, the weights and the KV cache of the
+rows' live tokens, over the bandwidth of a device-to-device copy measured in the same process).
+benchmarks/gpu_check.py's ``speed`` stage runs it on the GPU (3B LoRA and full at the shipped
+recipe's rollout shape); on CPU it runs on any model folder:
+
+    python benchmarks/decode_speed.py MODEL_FOLDER [--lora-r 8] [--prompts 2] [--generations 2]
+        [--image-size 56] [--new-tokens 8] [--hf-tokens 4] [--device cpu]
+
+Completions are forced to their full length (end-of-sequence blocked until ``--new-tokens``:
+random weights stop at random lengths). Hugging Face generate is timed for ``--hf-tokens``
+tokens (fewer than ``--new-tokens`` when its time needs it) and its tokens/s at
+``--new-tokens`` is its prefill plus ``--new-tokens`` - 1 decode steps at the measured per-step
+time (the table says so); the engine is timed at ``--new-tokens`` after one warm-up call that
+captures its CUDA graphs. Each timing is the median of ``--repeats`` calls. Exit 0 (targets are
+judged by the caller: gpu_check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(1, str(ROOT))
+
+RECIPE = ROOT / "configs" / "qwen2.5-vl-3b-lora.yaml"
+
+
+def copy_bandwidth(device: Any, gib: float = 1.0, repeats: int = 10) -> float:
+    """Bytes/s of a device-to-device copy (read + write counted), the memory roofline's rate."""
+    import torch
+
+    n = int(gib * 2**30) // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    sync(device)
+    seconds = time.perf_counter() - started
+    del src, dst
+    return 2 * n * 2 * repeats / seconds
+
+
+def sync(device: Any) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: Any, call: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    """(median seconds of ``repeats`` calls, the last call's result)."""
+    times, out = [], None
+    for _ in range(repeats):
+        sync(device)
+        started = time.perf_counter()
+        out = call()
+        sync(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times), out
+
+
+def decoder_weight_bytes(model: Any) -> int:
+    """Bytes of the weights one decode step reads: the language model's and the LM head's
+    (each tensor once, so tied embeddings count once), not the vision tower's; LoRA factors
+    excluded (the engine generates on merged weights)."""
+    from r1fit.models.load import unwrap
+
+    base = unwrap(model)
+    inner = getattr(base, "model", base)
+    text = getattr(inner, "language_model", inner)
+    seen: dict[int, int] = {}
+    for module in (text, base.get_output_embeddings()):
+        for name, p in module.named_parameters():
+            if "lora_" not in name:
+                seen[p.data_ptr()] = p.numel() * p.element_size()
+    return sum(seen.values())
+
+
+def rows_for(processor: Any, prompts: int, generations: int, image_size: int,
+             system_prompt: str) -> list[Any]:
+    """``prompts`` builtin:shapes questions at ``image_size`` px, each on ``generations`` rows."""
+    from r1fit.data.batch import encode_prompts
+    from r1fit.data.dataset import load_dataset
+    from r1fit.data.shapes import ShapesSpec
+
+    pixels = image_size * image_size
+    data = load_dataset("builtin:shapes", split="train", min_pixels=min(3136, pixels),
+                        max_pixels=pixels, max_images=1, max_bad_fraction=0.0, seed=0,
+                        size=prompts, shapes=ShapesSpec(image_size=image_size))
+    encoded = encode_prompts(processor, [data[i] for i in range(prompts)], system_prompt)
+    return [p for p in encoded for _ in range(generations)]
+
+
+def measure(  # noqa: PLR0913 -- the benchmark's knobs, all keywords
+        folder: str, *, lora_r: int, lora_alpha: int, prompts: int, generations: int,
+            image_size: int, new_tokens: int, hf_tokens: int, device: str, dtype: str,
+            repeats: int = 3, bandwidth: float | None = None) -> dict[str, Any]:
+    """Both engines on one model and batch; the numbers as a dict (see the module docstring)."""
+    import torch
+
+    from r1fit.config import load_config
+    from r1fit.models.load import load_policy
+    from r1fit.rollout.generate import SamplingSettings, TokenIds, generate_completions, row_seeds
+    from r1fit.rollout.prefill import PrefillSharing
+    from r1fit.rollout.static_engine import StaticDecoder
+
+    recipe = load_config(str(RECIPE), [])
+    dev = torch.device(device)
+    model, processor = load_policy(folder, lora_r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0,
+                                   lora_target=recipe.model.lora.target, freeze_vision=True,
+                                   dtype=dtype, device=dev, gradient_checkpointing=False)
+    ids = TokenIds.of(model, processor)
+    rows = rows_for(processor, prompts, generations, image_size, recipe.data.system_prompt)
+    seeds = row_seeds(0, 1, 0, len(rows))
+    n = len(rows)
+
+    def settings(tokens: int) -> SamplingSettings:
+        return SamplingSettings(max_new_tokens=tokens, temperature=1.0, top_p=1.0,
+                                min_new_tokens=tokens)
+
+    def hf(tokens: int) -> list[Any]:
+        return generate_completions(model, rows, seeds=seeds, batch_size=n,
+                                    settings=settings(tokens), ids=ids, device=dev,
+                                    sharing=PrefillSharing(True))
+
+    bw = bandwidth or copy_bandwidth(dev, gib=1.0 if dev.type == "cuda" else 0.125)
+    hf_first, _ = timed(dev, lambda: hf(1), repeats)
+    hf_all, out = timed(dev, lambda: hf(hf_tokens), repeats)
+    assert all(len(c) == hf_tokens for c in out), "HF completions were not forced to full length"
+    hf_step = (hf_all - hf_first) / max(hf_tokens - 1, 1)
+    hf_seconds = hf_first + (new_tokens - 1) * hf_step  # at new_tokens: prefill + decode steps
+
+    engine, error = StaticDecoder(model, ids, dev), None
+    try:
+        st = static_timings(engine, rows, seeds, settings, new_tokens, dev, repeats)
+    except Exception as exc:  # noqa: BLE001 -- a CUDA-graph failure is a result here, not a crash
+        import traceback
+
+        error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        print(f"static engine failed ({error}); again without CUDA graphs", file=sys.stderr,
+              flush=True)
+        traceback.print_exc()
+        engine = StaticDecoder(model, ids, dev, graphs=False)
+        st = static_timings(engine, rows, seeds, settings, new_tokens, dev, repeats)
+    st_first, st_all, warm_seconds, peak = st
+    st_step = (st_all - st_first) / max(new_tokens - 1, 1)
+
+    kv_token = sum(k.shape[1] * k.shape[3] * k.element_size() * 2 for k in engine.keys)
+    prompt_mean = statistics.mean(p.length for p in rows)
+    live = n * (prompt_mean + new_tokens / 2)  # tokens in the cache, on average over the steps
+    weights = decoder_weight_bytes(model)
+    must_read = weights + live * kv_token
+    roofline = must_read / bw / st_step if st_step > 0 else float("nan")
+    result = {
+        "rows": n, "prompts": prompts, "generations": generations, "image_size": image_size,
+        "prompt_tokens_mean": prompt_mean, "new_tokens": new_tokens, "hf_tokens": hf_tokens,
+        "hf_extrapolated": hf_tokens < new_tokens, "lora_r": lora_r, "dtype": dtype,
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "copy_bandwidth_bytes_per_s": bw, "decode_weight_bytes": weights,
+        "kv_bytes_per_token": kv_token, "bytes_per_decode_step": must_read,
+        "hf": {"prefill_seconds": hf_first, "seconds_measured": hf_all,
+               "decode_ms_per_step": hf_step * 1e3, "seconds_at_new_tokens": hf_seconds,
+               "tokens_per_second": n * new_tokens / hf_seconds},
+        "static": {"prefill_seconds": st_first, "seconds": st_all, "warmup_seconds": warm_seconds,
+                   "decode_ms_per_step": st_step * 1e3, "tokens_per_second": n * new_tokens / st_all,
+                   "graphs": engine.graphs, "captures": engine.captures,
+                   "cache_bytes": engine.cache_bytes(),
+                   "merged_backup_bytes": sum(t.numel() * t.element_size()
+                                              for t in engine.backups.values()),
+                   "peak_allocated_bytes": peak, "roofline_fraction": roofline,
+                   "graphs_error": error},
+    }
+    result["speedup_tokens_per_second"] = (result["static"]["tokens_per_second"]
+                                           / result["hf"]["tokens_per_second"])
+    return result
+
+
+def static_timings(engine: Any, rows: Sequence[Any], seeds: Sequence[int],
+                   settings: Callable[[int], Any], new_tokens: int, dev: Any, repeats: int
+                   ) -> tuple[float, float, float, int | None]:
+    """The engine's (prefill seconds, seconds at new_tokens, warm-up seconds, peak allocated)."""
+    import torch
+
+    n = len(rows)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    started = time.perf_counter()
+    engine.generate(rows, seeds=seeds, batch_size=n, settings=settings(new_tokens))
+    sync(dev)
+    warm = time.perf_counter() - started
+    first, _ = timed(dev, lambda: engine.generate(rows, seeds=seeds, batch_size=n,
+                                                  settings=settings(1)), repeats)
+    every, out = timed(dev, lambda: engine.generate(rows, seeds=seeds, batch_size=n,
+                                                    settings=settings(new_tokens)), repeats)
+    assert all(len(c) == new_tokens for c in out), "engine completions were not forced to full length"
+    peak = int(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda" else None
+    return first, every, warm, peak
+
+
+def lines(name: str, r: dict[str, Any]) -> list[str]:
+    """A result as table lines."""
+    hf, st = r["hf"], r["static"]
+    extra = f" (extrapolated from {r['hf_tokens']} tokens)" if r["hf_extrapolated"] else ""
+    return [
+        f"{name}: {r['rows']} rows ({r['prompts']} x G={r['generations']}, {r['image_size']} px, "
+        f"prompt {r['prompt_tokens_mean']:.0f} tokens), {r['new_tokens']} forced tokens",
+        f"  hf generate: {hf['decode_ms_per_step']:.1f} ms/step, {hf['tokens_per_second']:,.0f} "
+        f"tokens/s{extra}",
+        f"  static: {st['decode_ms_per_step']:.2f} ms/step, {st['tokens_per_second']:,.0f} "
+        f"tokens/s ({r['speedup_tokens_per_second']:.1f}x hf), prefill {st['prefill_seconds']:.2f} "
+        f"s, warm-up {st['warmup_seconds']:.1f} s, {st['captures']} graphs"
+        f"{'' if st['graphs'] else ' (eager)'}"
+        + (f"; CUDA graphs FAILED: {st['graphs_error']}" if st.get("graphs_error") else ""),
+        f"  roofline: {r['bytes_per_decode_step'] / 2**30:.2f} GiB per step at "
+        f"{r['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s -> {st['roofline_fraction']:.0%}",
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("folder")
+    p.add_argument("--lora-r", type=int, default=0)
+    p.add_argument("--lora-alpha", type=int, default=16)
+    p.add_argument("--prompts", type=int, default=2)
+    p.add_argument("--generations", type=int, default=2)
+    p.add_argument("--image-size", type=int, default=56)
+    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--hf-tokens", type=int, default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--repeats", type=int, default=3)
+    a = p.parse_args(argv)
+    r = measure(a.folder, lora_r=a.lora_r, lora_alpha=a.lora_alpha, prompts=a.prompts,
+                generations=a.generations, image_size=a.image_size, new_tokens=a.new_tokens,
+                hf_tokens=a.hf_tokens or a.new_tokens, device=a.device, dtype=a.dtype,
+                repeats=a.repeats)
+    print("\n".join(lines("decode", r)))
+    print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

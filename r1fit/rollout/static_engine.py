@@ -1,0 +1,505 @@
+"""Rollouts on a static KV cache with the decode step replayed as CUDA graphs
+(``rollout.engine=static``).
+
+Hugging Face ``generate`` spends a GPU decode step in Python and kernel launches (36 layers x
+dozens of small kernels, ~28 ms per token step for a 3B model whose weights take ~2 ms to read).
+This engine drives the same transformers model's own forward, no model-family code, with:
+
+- **prefill**: each distinct prompt of a chunk runs once through the model's forward (vision
+  tower, M-RoPE positions, everything its own code does) into a ``DynamicCache``; its keys and
+  values are copied into the static cache rows of the G rows that share it;
+- **a static KV cache** (:class:`StaticRows`): per layer one ``[rows, kv heads, length, head dim]``
+  buffer allocated once, rows left-aligned so that every row writes decode step ``s`` into the
+  same column (the prompt ends at column ``P``, step ``s`` writes ``P + s - 1``);
+- **one decode step with no host synchronisation**: the masks (a 4-D mask per attention type,
+  passed as the dict the transformers models accept, so their mask builders never run), the
+  positions (``position_ids`` passed, so no position rule of the model runs), the step counter,
+  sampling and the finished flags all live on the device; on CUDA the step is captured once per
+  batch-size bucket as a ``torch.cuda.CUDAGraph`` and replayed once per token;
+- **counter-based sampling** (:func:`r1fit.rollout.generate.counter_uniforms`): the uniform that
+  picks a row's token ``s`` is a hash of (row seed, ``s``), so a row's tokens depend only on
+  (seed, step, row), never on its batch-mates, the chunking or the process count;
+- **compaction**: every ``sync_every`` steps the host reads the finished flags once; when the
+  rows still running fit a smaller bucket they move to the front and the smaller graph runs;
+- **LoRA merged for generation** (:func:`merged_adapters`): the base weights of the adapted
+  layers are copied aside, ``W + s·BA`` is written into them in place (same addresses, so the
+  captured graphs stay valid) and the copy is written back afterwards: the base weights are
+  bit-identical after any number of cycles, at the price of one copy of the adapted weights
+  (counted by the planner).
+
+Semantics match ``generate_completions``: greedy is the argmax of the float32 logits after the
+blocked placeholders and ``min_new_tokens`` set the blocked and end ids to -inf; sampling is
+``sample_rows`` (temperature, top-p, inverse CDF) fed by the counter uniforms instead of numpy
+streams, so for the same seeds the two engines give different, equally valid completions.
+Left out for now: continuous batching (finished rows are compacted away, not replaced by
+waiting rows) and multi-turn tool rollouts (``rollout.engine=static`` refuses ``tools``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from r1fit.data.batch import Prompt, collate, cut_after_eos, image_inputs
+from r1fit.errors import R1fitError
+from r1fit.models.load import unwrap
+from r1fit.rollout.generate import SamplingSettings, TokenIds, counter_uniforms, sample_rows
+from r1fit.rollout.prefill import distinct_prompts, rope_holders, token_keys
+
+log = logging.getLogger("r1fit.rollout")
+
+#: attention implementations whose forward takes a ready 4-D mask (boolean for sdpa, additive
+#: for eager); flash-attention kernels take none
+MASKED_ATTENTION = ("sdpa", "eager")
+
+
+#: the name the decode attention is registered under (transformers' AttentionInterface)
+DECODE_ATTENTION = "r1fit_static_decode"
+
+
+def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                     scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """sdpa for a one-token decode step without copying the keys per query head: transformers'
+    sdpa path repeats each KV head for its group of query heads whenever a mask is given (on
+    CUDA), which reads and writes the whole cache ``heads / kv heads`` times per layer per step.
+    Here the group's query heads become the query length of one KV head (a one-token query has
+    no causal order within it), so the cache is read once. Anything else (prefill, no mask, no
+    grouping) goes to transformers' own sdpa function."""
+    b, heads, length, dim = query.shape
+    kv_heads = key.shape[1]
+    if length != 1 or attention_mask is None or attention_mask.ndim != 4 or kv_heads == heads:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    # query head h uses KV head h // group (transformers' repeat_kv order)
+    grouped = query.reshape(b, kv_heads, heads // kv_heads, dim)
+    out = F.scaled_dot_product_attention(grouped, key, value,
+                                         attn_mask=attention_mask[:, :, :, :key.shape[-2]],
+                                         dropout_p=0.0, scale=scaling)
+    return out.reshape(b, heads, 1, dim).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(DECODE_ATTENTION, decode_attention)
+
+
+@contextmanager
+def decode_attention_on(config: Any) -> Iterator[None]:
+    """The text model's attention layers dispatch to :func:`decode_attention` for the block
+    (they look the function up by ``config._attn_implementation`` on every forward; a captured
+    graph keeps the kernels it was captured with)."""
+    before = config._attn_implementation
+    config._attn_implementation = DECODE_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+class EngineUnsupported(R1fitError, ValueError):
+    """The static engine cannot run this model or setting (one line: what and why)."""
+
+
+class RowsLayer(CacheLayerMixin):
+    """One layer of :class:`StaticRows`: views of the first rows of the engine's buffers. A
+    forward's ``update`` writes its keys and values at the engine's current column (a device
+    tensor, so a replayed graph writes where the step counter says) and returns the whole
+    buffers; the mask hides the columns not written yet."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, column: torch.Tensor) -> None:
+        super().__init__()
+        self.keys, self.values, self.column = keys, values, column
+        self.is_initialized = True
+        self.dtype, self.device = keys.dtype, keys.device
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to do: the buffers exist before the first forward."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys.index_copy_(2, self.column, key_states.to(self.keys.dtype))
+        self.values.index_copy_(2, self.column, value_states.to(self.values.dtype))
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return int(self.keys.shape[2]), 0
+
+    def get_seq_length(self) -> int:
+        # positions are always passed, so no model reads this to place a token; the buffer's
+        # length is the honest answer without a host synchronisation
+        return int(self.keys.shape[2])
+
+    def get_max_length(self) -> int:
+        return int(self.keys.shape[2])
+
+
+class StaticRows(Cache):
+    """A transformers ``Cache`` over the first ``rows`` rows of the engine's static buffers."""
+
+    def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                 column: torch.Tensor, rows: int) -> None:
+        super().__init__(layers=[RowsLayer(k[:rows], v[:rows], column) for k, v in zip(keys, values)])
+
+
+@contextmanager
+def merged_adapters(model: Any, backups: dict[int, torch.Tensor]) -> Iterator[Any]:
+    """The model to generate with: a peft model's LoRA deltas ``s·BA`` added into the base
+    weights in place and its adapters disabled, for the block; the base weights are copied into
+    ``backups`` (kept by the caller, allocated once per weight) first and copied back after, so
+    they are bit-identical after the block, whatever the rounding of the merge. A model without
+    adapters is yielded as it is."""
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+
+    peft = model if isinstance(model, PeftModel) else getattr(model, "_modules", {}).get("model")
+    if not isinstance(peft, PeftModel):
+        yield model
+        return
+    layers = [m for m in peft.modules() if isinstance(m, LoraLayer) and m.active_adapters
+              and not m.merged and hasattr(m.get_base_layer(), "weight")]
+    merged: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        with torch.no_grad():
+            for layer in layers:
+                weight = layer.get_base_layer().weight
+                backup = backups.get(id(weight))
+                if backup is None or backup.shape != weight.shape or backup.dtype != weight.dtype:
+                    backup = backups[id(weight)] = torch.empty_like(weight, requires_grad=False)
+                backup.copy_(weight)
+                merged.append((weight, backup))
+                for name in layer.active_adapters:
+                    if name in layer.lora_A:
+                        weight.add_(layer.get_delta_weight(name).to(weight.dtype))
+        with peft.disable_adapter():
+            yield model
+    finally:
+        with torch.no_grad():
+            for weight, backup in merged:
+                weight.copy_(backup)
+
+
+@dataclass
+class _Chunk:
+    """What a chunk's prefill leaves for its decode steps."""
+
+    rows: int
+    prompt_width: int  # P: the padded prompt columns; decode step s writes column P + s - 1
+
+
+class StaticDecoder:
+    """Generates completions of prompt rows on a static KV cache (see the module docstring).
+
+    ``graphs``: capture the decode step as CUDA graphs (default: on CUDA devices). The buffers
+    hold ``capacity`` rows of ``length`` columns; a chunk that needs more reallocates them (and
+    recaptures), logged. ``sync_every``: decode steps between the host's looks at the finished
+    flags (stopping early and compaction happen there)."""
+
+    def __init__(self, model: Any, ids: TokenIds, device: torch.device, *,
+                 graphs: bool | None = None, sync_every: int = 16) -> None:
+        base = unwrap(model)
+        config = base.config.get_text_config()
+        impl = getattr(config, "_attn_implementation", None) or "eager"
+        if impl not in MASKED_ATTENTION:
+            raise EngineUnsupported(
+                f"rollout.engine=static needs sdpa or eager attention (a 4-D mask per step); the "
+                f"model uses {impl!r}")
+        self.model, self.ids, self.device = model, ids, torch.device(device)
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        if self.graphs and self.device.type != "cuda":
+            raise EngineUnsupported("CUDA graphs need a CUDA device")
+        self.sync_every = max(1, int(sync_every))
+        self.additive = impl == "eager"
+        self._text_config = config
+        self.layer_types = list(getattr(config, "layer_types", None) or [])
+        self.window = getattr(config, "sliding_window", None)
+        self.capacity = self.length = 0
+        self.backups: dict[int, torch.Tensor] = {}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._pool: Any = None
+        self._fingerprint: tuple[int, ...] = ()
+        self._settings: tuple[Any, ...] | None = None
+        self.captures = 0  # graphs captured so far (a test reads it)
+        # read by the captured graphs: made once, so their addresses never change
+        self._eos = torch.tensor(ids.eos, dtype=torch.long, device=self.device)
+        self._blocked = torch.tensor(ids.blocked or [0], dtype=torch.long, device=self.device)
+        self._min_new = torch.zeros(1, dtype=torch.long, device=self.device)
+
+    # --- buffers -------------------------------------------------------------------------------
+
+    def _allocate(self, rows: int, length: int, prefill: DynamicCache) -> None:
+        """Static buffers for ``rows`` x ``length``, shaped like ``prefill``'s layers."""
+        self._graphs.clear()
+        self._pool = None
+        dev = self.device
+        self.keys = [torch.zeros(rows, *layer.keys.shape[1:2], length, layer.keys.shape[3],
+                                 dtype=layer.keys.dtype, device=dev) for layer in prefill.layers]
+        self.values = [torch.zeros(rows, *layer.values.shape[1:2], length, layer.values.shape[3],
+                                   dtype=layer.values.dtype, device=dev) for layer in prefill.layers]
+        self.mask = torch.zeros(rows, 1, 1, length, dtype=torch.bool, device=dev)
+        self.columns = torch.arange(length, device=dev)
+        self.column = torch.zeros(1, dtype=torch.long, device=dev)
+        self.base = torch.zeros(1, dtype=torch.long, device=dev)  # P - 1: the column of step 1
+        self.counter = torch.zeros(1, dtype=torch.long, device=dev)  # s: the token being picked
+        self.positions = torch.zeros(rows, dtype=torch.long, device=dev)  # of step 1's input
+        self.seeds = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.row_of = torch.zeros(rows, dtype=torch.long, device=dev)  # slot -> chunk row
+        self.current = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.done = torch.zeros(rows, dtype=torch.bool, device=dev)
+        self.out = torch.zeros(rows, length, dtype=torch.long, device=dev)  # by chunk row
+        self.capacity, self.length = rows, length
+        log.info("rollout.engine=static: KV cache of %d rows x %d columns (%.1f MiB)", rows,
+                 length, sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+                 / 2**20)
+
+    def cache_bytes(self) -> int:
+        """Bytes of the static KV cache now allocated."""
+        return sum(t.numel() * t.element_size() for t in (*getattr(self, "keys", ()),
+                                                           *getattr(self, "values", ())))
+
+    # --- prefill ---------------------------------------------------------------------------------
+
+    def _prefill(self, model: Any, rows: Sequence[Prompt]) -> tuple[torch.Tensor, DynamicCache,
+                                                                     dict[str, torch.Tensor],
+                                                                     torch.Tensor, torch.Tensor]:
+        """Each distinct prompt of ``rows`` once through the model's forward, padded on the left:
+        (the last column's logits [unique, vocab] float32, the cache, the padded inputs, each
+        row's prompt index, each distinct prompt's position of the first decode input)."""
+        unique, index = distinct_prompts(rows)
+        inputs = collate(unique, None, self.ids.pad, images=False).inputs
+        keys = token_keys(unique)
+        batch = {k: v.to(self.device) for k, v in inputs.items() if k in keys}
+        batch.update({k: v.to(self.device) for k, v in image_inputs(unique).items()})
+        base = unwrap(model)
+        params = _forward_params(base)
+        name = "cache" if "cache" in params else "past_key_values"
+        cache = DynamicCache(config=base.config)
+        holders = rope_holders(model)
+        for module in holders:
+            module.rope_deltas = None
+        kwargs: dict[str, Any] = {name: cache, "use_cache": True}
+        mask = batch["attention_mask"]
+        own_positions = any(hasattr(m, "get_rope_index") for m in (base, *holders))
+        if not own_positions:
+            kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill_(mask == 0, 0)
+        if "logits_to_keep" in params:
+            kwargs["logits_to_keep"] = 1
+        out = model(**batch, **kwargs)
+        logits = out.logits[:, -1].float()
+        deltas = next((m.rope_deltas for m in holders
+                       if isinstance(getattr(m, "rope_deltas", None), torch.Tensor)), None)
+        start = mask.long().sum(-1)  # counted from each row's first real token
+        if own_positions and deltas is not None:
+            # Qwen-VL's rule for later tokens (transformers 5): the count of real tokens plus the
+            # row's M-RoPE offset (how far the images moved the positions after them)
+            start = start + deltas.reshape(-1).to(self.device).long()
+        return logits, cache, batch, index.to(self.device), start
+
+    # --- one decode step -----------------------------------------------------------------------
+
+    def _masks(self, rows: int) -> Any:
+        """The attention mask of the current step for the first ``rows`` rows, 4-D, which the
+        transformers models take as it is (their mask builders do not run)."""
+        full = self.mask[:rows]
+        kinds = set(self.layer_types) or {"full_attention"}
+        masks: dict[str, torch.Tensor] = {}
+        for kind in kinds:
+            mask = full
+            if kind == "sliding_attention" and self.window:
+                # the query column is self.column: keep the columns within the window before it
+                mask = full & (self.columns > self.column - int(self.window))
+            if self.additive:
+                floor = torch.finfo(self.keys[0].dtype).min
+                mask = torch.zeros(mask.shape, dtype=self.keys[0].dtype,
+                                   device=self.device).masked_fill_(~mask, floor)
+            masks[kind] = mask
+        # one kind: the tensor itself (some text models take no dict, e.g. Qwen3-VL's); several
+        # (Gemma 3's sliding layers): the dict keyed by layer type, as their forward takes it
+        return masks.popitem()[1] if len(masks) == 1 else masks
+
+    def _pick(self, logits: torch.Tensor, rows: int, settings: SamplingSettings) -> torch.Tensor:
+        """The token of step ``self.counter`` for the first ``rows`` rows, from float32 logits."""
+        if self.ids.blocked:
+            logits = logits.index_fill(1, self._blocked, float("-inf"))
+        if settings.min_new_tokens > 0:
+            eos = logits.index_select(1, self._eos)
+            early = self.counter < self._min_new
+            logits = logits.index_copy(1, self._eos, torch.where(early, float("-inf"), eos))
+        if settings.greedy:
+            return logits.argmax(dim=-1)
+        uniforms = counter_uniforms(self.seeds[:rows], self.counter)
+        return sample_rows(logits, uniforms, settings.temperature, settings.top_p)
+
+    def _record(self, token: torch.Tensor, rows: int, out: torch.Tensor) -> None:
+        """Write step ``self.counter``'s tokens: the next input, the output, the finished flags."""
+        self.current[:rows].copy_(token)
+        out.index_put_((self.row_of[:rows], self.counter.expand(rows)), token)
+        self.done[:rows] |= (token.unsqueeze(-1) == self._eos).any(dim=-1)
+
+    def _step(self, model: Any, rows: int, settings: SamplingSettings, out: torch.Tensor) -> None:
+        """One decode step on the first ``rows`` rows, all on the device: feed step s-1's token
+        at column P + s - 2 + 1, pick token s, advance s."""
+        self.column.copy_(self.base + self.counter)
+        self.mask[:rows].index_fill_(3, self.column, True)
+        positions = (self.positions[:rows] + self.counter - 1).unsqueeze(-1)
+        cache = StaticRows(self.keys, self.values, self.column, rows)
+        kwargs = {self._cache_name: cache, "use_cache": True}
+        if self._keep_logits:
+            kwargs["logits_to_keep"] = 1
+        with decode_attention_on(self._text_config):
+            logits = model(input_ids=self.current[:rows].unsqueeze(-1),
+                           attention_mask=self._masks(rows), position_ids=positions,
+                           **kwargs).logits[:, -1].float()
+        self._record(self._pick(logits, rows, settings), rows, out)
+        self.counter.add_(1)
+
+    # --- graphs ----------------------------------------------------------------------------------
+
+    def _replay(self, model: Any, rows: int, settings: SamplingSettings, out: torch.Tensor) -> None:
+        """Step on the graph of bucket ``rows``, captured on first use (one eager warm-up step
+        first, whose effects are undone: the step's state is restored before capture)."""
+        graph = self._graphs.get(rows)
+        if graph is None:
+            saved = [t.clone() for t in (self.counter, self.current, self.done, self.mask)]
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._step(model, rows, settings, out)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            for target, value in zip((self.counter, self.current, self.done, self.mask), saved):
+                target.copy_(value)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._step(model, rows, settings, out)
+            self._graphs[rows] = graph
+            self.captures += 1
+        graph.replay()
+
+    def _bucket(self, live: int) -> int:
+        """The smallest batch-size bucket (a power of two, or the capacity) holding ``live``."""
+        size = 1
+        while size < live:
+            size *= 2
+        return min(size, self.capacity)
+
+    def _compact(self, rows: int, bucket: int) -> None:
+        """Move the rows still running to the front (the first ``bucket`` slots)."""
+        order = torch.cat([torch.nonzero(~self.done[:rows]).flatten(),
+                           torch.nonzero(self.done[:rows]).flatten()])[:bucket]
+        for buffer in (*self.keys, *self.values, self.mask, self.positions, self.seeds,
+                       self.row_of, self.current, self.done):
+            buffer[:bucket] = buffer[:rows].index_select(0, order)
+
+    # --- the whole generation ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, rows: Sequence[Prompt], *, seeds: Sequence[int] | None,
+                 batch_size: int, settings: SamplingSettings) -> list[torch.Tensor]:
+        """One completion per row, in row order, each cut after its EOS (the contract of
+        ``generate_completions``: greedy takes ``seeds=None``, sampling one seed per row)."""
+        if settings.greedy and seeds is not None:
+            raise ValueError("greedy generation takes seeds=None")
+        if not settings.greedy and (seeds is None or len(seeds) != len(rows)):
+            raise ValueError(f"sampling needs one seed per row ({len(rows)} rows, "
+                             f"{'no' if seeds is None else len(seeds)} seeds)")
+        if not settings.greedy and settings.temperature <= 0:
+            raise ValueError(f"sampling needs temperature > 0, got {settings.temperature}")
+        if settings.max_new_tokens < 1 or not rows:
+            return [torch.zeros(0, dtype=torch.long) for _ in rows]
+        model = self.model
+        was_training = model.training
+        model.eval()
+        completions: list[torch.Tensor] = []
+        try:
+            # buffers must be ordinary tensors even when called under inference_mode (eval):
+            # they are written in place by later calls outside it
+            with torch.inference_mode(False), merged_adapters(model, self.backups) as generator:
+                for start in range(0, len(rows), batch_size):
+                    chunk = rows[start:start + batch_size]
+                    chunk_seeds = None if seeds is None else seeds[start:start + batch_size]
+                    # the transformers model itself: peft's wrapper adds only Python per call
+                    # (its adapters are merged and off inside the block)
+                    completions.extend(self._chunk(unwrap(generator), chunk, chunk_seeds,
+                                                   batch_size, settings))
+        finally:
+            model.train(was_training)
+        return completions
+
+    def _chunk(self, model: Any, rows: Sequence[Prompt], seeds: Sequence[int] | None,
+               batch_size: int, settings: SamplingSettings) -> list[torch.Tensor]:
+        n, steps = len(rows), settings.max_new_tokens
+        logits, prefill, batch, index, start = self._prefill(model, rows)
+        width = int(batch["attention_mask"].shape[1])
+        need = width + steps
+        if n > self.capacity or need > self.length:
+            # room for the longest prompts seen so far, rounded up: fewer reallocations
+            self._allocate(max(batch_size, n, self.capacity),
+                           max(self.length, -(-need // 64) * 64), prefill)
+        self._bind(model, settings)
+        dev = self.device
+        for layer, keys, values in zip(prefill.layers, self.keys, self.values):
+            kept = int(layer.keys.shape[2])  # a sliding layer keeps its window's last columns
+            keys[:n, :, width - kept:width] = layer.keys.index_select(0, index)
+            values[:n, :, width - kept:width] = layer.values.index_select(0, index)
+        del prefill
+        self.mask.zero_()
+        self.mask[:n, 0, 0, :width] = batch["attention_mask"].index_select(0, index).bool()
+        self.positions[:n] = start.index_select(0, index)
+        self.base.fill_(width - 1)
+        self.row_of[:n] = torch.arange(n, device=dev)
+        self.done.zero_()
+        if seeds is not None:
+            self.seeds[:n] = torch.tensor([int(s) for s in seeds], dtype=torch.long, device=dev)
+        out = self.out
+        self.counter.zero_()
+        self._record(self._pick(logits.index_select(0, index), n, settings), n, out)
+        self.counter.add_(1)
+        live = n
+        for step in range(1, steps):
+            if self.graphs:
+                self._replay(model, live, settings, out)
+            else:
+                self._step(model, live, settings, out)
+            if step % self.sync_every == 0 and step < steps - 1:
+                running = int((~self.done[:live]).sum())  # the one host sync per sync_every
+                if running == 0:
+                    break
+                bucket = self._bucket(running)
+                if bucket < live:
+                    self._compact(live, bucket)
+                    live = bucket
+        tokens = out[:n, :steps].cpu()
+        return [cut_after_eos(row, self.ids.eos) for row in tokens]
+
+    def _bind(self, model: Any, settings: SamplingSettings) -> None:
+        """Drop the captured graphs when what they captured changed: the weights' addresses, the
+        sampling settings (baked into the graph), or the model object."""
+        params = _forward_params(unwrap(model))
+        self._cache_name = "cache" if "cache" in params else "past_key_values"
+        self._keep_logits = "logits_to_keep" in params
+        fingerprint = (id(model), *(p.data_ptr() for p in model.parameters()))
+        self._min_new.fill_(settings.min_new_tokens)  # read on the device: no recapture
+        key = (settings.greedy, settings.temperature, settings.top_p, settings.min_new_tokens > 0)
+        if fingerprint != self._fingerprint or key != self._settings:
+            if self._graphs:
+                log.info("rollout.engine=static: %s changed, CUDA graphs recaptured",
+                         "the weights' addresses" if key == self._settings else "sampling")
+            self._graphs.clear()
+            self._fingerprint, self._settings = fingerprint, key
+
+
+def _forward_params(base: Any) -> Any:
+    import inspect
+    return inspect.signature(base.forward).parameters

@@ -1,0 +1,192 @@
+"""The static-cache engine (rollout.engine=static) on CPU, where it runs eagerly: greedy tokens
+equal Hugging Face generate's on every built-in family, a row's sampled tokens depend on its seed
+only (alone, in a batch, across chunk sizes), min_new_tokens and blocked tokens as in the HF
+path, compaction exact, LoRA merged and restored bit-exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from r1fit.data.batch import encode_prompts
+from r1fit.data.dataset import load_dataset
+from r1fit.models.load import load_policy
+from r1fit.rollout.generate import (
+    SamplingSettings,
+    TokenIds,
+    counter_uniforms,
+    generate_completions,
+    row_seeds,
+)
+from r1fit.rollout.static_engine import StaticDecoder, merged_adapters
+
+CPU = torch.device("cpu")
+FAMILIES = ("tiny", "tiny-qwen2vl", "tiny-qwen3vl", "tiny-gemma3")
+
+
+def setup(folder, *, lora_r=0, indices=(0, 2, 1, 5), copies=2, dtype="float32"):
+    model, processor = load_policy(str(folder), lora_r=lora_r, lora_alpha=16, lora_dropout=0.0,
+                                   lora_target="all-linear", freeze_vision=False, dtype=dtype,
+                                   device=CPU, gradient_checkpointing=False)
+    data = load_dataset("builtin:shapes", split="train", min_pixels=784, max_pixels=3136,
+                        max_images=1, max_bad_fraction=0.0, seed=0, size=16)
+    prompts = encode_prompts(processor, [data[i] for i in indices], "Think, then answer.")
+    rows = [p for p in prompts for _ in range(copies)]
+    return model, TokenIds.of(model, processor), rows
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return setup(tiny_dir)
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_equals_hf_generate(family, builtin_folder, tiny_dir):
+    folder = tiny_dir if family == "tiny" else builtin_folder(family)
+    model, ids, rows = setup(folder)
+    assert len({p.length for p in rows}) > 1  # padded differently: left alignment is exercised
+    settings = SamplingSettings(max_new_tokens=24, greedy=True)
+    hf = generate_completions(model, rows, seeds=None, batch_size=len(rows), settings=settings,
+                              ids=ids, device=CPU)
+    engine = StaticDecoder(model, ids, CPU)
+    static = engine.generate(rows, seeds=None, batch_size=len(rows), settings=settings)
+    assert any(len(c) > 1 for c in hf)
+    assert _same(static, hf), [(a.tolist(), b.tolist()) for a, b in zip(static, hf)]
+    # a second call reuses the buffers (state from the first must not leak)
+    again = engine.generate(rows[:3], seeds=None, batch_size=2, settings=settings)
+    assert _same(again, hf[:3])
+
+
+def test_sampled_row_depends_on_its_seed_only(tiny):
+    model, ids, rows = tiny
+    settings = SamplingSettings(max_new_tokens=16, temperature=1.0, top_p=0.95)
+    seeds = row_seeds(7, 3, 0, len(rows))
+    engine = StaticDecoder(model, ids, CPU)
+    full = engine.generate(rows, seeds=seeds, batch_size=len(rows), settings=settings)
+    assert any(len(c) > 1 for c in full)
+    for batch_size in (1, 3):
+        chunked = engine.generate(rows, seeds=seeds, batch_size=batch_size, settings=settings)
+        assert _same(chunked, full), batch_size
+    alone = StaticDecoder(model, ids, CPU).generate(rows[5:6], seeds=seeds[5:6], batch_size=1,
+                                                    settings=settings)
+    assert _same(alone, full[5:6])
+    other = engine.generate(rows, seeds=row_seeds(7, 4, 0, len(rows)), batch_size=len(rows),
+                            settings=settings)
+    assert sum(not torch.equal(a, b) for a, b in zip(full, other)) >= len(rows) - 1
+    # the two rows of each prompt differ (a group is not G copies)
+    assert sum(not torch.equal(full[i], full[i + 1]) for i in range(0, len(rows), 2)) >= 3
+
+
+def test_min_new_tokens_and_blocked_tokens(tiny):
+    model, tiny_ids, rows = tiny
+    vocab = model.config.get_text_config().vocab_size
+    blocked = [t for t in range(0, vocab, 2) if t not in tiny_ids.eos] + tiny_ids.blocked
+    ids = TokenIds(pad=tiny_ids.pad, eos=tiny_ids.eos, blocked=blocked)
+    settings = SamplingSettings(max_new_tokens=12, temperature=3.0, min_new_tokens=12)
+    out = StaticDecoder(model, ids, CPU).generate(rows, seeds=row_seeds(1, 1, 0, len(rows)),
+                                                  batch_size=4, settings=settings)
+    assert all(len(c) == 12 for c in out)
+    assert not any(bool(torch.isin(c, torch.tensor(blocked)).any()) for c in out)
+    assert not any(bool(torch.isin(c[:-1], torch.tensor(ids.eos)).any()) for c in out)
+
+
+def test_compaction_keeps_every_row_exact(tiny):
+    """Rows that finish early leave the batch every sync_every steps; the rows left give the
+    tokens they give without compaction (sampled: the uniforms follow the row, not its slot)."""
+    model, ids, rows = tiny
+    settings = SamplingSettings(max_new_tokens=20, temperature=2.0)
+    seeds = row_seeds(5, 2, 0, len(rows))
+    plain = StaticDecoder(model, ids, CPU, sync_every=1000).generate(
+        rows, seeds=seeds, batch_size=len(rows), settings=settings)
+    # a stop id that some rows sample early and others never: rows end at differing steps
+    first = {}
+    for i, row in enumerate(plain):
+        for t, token in enumerate(row.tolist()[2:], start=2):
+            first.setdefault(token, {}).setdefault(i, t)
+    stop = max((t for t, where in first.items() if len(where) < len(rows)),
+               key=lambda t: len(first[t]))
+    ids_stop = TokenIds(pad=ids.pad, eos=[*ids.eos, stop], blocked=ids.blocked)
+    whole = StaticDecoder(model, ids_stop, CPU, sync_every=1000).generate(
+        rows, seeds=seeds, batch_size=len(rows), settings=settings)
+    lengths = sorted(len(c) for c in whole)
+    assert lengths[0] < 12 and lengths[-1] == 20, lengths  # some stop early, some do not
+    engine = StaticDecoder(model, ids_stop, CPU, sync_every=2)
+    compact = engine.generate(rows, seeds=seeds, batch_size=len(rows), settings=settings)
+    assert _same(compact, whole)
+
+
+def test_lora_merge_is_restored_bit_exactly(tiny_dir):
+    model, ids, rows = setup(tiny_dir, lora_r=4)
+    for name, p in model.named_parameters():  # nonzero adapters: B starts at 0 in peft
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    backups: dict[int, torch.Tensor] = {}
+    x = {"input_ids": rows[0].input_ids[None], "attention_mask": torch.ones(1, rows[0].length, dtype=torch.long),
+         **{k: v[None] for k, v in rows[0].token_inputs.items()}, **rows[0].image_inputs}
+    with torch.no_grad():
+        adapted = model(**x).logits
+        with merged_adapters(model, backups) as merged:
+            inside = merged(**x).logits
+            changed = any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert changed
+    torch.testing.assert_close(inside, adapted, rtol=1e-4, atol=1e-4)  # W + sBA = W x + s B A x
+    for _ in range(1000):
+        with merged_adapters(model, backups):
+            pass
+    after = dict(model.named_parameters())
+    assert all(torch.equal(after[n], p) for n, p in before.items())
+    # the peft model's adapters are on again after the block
+    with torch.no_grad():
+        assert torch.equal(model(**x).logits, adapted)
+
+
+def test_lora_generation_reads_the_adapters(tiny_dir):
+    model, ids, rows = setup(tiny_dir, lora_r=4)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    settings = SamplingSettings(max_new_tokens=12, greedy=True)
+    hf = generate_completions(model, rows, seeds=None, batch_size=len(rows), settings=settings,
+                              ids=ids, device=CPU)
+    static = StaticDecoder(model, ids, CPU).generate(rows, seeds=None, batch_size=len(rows),
+                                                     settings=settings)
+    assert _same(static, hf)
+
+
+def test_counter_uniforms_are_uniform_and_pure():
+    seeds = torch.tensor(row_seeds(3, 1, 0, 20000))
+    u = counter_uniforms(seeds, torch.tensor([5]))
+    assert u.dtype == torch.float64 and float(u.min()) >= 0.0 and float(u.max()) < 1.0
+    # Kolmogorov-Smirnov: sqrt(n) * D over 1.95 has probability 0.001 for uniform draws
+    x = u.sort().values
+    n = x.numel()
+    steps = torch.arange(1, n + 1, dtype=torch.float64) / n
+    assert float(torch.maximum(steps - x, x - (steps - 1 / n)).max()) * n ** 0.5 < 1.95
+    assert torch.equal(counter_uniforms(seeds[7:9], torch.tensor([5])), u[7:9])
+    assert not torch.equal(counter_uniforms(seeds, torch.tensor([6])), u)
+
+
+def test_decode_attention_equals_sdpa_with_repeated_heads():
+    """One query token, 8 query heads on 2 KV heads, a padding mask: the grouped path gives
+    transformers' sdpa result (which repeats each KV head 4 times)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from r1fit.rollout.static_engine import decode_attention
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 4, True
+    query = torch.randn(3, 8, 1, 16)
+    key, value = torch.randn(3, 2, 10, 16), torch.randn(3, 2, 10, 16)
+    mask = torch.ones(3, 1, 1, 10, dtype=torch.bool)
+    mask[0, ..., :4] = False
+    mask[2, ..., 7:] = False
+    got, _ = decode_attention(module, query, key, value, mask, scaling=0.3)
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    assert got.shape == want.shape == (3, 1, 8, 16)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
