@@ -53,6 +53,16 @@ def copy_bandwidth(device: Any, gib: float = 1.0, repeats: int = 10) -> float:
     return 2 * n * 2 * repeats / seconds
 
 
+def memory(device: Any, when: str) -> None:
+    """Print the CUDA allocator's live and peak bytes (a leak shows here, not as an OOM later)."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        print(f"cuda memory {when}: {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB "
+              f"allocated, peak {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB",
+              file=sys.stderr, flush=True)
+
+
 def sync(device: Any) -> None:
     import torch
 
@@ -107,7 +117,8 @@ def rows_for(processor: Any, prompts: int, generations: int, image_size: int,
 def measure(  # noqa: PLR0913 -- the benchmark's knobs, all keywords
         folder: str, *, lora_r: int, lora_alpha: int, prompts: int, generations: int,
             image_size: int, new_tokens: int, hf_tokens: int, device: str, dtype: str,
-            repeats: int = 3, bandwidth: float | None = None) -> dict[str, Any]:
+            repeats: int = 3, bandwidth: float | None = None, compile: bool = False
+            ) -> dict[str, Any]:
     """Both engines on one model and batch; the numbers as a dict (see the module docstring)."""
     import torch
 
@@ -123,6 +134,7 @@ def measure(  # noqa: PLR0913 -- the benchmark's knobs, all keywords
                                    lora_target=recipe.model.lora.target, freeze_vision=True,
                                    dtype=dtype, device=dev, gradient_checkpointing=False)
     ids = TokenIds.of(model, processor)
+    memory(dev, "model loaded")
     rows = rows_for(processor, prompts, generations, image_size, recipe.data.system_prompt)
     seeds = row_seeds(0, 1, 0, len(rows))
     n = len(rows)
@@ -137,13 +149,19 @@ def measure(  # noqa: PLR0913 -- the benchmark's knobs, all keywords
                                     sharing=PrefillSharing(True))
 
     bw = bandwidth or copy_bandwidth(dev, gib=1.0 if dev.type == "cuda" else 0.125)
-    hf_first, _ = timed(dev, lambda: hf(1), repeats)
-    hf_all, out = timed(dev, lambda: hf(hf_tokens), repeats)
-    assert all(len(c) == hf_tokens for c in out), "HF completions were not forced to full length"
-    hf_step = (hf_all - hf_first) / max(hf_tokens - 1, 1)
-    hf_seconds = hf_first + (new_tokens - 1) * hf_step  # at new_tokens: prefill + decode steps
+    hf_result = None
+    if hf_tokens:  # 0: the engine alone (a caller compares with another case's HF numbers)
+        hf_first, _ = timed(dev, lambda: hf(1), repeats)
+        hf_all, out = timed(dev, lambda: hf(hf_tokens), repeats)
+        assert all(len(c) == hf_tokens for c in out), "HF completions were not forced to full length"
+        hf_step = (hf_all - hf_first) / max(hf_tokens - 1, 1)
+        hf_seconds = hf_first + (new_tokens - 1) * hf_step  # at new_tokens: prefill + decode steps
+        hf_result = {"prefill_seconds": hf_first, "seconds_measured": hf_all,
+                     "decode_ms_per_step": hf_step * 1e3, "seconds_at_new_tokens": hf_seconds,
+                     "tokens_per_second": n * new_tokens / hf_seconds}
 
-    engine, error = StaticDecoder(model, ids, dev), None
+    memory(dev, "after hf generate")
+    engine, error = StaticDecoder(model, ids, dev, compile=compile), None
     try:
         st = static_timings(engine, rows, seeds, settings, new_tokens, dev, repeats)
     except Exception as exc:  # noqa: BLE001 -- a CUDA-graph failure is a result here, not a crash
@@ -153,9 +171,11 @@ def measure(  # noqa: PLR0913 -- the benchmark's knobs, all keywords
         print(f"static engine failed ({error}); again without CUDA graphs", file=sys.stderr,
               flush=True)
         traceback.print_exc()
+        memory(dev, "after the failure")
         engine = StaticDecoder(model, ids, dev, graphs=False)
         st = static_timings(engine, rows, seeds, settings, new_tokens, dev, repeats)
     st_first, st_all, warm_seconds, peak = st
+    memory(dev, "after the static engine")
     st_step = (st_all - st_first) / max(new_tokens - 1, 1)
 
     kv_token = sum(k.shape[1] * k.shape[3] * k.element_size() * 2 for k in engine.keys)
@@ -168,12 +188,11 @@ def measure(  # noqa: PLR0913 -- the benchmark's knobs, all keywords
         "rows": n, "prompts": prompts, "generations": generations, "image_size": image_size,
         "prompt_tokens_mean": prompt_mean, "new_tokens": new_tokens, "hf_tokens": hf_tokens,
         "hf_extrapolated": hf_tokens < new_tokens, "lora_r": lora_r, "dtype": dtype,
+        "compile": compile,
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "copy_bandwidth_bytes_per_s": bw, "decode_weight_bytes": weights,
         "kv_bytes_per_token": kv_token, "bytes_per_decode_step": must_read,
-        "hf": {"prefill_seconds": hf_first, "seconds_measured": hf_all,
-               "decode_ms_per_step": hf_step * 1e3, "seconds_at_new_tokens": hf_seconds,
-               "tokens_per_second": n * new_tokens / hf_seconds},
+        "hf": hf_result,
         "static": {"prefill_seconds": st_first, "seconds": st_all, "warmup_seconds": warm_seconds,
                    "decode_ms_per_step": st_step * 1e3, "tokens_per_second": n * new_tokens / st_all,
                    "graphs": engine.graphs, "captures": engine.captures,
@@ -183,8 +202,9 @@ def measure(  # noqa: PLR0913 -- the benchmark's knobs, all keywords
                    "peak_allocated_bytes": peak, "roofline_fraction": roofline,
                    "graphs_error": error},
     }
-    result["speedup_tokens_per_second"] = (result["static"]["tokens_per_second"]
-                                           / result["hf"]["tokens_per_second"])
+    result["speedup_tokens_per_second"] = (
+        None if hf_result is None else
+        result["static"]["tokens_per_second"] / hf_result["tokens_per_second"])
     return result
 
 
@@ -201,6 +221,7 @@ def static_timings(engine: Any, rows: Sequence[Any], seeds: Sequence[int],
     engine.generate(rows, seeds=seeds, batch_size=n, settings=settings(new_tokens))
     sync(dev)
     warm = time.perf_counter() - started
+    memory(dev, "after the engine's warm-up call")
     first, _ = timed(dev, lambda: engine.generate(rows, seeds=seeds, batch_size=n,
                                                   settings=settings(1)), repeats)
     every, out = timed(dev, lambda: engine.generate(rows, seeds=seeds, batch_size=n,
@@ -214,15 +235,17 @@ def lines(name: str, r: dict[str, Any]) -> list[str]:
     """A result as table lines."""
     hf, st = r["hf"], r["static"]
     extra = f" (extrapolated from {r['hf_tokens']} tokens)" if r["hf_extrapolated"] else ""
+    speedup = r["speedup_tokens_per_second"]
     return [
         f"{name}: {r['rows']} rows ({r['prompts']} x G={r['generations']}, {r['image_size']} px, "
         f"prompt {r['prompt_tokens_mean']:.0f} tokens), {r['new_tokens']} forced tokens",
+        "  hf generate: not run here" if hf is None else
         f"  hf generate: {hf['decode_ms_per_step']:.1f} ms/step, {hf['tokens_per_second']:,.0f} "
         f"tokens/s{extra}",
         f"  static: {st['decode_ms_per_step']:.2f} ms/step, {st['tokens_per_second']:,.0f} "
-        f"tokens/s ({r['speedup_tokens_per_second']:.1f}x hf), prefill {st['prefill_seconds']:.2f} "
+        f"tokens/s ({'-' if speedup is None else f'{speedup:.1f}'}x hf), prefill {st['prefill_seconds']:.2f} "
         f"s, warm-up {st['warmup_seconds']:.1f} s, {st['captures']} graphs"
-        f"{'' if st['graphs'] else ' (eager)'}"
+        f"{'' if st['graphs'] else ' (eager)'}{' compiled' if r.get('compile') else ''}"
         + (f"; CUDA graphs FAILED: {st['graphs_error']}" if st.get("graphs_error") else ""),
         f"  roofline: {r['bytes_per_decode_step'] / 2**30:.2f} GiB per step at "
         f"{r['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s -> {st['roofline_fraction']:.0%}",
@@ -238,16 +261,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--generations", type=int, default=2)
     p.add_argument("--image-size", type=int, default=56)
     p.add_argument("--new-tokens", type=int, default=8)
-    p.add_argument("--hf-tokens", type=int, default=None)
+    p.add_argument("--hf-tokens", type=int, default=None,
+                   help="tokens HF generate is timed over (default --new-tokens; 0: not run)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--compile", action="store_true", help="torch.compile the engine's decode step")
+    p.add_argument("--bandwidth", type=float, default=None,
+                   help="copy bandwidth in bytes/s (default: measured here)")
+    p.add_argument("--json", help="write the result here too")
     a = p.parse_args(argv)
     r = measure(a.folder, lora_r=a.lora_r, lora_alpha=a.lora_alpha, prompts=a.prompts,
                 generations=a.generations, image_size=a.image_size, new_tokens=a.new_tokens,
-                hf_tokens=a.hf_tokens or a.new_tokens, device=a.device, dtype=a.dtype,
-                repeats=a.repeats)
-    print("\n".join(lines("decode", r)))
+                hf_tokens=a.new_tokens if a.hf_tokens is None else a.hf_tokens, device=a.device, dtype=a.dtype,
+                repeats=a.repeats, bandwidth=a.bandwidth, compile=a.compile)
+    print("\n".join(lines("decode", r)), file=sys.stderr, flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(r))
     print(json.dumps(r))
     return 0
 

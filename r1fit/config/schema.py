@@ -464,6 +464,10 @@ class StaticConfig:
     cuda_graphs: bool | None = opt(
         None, "Capture the decode step as CUDA graphs, one per batch-size bucket, replayed once "
         "per token. null: on CUDA yes; on CPU the step runs eagerly (no graphs there).")
+    compile: bool = opt(
+        False, "Run the decode step's forward through torch.compile before capturing it (fused "
+        "kernels: fewer launches per layer), compiled once per batch-size bucket on its first "
+        "step. Costs compile time at the first rollout.")
     sync_every: int = opt(
         16, "Decode steps between the host's looks at which rows have finished (the only host "
         "synchronisation of decoding): there generation stops when every row has, and the rows "

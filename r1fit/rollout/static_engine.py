@@ -200,13 +200,14 @@ class _Chunk:
 class StaticDecoder:
     """Generates completions of prompt rows on a static KV cache (see the module docstring).
 
-    ``graphs``: capture the decode step as CUDA graphs (default: on CUDA devices). The buffers
+    ``graphs``: capture the decode step as CUDA graphs (default: on CUDA devices); ``compile``:
+    run the decode forward through ``torch.compile`` (fused kernels) first. The buffers
     hold ``capacity`` rows of ``length`` columns; a chunk that needs more reallocates them (and
     recaptures), logged. ``sync_every``: decode steps between the host's looks at the finished
     flags (stopping early and compaction happen there)."""
 
     def __init__(self, model: Any, ids: TokenIds, device: torch.device, *,
-                 graphs: bool | None = None, sync_every: int = 16) -> None:
+                 graphs: bool | None = None, sync_every: int = 16, compile: bool = False) -> None:
         base = unwrap(model)
         config = base.config.get_text_config()
         impl = getattr(config, "_attn_implementation", None) or "eager"
@@ -219,6 +220,10 @@ class StaticDecoder:
         if self.graphs and self.device.type != "cuda":
             raise EngineUnsupported("CUDA graphs need a CUDA device")
         self.sync_every = max(1, int(sync_every))
+        # torch.compile of the decode forward (fusing its ~50 small kernels per layer), captured
+        # into the same graphs; compiled on a bucket's first step
+        self.compile = bool(compile)
+        self._compiled: Any = None
         self.additive = impl == "eager"
         self._text_config = config
         self.layer_types = list(getattr(config, "layer_types", None) or [])
@@ -356,10 +361,15 @@ class StaticDecoder:
         kwargs = {self._cache_name: cache, "use_cache": True}
         if self._keep_logits:
             kwargs["logits_to_keep"] = 1
+        forward = model
+        if self.compile:
+            if self._compiled is None or self._compiled[0] is not model:
+                self._compiled = (model, torch.compile(model, dynamic=False))
+            forward = self._compiled[1]
         with decode_attention_on(self._text_config):
-            logits = model(input_ids=self.current[:rows].unsqueeze(-1),
-                           attention_mask=self._masks(rows), position_ids=positions,
-                           **kwargs).logits[:, -1].float()
+            logits = forward(input_ids=self.current[:rows].unsqueeze(-1),
+                             attention_mask=self._masks(rows), position_ids=positions,
+                             **kwargs).logits[:, -1].float()
         self._record(self._pick(logits, rows, settings), rows, out)
         self.counter.add_(1)
 

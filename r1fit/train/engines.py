@@ -100,7 +100,7 @@ class StaticRollouts(HFRollouts):
         super().__init__(run, settings)
         static = run.cfg.rollout.static
         self.decoder = StaticDecoder(run.model, run.ids, run.device, graphs=static.cuda_graphs,
-                                     sync_every=static.sync_every)
+                                     sync_every=static.sync_every, compile=static.compile)
 
     def generate(self, rows: Sequence[Prompt], seeds: Sequence[int]
                  ) -> tuple[list[torch.Tensor], None]:
