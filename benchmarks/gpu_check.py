@@ -332,6 +332,11 @@ def stage_build(args: argparse.Namespace, work: Path) -> StageResult:
 SPEED_GPU = {"prompts": 16, "generations": 8, "image_size": 448, "new_tokens": 512, "hf_tokens": 64}
 SPEED_SMOKE = {"prompts": 2, "generations": 2, "image_size": 56, "new_tokens": 8, "hf_tokens": 4}
 SPEEDUP_TARGET, ROOFLINE_TARGET, MFU_NOTE = 10.0, 0.5, 0.30
+#: the speed stage's cases, in order: (name, LoRA, torch.compile, time cap on a GPU); ``step``
+#: is the whole GRPO step with the static engine
+SPEED_DECODE = (("3b-lora", True, False, 120), ("3b-full", False, False, 90),
+                ("3b-lora-compiled", True, True, 150))
+SPEED_CASES = (*(case[0] for case in SPEED_DECODE), "step")
 
 
 def speed_values(args: argparse.Namespace) -> list[str]:
@@ -357,8 +362,9 @@ def stage_speed(args: argparse.Namespace, work: Path) -> StageResult:
     gpu = not args.cpu_smoke
     bandwidth = None
     # each case in a fresh process: a case's memory (and a failure's) cannot reach the next
-    for name, lora, compiled, cap in (("3b-lora", True, False, 120), ("3b-full", False, False, 90),
-                                      ("3b-lora-compiled", True, True, 150)):
+    for name, lora, compiled, cap in SPEED_DECODE:
+        if name not in args.speed_cases:
+            continue
         command = [sys.executable, str(benchkit.FOLDER / "decode_speed.py"), model_path(args, "3b"),
                    "--lora-r", str((64 if gpu else 8) if lora else 0),
                    "--lora-alpha", str(128 if gpu else 16), "--device", "cuda" if gpu else "cpu",
@@ -392,6 +398,8 @@ def stage_speed(args: argparse.Namespace, work: Path) -> StageResult:
         result.add(f"speed {name} roofline", f"{roof:.0%} of the copy bandwidth's",
                    f">= {ROOFLINE_TARGET:.0%}" + ("" if gpu else " on a GPU"),
                    roof >= ROOFLINE_TARGET if gpu else None)
+    if "step" not in args.speed_cases:
+        return result
     values = speed_values(args)
     try:
         run = train(values, work / "step", "speed step")
@@ -872,7 +880,7 @@ def run_stage(args: argparse.Namespace) -> int:
 
 def child_command(args: argparse.Namespace, stage: str, work: Path) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), "--stage", stage, "--work", str(work),
-            "--models", args.models, "--out", args.out,
+            "--models", args.models, "--out", args.out, "--speed-cases", *args.speed_cases,
             *(["--cpu-smoke"] if args.cpu_smoke else [])]
 
 
@@ -1004,6 +1012,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=None,
                    help="seconds for all stages (GPU default 480: 8 minutes; smoke 600); no "
                    "stage starts with less than 20 s left")
+    p.add_argument("--speed-cases", nargs="+", choices=SPEED_CASES, default=list(SPEED_CASES),
+                   metavar="CASE", help=f"the speed stage's cases: {', '.join(SPEED_CASES)} "
+                   "(default all; a rerun after a partial one names the missing ones)")
     p.add_argument("--keep-work", action="store_true", help="keep the runs' output folders")
     p.add_argument("--work", help=argparse.SUPPRESS)
     p.add_argument("--stage", choices=list(STAGES), help=argparse.SUPPRESS)

@@ -434,8 +434,11 @@ class StaticDecoder:
         completions: list[torch.Tensor] = []
         try:
             # buffers must be ordinary tensors even when called under inference_mode (eval):
-            # they are written in place by later calls outside it
-            with torch.inference_mode(False), merged_adapters(model, self.backups) as generator:
+            # they are written in place by later calls outside it. inference_mode(False) turns
+            # grad mode back on, so no_grad follows it: a full fine-tuning model's forward would
+            # otherwise record autograd graphs that the buffers' in-place writes keep alive
+            with torch.inference_mode(False), torch.no_grad(), \
+                    merged_adapters(model, self.backups) as generator:
                 for start in range(0, len(rows), batch_size):
                     chunk = rows[start:start + batch_size]
                     chunk_seeds = None if seeds is None else seeds[start:start + batch_size]

@@ -59,6 +59,12 @@ def test_greedy_equals_hf_generate(family, builtin_folder, tiny_dir):
     # a second call reuses the buffers (state from the first must not leak)
     again = engine.generate(rows[:3], seeds=None, batch_size=2, settings=settings)
     assert _same(again, hf[:3])
+    # no autograd graph hangs on the buffers (full fine-tuning: the weights require grad), even
+    # when called under inference_mode as evaluation does
+    assert any(p.requires_grad for p in model.parameters())
+    with torch.inference_mode():
+        engine.generate(rows[:2], seeds=None, batch_size=2, settings=settings)
+    assert not any(t.requires_grad for t in (engine.current, engine.out, *engine.keys))
 
 
 def test_sampled_row_depends_on_its_seed_only(tiny):
