@@ -197,8 +197,6 @@ def measure(  # noqa: PLR0913 -- the benchmark's knobs, all keywords
                    "decode_ms_per_step": st_step * 1e3, "tokens_per_second": n * new_tokens / st_all,
                    "graphs": engine.graphs, "captures": engine.captures,
                    "cache_bytes": engine.cache_bytes(),
-                   "merged_backup_bytes": sum(t.numel() * t.element_size()
-                                              for t in engine.backups.values()),
                    "peak_allocated_bytes": peak, "roofline_fraction": roofline,
                    "graphs_error": error},
     }

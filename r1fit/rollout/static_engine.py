@@ -25,7 +25,7 @@ This engine drives the same transformers model's own forward, no model-family co
   layers are copied aside, ``W + s·BA`` is written into them in place (same addresses, so the
   captured graphs stay valid) and the copy is written back afterwards: the base weights are
   bit-identical after any number of cycles, at the price of one copy of the adapted weights
-  (counted by the planner).
+  while generating (counted by the planner).
 
 Semantics match ``generate_completions``: greedy is the argmax of the float32 logits after the
 blocked placeholders and ``min_new_tokens`` set the blocked and end ids to -inf; sampling is
@@ -229,7 +229,6 @@ class StaticDecoder:
         self.layer_types = list(getattr(config, "layer_types", None) or [])
         self.window = getattr(config, "sliding_window", None)
         self.capacity = self.length = 0
-        self.backups: dict[int, torch.Tensor] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
         self._fingerprint: tuple[int, ...] = ()
@@ -437,8 +436,10 @@ class StaticDecoder:
             # they are written in place by later calls outside it. inference_mode(False) turns
             # grad mode back on, so no_grad follows it: a full fine-tuning model's forward would
             # otherwise record autograd graphs that the buffers' in-place writes keep alive
+            # the backup of the merged weights lives for this call only: the update phase that
+            # follows does not hold it (the planner counts it in generation)
             with torch.inference_mode(False), torch.no_grad(), \
-                    merged_adapters(model, self.backups) as generator:
+                    merged_adapters(model, {}) as generator:
                 for start in range(0, len(rows), batch_size):
                     chunk = rows[start:start + batch_size]
                     chunk_seeds = None if seeds is None else seeds[start:start + batch_size]

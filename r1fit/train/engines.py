@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from functools import partial
-from typing import Any
+from typing import Protocol
 
 import torch
 
+from r1fit.config.engines import resolve_engine
 from r1fit.data.batch import Prompt
 from r1fit.distributed.parallelize import gathered
 from r1fit.models.load import context_length, resolve_model_path, special_token_ids, unwrap
 from r1fit.models.weights import full_named_weights
 from r1fit.report.metrics import timed
-from r1fit.rollout.choice import resolve_engine
 from r1fit.rollout.generate import SamplingSettings, generate_completions
 from r1fit.rollout.prefill import PrefillSharing
 from r1fit.rollout.static_engine import StaticDecoder
@@ -34,6 +34,39 @@ from r1fit.train.run import Run
 from r1fit.train.tool_rollouts import ToolTurns
 
 log = logging.getLogger("r1fit.rollout")
+
+
+class RolloutEngine(Protocol):
+    """What the GRPO loop and evaluation call on an engine (hf, static, vllm alike)."""
+
+    def ready(self, times: dict[str, float]) -> AbstractContextManager[None]:
+        """A block in which the engine generates from the policy's current weights."""
+        ...
+
+    def generate(self, rows: Sequence[Prompt], seeds: Sequence[int]
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """One sampled completion per row, and the engine's log-probs when it has them."""
+        ...
+
+    def greedy(self, prompts: Sequence[Prompt]) -> list[torch.Tensor]:
+        """Greedy completions (evaluation)."""
+        ...
+
+    def trajectories(self, rows: Sequence[Prompt], seeds: Sequence[int]) -> list[Trajectory]:
+        """One sampled multi-turn trajectory per row (with tools)."""
+        ...
+
+    def greedy_trajectories(self, prompts: Sequence[Prompt]) -> list[Trajectory]:
+        """Greedy trajectories (evaluation with tools)."""
+        ...
+
+    def updated(self) -> None:
+        """The policy's weights changed."""
+        ...
+
+    def close(self) -> None:
+        """Release what the engine holds."""
+        ...
 
 
 class HFRollouts:
@@ -191,7 +224,8 @@ class VllmRollouts:
         self.engine.close()
 
 
-def rollout_engine(run: Run, settings: SamplingSettings, tools: ToolTurns | None = None) -> Any:
+def rollout_engine(run: Run, settings: SamplingSettings,
+                   tools: ToolTurns | None = None) -> RolloutEngine:
     """The engine ``rollout.engine`` names, ready for the run's first rollout; with ``tools``,
     for multi-turn rollouts."""
     name, why = resolve_engine(run.cfg.rollout.engine, device_type=run.device.type,

@@ -15,7 +15,7 @@ from r1fit.rewards.accuracy import accuracy
 from r1fit.rewards.format import format_reward
 from r1fit.rollout.generate import SamplingSettings
 from r1fit.rollout.turns import answer_text
-from r1fit.train.engines import HFRollouts, VllmRollouts
+from r1fit.train.engines import HFRollouts, RolloutEngine
 from r1fit.train.run import Run
 from r1fit.train.tool_rollouts import ToolTurns
 
@@ -23,7 +23,7 @@ log = logging.getLogger("r1fit")
 
 
 @torch.no_grad()
-def evaluate(run: Run, engine: HFRollouts | VllmRollouts | None = None) -> dict[str, Any]:
+def evaluate(run: Run, engine: RolloutEngine | None = None) -> dict[str, Any]:
     """Greedy decoding on ``run.eval_set``: accuracy and format rate, on the run's rollout
     ``engine`` when given (a vLLM engine is synced with the policy first), else with
     ``generate`` on the policy. When some rows are scored by the ``iou`` accuracy method (box
@@ -78,7 +78,7 @@ def evaluate(run: Run, engine: HFRollouts | VllmRollouts | None = None) -> dict[
             "eval/bad_rows": int(bad), **step_memory(run.device, "eval/")}
 
 
-def _answers(run: Run, engine: HFRollouts | VllmRollouts, prompts: list[Prompt]
+def _answers(run: Run, engine: RolloutEngine, prompts: list[Prompt]
              ) -> tuple[list[str], int]:
     """The greedy answers to ``prompts`` and how many of them called a tool: with ``tools``, each
     trajectory's last turn (the same multi-turn loop as training, greedy); else the completions."""

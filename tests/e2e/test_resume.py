@@ -63,6 +63,9 @@ def straight_and_resumed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, comman
 @pytest.mark.parametrize("extra", [
     pytest.param(["algo.num_iterations=2", "algo.beta=0.05"], id="full-ft-mu2-kl"),
     pytest.param(["model.lora.r=4", "algo.beta=0.05", "train.learning_rate=5e-2"], id="lora-kl"),
+    # the static engine generates the rollouts and the evaluations (LoRA merged and restored)
+    pytest.param(["rollout.engine=static", "model.lora.r=4", "algo.beta=0.05",
+                  "train.learning_rate=5e-2"], id="static-engine-lora-kl"),
 ])
 def test_grpo_resume_is_bit_exact(use_tiny_cache, reward_plugin, same_run, tmp_path, monkeypatch,
                                   extra):
@@ -74,6 +77,8 @@ def test_grpo_resume_is_bit_exact(use_tiny_cache, reward_plugin, same_run, tmp_p
     same_run(straight, resumed)
     log = (resumed / "log.txt").read_text()
     assert "resumed grpo at step 2" in log
+    if "rollout.engine=static" in extra:
+        assert "rollout.engine=static: KV cache of" in log
 
 
 def test_resume_inside_the_warmup(use_tiny_cache, reward_plugin, same_run, tmp_path, monkeypatch):

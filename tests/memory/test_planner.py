@@ -168,7 +168,7 @@ def test_prompt_estimate_and_kv_cache_without_a_processor(small_model):
 
 def test_cuda_adds_workspaces_context_and_slack_cpu_does_not(small_model, monkeypatch):
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    cfg = cfg_for(small_model)
+    cfg = cfg_for(small_model, "rollout.engine=hf")  # auto would pick another engine on CUDA
     cpu, cuda = plan_memory(cfg, device_type="cpu"), plan_memory(cfg, device_type="cuda")
     assert cpu.parts["overhead"] == 0 and cpu.parts["workspaces"] == 0
     # two threads (forward, autograd's backward) x cuBLAS's 32 MiB Hopper default, allocated
@@ -522,7 +522,8 @@ def test_vision_block_formula_matches_saved_tensors(kind, dtype):
 def test_qwen25_vl_7b_full_breakdown(capsys):
     from r1fit.cli import main
 
-    assert main(["plan", QWEN_7B, "algo.num_generations=8", "--device-memory", "80GiB"]) == 0
+    assert main(["plan", QWEN_7B, "algo.num_generations=8", "rollout.engine=hf",
+                 "--device-memory", "80GiB"]) == 0
     out = capsys.readouterr().out
     for label in ("weights", "gradients", "optimizer (AdamW)", "reference model", "activations",
                   "LM head chunk", "vision encoder", "generation (KV cache + logits)", "peak"):
@@ -694,6 +695,38 @@ def first_savers(model: torch.nn.Module, blocks: Any) -> tuple[dict[int, tuple[i
     return first_saver, pack
 
 
+def test_static_engine_parts_stay_through_the_update(small_model, monkeypatch, capsys):
+    """rollout.engine=auto on CUDA without vLLM plans the static engine: its cache and decode
+    workspace are held in every phase, the LoRA backup and the prefill in generation only; the
+    plan prints them and says why auto chose it."""
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    lora = ["model.lora.r=8", "rollout.engine=auto"]
+    static = plan_memory(cfg_for(small_model, *lora), device_type="cuda")
+    hf = plan_memory(cfg_for(small_model, "model.lora.r=8", "rollout.engine=hf"),
+                     device_type="cuda")
+    assert static.details["engine"] == "static" and hf.details["engine"] == "hf"
+    held = static.parts["engine_kv_cache"] + static.parts["engine_graphs"]
+    assert static.parts["engine_kv_cache"] > 0 and static.parts["engine_graphs"] > 0
+    assert static.parts["engine_weights"] > 0  # the adapted weights' copy
+    # the update phase is the HF run's plus what the engine holds (on CPU, where no allocator
+    # overhead is added to the phases, exactly)
+    on_cpu = [plan_memory(cfg_for(small_model, "model.lora.r=8", f"rollout.engine={name}"),
+                          device_type="cpu") for name in ("static", "hf")]
+    cpu_held = on_cpu[0].parts["engine_kv_cache"] + on_cpu[0].parts["engine_graphs"]
+    assert on_cpu[0].phases["update"] == on_cpu[1].phases["update"] + cpu_held
+    s = on_cpu[0]
+    assert s.phases["generation"] == (s.details["persistent"] + cpu_held
+                                      + s.parts["engine_weights"] + s.parts["generation"])
+    assert held == cpu_held  # the same model, dtype and sizes on either device
+    render(static, cfg_for(small_model, *lora))
+    out = capsys.readouterr().out
+    assert "rollout.engine static (auto: CUDA, vLLM not installed" in out
+    assert "static engine: static KV cache" in out and "CUDA graph pool" in out
+    # CPU: auto is hf, nothing of the engine is planned
+    cpu = plan_memory(cfg_for(small_model, *lora), device_type="cpu")
+    assert cpu.details["engine"] == "hf" and cpu.parts["engine_kv_cache"] == 0
+
+
 def test_vllm_engine_parts_and_when_the_engine_sleeps(small_model, capsys):
     hf = plan_memory(cfg_for(small_model), device_type="cpu")
     kv = 3 << 20
@@ -708,7 +741,7 @@ def test_vllm_engine_parts_and_when_the_engine_sleeps(small_model, capsys):
     assert cpu.phases["generation"] == persistent + weights + kv
     # CUDA with sleep_level 1: asleep while training, so the update phase is the HF run's
     cuda, cuda_hf = (plan_memory(c, device_type="cuda", device_memory_bytes=80 << 30)
-                     for c in (vllm, cfg_for(small_model)))
+                     for c in (vllm, cfg_for(small_model, "rollout.engine=hf")))
     assert cuda.phases["update"] == cuda_hf.phases["update"]
     render(cuda, vllm)
     out = capsys.readouterr().out

@@ -67,6 +67,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from r1fit.config import Config, ConfigError
+from r1fit.config.engines import resolve_engine
 from r1fit.memory.planner.facts import (
     ModelFacts,
     PromptShape,
@@ -120,12 +121,14 @@ CUBLAS_THREADS = 2
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 PARTS = ("weights", "gradients", "optimizer", "reference", "all_gather", "reduce_scatter",
          "activations", "logits_chunk", "vision", "unsharded_weights", "generation",
-         "engine_weights", "engine_kv_cache", "inputs", "workspaces", "overhead")
+         "engine_weights", "engine_kv_cache", "engine_graphs", "inputs", "workspaces", "overhead")
 #: Parts that exist only under FSDP (--gpus > 1); 0, and not printed, on one GPU.
 FSDP_PARTS = ("all_gather", "reduce_scatter", "unsharded_weights")
-#: Parts of rollout.engine=vllm (the engine's own copy of the weights and its KV pool); 0, and
-#: not printed, with rollout.engine=hf.
-ENGINE_PARTS = ("engine_weights", "engine_kv_cache")
+#: Parts of an engine other than hf: vLLM's own copy of the weights and its KV pool; the static
+#: engine's static KV cache, decode-step workspace (its CUDA graphs' pool) and, with LoRA, the
+#: copy of the adapted base weights kept while they hold the merged ones. 0, and not printed,
+#: with rollout.engine=hf.
+ENGINE_PARTS = ("engine_weights", "engine_kv_cache", "engine_graphs")
 #: The vLLM engine's KV pool on CPU when rollout.vllm.kv_cache_memory is null (as the engine)
 CPU_ENGINE_KV_BYTES = 256 << 20
 #: The LM-head chunk the advice tries when nothing fits (``memory.logits_chunk``; with Qwen's
@@ -378,6 +381,8 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
                      flash=cfg.model.attn_implementation.startswith("flash"),
                      fused_loss=cfg.fuses_loss(),
                      share_prefill=cfg.rollout.engine == "hf" and cfg.rollout.share_prefill is True)
+    engine_name, engine_why = resolve_engine(cfg.rollout.engine, device_type=device_type,
+                                             distributed=s.gpus > 1, tools=bool(cfg.tools))
     if s.tokens is not None:  # packed by tokens: the most rows a micro-batch takes, how many
         cut = step.token_cut()
         s = replace(s, micro=cut.rows)
@@ -397,8 +402,16 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
 
     workspaces = cublas_workspaces() if cuda else 0
     persistent = states.weights + states.optimizer + states.reference + step_inputs + workspaces
-    engine = engine_memory(f, cfg, stored, cuda, budget)
-    if engine.weights or engine.kv_cache:
+    engine = engine_memory(f, cfg, stored, cuda, budget, engine_name, prompt.tokens,
+                           s.generation)
+    if engine.static:
+        # the static engine keeps its cache and graphs' pool for the whole run; the merged-weight
+        # backup and the prefill's transients exist while it generates
+        generation = static_prefill_bytes(step, s.generation)
+        phases = {"generation": (persistent + engine.kv_cache + engine.graphs + engine.weights
+                                 + generation)}
+        training = engine.kv_cache + engine.graphs
+    elif engine.weights or engine.kv_cache:
         # the engine generates from its own weights (synced one parameter at a time, so no
         # whole gathered copy of the policy) and its own KV pool; asleep (CUDA) while training
         generation = 0
@@ -424,6 +437,7 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
              "logits_chunk": update.logits_chunk, "vision": update.vision,
              "unsharded_weights": buffers.unsharded_weights, "generation": generation,
              "engine_weights": engine.weights, "engine_kv_cache": engine.kv_cache,
+             "engine_graphs": engine.graphs,
              "inputs": step_inputs + step.pixels(max(s.micro, s.generation)),
              "workspaces": workspaces, "overhead": cuda_overhead(allocated, cuda)}
     return _Estimate(
@@ -432,7 +446,7 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
         generation_peak=phases["generation"],
         activations_by_checkpointing={"on": update.activations.on,
                                       "off": update.activations.off},
-        details={"dtype": dtype,
+        details={"dtype": dtype, "engine": engine_name, "engine_why": engine_why,
                  "share_prefix": "on" if step.share_prefix else "off",
                  "dtype_from": f.config_dtype_from if cfg.model.dtype == "auto" else "model.dtype",
                  "params": f.params,
@@ -452,20 +466,28 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
 
 @dataclass(frozen=True)
 class EngineMemory:
-    """What rollout.engine=vllm adds on one device: the engine's whole copy of the weights (it
+    """What an engine other than hf adds on one device. vLLM: its whole copy of the weights (it
     runs without tensor parallelism) and its KV pool; ``sleeps``: both are freed from the device
-    while the policy trains (CUDA with rollout.vllm.sleep_level > 0)."""
+    while the policy trains (CUDA with rollout.vllm.sleep_level > 0). The static engine
+    (``static``): its static KV cache and decode workspace (``graphs``), kept all run, and with
+    LoRA the backup of the adapted base weights (``weights``), while generating."""
 
     weights: int = 0
     kv_cache: int = 0
+    graphs: int = 0
     sleeps: bool = False
+    static: bool = False
 
 
-def engine_memory(f: ModelFacts, cfg: Config, stored: int, cuda: bool, budget: int) -> EngineMemory:
-    """The engine's parts (all 0 with rollout.engine=hf). Its KV pool is
-    rollout.vllm.kv_cache_memory; without it, on CUDA vLLM takes gpu_memory_utilization of the
-    device for weights and KV together, on CPU r1fit gives it ``CPU_ENGINE_KV_BYTES``."""
-    if cfg.rollout.engine != "vllm":
+def engine_memory(f: ModelFacts, cfg: Config, stored: int, cuda: bool, budget: int,
+                  engine: str = "hf", prompt_tokens: int = 0, rows: int = 1) -> EngineMemory:
+    """The parts of ``engine`` (all 0 for hf). vLLM's KV pool is rollout.vllm.kv_cache_memory;
+    without it, on CUDA vLLM takes gpu_memory_utilization of the device for weights and KV
+    together, on CPU r1fit gives it ``CPU_ENGINE_KV_BYTES``. The static engine's take the
+    prompt's planned tokens and the generation batch's ``rows``."""
+    if engine == "static":
+        return static_engine_memory(f, cfg, stored, prompt_tokens, rows)
+    if engine != "vllm":
         return EngineMemory()
     v = cfg.rollout.vllm
     weights = f.params * stored
@@ -476,6 +498,44 @@ def engine_memory(f: ModelFacts, cfg: Config, stored: int, cuda: bool, budget: i
     else:
         kv = CPU_ENGINE_KV_BYTES
     return EngineMemory(weights, kv, sleeps=cuda and v.sleep_level > 0)
+
+
+#: the static engine's cache length is rounded up to this many columns (static_engine._chunk)
+STATIC_LENGTH_STEP = 64
+
+
+def static_engine_memory(f: ModelFacts, cfg: Config, stored: int, prompt_tokens: int,
+                         generation_rows: int) -> EngineMemory:
+    """rollout.engine=static (r1fit/rollout/static_engine.py): a static KV cache of the most rows
+    it generates at once (memory.generation_batch, or eval.batch when larger) x the prompt's
+    planned tokens plus algo.max_new_tokens, rounded up to 64 columns; the decode step's
+    workspace (the model's logits, their float32 copy, the blocked-token copy and the sampler's
+    float32 tensors, [rows x vocab] each: the largest of a step's intermediates, which its CUDA
+    graph's pool keeps); with LoRA a copy of every adapted base weight (the merge is undone by
+    copying it back, bit-exact)."""
+    t = f.text
+    rows = max(generation_rows, cfg.eval.batch if cfg.data.eval else 0, 1)
+    length = -(-(prompt_tokens + cfg.algo.max_new_tokens) // STATIC_LENGTH_STEP) * STATIC_LENGTH_STEP
+    sampling = sampling_logits_f32(cfg.algo.temperature, cfg.algo.top_p)
+    graphs = rows * t.vocab * (stored + (sampling + 2) * F32 + 1)
+    backup = sum(i * o for i, o in f.lora_linears) * stored if cfg.model.lora.r > 0 else 0
+    return EngineMemory(weights=backup, kv_cache=kv_cache_bytes(t, stored, rows, length),
+                        graphs=graphs, static=True)
+
+
+def static_prefill_bytes(step: StepShape, rows: int) -> int:
+    """The static engine's prefill of a chunk of ``rows`` rows: each distinct prompt once into a
+    dynamic cache (vision tower, then the language model), then one layer's keys or values of the
+    rows copied into the static cache at a time."""
+    t, v, b = step.facts.text, step.facts.vision, step.b
+    P = step.prompt.tokens
+    prompts = min(rows, step.groups_touched(rows)[0])
+    patches = prompts * step.patches
+    vision = (vision_forward_bytes(v, b, patches)
+              + prompts * (P + step.prompt.image_tokens) * t.hidden * b)
+    text = (kv_cache_bytes(t, b, prompts, P) + lm_forward_bytes(t, b, prompts, P, step.eager)
+            + rows * P * t.kv_dim * b)
+    return step.pixels(rows) + max(vision, text)
 
 
 # ---------------------------------------------------------------------------------------------

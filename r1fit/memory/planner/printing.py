@@ -25,13 +25,20 @@ _LABELS = {"weights": "weights", "gradients": "gradients", "optimizer": "optimiz
            "unsharded_weights": "FSDP unsharded weights (the whole policy)",
            "generation": "generation (KV cache + logits)",
            "engine_weights": "vLLM engine: its copy of the weights",
-           "engine_kv_cache": "vLLM engine: KV cache pool", "inputs": "inputs (pixel values)",
+           "engine_kv_cache": "vLLM engine: KV cache pool",
+           "engine_graphs": "static engine: decode step workspace (CUDA graph pool)",
+           "inputs": "inputs (pixel values)",
            "workspaces": f"cuBLAS workspaces ({CUBLAS_THREADS} threads)", "overhead": "CUDA context + allocator slack"}
+_STATIC_LABELS = {"engine_weights": "static engine: base weights kept while LoRA is merged",
+                  "engine_kv_cache": "static engine: static KV cache",
+                  "generation": "generation (prefill of a chunk's prompts)"}
+_STATIC_WHEN = {"engine_weights": "generation", "generation": "generation"}
 _WHEN = {"weights": "always", "gradients": "update", "optimizer": "always", "reference": "always",
          "all_gather": "log-probs, update", "reduce_scatter": "update",
          "activations": "update", "logits_chunk": "update", "vision": "update",
          "unsharded_weights": "generation", "generation": "generation",
-         "engine_weights": "always", "engine_kv_cache": "always", "inputs": "step",
+         "engine_weights": "always", "engine_kv_cache": "always", "engine_graphs": "always",
+         "inputs": "step",
          "workspaces": "always", "overhead": "always"}
 
 
@@ -79,25 +86,10 @@ def render_blocks(plan: Plan, cfg: Config) -> list[Any]:
          f"shared prefix {d['share_prefix']}"),
     ]
     blocks += [f"  note: {n}" for n in plan.notes]
-    other = "off" if cfg.memory.gradient_checkpointing else "on"
-    rows = []
-    for name in PARTS:
-        if name in FSDP_PARTS and gpus == 1:
-            continue
-        vllm = cfg.rollout.engine == "vllm"
-        if name in ENGINE_PARTS and not vllm or name == "generation" and vllm:
-            continue
-        size = plan.parts[name]
-        label = _LABELS[name]
-        if gpus > 1 and name in ("weights", "gradients", "optimizer", "reference"):
-            label += f", 1/{gpus} shard"
-        if name == "activations":
-            alternative = format_bytes(plan.activations_by_checkpointing[other])
-            label += f" [checkpointing {other}: {alternative}]"
-        when = _WHEN[name]
-        if name in ENGINE_PARTS and d["device_type"] == "cuda" and cfg.rollout.vllm.sleep_level:
-            when = "generation (asleep while training)"
-        rows.append((label, format_bytes(size), when))
+    engine = d.get("engine", cfg.rollout.engine)
+    blocks.append(f"  rollout.engine {engine}" + ("" if d.get("engine_why", "set") == "set"
+                                                  else f" (auto: {d['engine_why']})"))
+    rows = _part_rows(plan, cfg, engine)
     blocks.append((("part", "size", "when"), rows, {1}))
     phase_rows = [(name + (" <- peak" if name == plan.peak_phase else ""), format_bytes(size))
                   for name, size in plan.phases.items()]
@@ -120,6 +112,37 @@ def render_blocks(plan: Plan, cfg: Config) -> list[Any]:
         blocks.append("advice:")
         blocks += [f"  {a}" for a in plan.advice]
     return blocks
+
+
+def _part_rows(plan: Plan, cfg: Config, engine: str) -> list[tuple[str, str, str]]:
+    """The parts table's rows: (label, size, when), the parts this run has."""
+    d = plan.details
+    gpus = d["gpus"]
+    other = "off" if cfg.memory.gradient_checkpointing else "on"
+    rows = []
+    for name in PARTS:
+        if name in FSDP_PARTS and gpus == 1:
+            continue
+        vllm, static = engine == "vllm", engine == "static"
+        if name in ENGINE_PARTS and not (vllm or static) or name == "generation" and vllm:
+            continue
+        if static and name == "engine_weights" and not plan.parts[name]:
+            continue  # no LoRA: nothing is merged
+        size = plan.parts[name]
+        label = _STATIC_LABELS.get(name, _LABELS[name]) if static else _LABELS[name]
+        if gpus > 1 and name in ("weights", "gradients", "optimizer", "reference"):
+            label += f", 1/{gpus} shard"
+        if name == "activations":
+            alternative = format_bytes(plan.activations_by_checkpointing[other])
+            label += f" [checkpointing {other}: {alternative}]"
+        when = _WHEN[name]
+        if vllm and name in ENGINE_PARTS and d["device_type"] == "cuda" \
+                and cfg.rollout.vllm.sleep_level:
+            when = "generation (asleep while training)"
+        if static:
+            when = _STATIC_WHEN.get(name, when)
+        rows.append((label, format_bytes(size), when))
+    return rows
 
 
 def _size(n: int, rows: int, of: str) -> str:

@@ -29,7 +29,12 @@ from r1fit.memory.planner.estimate import (
     vision_activations,
 )
 from r1fit.memory.planner.facts import ModelFacts, PromptShape, TextDims, VisionDims
-from r1fit.memory.planner.formulas import kv_cache_bytes, lm_forward_bytes, vision_forward_bytes
+from r1fit.memory.planner.formulas import (
+    kv_cache_bytes,
+    lm_forward_bytes,
+    sampling_logits_f32,
+    vision_forward_bytes,
+)
 
 PROMPT = PromptShape(tokens=10, image_tokens=4, patches=16, how="by hand")
 
@@ -173,15 +178,37 @@ def test_vllm_engine_adds_its_weight_copy_and_kv_pool(facts):
     assert hf == EngineMemory()  # rollout.engine=hf: no engine
     vllm = Config().with_values({"rollout.engine": "vllm"})
     # CUDA, no kv_cache_memory: gpu_memory_utilization 0.3 of the device for weights + KV
-    cuda = engine_memory(facts, vllm, stored=2, cuda=True, budget=1000_000)
+    cuda = engine_memory(facts, vllm, stored=2, cuda=True, budget=1000_000, engine="vllm")
     assert (cuda.weights, cuda.kv_cache, cuda.sleeps) == (2 * 3_232, 300_000 - 2 * 3_232, True)
     given = vllm.with_values({"rollout.vllm.kv_cache_memory": 5_000,
                               "rollout.vllm.sleep_level": 0})
-    assert engine_memory(facts, given, stored=4, cuda=True, budget=1 << 30) == \
+    assert engine_memory(facts, given, stored=4, cuda=True, budget=1 << 30, engine="vllm") == \
         EngineMemory(4 * 3_232, 5_000, sleeps=False)
     # CPU: no sleep mode; the default pool
-    assert engine_memory(facts, vllm, stored=4, cuda=False, budget=1 << 30) == \
+    assert engine_memory(facts, vllm, stored=4, cuda=False, budget=1 << 30, engine="vllm") == \
         EngineMemory(4 * 3_232, CPU_ENGINE_KV_BYTES, sleeps=False)
+
+
+def test_static_engine_holds_its_cache_its_step_workspace_and_a_lora_backup(facts):
+    """3 rows of a 10-token prompt + 30 new tokens, bfloat16: the cache is 64 columns (40
+    rounded up to 64) x 2 layers x K and V x kv_dim 16 x 2 bytes per row; the decode step's
+    workspace is [3 x 100] logits in bf16, their float32 copy, the blocked-token copy, the
+    sampler's float32 tensors and a bool mask; with LoRA the adapted 32 x 32 weight's copy."""
+    cfg = Config().with_values({"rollout.engine": "static", "algo.max_new_tokens": 30,
+                                "eval.batch": 2})
+    got = engine_memory(facts, cfg, stored=2, cuda=True, budget=1 << 30, engine="static",
+                        prompt_tokens=10, rows=3)
+    f32 = sampling_logits_f32(1.0, 1.0)
+    assert got == EngineMemory(weights=0, kv_cache=3 * 64 * 2 * 2 * 16 * 2,
+                               graphs=3 * 100 * (2 + (f32 + 2) * 4 + 1), static=True)
+    lora = engine_memory(facts, cfg.with_values({"model.lora.r": 4}), stored=2, cuda=True,
+                         budget=1 << 30, engine="static", prompt_tokens=10, rows=3)
+    assert lora.weights == 32 * 32 * 2 and lora.kv_cache == got.kv_cache
+    # an evaluation batch larger than the generation batch sizes the cache (the engine grows)
+    wide = engine_memory(facts, cfg.with_values({"eval.batch": 8, "data.eval": "x.jsonl"}),
+                         stored=2, cuda=True, budget=1 << 30, engine="static",
+                         prompt_tokens=10, rows=3)
+    assert wide.kv_cache == got.kv_cache * 8 // 3
 
 
 def test_a_shared_prefix_micro_batch_runs_one_packed_row_per_group(step):
