@@ -27,6 +27,14 @@ result written to ``gpu_check.json`` as soon as it is known (a timeout still lea
 ones); the whole run stops starting stages when ``--budget`` seconds are spent:
 
 - ``build``: the 3B model folder; the CUDA context's size (after a bf16 matmul) and the versions.
+- ``speed``: rollout decode at the shipped recipe's shape (16 prompts x G=8 = 128 rows, 448 px,
+  512 forced tokens), Hugging Face generate against the static engine (rollout.engine=static),
+  each case in its own process (benchmarks/decode_speed.py): 3B LoRA r=64, 3B full, 3B LoRA with
+  rollout.static.compile. Completion tokens/s, ms per decode step, the fraction of the memory
+  roofline (weights + the rows' live KV over a device copy's bandwidth measured in the stage).
+  Targets: LoRA at least 10x HF's tokens/s, 50% of the roofline. Then 2 GRPO steps of 3B LoRA
+  with the static engine: the seconds of each phase and the update's MFU (under 30%: profile it
+  next). ``--speed-cases`` runs some of the cases.
 - ``plan``: ``r1fit plan`` (r1fit.memory.planner.plan_memory) against the largest per-step
   ``torch.cuda.max_memory_allocated`` (r1fit's ``peak_memory_bytes``) of 2-step GRPO runs: 3B
   LoRA and 3B full fine-tuning, G=8, 448 px, 256-token completions, bf16. Compared: the plan's

