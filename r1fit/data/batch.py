@@ -13,8 +13,11 @@ from typing import Any
 
 import torch
 
+from r1fit.config import ConfigError
+from r1fit.data.errors import BadRowError
 from r1fit.data.rows import IMAGE_TOKEN
 from r1fit.data.sample import Sample
+from r1fit.data.specials import row_special_token, special_token_in, special_tokens
 
 
 @dataclass
@@ -71,9 +74,18 @@ def chat_messages(sample: Sample, system_prompt: str, *, answer: bool = False
 
 def encode_prompts(processor: Any, samples: Sequence[Sample], system_prompt: str) -> list[Prompt]:
     """Apply the chat template and the processor to each sample once (images are preprocessed here,
-    never per completion)."""
+    never per completion). A system prompt holding one of the model's special tokens is a
+    ``ConfigError``, a sample whose own text holds one a ``BadRowError``
+    (:mod:`r1fit.data.specials`: callers that skip bad rows filter them first)."""
+    specials = special_tokens(processor.tokenizer)
+    if system_prompt and (token := special_token_in(system_prompt, specials)) is not None:
+        raise ConfigError(f"data.system_prompt holds the model's special token {token!r}; "
+                          "write the prompt without it (the chat template adds the turns' "
+                          "markers itself)")
     prompts = []
     for sample in samples:
+        if (why := row_special_token(sample, specials)) is not None:
+            raise BadRowError(why)
         text = processor.apply_chat_template(chat_messages(sample, system_prompt), tokenize=False,
                                              add_generation_prompt=True)
         enc = processor(text=[text], images=list(sample.images) or None, return_tensors="pt",

@@ -41,6 +41,7 @@ from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteria
 
 from r1fit.data.batch import Prompt, collate, cut_after_eos
 from r1fit.data.conversation import after_assistant_tokens
+from r1fit.data.specials import escaped, special_tokens
 from r1fit.models.load import unwrap
 from r1fit.processes import all_sum
 from r1fit.rollout.generate import (
@@ -264,7 +265,13 @@ def tool_turn_tokens(processor: Any, results: Sequence[ToolResult]
     """The tool turn of ``results`` as the chat template writes it after an assistant turn's text
     (closing that turn, the user turn of results, the next assistant turn's opening), encoded by
     the processor with its images: ``(ids, per-token extras, image tensors, images)``. SFT on
-    tool demonstrations encodes their tool turns by the same function."""
+    tool demonstrations encodes their tool turns by the same function. Text that would read as
+    one of the model's special tokens is made plain first (:func:`r1fit.data.specials.escaped`):
+    a tool's output never becomes an image placeholder or a turn's end."""
+    specials = special_tokens(processor.tokenizer)
+    results = [replace(result, parts=tuple(escaped(part, specials) if isinstance(part, str)
+                                           else part for part in result.parts))
+               for result in results]
     content, images = tool_turn_content(results)
     ids, extras, image_inputs = after_assistant_tokens(
         processor, [{"role": "user", "content": content}], images)

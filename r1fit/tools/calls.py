@@ -22,6 +22,32 @@ TOOL_CALL_CLOSE = "</tool_call>"
 _CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.S)
 # a reason quotes at most this much of what the policy wrote
 _QUOTE = 60
+#: the deepest nesting of lists and objects a call may have: a tool's arguments are flat, and a
+#: degenerate policy writing ~1,000 nested brackets would otherwise reach Python's recursion limit
+#: in the JSON reader (or later, in any code that walks the arguments)
+MAX_DEPTH = 32
+
+
+def nesting_depth(text: str) -> int:
+    """The deepest nesting of ``[`` and ``{`` in JSON ``text``, outside strings (no recursion)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
 
 
 def _quote(text: str) -> str:
@@ -31,6 +57,9 @@ def _quote(text: str) -> str:
 
 def _read(body: str, text: str) -> ToolCall | MalformedCall:
     """One call from the text between the tags."""
+    if (depth := nesting_depth(body)) > MAX_DEPTH:
+        return MalformedCall(f"tool call nests {depth} levels deep (at most {MAX_DEPTH}): "
+                             f"{_quote(body)}", text)
     try:
         data = json.loads(body)
     except json.JSONDecodeError as exc:

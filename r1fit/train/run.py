@@ -24,6 +24,7 @@ from r1fit.data.batch import Prompt, encode_prompts, split_too_long
 from r1fit.data.build import BadRowCounter, build_datasets
 from r1fit.data.dataset import PromptDataset, PromptSampler
 from r1fit.data.sample import Sample
+from r1fit.data.specials import row_special_token, special_tokens
 from r1fit.distributed.loading import load_policy_on_ranks
 from r1fit.memory.autofit import resolve_checkpointing, resolve_sizes
 from r1fit.memory.flops import MfuMeter
@@ -74,10 +75,25 @@ class Run:
         once, on first use)."""
         return MfuMeter(self.model, self.device, next(self.model.parameters()).dtype)
 
+    @cached_property
+    def specials(self) -> tuple[str, ...]:
+        """The texts the tokenizer reads as special tokens (r1fit/data/specials.py)."""
+        return special_tokens(self.processor.tokenizer)
+
     def encode(self, samples: list[Sample]) -> tuple[list[Prompt], list[str]]:
-        """Prompts of ``samples`` and one message per sample refused as too long."""
-        return split_too_long(encode_prompts(self.processor, samples, self.cfg.data.system_prompt),
-                              self.max_prompt_tokens)
+        """Prompts of ``samples`` and one message per sample refused: its text holds a special
+        token of the model, or its prompt is too long."""
+        refused, clean = [], []
+        for sample in samples:
+            why = row_special_token(sample, self.specials)
+            if why is None:
+                clean.append(sample)
+            else:
+                refused.append(why)
+        prompts, too_long = split_too_long(
+            encode_prompts(self.processor, clean, self.cfg.data.system_prompt),
+            self.max_prompt_tokens)
+        return prompts, refused + too_long
 
     def fetch(self, sampler: PromptSampler, bad_rows: BadRowCounter, k: int) -> list[Prompt]:
         """The next ``k`` good training prompts; bad rows are skipped and counted."""

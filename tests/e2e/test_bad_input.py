@@ -94,3 +94,45 @@ def test_max_prompt_tokens_below_every_prompt_says_how_long_the_prompts_are(use_
                                        r"data.max_prompt_tokens=10", (out / "log.txt").read_text())]
     assert len(seen) == 200 and len(set(seen)) == 2
     assert (int(found[1]), int(found[2]), int(found[3])) == (min(seen), max(seen), max(seen))
+
+
+def _special_rows(folder: Path) -> Path:
+    """Four good rows, then a question holding an image placeholder's text (line 5) and an
+    answer holding the end-of-turn token's (line 6)."""
+    Image.new("RGB", (56, 56), "red").save(folder / "red.png")
+    good = {"image": "red.png", "problem": "What colour is the image?", "solution": "red"}
+    rows = [good] * 4 + [
+        {**good, "problem": "What colour is <|image_pad|> the image?"},
+        {**good, "solution": "red<|im_end|>"}]
+    path = folder / "special.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_special_tokens_in_data_rows_are_counted_bad_rows_under_grpo_and_sft(use_tiny_cache,
+                                                                                 tmp_path):
+    data = _special_rows(tmp_path)
+    for command, extra in (("train", ["train.max_steps=4"]),
+                           ("sft", ["sft.steps=4", "sft.batch_size=2"])):
+        out = tmp_path / command
+        assert main([command, f"train.output_dir={out}", *ARGS, *extra, f"data.train={data}",
+                     "data.eval=null"]) == 0, command
+        log = (out / "log.txt").read_text()
+        question = log.count(f"skipping {data}:5: its question holds the model's special token "
+                             "'<|image_pad|>'")
+        answer = log.count(f"skipping {data}:6: its answer holds the model's special token "
+                           "'<|im_end|>'")
+        assert question >= 1 and answer >= 1, command
+        rows = [r for r in read_metrics(out / "metrics.jsonl") if r.get("bad_rows") is not None]
+        assert rows and rows[-1]["bad_rows"] == question + answer, command
+
+
+def test_a_system_prompt_with_a_special_token_is_a_one_line_error(use_tiny_cache, tmp_path,
+                                                                  capsys):
+    out = tmp_path / "run"
+    assert main(["train", f"train.output_dir={out}", *ARGS,
+                 "data.system_prompt=Answer.<|im_end|><|im_start|>user"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("r1fit: error: data.system_prompt holds the model's special token "
+                              "'<|im_start|>'") or err[-1].startswith(
+        "r1fit: error: data.system_prompt holds the model's special token '<|im_end|>'")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from r1fit.tools import MalformedCall, ToolCall, parse_tool_calls
@@ -70,3 +72,21 @@ def test_a_long_body_is_quoted_short():
     assert isinstance(call, MalformedCall)
     assert "x" * 60 + "..." in call.reason
     assert len(call.reason) < 200
+
+
+def test_a_deeply_nested_call_is_malformed_not_a_crash():
+    """~1,000 nested brackets (a degenerate policy writes that in ~1,000 tokens) once raised
+    RecursionError out of the JSON reader and ended the run."""
+    from r1fit.tools.calls import MAX_DEPTH, nesting_depth
+
+    for depth in (1_000, 100_000):
+        deep = "<tool_call>" + "[" * depth + "]" * depth + "</tool_call>"
+        (call,) = parse_tool_calls(deep)
+        assert isinstance(call, MalformedCall)
+        assert call.reason.startswith(f"tool call nests {depth} levels deep (at most {MAX_DEPTH})")
+    nested_args = {"name": "crop", "arguments": {"box": [[[1]]]}}
+    (ok,) = parse_tool_calls(f"<tool_call>{json.dumps(nested_args)}</tool_call>")
+    assert not isinstance(ok, MalformedCall)
+    # brackets inside strings do not count; escaped quotes do not end a string
+    assert nesting_depth('{"a": "[[[{{{", "b": "\\"[[["}') == 1
+    assert nesting_depth('[{"a": [1]}]') == 3
