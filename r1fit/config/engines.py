@@ -10,14 +10,13 @@ from r1fit.config.values import ConfigError
 ENGINES = ("hf", "static", "vllm")
 
 
-def resolve_engine(setting: str, *, device_type: str, distributed: bool,
-                   tools: bool) -> tuple[str, str]:
+def resolve_engine(setting: str, *, device_type: str, distributed: bool) -> tuple[str, str]:
     """``(engine, why)``: ``setting`` itself, or for ``auto`` the fastest engine that runs here:
     vLLM where it is installed and the device is CUDA, else the static-cache engine on CUDA
-    (one process, no tools: what it does not run yet), else Hugging Face generate."""
+    (in one process: what it runs), else Hugging Face generate."""
     if setting in ENGINES:
         if setting == "static":
-            refuse_static(distributed=distributed, tools=tools)
+            refuse_static(distributed=distributed)
         return setting, "set"
     if setting != "auto":
         raise ConfigError(f"rollout.engine must be auto, {', '.join(ENGINES)}; got {setting!r}")
@@ -25,19 +24,14 @@ def resolve_engine(setting: str, *, device_type: str, distributed: bool,
         return "hf", f"on {device_type} (CUDA graphs and vLLM need a CUDA device)"
     if importlib.util.find_spec("vllm") is not None:
         return "vllm", "vLLM is installed and the device is CUDA"
-    if tools:
-        return "hf", "vLLM is not installed and the static engine does not run tool rollouts yet"
     if distributed:
         return "hf", ("vLLM is not installed and the static engine runs in one process only "
                       "(FSDP's gathered weights move every step)")
     return "static", "CUDA, vLLM not installed: the static-cache engine with CUDA graphs"
 
 
-def refuse_static(*, distributed: bool, tools: bool) -> None:
+def refuse_static(*, distributed: bool) -> None:
     """A one-line error for what ``rollout.engine=static`` does not run yet."""
-    if tools:
-        raise ConfigError("rollout.engine=static does not run tool rollouts yet: set "
-                          "rollout.engine=hf (or vllm) with tools")
     if distributed:
         raise ConfigError("rollout.engine=static runs in one process only (FSDP moves the "
                           "gathered weights every step): set rollout.engine=hf (or vllm) under "

@@ -480,10 +480,11 @@ class RolloutConfig:
         "auto", "What generates the rollouts: 'hf' (Hugging Face generate on the policy itself; "
         "no extra install, any device), 'static' (r1fit's engine on the policy itself: a static "
         "KV cache, the decode step replayed as CUDA graphs on CUDA, LoRA merged for generation; "
-        "one process, no tools yet; r1fit/rollout/static_engine.py), 'vllm' (one in-process "
+        "one process; with tools each turn prefills its rows' whole context; "
+        "r1fit/rollout/static_engine.py), 'vllm' (one in-process "
         "vLLM engine per training process, its weights synced from the policy before each "
         "rollout; pip install -e '.[vllm]'), or 'auto': vllm where it is installed and the device "
-        "is CUDA, else static on CUDA (hf with tools or several processes), else hf; the run log "
+        "is CUDA, else static on CUDA (hf under torchrun), else hf; the run log "
         "says which and why.")
     share_prefill: bool | Literal["auto"] = opt(
         "auto", "rollout.engine=hf: prefill each distinct prompt of a generation batch once (its "

@@ -189,12 +189,36 @@ def merged_adapters(model: Any, backups: dict[int, torch.Tensor]) -> Iterator[An
                 weight.copy_(backup)
 
 
-@dataclass
-class _Chunk:
-    """What a chunk's prefill leaves for its decode steps."""
+@dataclass(frozen=True)
+class Stop:
+    """A text that ends a row (a multi-turn rollout's ``</tool_call>``), as
+    :class:`r1fit.rollout.turns.StopAtToolCall` reads it: a row stops after the first token at
+    which the text of its last ``window`` tokens holds ``text``."""
 
-    rows: int
-    prompt_width: int  # P: the padded prompt columns; decode step s writes column P + s - 1
+    text: str
+    tokenizer: Any
+    window: int
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def first(self, tokens: list[int]) -> int | None:
+        """The number of tokens up to and including the one that completes the stop text, or
+        None: the first n whose last ``window`` tokens hold it (found by bisecting on the
+        prefixes, which hold it from that n on, then checked with the window)."""
+        if self.text not in self.decode(tokens):
+            return None
+        low, high = 1, len(tokens)
+        while low < high:
+            mid = (low + high) // 2
+            if self.text in self.decode(tokens[:mid]):
+                high = mid
+            else:
+                low = mid + 1
+        for n in range(low, len(tokens) + 1):  # a stop text longer than the window: go on
+            if self.text in self.decode(tokens[max(0, n - self.window):n]):
+                return n
+        return None
 
 
 class StaticDecoder:
@@ -242,9 +266,11 @@ class StaticDecoder:
     # --- buffers -------------------------------------------------------------------------------
 
     def _allocate(self, rows: int, length: int, prefill: DynamicCache) -> None:
-        """Static buffers for ``rows`` x ``length``, shaped like ``prefill``'s layers."""
+        """Static buffers for ``rows`` x ``length``, shaped like ``prefill``'s layers (the old
+        ones, and the graphs that read them, freed first)."""
         self._graphs.clear()
         self._pool = None
+        self.keys, self.values = [], []
         dev = self.device
         self.keys = [torch.zeros(rows, *layer.keys.shape[1:2], length, layer.keys.shape[3],
                                  dtype=layer.keys.dtype, device=dev) for layer in prefill.layers]
@@ -260,6 +286,7 @@ class StaticDecoder:
         self.row_of = torch.zeros(rows, dtype=torch.long, device=dev)  # slot -> chunk row
         self.current = torch.zeros(rows, dtype=torch.long, device=dev)
         self.done = torch.zeros(rows, dtype=torch.bool, device=dev)
+        self.limits = torch.zeros(rows, dtype=torch.long, device=dev)  # each row's most tokens
         self.out = torch.zeros(rows, length, dtype=torch.long, device=dev)  # by chunk row
         self.capacity, self.length = rows, length
         log.info("rollout.engine=static: KV cache of %d rows x %d columns (%.1f MiB)", rows,
@@ -345,10 +372,12 @@ class StaticDecoder:
         return sample_rows(logits, uniforms, settings.temperature, settings.top_p)
 
     def _record(self, token: torch.Tensor, rows: int, out: torch.Tensor) -> None:
-        """Write step ``self.counter``'s tokens: the next input, the output, the finished flags."""
+        """Write step ``self.counter``'s tokens: the next input, the output, the finished flags
+        (an end-of-sequence token, or the row's limit reached)."""
         self.current[:rows].copy_(token)
         out.index_put_((self.row_of[:rows], self.counter.expand(rows)), token)
         self.done[:rows] |= (token.unsqueeze(-1) == self._eos).any(dim=-1)
+        self.done[:rows] |= self.counter + 1 >= self.limits[:rows]
 
     def _step(self, model: Any, rows: int, settings: SamplingSettings, out: torch.Tensor) -> None:
         """One decode step on the first ``rows`` rows, all on the device: feed step s-1's token
@@ -408,16 +437,24 @@ class StaticDecoder:
         order = torch.cat([torch.nonzero(~self.done[:rows]).flatten(),
                            torch.nonzero(self.done[:rows]).flatten()])[:bucket]
         for buffer in (*self.keys, *self.values, self.mask, self.positions, self.seeds,
-                       self.row_of, self.current, self.done):
+                       self.row_of, self.current, self.done, self.limits):
             buffer[:bucket] = buffer[:rows].index_select(0, order)
 
     # --- the whole generation ------------------------------------------------------------------
 
     @torch.no_grad()
     def generate(self, rows: Sequence[Prompt], *, seeds: Sequence[int] | None,
-                 batch_size: int, settings: SamplingSettings) -> list[torch.Tensor]:
+                 batch_size: int, settings: SamplingSettings,
+                 limits: Sequence[int] | None = None, stop: Stop | None = None
+                 ) -> list[torch.Tensor]:
         """One completion per row, in row order, each cut after its EOS (the contract of
-        ``generate_completions``: greedy takes ``seeds=None``, sampling one seed per row)."""
+        ``generate_completions``: greedy takes ``seeds=None``, sampling one seed per row).
+        ``limits``: row i's most tokens (default ``settings.max_new_tokens`` for all);
+        ``stop``: a text that ends a row where it first appears (a multi-turn rollout's
+        ``</tool_call>``), checked by the host every ``sync_every`` steps and cut exactly
+        after."""
+        if limits is not None and len(limits) != len(rows):
+            raise ValueError(f"{len(rows)} rows, {len(limits)} limits")
         if settings.greedy and seeds is not None:
             raise ValueError("greedy generation takes seeds=None")
         if not settings.greedy and (seeds is None or len(seeds) != len(rows)):
@@ -443,17 +480,21 @@ class StaticDecoder:
                 for start in range(0, len(rows), batch_size):
                     chunk = rows[start:start + batch_size]
                     chunk_seeds = None if seeds is None else seeds[start:start + batch_size]
+                    chunk_limits = [settings.max_new_tokens] * len(chunk) if limits is None \
+                        else [min(int(x), settings.max_new_tokens)
+                              for x in limits[start:start + batch_size]]
                     # the transformers model itself: peft's wrapper adds only Python per call
                     # (its adapters are merged and off inside the block)
                     completions.extend(self._chunk(unwrap(generator), chunk, chunk_seeds,
-                                                   batch_size, settings))
+                                                   batch_size, settings, chunk_limits, stop))
         finally:
             model.train(was_training)
         return completions
 
     def _chunk(self, model: Any, rows: Sequence[Prompt], seeds: Sequence[int] | None,
-               batch_size: int, settings: SamplingSettings) -> list[torch.Tensor]:
-        n, steps = len(rows), settings.max_new_tokens
+               batch_size: int, settings: SamplingSettings, limits: Sequence[int],
+               stop: Stop | None) -> list[torch.Tensor]:
+        n, steps = len(rows), max(limits)
         logits, prefill, batch, index, start = self._prefill(model, rows)
         width = int(batch["attention_mask"].shape[1])
         need = width + steps
@@ -474,6 +515,7 @@ class StaticDecoder:
         self.base.fill_(width - 1)
         self.row_of[:n] = torch.arange(n, device=dev)
         self.done.zero_()
+        self.limits[:n] = torch.tensor(list(limits), dtype=torch.long, device=dev)
         if seeds is not None:
             self.seeds[:n] = torch.tensor([int(s) for s in seeds], dtype=torch.long, device=dev)
         out = self.out
@@ -487,6 +529,8 @@ class StaticDecoder:
             else:
                 self._step(model, live, settings, out)
             if step % self.sync_every == 0 and step < steps - 1:
+                if stop is not None:  # the host reads the rows' newest text for the stop
+                    self._mark_stopped(stop, live, step + 1)
                 running = int((~self.done[:live]).sum())  # the one host sync per sync_every
                 if running == 0:
                     break
@@ -495,7 +539,23 @@ class StaticDecoder:
                     self._compact(live, bucket)
                     live = bucket
         tokens = out[:n, :steps].cpu()
-        return [cut_after_eos(row, self.ids.eos) for row in tokens]
+        cut = [row[:limit] for row, limit in zip(tokens, limits, strict=True)]
+        if stop is not None:
+            cut = [row[:at] if (at := stop.first(row.tolist())) is not None else row
+                   for row in cut]
+        return [cut_after_eos(row, self.ids.eos) for row in cut]
+
+    def _mark_stopped(self, stop: Stop, live: int, made: int) -> None:
+        """Set the finished flag of every running row whose last tokens hold the stop text
+        (``made`` tokens generated so far)."""
+        slots = torch.nonzero(~self.done[:live]).flatten().tolist()
+        if not slots:
+            return
+        rows = self.row_of[:live].tolist()
+        tail = self.out[:, max(0, made - self.sync_every - stop.window):made].cpu()
+        hits = [slot for slot in slots if stop.text in stop.decode(tail[rows[slot]].tolist())]
+        if hits:
+            self.done[torch.tensor(hits, device=self.device)] = True
 
     def _bind(self, model: Any, settings: SamplingSettings) -> None:
         """Drop the captured graphs when what they captured changed: the weights' addresses, the

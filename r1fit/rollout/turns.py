@@ -2,7 +2,7 @@
 writes ``</tool_call>`` or ends, r1fit runs the calls, appends their results as a tool turn and the
 policy goes on, up to the budgets (docs/tools.md). GRPO runs it through
 :func:`generate_trajectories` when ``tools`` are configured; the engines give the turn function
-(``hf_generate_turn`` here, the vLLM engine's ``generate_turn``).
+(``hf_generate_turn`` and ``static_generate_turn`` here, the vLLM engine's ``generate_turn``).
 
 A :class:`Trajectory` holds the token ids of the whole conversation after the prompt, the ids the
 policy sampled kept as sampled (re-tokenizing decoded text need not give them back) and each tool
@@ -52,6 +52,7 @@ from r1fit.rollout.generate import (
     row_seeds,
 )
 from r1fit.rollout.record import Rollout
+from r1fit.rollout.static_engine import StaticDecoder, Stop
 from r1fit.tools import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
@@ -255,6 +256,22 @@ def hf_generate_turn(model: Any, tokenizer: Any, settings: SamplingSettings, ids
         # a row finished early is padded up to the batch's longest turn: cut where it stopped
         return [cut_after_eos(row[:stop.stops[i] if stop.stops[i] is not None else len(row)],
                               ids.eos) for i, row in enumerate(new)]
+
+    return generate
+
+
+def static_generate_turn(decoder: StaticDecoder, tokenizer: Any,
+                         settings: SamplingSettings) -> GenerateTurn:
+    """One turn of all open rows on the static engine (``settings.max_new_tokens`` replaced by
+    the rows' largest limit), each row stopped as :class:`StopAtToolCall` stops it. Every turn
+    prefills its rows' whole contexts (the cache is not kept across turns yet)."""
+    stop = Stop(TOOL_CALL_CLOSE, tokenizer, STOP_WINDOW)
+
+    def generate(rows: Sequence[Prompt], seeds: Sequence[int] | None,
+                 limits: Sequence[int]) -> list[torch.Tensor]:
+        return decoder.generate(rows, seeds=seeds, batch_size=max(len(rows), 1),
+                                settings=replace(settings, max_new_tokens=max(limits)),
+                                limits=limits, stop=stop)
 
     return generate
 

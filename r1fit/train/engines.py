@@ -2,7 +2,7 @@
 
 ``hf``: Hugging Face ``generate`` on the policy itself (FSDP units gathered for the block).
 ``static``: r1fit's static-cache engine on the policy itself (:mod:`r1fit.rollout.static_engine`:
-CUDA graphs on CUDA, LoRA merged for generation); one process, no tools.
+CUDA graphs on CUDA, LoRA merged for generation); one process.
 ``vllm``: one colocated vLLM engine per process; the policy's weights are streamed into it before
 the first rollout after each update, and it sleeps (CUDA) while the policy trains.
 Both sample row i with seed ``row_seeds(...)[i]``, each with its own sampler, so the two engines
@@ -28,7 +28,7 @@ from r1fit.report.metrics import timed
 from r1fit.rollout.generate import SamplingSettings, generate_completions
 from r1fit.rollout.prefill import PrefillSharing
 from r1fit.rollout.static_engine import StaticDecoder
-from r1fit.rollout.turns import Trajectory, hf_generate_turn
+from r1fit.rollout.turns import Trajectory, hf_generate_turn, static_generate_turn
 from r1fit.rollout.vllm_engine import EngineSpec, RolloutEngineError, VllmEngine
 from r1fit.train.run import Run
 from r1fit.train.tool_rollouts import ToolTurns
@@ -127,10 +127,12 @@ class HFRollouts:
 
 
 class StaticRollouts(HFRollouts):
-    """Rollouts and evaluation on the static-cache engine (one process, no tools)."""
+    """Rollouts and evaluation on the static-cache engine (one process); with ``tools``, each
+    turn of the open rows one engine call (their contexts prefilled whole each turn)."""
 
-    def __init__(self, run: Run, settings: SamplingSettings) -> None:
-        super().__init__(run, settings)
+    def __init__(self, run: Run, settings: SamplingSettings,
+                 tools: ToolTurns | None = None) -> None:
+        super().__init__(run, settings, tools)
         static = run.cfg.rollout.static
         self.decoder = StaticDecoder(run.model, run.ids, run.device, graphs=static.cuda_graphs,
                                      sync_every=static.sync_every, compile=static.compile)
@@ -144,6 +146,12 @@ class StaticRollouts(HFRollouts):
         settings = SamplingSettings(max_new_tokens=self.settings.max_new_tokens, greedy=True)
         return self.decoder.generate(prompts, seeds=None, batch_size=self.run.cfg.eval.batch,
                                      settings=settings)
+
+    def _turns(self, settings: SamplingSettings, rows: Sequence[Prompt],
+               seeds: Sequence[int] | None, batch_size: int) -> list[Trajectory]:
+        assert self.tools is not None
+        turn = static_generate_turn(self.decoder, self.run.processor.tokenizer, settings)
+        return self.tools.run_rows(turn, rows, seeds, batch_size, evaluation=seeds is None)
 
 
 class VllmRollouts:
@@ -229,10 +237,10 @@ def rollout_engine(run: Run, settings: SamplingSettings,
     """The engine ``rollout.engine`` names, ready for the run's first rollout; with ``tools``,
     for multi-turn rollouts."""
     name, why = resolve_engine(run.cfg.rollout.engine, device_type=run.device.type,
-                               distributed=run.world.distributed, tools=tools is not None)
+                               distributed=run.world.distributed)
     log.info("rollout.engine=%s%s", name, "" if why == "set" else f" (auto: {why})")
     if name == "vllm":
         return VllmRollouts(run, settings, tools)
     if name == "static":
-        return StaticRollouts(run, settings)
+        return StaticRollouts(run, settings, tools)
     return HFRollouts(run, settings, tools)

@@ -58,7 +58,7 @@ def same_run():
 # the child processes of tests/e2e/test_kill.py, whose PYTHONPATH holds the folder.
 TOOL_PLUGINS = {
     "toolpolicy.py": '''
-"""GRPO's engines (HF and vLLM) with the tiny model, except that in its first turn a row writes
+"""GRPO's engines (HF, static and vLLM) with the tiny model, except that in its first turn a row writes
 CALL when its seed is even (every row when greedy). The later turns are the model's own, generated from
 contexts that hold the tool's image."""
 import torch
@@ -86,11 +86,15 @@ def scripted(model_turn, tokenizer):
 
 
 def install(setattr=setattr):
-    """Script both engines' turns: the HF turn function and the vLLM engine's."""
+    """Script the engines' turns: the HF and static turn functions and the vLLM engine's."""
     real_hf, real_vllm = engines.hf_generate_turn, VllmEngine.generate_turn
+    real_static = engines.static_generate_turn
 
     def make(model, tokenizer, settings, ids, device):
         return scripted(real_hf(model, tokenizer, settings, ids, device), tokenizer)
+
+    def make_static(decoder, tokenizer, settings):
+        return scripted(real_static(decoder, tokenizer, settings), tokenizer)
 
     def vllm_turn(self, rows, seeds, limits, **keywords):
         def model_turn(rows_, seeds_, limits_):
@@ -99,6 +103,7 @@ def install(setattr=setattr):
         return scripted(model_turn, self.llm.get_tokenizer())(rows, seeds, limits)
 
     setattr(engines, "hf_generate_turn", make)
+    setattr(engines, "static_generate_turn", make_static)
     setattr(VllmEngine, "generate_turn", vllm_turn)
 ''',
     "sitecustomize.py": "import toolpolicy\n\ntoolpolicy.install()\n",

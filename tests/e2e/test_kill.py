@@ -157,19 +157,6 @@ def test_sigkill_and_resume_with_dynamic_sampling(use_tiny_cache, reward_plugin,
     same_run(straight, killed)
 
 
-def test_sigkill_and_resume_with_the_static_engine(use_tiny_cache, reward_plugin, same_run,
-                                                   tmp_path):
-    """rollout.engine=static (eager on CPU): killed at random moments and resumed, the run
-    equals an uninterrupted one."""
-    static = ["rollout.engine=static"]
-    straight = tmp_path / "straight"
-    training = run_straight(straight, reward_plugin, *static)
-    assert "rollout.engine=static" in (straight / "log.txt").read_text()
-    killed = tmp_path / "killed"
-    kill_at_random_rows(killed, reward_plugin, straight, training, *static)
-    same_run(straight, killed)
-
-
 @pytest.mark.vllm
 def test_sigkill_and_resume_with_the_vllm_engine(hd32_dir, use_tiny_cache, vllm_installed,
                                                   reward_plugin, same_run, tmp_path):

@@ -17,11 +17,13 @@ TOOLS = ["train.prompts_per_step=2", "algo.num_generations=4", "algo.max_new_tok
          "rewards.format=0.5", "sft.format_warmup_steps=0"]
 
 
+@pytest.mark.parametrize("engine", ["hf", "static"])
 def test_grpo_runs_the_tool_and_rewards_see_its_calls(use_tiny_cache, tool_calling_policy,
-                                                      tmp_path):
+                                                      tmp_path, engine):
     out = tmp_path / "run"
     assert main(["train", f"train.output_dir={out}", "train.max_steps=3", "eval.every=3",
-                 *TOOLS]) == 0
+                 f"rollout.engine={engine}", *TOOLS]) == 0
+    assert f"rollout.engine={engine}" in (out / "log.txt").read_text()
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward_mean" in r]
     assert len(rows) == 3
     calls_before = 0.0

@@ -299,7 +299,8 @@ class FirstTurns:
         free = [i for i, tokens in enumerate(out) if tokens is None]
         if free:
             self.batches.append(len(free))
-            made = self.model_turn([rows[i] for i in free], [seeds[i] for i in free],
+            made = self.model_turn([rows[i] for i in free],
+                                   None if seeds is None else [seeds[i] for i in free],
                                    [limits[i] for i in free])
             for i, tokens in zip(free, made, strict=True):
                 out[i] = tokens
@@ -411,3 +412,66 @@ def test_a_trajectory_row_is_scored_as_its_whole_conversation(tiny_dir, float64_
                                        atol=1e-5)
     tool_tokens = masks[0] == 0
     assert tool_tokens.sum() > 4 and torch.all(per_row[0, :trajectories[0].length][tool_tokens] == 0)
+
+
+def test_the_static_engine_gives_hfs_trajectories(tiny):
+    """Greedy, with tools: the scripted first turns call crop and zoom, the model writes its
+    second turn on the grown contexts (two images each), once with HF generate and once with
+    the static engine (each turn prefilled whole): the same trajectories token for token."""
+    from r1fit.rollout.static_engine import StaticDecoder
+    from r1fit.rollout.turns import static_generate_turn
+
+    model, processor, ids, prompts = tiny
+    settings = SamplingSettings(max_new_tokens=40, greedy=True)
+    scripts = {prompts[0].sample.source: [CROP],
+               prompts[1].sample.source: [call("zoom", x=0.3, y=0.6, factor=2)],
+               prompts[2].sample.source: [call("zoom", x=0.9, y=0.1, factor=4)]}
+    out = {}
+    for name, turn in (("hf", hf_generate_turn(model, processor.tokenizer, settings, ids, CPU)),
+                       ("static", static_generate_turn(StaticDecoder(model, ids, CPU),
+                                                       processor.tokenizer, settings))):
+        policy = FirstTurns(turn, processor.tokenizer, scripts)
+        out[name] = run_trajectories(policy, processor, prompts, None, runner(),
+                                     budgets(max_new_tokens=40), eos=ids.eos)
+    assert [t.num_turns for t in out["hf"]] == [2, 2, 2]
+    for hf, static in zip(out["hf"], out["static"], strict=True):
+        assert torch.equal(hf.token_ids, static.token_ids)
+        assert torch.equal(hf.policy_mask, static.policy_mask)
+        assert hf.ended == static.ended
+
+
+def test_the_static_engine_stops_rows_where_hfs_rule_does(tiny):
+    """Forced tokens through the blocked list are not possible, so the stop rule is checked on
+    the text: a row whose tokens write a call stops right after ``</tool_call>``; per-row limits
+    cut the others."""
+    from r1fit.rollout.static_engine import Stop
+    from r1fit.rollout.turns import STOP_WINDOW
+
+    _, processor, _, _ = tiny
+    tok = processor.tokenizer
+    stop = Stop("</tool_call>", tok, STOP_WINDOW)
+    text_ids = tok(CROP + " and more words after the call", add_special_tokens=False)["input_ids"]
+    closed = len(tok(CROP, add_special_tokens=False)["input_ids"])
+    assert stop.first(text_ids) == closed
+    assert stop.first(text_ids[:closed - 1]) is None
+    assert stop.first(tok("no call here", add_special_tokens=False)["input_ids"]) is None
+    # the same place StopAtToolCall stops a generate call at
+    width = len(text_ids)
+    hf = StopAtToolCall(tok, 0, [width])
+    for n in range(1, width + 1):
+        hf(torch.tensor([text_ids[:n]]), None)
+    assert hf.stops == [closed]
+
+
+def test_the_static_engine_keeps_each_rows_limit(tiny):
+    from r1fit.rollout.static_engine import StaticDecoder
+
+    model, _, ids, prompts = tiny
+    settings = SamplingSettings(max_new_tokens=12, greedy=True)
+    no_eos = TokenIds(pad=ids.pad, eos=ids.eos, blocked=[*ids.blocked, *ids.eos])
+    engine = StaticDecoder(model, no_eos, CPU, sync_every=2)
+    limited = engine.generate(prompts, seeds=None, batch_size=3, settings=settings,
+                              limits=[3, 12, 7])
+    assert [len(c) for c in limited] == [3, 12, 7]
+    whole = engine.generate(prompts, seeds=None, batch_size=3, settings=settings)
+    assert all(torch.equal(a, b[:len(a)]) for a, b in zip(limited, whole))
