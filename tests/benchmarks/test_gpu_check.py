@@ -130,7 +130,9 @@ def test_the_resume_and_detcost_stages_wire_the_doctors_runs(monkeypatch, tmp_pa
 
 
 def test_the_smoke_runs_every_stage_with_numbers(tmp_path, capsys):
-    status = gc.main(["--cpu-smoke", "--out", str(tmp_path), "--only", *SMOKED])
+    # the compiled speed case (torch.compile: ~25 s on CPU) is tested in tests/rollout
+    status = gc.main(["--cpu-smoke", "--out", str(tmp_path), "--only", *SMOKED,
+                      "--speed-cases", "3b-lora", "3b-full", "step"])
     printed = capsys.readouterr().out
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     # every target the smoke holds is met: OOM recovery, auto-fit (the
@@ -156,6 +158,13 @@ def test_the_smoke_runs_every_stage_with_numbers(tmp_path, capsys):
     assert sft["error"] == sft["plan_update_allocated"] / sft["measured_bytes"] - 1
     assert [v["name"] for v in stages["numerics"]["data"]["verdicts"]] == ["shared prompt",
                                                                            "shared prefill"]
+    speed = stages["speed"]["data"]  # both engines timed on the same rows, forced lengths
+    for name in ("3b-lora", "3b-full"):
+        assert speed[name]["hf"]["tokens_per_second"] > 0
+        assert speed[name]["static"]["tokens_per_second"] > 0
+        assert speed[name]["static"]["graphs"] is False  # CPU: eager
+    assert speed["3b-lora-step"]["seconds_generate"] > 0
+    assert speed["3b-lora-step"]["engine_lines"][0] == "rollout.engine=static"
     for stage in SMOKED:
         assert stage in printed
     assert "==== r1fit" not in printed and (tmp_path / "gpu_check.log").stat().st_size > 0

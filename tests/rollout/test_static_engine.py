@@ -67,6 +67,18 @@ def test_greedy_equals_hf_generate(family, builtin_folder, tiny_dir):
     assert not any(t.requires_grad for t in (engine.current, engine.out, *engine.keys))
 
 
+def test_the_compiled_decode_step_gives_the_eager_tokens(tiny):
+    """rollout.static.compile: the decode forward through torch.compile (on CPU without graphs)
+    gives the eager step's greedy tokens."""
+    model, ids, rows = tiny
+    settings = SamplingSettings(max_new_tokens=6, greedy=True)
+    eager = StaticDecoder(model, ids, CPU).generate(rows[:4], seeds=None, batch_size=4,
+                                                    settings=settings)
+    compiled = StaticDecoder(model, ids, CPU, compile=True)
+    assert _same(compiled.generate(rows[:4], seeds=None, batch_size=4, settings=settings), eager)
+    assert compiled._compiled is not None
+
+
 def test_sampled_row_depends_on_its_seed_only(tiny):
     model, ids, rows = tiny
     settings = SamplingSettings(max_new_tokens=16, temperature=1.0, top_p=0.95)
