@@ -38,11 +38,11 @@ The ``accuracy`` reward compares the completion's last ``<answer>`` with the sol
 row's method, ``info["reward_method"]`` (``data.reward_method``, or the row's own
 ``accu_reward_method`` column as in VLM-R1; ``default`` when absent):
 
-- ``default``: normalised answers equal, or math-verify (when installed) shows them equal; 0/1.
+- ``default``: normalised answers equal, or math-verify (a dependency) shows them equal; 0/1.
 - ``mcq``: the same option letter ("B", "(b)", "B. Paris", "The answer is B"); 0/1.
 - ``yes_no``: the same whole word yes/no ("I don't know" says neither); 0/1.
 - ``numeric``: the same number ("3.0" == "3", "1,000" == "1000"); 0/1.
-- ``math``: as ``default``, but math-verify must be installed (``pip install -e '.[math]'``).
+- ``math``: as ``default``, but refused at start where math-verify is missing.
 - ``fuzzy``: partial credit, the similarity ratio in [0, 1] of the normalised answers.
 - ``iou``: partial credit, the IoU of the answers' first ``[x1, y1, x2, y2]`` boxes (as the ``iou``
   reward); ``builtin:shapes`` box questions use it.

@@ -5,7 +5,8 @@ into the row and the ``accuracy`` reward scores each completion by it. Every met
 completion's LAST ``<answer>...</answer>`` with the solution's answer (tagged or bare):
 
 - ``default``: 1.0 if the normalised answers are equal (:func:`r1fit.rewards.answer.normalize`),
-  else 1.0 if math-verify (when installed) shows them equal, else 0.0.
+  else 1.0 if math-verify (a dependency; warned about once where missing) shows them equal,
+  else 0.0.
 - ``mcq``: 1.0 if both name the same option letter (:func:`read_choice`).
 - ``yes_no``: 1.0 if both say the same yes/no (:func:`read_yes_no`).
 - ``numeric``: 1.0 if both are the same number (:func:`read_number`), else 0.0.
@@ -41,6 +42,7 @@ Departures from VLM-R1 (``grpo_jsonl.py``), on purpose:
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import re
 import threading
@@ -51,6 +53,8 @@ from typing import Any
 from r1fit.errors import R1fitError
 from r1fit.rewards.answer import extract_answer, normalize
 from r1fit.rewards.iou import answers_iou
+
+log = logging.getLogger("r1fit.rewards")
 
 __all__ = [
     "MATH_VERIFY_TIMEOUT_S",
@@ -249,6 +253,10 @@ _NOT_BUILT_IN = {
 }
 
 
+#: whether the missing-math-verify warning was given (once per process)
+_WARNED: list[str] = []
+
+
 def check_method(name: str) -> None:
     """Raise :class:`RewardConfigError` (one line) unless ``name`` is a method r1fit can score.
 
@@ -263,8 +271,14 @@ def check_method(name: str) -> None:
         )
     if name == "math" and _math_verify() is None:
         raise RewardConfigError(
-            "accuracy method 'math' needs math-verify: pip install -e '.[math]'"
+            "accuracy method 'math' needs math-verify: pip install math-verify (a dependency "
+            "of r1fit; missing only in a hand-made environment)"
         )
+    if name == "default" and _math_verify() is None and not _WARNED:
+        _WARNED.append(name)
+        log.warning("math-verify is not installed: accuracy method 'default' scores exact "
+                    "matches only ('1/2' against '0.5' is wrong); pip install math-verify (a "
+                    "dependency of r1fit, missing only in a hand-made environment)")
 
 
 def score_by_method(method: str, completion: str, solution: str) -> float:

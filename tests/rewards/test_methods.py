@@ -205,7 +205,8 @@ class TestCheckMethod:
 
     def test_math_without_math_verify(self, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(methods, "_math_verify", lambda: None)
-        message = "accuracy method 'math' needs math-verify: pip install -e '.[math]'"
+        message = ("accuracy method 'math' needs math-verify: pip install math-verify (a "
+                   "dependency of r1fit; missing only in a hand-made environment)")
         with pytest.raises(RewardConfigError) as excinfo:
             check_method("math")
         assert str(excinfo.value) == message
@@ -264,3 +265,17 @@ class TestDispatch:
         torch.testing.assert_close(result.total, accuracy_scores + 0.5 * long_scores)
         assert result.errors_by_reward == {"accuracy": 1, "old_rewards_plugin:is_long": 0}
         assert "unknown accuracy method 'nope'" in (result.first_error or "")
+
+
+def test_default_without_math_verify_warns_once_and_math_refuses(monkeypatch, caplog):
+    from r1fit.rewards import methods
+
+    monkeypatch.setattr(methods, "_math_verify", lambda: None)
+    monkeypatch.setattr(methods, "_WARNED", [])
+    with caplog.at_level("WARNING", logger="r1fit.rewards"):
+        methods.check_method("default")
+        methods.check_method("default")
+    warned = [r.getMessage() for r in caplog.records if "math-verify is not installed" in r.message]
+    assert len(warned) == 1 and "exact matches only" in warned[0]
+    with pytest.raises(methods.RewardConfigError, match="'math' needs math-verify"):
+        methods.check_method("math")
