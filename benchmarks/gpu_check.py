@@ -340,6 +340,10 @@ def stage_build(args: argparse.Namespace, work: Path) -> StageResult:
 SPEED_GPU = {"prompts": 16, "generations": 8, "image_size": 448, "new_tokens": 512, "hf_tokens": 64}
 SPEED_SMOKE = {"prompts": 2, "generations": 2, "image_size": 56, "new_tokens": 8, "hf_tokens": 4}
 SPEEDUP_TARGET, ROOFLINE_TARGET, MFU_NOTE = 10.0, 0.5, 0.30
+#: the speed stage's GRPO run: step 2 is timed, step 3 profiled (report.profile_step)
+SPEED_STEPS = 3
+#: the profile's rows copied into the stage's result
+PROFILE_LINES = 30
 #: the speed stage's cases, in order: (name, LoRA, torch.compile, time cap on a GPU); ``step``
 #: is the whole GRPO step with the static engine
 SPEED_DECODE = (("3b-lora", True, False, 120), ("3b-full", False, False, 90),
@@ -352,7 +356,8 @@ def speed_values(args: argparse.Namespace) -> list[str]:
     at the recipe's rollout shape, all 128 rows in one generation batch, 2 steps."""
     shape = SPEED_SMOKE if args.cpu_smoke else SPEED_GPU
     return [*overrides(args, "3b", lora=True, generations=shape["generations"],
-                       new_tokens=shape["new_tokens"], image_size=shape["image_size"]),
+                       new_tokens=shape["new_tokens"], image_size=shape["image_size"],
+                       steps=SPEED_STEPS), f"report.profile_step={SPEED_STEPS}",
             f"train.prompts_per_step={shape['prompts']}",
             f"memory.generation_batch={shape['prompts'] * shape['generations']}",
             "memory.micro_batch=8", "rollout.engine=static",
@@ -415,13 +420,18 @@ def stage_speed(args: argparse.Namespace, work: Path) -> StageResult:
         log_run_tails(work / "step")
         result.add("speed 3b-lora GRPO step (static engine)", f"FAILED: {exc}", "runs", False)
         return result
-    last = run.rows[-1]
+    last = run.rows[SPEED_STEPS - 2]  # step 2: warm, not profiled
     step = {k: float(last[k]) for k in ("seconds_generate", "seconds_score", "seconds_update",
                                          "tokens_per_second", "mfu") if last.get(k) is not None}
     step["seconds_step"] = sum(step.get(k, 0.0) for k in ("seconds_generate", "seconds_score",
                                                           "seconds_update"))
     step["peak_allocated_bytes"] = run.peak()
     step["engine_lines"] = run.lines("rollout.engine=")
+    profile = work / "step" / f"profile-step-{SPEED_STEPS}.txt"
+    step["profile"] = (profile.read_text().splitlines()[:PROFILE_LINES + 4]
+                       if profile.is_file() else None)
+    if step["profile"]:
+        say("\n".join(step["profile"]))
     result.data["3b-lora-step"] = step
     result.add("speed 3b-lora GRPO step (static engine)",
                f"step {last['step']}: generate {step['seconds_generate']:.2f} s, score "

@@ -285,7 +285,7 @@ def run_one(args: argparse.Namespace) -> int:
 
 def run_prepare(args: argparse.Namespace) -> int:
     """``--prepare``: build a built-in model (in a process of its own, so no measured run pays for
-    it), check vLLM's version and the device; prints the model folder."""
+    it), check vLLM's version (when it is compared) and the device; prints the model folder."""
     import torch
 
     from r1fit.models.load import resolve_model_path
@@ -299,7 +299,8 @@ def run_prepare(args: argparse.Namespace) -> int:
     folder = resolve_model_path(args.model)
     if not Path(folder).is_dir():
         raise BenchmarkError(f"--model {args.model}: not a local folder (download it first)")
-    import_vllm()
+    if "vllm" in args.engines:
+        import_vllm()
     print_result(NAME, {"folder": str(Path(folder).resolve())})
     return 0
 
@@ -322,7 +323,7 @@ def child_command(args: argparse.Namespace, model: str, *mode: str) -> list[str]
             "--device", args.device, "--threads", str(args.threads),
             "--kv-cache-mib", str(args.kv_cache_mib),
             "--generation-batch", str(args.generation_batch), "--seed", str(args.seed),
-            *(["--allow-eos"] if args.allow_eos else [])]
+            "--engines", *args.engines, *(["--allow-eos"] if args.allow_eos else [])]
 
 
 def measure(args: argparse.Namespace, folder: str, engine: str, g: int, length: int

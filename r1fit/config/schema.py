@@ -561,6 +561,11 @@ class ReportConfig:
                               "rollout browser (0 = never).", ge=0)
     every: int = opt(0, "Also rewrite <output_dir>/report.html every N GRPO steps (0 = only at the "
                      "end of training; `r1fit report RUN_DIR` writes it at any time).", ge=0)
+    profile_step: int = opt(
+        0, "Profile GRPO step N with torch.profiler (CPU, and CUDA kernels on a GPU) and write "
+        "<output_dir>/profile-step-N.txt: the operators and kernels by total time, and the "
+        "phases (r1fit/generate, r1fit/score, r1fit/update) as rows of their own. The profiled "
+        "step runs slower than the others (0 = off).", ge=0)
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from r1fit.processes import all_sum
 from r1fit.progress import progress_bar
 from r1fit.report.html import LiveReport
 from r1fit.report.metrics import timed
+from r1fit.report.profile import step_profile
 from r1fit.report.step import step_metrics
 from r1fit.rewards.registry import RewardScorer
 from r1fit.rng import RngState
@@ -145,9 +146,11 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
                     engine.updated()
                 return draws, rollout, updates
 
-            draws, rollout, updates = guard.run_step(
-                attempt, restore=[rng, scorer, sampler, bad_rows,
-                                  *([tools.totals] if tools is not None else [])])
+            with step_profile(cfg.report.profile_step, step, run.out, run.device,
+                              main=run.world.main):
+                draws, rollout, updates = guard.run_step(
+                    attempt, restore=[rng, scorer, sampler, bad_rows,
+                                      *([tools.totals] if tools is not None else [])])
             if rollout is None:
                 log.warning("step %d: all %d groups of the %d batches drawn have all-equal rewards "
                             "(algo.max_resample_batches); no update this step", step,

@@ -36,9 +36,14 @@ def step_rows(out: Path) -> list[dict]:
 
 def test_grpo_three_steps_full_finetuning(use_tiny_cache, tmp_path):
     out = tmp_path / "run"
-    assert run_cli("train", f"train.output_dir={out}", *SMALL, "algo.beta=0") == 0
+    assert run_cli("train", f"train.output_dir={out}", *SMALL, "algo.beta=0",
+                   "report.profile_step=2") == 0
     rows = step_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
+    # step 2 profiled: the table has the phases as rows of their own, and the operators
+    table = (out / "profile-step-2.txt").read_text()
+    assert all(f"r1fit/{phase}" in table for phase in ("generate", "score", "update"))
+    assert "aten::" in table and not (out / "profile-step-1.txt").exists()
     for row in rows:
         assert STEP_KEYS <= set(row), STEP_KEYS - set(row)
         assert row["kl"] is None  # beta = 0: no reference model, no KL
