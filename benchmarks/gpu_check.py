@@ -32,9 +32,10 @@ ones); the whole run stops starting stages when ``--budget`` seconds are spent:
   each case in its own process (benchmarks/decode_speed.py): 3B LoRA r=64, 3B full, 3B LoRA with
   rollout.static.compile. Completion tokens/s, ms per decode step, the fraction of the memory
   roofline (weights + the rows' live KV over a device copy's bandwidth measured in the stage).
-  Targets: LoRA at least 10x HF's tokens/s, 50% of the roofline. Then 2 GRPO steps of 3B LoRA
-  with the static engine: the seconds of each phase and the update's MFU (under 30%: profile it
-  next). ``--speed-cases`` runs some of the cases.
+  Targets: LoRA at least 10x HF's tokens/s, 50% of the roofline. Then 3 GRPO steps of 3B LoRA
+  with the static engine: step 2's seconds per phase and the update's MFU, step 3 profiled
+  (report.profile_step: where the update's time goes), and the plan with the engine against the
+  run's max allocated (target as ``plan``). ``--speed-cases`` runs some of the cases.
 - ``plan``: ``r1fit plan`` (r1fit.memory.planner.plan_memory) against the largest per-step
   ``torch.cuda.max_memory_allocated`` (r1fit's ``peak_memory_bytes``) of 2-step GRPO runs: 3B
   LoRA and 3B full fine-tuning, G=8, 448 px, 256-token completions, bf16. Compared: the plan's
@@ -437,6 +438,13 @@ def stage_speed(args: argparse.Namespace, work: Path) -> StageResult:
                f"step {last['step']}: generate {step['seconds_generate']:.2f} s, score "
                f"{step.get('seconds_score', 0):.2f} s, update {step['seconds_update']:.2f} s; "
                f"{step['tokens_per_second']:,.0f} tokens/s; peak {run.peak() / MIB:,.0f} MiB")
+    plan = plan_of(values, gpu=gpu)
+    error, met = plan_verdict(plan["allocated"], run.peak())
+    step["plan"], step["plan_error"] = plan, error
+    result.add("speed 3b-lora plan (static engine)", f"plan {plan['allocated'] / MIB:,.0f} MiB vs "
+               f"measured {run.peak() / MIB:,.0f} MiB: {error:+.1%}",
+               f"-{PLAN_LOW:.0%}..+{PLAN_HIGH:.0%}" + ("" if gpu else " on a GPU"),
+               met if gpu else None)
     result.add("speed 3b-lora update MFU", f"{step['mfu']:.1%}",
                f"under {MFU_NOTE:.0%}: the note profiles the update" if gpu else "")
     return result
