@@ -145,11 +145,13 @@ class RowsLayer(CacheLayerMixin):
 
 
 class StaticRows(Cache):
-    """A transformers ``Cache`` over the first ``rows`` rows of the engine's static buffers."""
+    """A transformers ``Cache`` over the first ``rows`` rows of the engine's static buffers, and
+    their first ``upto`` columns when given (an eager step reads only the columns written)."""
 
     def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-                 column: torch.Tensor, rows: int) -> None:
-        super().__init__(layers=[RowsLayer(k[:rows], v[:rows], column) for k, v in zip(keys, values)])
+                 column: torch.Tensor, rows: int, upto: int | None = None) -> None:
+        super().__init__(layers=[RowsLayer(k[:rows, :, :upto], v[:rows, :, :upto], column)
+                                 for k, v in zip(keys, values)])
 
 
 @contextmanager
@@ -338,17 +340,18 @@ class StaticDecoder:
 
     # --- one decode step -----------------------------------------------------------------------
 
-    def _masks(self, rows: int) -> Any:
-        """The attention mask of the current step for the first ``rows`` rows, 4-D, which the
-        transformers models take as it is (their mask builders do not run)."""
-        full = self.mask[:rows]
+    def _masks(self, rows: int, upto: int | None = None) -> Any:
+        """The attention mask of the current step for the first ``rows`` rows (and ``upto``
+        columns), 4-D, which the transformers models take as it is (their mask builders do not
+        run)."""
+        full = self.mask[:rows, :, :, :upto]
         kinds = set(self.layer_types) or {"full_attention"}
         masks: dict[str, torch.Tensor] = {}
         for kind in kinds:
             mask = full
             if kind == "sliding_attention" and self.window:
                 # the query column is self.column: keep the columns within the window before it
-                mask = full & (self.columns > self.column - int(self.window))
+                mask = full & (self.columns[:upto] > self.column - int(self.window))
             if self.additive:
                 floor = torch.finfo(self.keys[0].dtype).min
                 mask = torch.zeros(mask.shape, dtype=self.keys[0].dtype,
@@ -379,13 +382,16 @@ class StaticDecoder:
         self.done[:rows] |= (token.unsqueeze(-1) == self._eos).any(dim=-1)
         self.done[:rows] |= self.counter + 1 >= self.limits[:rows]
 
-    def _step(self, model: Any, rows: int, settings: SamplingSettings, out: torch.Tensor) -> None:
+    def _step(self, model: Any, rows: int, settings: SamplingSettings, out: torch.Tensor,
+              upto: int | None = None) -> None:
         """One decode step on the first ``rows`` rows, all on the device: feed step s-1's token
-        at column P + s - 2 + 1, pick token s, advance s."""
+        at column P + s - 1, pick token s, advance s. ``upto``: the columns written so far, for
+        an eager step (its attention then reads only those; a captured or compiled step reads
+        the whole length, its shapes fixed)."""
         self.column.copy_(self.base + self.counter)
         self.mask[:rows].index_fill_(3, self.column, True)
         positions = (self.positions[:rows] + self.counter - 1).unsqueeze(-1)
-        cache = StaticRows(self.keys, self.values, self.column, rows)
+        cache = StaticRows(self.keys, self.values, self.column, rows, upto)
         kwargs = {self._cache_name: cache, "use_cache": True}
         if self._keep_logits:
             kwargs["logits_to_keep"] = 1
@@ -396,7 +402,7 @@ class StaticDecoder:
             forward = self._compiled[1]
         with decode_attention_on(self._text_config):
             logits = forward(input_ids=self.current[:rows].unsqueeze(-1),
-                             attention_mask=self._masks(rows), position_ids=positions,
+                             attention_mask=self._masks(rows, upto), position_ids=positions,
                              **kwargs).logits[:, -1].float()
         self._record(self._pick(logits, rows, settings), rows, out)
         self.counter.add_(1)
@@ -527,7 +533,8 @@ class StaticDecoder:
             if self.graphs:
                 self._replay(model, live, settings, out)
             else:
-                self._step(model, live, settings, out)
+                self._step(model, live, settings, out,
+                           None if self.compile else width + step)
             if step % self.sync_every == 0 and step < steps - 1:
                 if stop is not None:  # the host reads the rows' newest text for the stop
                     self._mark_stopped(stop, live, step + 1)
