@@ -8,15 +8,19 @@ import importlib.util
 from r1fit.config.values import ConfigError
 
 ENGINES = ("hf", "static", "vllm")
+#: attention implementations the static engine runs (it passes a ready 4-D mask each step)
+STATIC_ATTENTION = ("sdpa", "eager")
 
 
-def resolve_engine(setting: str, *, device_type: str, distributed: bool) -> tuple[str, str]:
+def resolve_engine(setting: str, *, device_type: str, distributed: bool,
+                   attention: str = "sdpa") -> tuple[str, str]:
     """``(engine, why)``: ``setting`` itself, or for ``auto`` the fastest engine that runs here:
     vLLM where it is installed and the device is CUDA, else the static-cache engine on CUDA
-    (in one process: what it runs), else Hugging Face generate."""
+    (in one process, sdpa or eager attention: what it runs), else Hugging Face generate.
+    ``attention``: model.attn_implementation."""
     if setting in ENGINES:
         if setting == "static":
-            refuse_static(distributed=distributed)
+            refuse_static(distributed=distributed, attention=attention)
         return setting, "set"
     if setting != "auto":
         raise ConfigError(f"rollout.engine must be auto, {', '.join(ENGINES)}; got {setting!r}")
@@ -27,11 +31,18 @@ def resolve_engine(setting: str, *, device_type: str, distributed: bool) -> tupl
     if distributed:
         return "hf", ("vLLM is not installed and the static engine runs in one process only "
                       "(FSDP's gathered weights move every step)")
+    if attention not in STATIC_ATTENTION:
+        return "hf", (f"vLLM is not installed and the static engine takes sdpa or eager "
+                      f"attention, not {attention}")
     return "static", "CUDA, vLLM not installed: the static-cache engine with CUDA graphs"
 
 
-def refuse_static(*, distributed: bool) -> None:
+def refuse_static(*, distributed: bool, attention: str = "sdpa") -> None:
     """A one-line error for what ``rollout.engine=static`` does not run yet."""
+    if attention not in STATIC_ATTENTION:
+        raise ConfigError(f"rollout.engine=static needs model.attn_implementation sdpa or eager "
+                          f"(it passes a 4-D mask each step), not {attention}: set one of them, "
+                          "or rollout.engine=hf")
     if distributed:
         raise ConfigError("rollout.engine=static runs in one process only (FSDP moves the "
                           "gathered weights every step): set rollout.engine=hf (or vllm) under "

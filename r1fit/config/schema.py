@@ -484,7 +484,7 @@ class RolloutConfig:
         "r1fit/rollout/static_engine.py), 'vllm' (one in-process "
         "vLLM engine per training process, its weights synced from the policy before each "
         "rollout; pip install -e '.[vllm]'), or 'auto': vllm where it is installed and the device "
-        "is CUDA, else static on CUDA (hf under torchrun), else hf; the run log "
+        "is CUDA, else static on CUDA (hf under torchrun or with flash attention), else hf; the run log "
         "says which and why.")
     share_prefill: bool | Literal["auto"] = opt(
         "auto", "rollout.engine=hf: prefill each distinct prompt of a generation batch once (its "

@@ -237,7 +237,8 @@ def rollout_engine(run: Run, settings: SamplingSettings,
     """The engine ``rollout.engine`` names, ready for the run's first rollout; with ``tools``,
     for multi-turn rollouts."""
     name, why = resolve_engine(run.cfg.rollout.engine, device_type=run.device.type,
-                               distributed=run.world.distributed)
+                               distributed=run.world.distributed,
+                               attention=run.cfg.model.attn_implementation)
     log.info("rollout.engine=%s%s", name, "" if why == "set" else f" (auto: {why})")
     if name == "vllm":
         return VllmRollouts(run, settings, tools)

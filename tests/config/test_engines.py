@@ -18,6 +18,10 @@ def test_auto_is_hf_on_cpu_and_static_on_cuda_without_vllm(monkeypatch):
     # several processes: hf, with the reason
     name, why = resolve_engine("auto", device_type="cuda", distributed=True)
     assert name == "hf" and "one process" in why
+    # a flash-attention model: hf, with the reason
+    name, why = resolve_engine("auto", device_type="cuda", distributed=False,
+                               attention="flash_attention_2")
+    assert name == "hf" and "not flash_attention_2" in why
 
 
 def test_auto_is_vllm_on_cuda_where_installed(monkeypatch):
@@ -33,5 +37,8 @@ def test_a_named_engine_is_taken_as_set():
 def test_static_refuses_several_processes_and_a_bad_name_is_an_error():
     with pytest.raises(ConfigError, match="one process only"):
         resolve_engine("static", device_type="cuda", distributed=True)
+    with pytest.raises(ConfigError, match="needs model.attn_implementation sdpa or eager"):
+        resolve_engine("static", device_type="cuda", distributed=False,
+                       attention="flash_attention_2")
     with pytest.raises(ConfigError, match="rollout.engine must be auto"):
         resolve_engine("fast", device_type="cuda", distributed=False)

@@ -382,7 +382,8 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
                      fused_loss=cfg.fuses_loss(),
                      share_prefill=cfg.rollout.engine == "hf" and cfg.rollout.share_prefill is True)
     engine_name, engine_why = resolve_engine(cfg.rollout.engine, device_type=device_type,
-                                             distributed=s.gpus > 1)
+                                             distributed=s.gpus > 1,
+                                             attention=cfg.model.attn_implementation)
     if s.tokens is not None:  # packed by tokens: the most rows a micro-batch takes, how many
         cut = step.token_cut()
         s = replace(s, micro=cut.rows)
