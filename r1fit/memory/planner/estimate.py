@@ -404,7 +404,7 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
     workspaces = cublas_workspaces() if cuda else 0
     persistent = states.weights + states.optimizer + states.reference + step_inputs + workspaces
     engine = engine_memory(f, cfg, stored, cuda, budget, engine_name, prompt.tokens,
-                           s.generation)
+                           s.generation, step.completion)
     if engine.static:
         # the static engine keeps its cache and graphs' pool for the whole run; the merged-weight
         # backup and the prefill's transients exist while it generates
@@ -481,13 +481,16 @@ class EngineMemory:
 
 
 def engine_memory(f: ModelFacts, cfg: Config, stored: int, cuda: bool, budget: int,
-                  engine: str = "hf", prompt_tokens: int = 0, rows: int = 1) -> EngineMemory:
+                  engine: str = "hf", prompt_tokens: int = 0, rows: int = 1,
+                  completion: int | None = None) -> EngineMemory:
     """The parts of ``engine`` (all 0 for hf). vLLM's KV pool is rollout.vllm.kv_cache_memory;
     without it, on CUDA vLLM takes gpu_memory_utilization of the device for weights and KV
     together, on CPU r1fit gives it ``CPU_ENGINE_KV_BYTES``. The static engine's take the
-    prompt's planned tokens and the generation batch's ``rows``."""
+    prompt's planned tokens, the generation batch's ``rows`` and the ``completion`` (with tools
+    the trajectory's budget; default algo.max_new_tokens)."""
     if engine == "static":
-        return static_engine_memory(f, cfg, stored, prompt_tokens, rows)
+        return static_engine_memory(f, cfg, stored, prompt_tokens, rows,
+                                    cfg.algo.max_new_tokens if completion is None else completion)
     if engine != "vllm":
         return EngineMemory()
     v = cfg.rollout.vllm
@@ -506,17 +509,18 @@ STATIC_LENGTH_STEP = 64
 
 
 def static_engine_memory(f: ModelFacts, cfg: Config, stored: int, prompt_tokens: int,
-                         generation_rows: int) -> EngineMemory:
+                         generation_rows: int, completion: int) -> EngineMemory:
     """rollout.engine=static (r1fit/rollout/static_engine.py): a static KV cache of the most rows
     it generates at once (memory.generation_batch, or eval.batch when larger) x the prompt's
-    planned tokens plus algo.max_new_tokens, rounded up to 64 columns; the decode step's
+    planned tokens plus the completion (with tools the trajectory: each turn's context grows to
+    it), rounded up to 64 columns; the decode step's
     workspace (the model's logits, their float32 copy, the blocked-token copy and the sampler's
     float32 tensors, [rows x vocab] each: the largest of a step's intermediates, which its CUDA
     graph's pool keeps); with LoRA a copy of every adapted base weight (the merge is undone by
     copying it back, bit-exact)."""
     t = f.text
     rows = max(generation_rows, cfg.eval.batch if cfg.data.eval else 0, 1)
-    length = -(-(prompt_tokens + cfg.algo.max_new_tokens) // STATIC_LENGTH_STEP) * STATIC_LENGTH_STEP
+    length = -(-(prompt_tokens + completion) // STATIC_LENGTH_STEP) * STATIC_LENGTH_STEP
     sampling = sampling_logits_f32(cfg.algo.temperature, cfg.algo.top_p)
     graphs = rows * t.vocab * (stored + (sampling + 2) * F32 + 1)
     backup = sum(i * o for i, o in f.lora_linears) * stored if cfg.model.lora.r > 0 else 0
