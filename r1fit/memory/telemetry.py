@@ -154,6 +154,12 @@ def use_tensor_probe(on: bool) -> None:
         _probe = None
 
 
+def tensor_probe_on() -> bool:
+    """Whether CPU peaks are measured by the tensor probe (``memory.cpu_peak: tensors``), which
+    keeps torch.profiler running: a second profiler (``report.profile_step``) cannot start."""
+    return _probe is not None
+
+
 def step_memory(device: torch.device, prefix: str = "") -> dict[str, int | None]:
     """``peak_memory_bytes`` and ``peak_reserved_bytes`` since the last :func:`reset_peak`, of the
     busiest process when there are several. On CPU the reserved figure does not exist (null): the

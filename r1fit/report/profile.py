@@ -38,7 +38,13 @@ def step_profile(profile_step: int, step: int, out: Path, device: torch.device,
     with torch.profiler.profile(activities=activities) as prof:
         yield
     key = "cuda_time_total" if cuda else "cpu_time_total"
-    table = prof.key_averages().table(sort_by=key, row_limit=PROFILE_ROWS)
+    averages = prof.key_averages()
+    table = averages.table(sort_by=key, row_limit=PROFILE_ROWS)
+    # the phases, whatever their rank in the table
+    phases = [f"{event.key}: CPU {event.cpu_time_total / 1e3:,.1f} ms"
+              + (f", CUDA {getattr(event, 'device_time_total', 0) / 1e3:,.1f} ms" if cuda else "")
+              for event in averages if event.key.startswith("r1fit/")]
     path = profile_file(out, step)
-    path.write_text(f"step {step}, sorted by {key}\n{table}\n")
+    path.write_text(f"step {step}, sorted by {key}\nphases: " + "; ".join(phases)
+                    + f"\n{table}\n")
     log.info("step %d profiled: %s", step, path)

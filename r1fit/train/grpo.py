@@ -39,7 +39,7 @@ from r1fit.data.dataset import PromptSampler
 from r1fit.distributed.loading import load_frozen_copy
 from r1fit.memory.flops import flops_metrics
 from r1fit.memory.guard import OOMGuard
-from r1fit.memory.telemetry import reset_peak, step_memory, warn_if_fragmented
+from r1fit.memory.telemetry import reset_peak, step_memory, tensor_probe_on, warn_if_fragmented
 from r1fit.models.load import Reference
 from r1fit.models.logprobs import completion_logprobs_and_entropy, completion_loss
 from r1fit.processes import all_sum
@@ -101,6 +101,7 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
         log.info("eval before GRPO: %s", row)
 
     report = LiveReport(cfg.report, run.out, main=run.world.main)  # rank 0: rollouts, alarms, page
+    profile_step = step_to_profile(cfg)
     meter = run.meter  # flops, mfu
     step = start
     with progress_bar("GRPO", cfg.train.max_steps, completed=start) as advance:
@@ -146,8 +147,7 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
                     engine.updated()
                 return draws, rollout, updates
 
-            with step_profile(cfg.report.profile_step, step, run.out, run.device,
-                              main=run.world.main):
+            with step_profile(profile_step, step, run.out, run.device, main=run.world.main):
                 draws, rollout, updates = guard.run_step(
                     attempt, restore=[rng, scorer, sampler, bad_rows,
                                       *([tools.totals] if tools is not None else [])])
@@ -195,6 +195,16 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
     report.finish()
     engine.close()  # last: vLLM's shutdown takes down the process groups it joined
     return summary
+
+
+def step_to_profile(cfg: Any) -> int:
+    """report.profile_step, or 0 (with a warning) where the tensor probe holds the profiler."""
+    step = cfg.report.profile_step
+    if step and tensor_probe_on():
+        log.warning("report.profile_step=%d: not profiled, memory.cpu_peak=tensors keeps the "
+                    "profiler running already (set memory.cpu_peak=rss to profile)", step)
+        return 0
+    return step
 
 
 def build_reference(run: Run) -> Reference | None:

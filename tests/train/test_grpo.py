@@ -196,3 +196,15 @@ def test_a_trajectorys_tool_turns_are_out_of_the_loss(float64_tiny, micro, token
     assert any(g.abs().sum() > 0 for g in trained)
     for a, p in zip(trained, params, strict=True):
         torch.testing.assert_close(a, p.grad, rtol=1e-8, atol=1e-12)
+
+
+def test_no_step_is_profiled_while_the_tensor_probe_holds_the_profiler(monkeypatch, caplog):
+    from r1fit.config import load_config
+    from r1fit.train import grpo
+
+    cfg = load_config(None, ["report.profile_step=3"])
+    assert grpo.step_to_profile(cfg) == 3
+    monkeypatch.setattr(grpo, "tensor_probe_on", lambda: True)
+    with caplog.at_level("WARNING", logger="r1fit"):
+        assert grpo.step_to_profile(cfg) == 0
+    assert "memory.cpu_peak=tensors keeps the profiler running" in caplog.text
