@@ -466,8 +466,9 @@ class StaticConfig:
         "per token. null: on CUDA yes; on CPU the step runs eagerly (no graphs there).")
     compile: bool = opt(
         False, "Run the decode step's forward through torch.compile before capturing it (fused "
-        "kernels: fewer launches per layer), compiled once per batch-size bucket on its first "
-        "step. Costs compile time at the first rollout.")
+        "kernels: fewer launches per layer): the first batch-size bucket compiles with static "
+        "shapes, the next with a dynamic batch that the later buckets share (3 compiles at "
+        "most). Costs compile time at the first rollouts.")
     sync_every: int = opt(
         16, "Decode steps between the host's looks at which rows have finished (the only host "
         "synchronisation of decoding): there generation stops when every row has, and the rows "

@@ -77,6 +77,11 @@ def test_the_compiled_decode_step_gives_the_eager_tokens(tiny):
     compiled = StaticDecoder(model, ids, CPU, compile=True)
     assert _same(compiled.generate(rows[:4], seeds=None, batch_size=4, settings=settings), eager)
     assert compiled._compiled is not None
+    # other batch sizes (compaction's buckets): a dynamic batch after the first recompile, the
+    # same tokens as the eager step
+    for n in (2, 3):
+        assert _same(compiled.generate(rows[:n], seeds=None, batch_size=n, settings=settings),
+                     eager[:n])
 
 
 def test_sampled_row_depends_on_its_seed_only(tiny):
