@@ -129,6 +129,7 @@ def test_the_resume_and_detcost_stages_wire_the_doctors_runs(monkeypatch, tmp_pa
         gc.stage_detcost(args, tmp_path / "elsewhere" / "detcost")
 
 
+@pytest.mark.slow
 def test_the_smoke_runs_every_stage_with_numbers(tmp_path, capsys):
     # the compiled speed case (torch.compile: ~25 s on CPU) is tested in tests/rollout
     status = gc.main(["--cpu-smoke", "--out", str(tmp_path), "--only", *SMOKED,

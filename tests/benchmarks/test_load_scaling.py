@@ -210,6 +210,7 @@ def test_a_launch_failing_with_its_own_error_is_not_repeated(monkeypatch):
     assert len(calls) == 1
 
 
+@pytest.mark.slow
 def test_real_run_on_the_tiny_model(tiny_dir, capsys):
     """torchrun with 1 and 2 processes on the tiny model's folder (36 s on 2 cores shared with
     other work): every rank reports a peak, and the 2-process row is rank-0 loading's."""

@@ -24,6 +24,8 @@ from r1fit.doctor.selfcheck import (
 )
 from r1fit.rollout.prefill import PrefillCheck
 
+pytestmark = pytest.mark.slow  # the self-check runs GRPO several times
+
 ITEMS = ["shared prompt", "shared prefill", "memory plan", "kill and resume"]
 
 

@@ -10,6 +10,15 @@ from safetensors.torch import load_file
 
 from r1fit.report.metrics import read_metrics
 
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test of this folder (whole runs through the CLI) is in the slow tier."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(item.path).parents:
+            item.add_marker(pytest.mark.slow)
+
+
 # timings and memory differ between runs; everything else must match exactly
 VOLATILE = ("seconds", "tokens_per_second", "peak_memory_bytes", "mfu")
 

@@ -67,6 +67,7 @@ def test_greedy_equals_hf_generate(family, builtin_folder, tiny_dir):
     assert not any(t.requires_grad for t in (engine.current, engine.out, *engine.keys))
 
 
+@pytest.mark.slow
 def test_the_compiled_decode_step_gives_the_eager_tokens(tiny):
     """rollout.static.compile: the decode forward through torch.compile (on CPU without graphs)
     gives the eager step's greedy tokens."""
