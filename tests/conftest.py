@@ -10,6 +10,14 @@ import pytest
 from r1fit.models.builtin import ensure_builtin
 
 
+@pytest.fixture(autouse=True)
+def _auto_engine_without_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``rollout.engine=auto`` resolves as on a machine without vLLM, in this process: a CUDA
+    plan would otherwise depend on whether the vllm extra is installed (CI installs it). Tests of
+    the vLLM engine name it (``rollout.engine=vllm``); tests/config/test_engines.py sets it."""
+    monkeypatch.setattr("r1fit.config.engines.vllm_installed", lambda: False)
+
+
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A cache root (for R1FIT_CACHE) holding a freshly built builtin:tiny."""

@@ -12,6 +12,11 @@ ENGINES = ("hf", "static", "vllm")
 STATIC_ATTENTION = ("sdpa", "eager")
 
 
+def vllm_installed() -> bool:
+    """Whether vLLM can be imported here (without importing it: that would load torch)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
 def resolve_engine(setting: str, *, device_type: str, distributed: bool,
                    attention: str = "sdpa") -> tuple[str, str]:
     """``(engine, why)``: ``setting`` itself, or for ``auto`` the fastest engine that runs here:
@@ -26,7 +31,7 @@ def resolve_engine(setting: str, *, device_type: str, distributed: bool,
         raise ConfigError(f"rollout.engine must be auto, {', '.join(ENGINES)}; got {setting!r}")
     if device_type != "cuda":
         return "hf", f"on {device_type} (CUDA graphs and vLLM need a CUDA device)"
-    if importlib.util.find_spec("vllm") is not None:
+    if vllm_installed():
         return "vllm", "vLLM is installed and the device is CUDA"
     if distributed:
         return "hf", ("vLLM is not installed and the static engine runs in one process only "

@@ -6,13 +6,15 @@ import importlib.util
 
 import pytest
 
+from r1fit.config import engines
 from r1fit.config.engines import resolve_engine
+from r1fit.config.engines import vllm_installed as real_vllm_installed  # before any patching
 from r1fit.config.values import ConfigError
 
 
 def test_auto_is_hf_on_cpu_and_static_on_cuda_without_vllm(monkeypatch):
     assert resolve_engine("auto", device_type="cpu", distributed=False)[0] == "hf"
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(engines, "vllm_installed", lambda: False)
     name, why = resolve_engine("auto", device_type="cuda", distributed=False)
     assert name == "static" and "vLLM not installed" in why
     # several processes: hf, with the reason
@@ -25,8 +27,14 @@ def test_auto_is_hf_on_cpu_and_static_on_cuda_without_vllm(monkeypatch):
 
 
 def test_auto_is_vllm_on_cuda_where_installed(monkeypatch):
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(engines, "vllm_installed", lambda: True)
     assert resolve_engine("auto", device_type="cuda", distributed=True)[0] == "vllm"
+    # vLLM's presence is read without importing it
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "vllm"
+                        else None)
+    assert real_vllm_installed()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert not real_vllm_installed()
 
 
 def test_a_named_engine_is_taken_as_set():

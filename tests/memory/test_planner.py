@@ -699,8 +699,7 @@ def test_static_engine_parts_stay_through_the_update(small_model, monkeypatch, c
     """rollout.engine=auto on CUDA without vLLM plans the static engine: its cache and decode
     workspace are held in every phase, the LoRA backup and the prefill in generation only; the
     plan prints them and says why auto chose it."""
-    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
-    lora = ["model.lora.r=8", "rollout.engine=auto"]
+    lora = ["model.lora.r=8", "rollout.engine=auto"]  # vLLM absent (tests/conftest.py)
     static = plan_memory(cfg_for(small_model, *lora), device_type="cuda")
     hf = plan_memory(cfg_for(small_model, "model.lora.r=8", "rollout.engine=hf"),
                      device_type="cuda")
