@@ -93,24 +93,7 @@ def prefilled_inputs(model: Any, rows: Sequence[Prompt], inputs: dict[str, torch
     keys = token_keys(rows)
     prefix = {k: v[first, :-1] for k, v in inputs.items() if k in keys}
     prefix.update({k: v.to(device) for k, v in image_inputs(unique).items()})
-    params = inspect.signature(unwrap(model).forward).parameters
-    # the forward's name for the KV cache: ``cache`` from transformers 5.24 on, before it
-    # ``past_key_values``
-    name = "cache" if "cache" in params else "past_key_values"
-    cache = DynamicCache(config=unwrap(model).config)
-    holders = rope_holders(model)
-    for module in holders:  # a stale value from an earlier call must not be reused
-        module.rope_deltas = None
-    kwargs: dict[str, Any] = {name: cache, "use_cache": True}
-    if not any(hasattr(m, "get_rope_index") for m in (unwrap(model), *holders)):
-        # a model without its own position rule counts positions from the first real token, as
-        # ``generate`` does (its forward alone would count padding too)
-        mask = prefix["attention_mask"]
-        kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill_(mask == 0, 0)
-    if "logits_to_keep" in params:
-        kwargs["logits_to_keep"] = 1  # the prefill's logits are not needed: skip [L x vocab]
-    # through r1fit's log-prob root when it holds the model (FSDP gathers around its methods)
-    (model.prefill if isinstance(model, CompletionLogProbs) else model)(**prefix, **kwargs)
+    _, cache, holders = prefill_forward(model, prefix)
     index = index.to(device)
     cache.batch_select_indices(index)
     for module in holders:
@@ -118,8 +101,47 @@ def prefilled_inputs(model: Any, rows: Sequence[Prompt], inputs: dict[str, torch
         if isinstance(deltas, torch.Tensor) and deltas.shape[0] == len(unique) > 1:
             module.rope_deltas = deltas[index.to(deltas.device)]
     out = {k: v for k, v in inputs.items() if k in keys}
-    out[name] = cache
+    out[cache_argument(unwrap(model))] = cache
     return out
+
+
+def cache_argument(model: Any) -> str:
+    """The transformers ``model``'s forward's name for the KV cache: ``cache`` from transformers
+    5.24 on, before it ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def keeps_logits(model: Any) -> bool:
+    """Whether the transformers ``model``'s forward takes ``logits_to_keep``."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def own_position_rule(model: Any) -> bool:
+    """Whether the model computes its positions itself (Qwen-VL's ``get_rope_index``)."""
+    return any(hasattr(m, "get_rope_index") for m in (unwrap(model), *rope_holders(model)))
+
+
+def prefill_forward(model: Any, inputs: dict[str, torch.Tensor]
+                    ) -> tuple[Any, DynamicCache, list[torch.nn.Module]]:
+    """``inputs`` (token columns padded on the left, and their image tensors) through the model's
+    forward into a new ``DynamicCache``, only the last column's logits computed: ``(output,
+    cache, the modules holding the M-RoPE offsets)``. A stale offset from an earlier call is
+    cleared first; a model without its own position rule gets positions counted from each row's
+    first real token, as ``generate`` counts them (its forward alone would count padding too)."""
+    base = unwrap(model)
+    cache = DynamicCache(config=base.config)
+    holders = rope_holders(model)
+    for module in holders:
+        module.rope_deltas = None
+    kwargs: dict[str, Any] = {cache_argument(base): cache, "use_cache": True}
+    if not own_position_rule(model):
+        mask = inputs["attention_mask"]
+        kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill_(mask == 0, 0)
+    if keeps_logits(base):
+        kwargs["logits_to_keep"] = 1  # the prefill's other logits are not needed: skip [L x vocab]
+    # through r1fit's log-prob root when it holds the model (FSDP gathers around its methods)
+    out = (model.prefill if isinstance(model, CompletionLogProbs) else model)(**inputs, **kwargs)
+    return out, cache, holders
 
 
 def logits_differ(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:

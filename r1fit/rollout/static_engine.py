@@ -53,7 +53,14 @@ from r1fit.data.batch import Prompt, collate, cut_after_eos, image_inputs
 from r1fit.errors import R1fitError
 from r1fit.models.load import unwrap
 from r1fit.rollout.generate import SamplingSettings, TokenIds, counter_uniforms, sample_rows
-from r1fit.rollout.prefill import distinct_prompts, rope_holders, token_keys
+from r1fit.rollout.prefill import (
+    cache_argument,
+    distinct_prompts,
+    keeps_logits,
+    own_position_rule,
+    prefill_forward,
+    token_keys,
+)
 
 log = logging.getLogger("r1fit.rollout")
 
@@ -155,12 +162,12 @@ class StaticRows(Cache):
 
 
 @contextmanager
-def merged_adapters(model: Any, backups: dict[int, torch.Tensor]) -> Iterator[Any]:
+def merged_adapters(model: Any) -> Iterator[Any]:
     """The model to generate with: a peft model's LoRA deltas ``s·BA`` added into the base
-    weights in place and its adapters disabled, for the block; the base weights are copied into
-    ``backups`` (kept by the caller, allocated once per weight) first and copied back after, so
-    they are bit-identical after the block, whatever the rounding of the merge. A model without
-    adapters is yielded as it is."""
+    weights in place and its adapters disabled, for the block; the base weights are copied aside
+    first (a copy that lives for the block only) and copied back after, so they are
+    bit-identical after the block, whatever the rounding of the merge. A model without adapters
+    is yielded as it is."""
     from peft import PeftModel
     from peft.tuners.lora import LoraLayer
 
@@ -175,11 +182,7 @@ def merged_adapters(model: Any, backups: dict[int, torch.Tensor]) -> Iterator[An
         with torch.no_grad():
             for layer in layers:
                 weight = layer.get_base_layer().weight
-                backup = backups.get(id(weight))
-                if backup is None or backup.shape != weight.shape or backup.dtype != weight.dtype:
-                    backup = backups[id(weight)] = torch.empty_like(weight, requires_grad=False)
-                backup.copy_(weight)
-                merged.append((weight, backup))
+                merged.append((weight, weight.detach().clone()))
                 for name in layer.active_adapters:
                     if name in layer.lora_A:
                         weight.add_(layer.get_delta_weight(name).to(weight.dtype))
@@ -252,9 +255,12 @@ class StaticDecoder:
         self._compiled: Any = None
         self.additive = impl == "eager"
         self._text_config = config
+        self._cache_name, self._keep_logits = cache_argument(base), keeps_logits(base)
         self.layer_types = list(getattr(config, "layer_types", None) or [])
         self.window = getattr(config, "sliding_window", None)
         self.capacity = self.length = 0
+        self.keys: list[torch.Tensor] = []  # per layer [rows, kv heads, length, head dim]
+        self.values: list[torch.Tensor] = []
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
         self._fingerprint: tuple[int, ...] = ()
@@ -297,8 +303,7 @@ class StaticDecoder:
 
     def cache_bytes(self) -> int:
         """Bytes of the static KV cache now allocated."""
-        return sum(t.numel() * t.element_size() for t in (*getattr(self, "keys", ()),
-                                                           *getattr(self, "values", ())))
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
     # --- prefill ---------------------------------------------------------------------------------
 
@@ -313,26 +318,13 @@ class StaticDecoder:
         keys = token_keys(unique)
         batch = {k: v.to(self.device) for k, v in inputs.items() if k in keys}
         batch.update({k: v.to(self.device) for k, v in image_inputs(unique).items()})
-        base = unwrap(model)
-        params = _forward_params(base)
-        name = "cache" if "cache" in params else "past_key_values"
-        cache = DynamicCache(config=base.config)
-        holders = rope_holders(model)
-        for module in holders:
-            module.rope_deltas = None
-        kwargs: dict[str, Any] = {name: cache, "use_cache": True}
-        mask = batch["attention_mask"]
-        own_positions = any(hasattr(m, "get_rope_index") for m in (base, *holders))
-        if not own_positions:
-            kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill_(mask == 0, 0)
-        if "logits_to_keep" in params:
-            kwargs["logits_to_keep"] = 1
-        out = model(**batch, **kwargs)
+        out, cache, holders = prefill_forward(model, batch)
         logits = out.logits[:, -1].float()
+        mask = batch["attention_mask"]
         deltas = next((m.rope_deltas for m in holders
                        if isinstance(getattr(m, "rope_deltas", None), torch.Tensor)), None)
         start = mask.long().sum(-1)  # counted from each row's first real token
-        if own_positions and deltas is not None:
+        if deltas is not None and own_position_rule(model):
             # Qwen-VL's rule for later tokens (transformers 5): the count of real tokens plus the
             # row's M-RoPE offset (how far the images moved the positions after them)
             start = start + deltas.reshape(-1).to(self.device).long()
@@ -483,10 +475,10 @@ class StaticDecoder:
             # they are written in place by later calls outside it. inference_mode(False) turns
             # grad mode back on, so no_grad follows it: a full fine-tuning model's forward would
             # otherwise record autograd graphs that the buffers' in-place writes keep alive
-            # the backup of the merged weights lives for this call only: the update phase that
+            # the copy of the merged weights lives for this call only: the update phase that
             # follows does not hold it (the planner counts it in generation)
             with torch.inference_mode(False), torch.no_grad(), \
-                    merged_adapters(model, {}) as generator:
+                    merged_adapters(model) as generator:
                 for start in range(0, len(rows), batch_size):
                     chunk = rows[start:start + batch_size]
                     chunk_seeds = None if seeds is None else seeds[start:start + batch_size]
@@ -571,9 +563,6 @@ class StaticDecoder:
     def _bind(self, model: Any, settings: SamplingSettings) -> None:
         """Drop the captured graphs when what they captured changed: the weights' addresses, the
         sampling settings (baked into the graph), or the model object."""
-        params = _forward_params(unwrap(model))
-        self._cache_name = "cache" if "cache" in params else "past_key_values"
-        self._keep_logits = "logits_to_keep" in params
         fingerprint = (id(model), *(p.data_ptr() for p in model.parameters()))
         self._min_new.fill_(settings.min_new_tokens)  # read on the device: no recapture
         key = (settings.greedy, settings.temperature, settings.top_p, settings.min_new_tokens > 0)
@@ -583,8 +572,3 @@ class StaticDecoder:
                          "the weights' addresses" if key == self._settings else "sampling")
             self._graphs.clear()
             self._fingerprint, self._settings = fingerprint, key
-
-
-def _forward_params(base: Any) -> Any:
-    import inspect
-    return inspect.signature(base.forward).parameters

@@ -149,18 +149,17 @@ def test_lora_merge_is_restored_bit_exactly(tiny_dir):
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.5)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    backups: dict[int, torch.Tensor] = {}
     x = {"input_ids": rows[0].input_ids[None], "attention_mask": torch.ones(1, rows[0].length, dtype=torch.long),
          **{k: v[None] for k, v in rows[0].token_inputs.items()}, **rows[0].image_inputs}
     with torch.no_grad():
         adapted = model(**x).logits
-        with merged_adapters(model, backups) as merged:
+        with merged_adapters(model) as merged:
             inside = merged(**x).logits
             changed = any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert changed
     torch.testing.assert_close(inside, adapted, rtol=1e-4, atol=1e-4)  # W + sBA = W x + s B A x
     for _ in range(1000):
-        with merged_adapters(model, backups):
+        with merged_adapters(model):
             pass
     after = dict(model.named_parameters())
     assert all(torch.equal(after[n], p) for n, p in before.items())
