@@ -473,6 +473,12 @@ class StaticConfig:
         16, "Decode steps between the host's looks at which rows have finished (the only host "
         "synchronisation of decoding): there generation stops when every row has, and the rows "
         "still running move into a smaller batch-size bucket.", ge=1)
+    keep_cache: bool = opt(
+        True, "With tools: keep each trajectory's KV cache across its turns and prefill only "
+        "what a turn adds (the policy's last token and the tool turn), instead of prefilling the "
+        "whole conversation every turn. A tool turn that shows images is prefilled whole (the "
+        "images' positions and attention follow the model's own rules). Same tokens either way "
+        "(tests/rollout/test_turns.py).")
 
 
 @dataclass(frozen=True)
@@ -481,7 +487,8 @@ class RolloutConfig:
         "auto", "What generates the rollouts: 'hf' (Hugging Face generate on the policy itself; "
         "no extra install, any device), 'static' (r1fit's engine on the policy itself: a static "
         "KV cache, the decode step replayed as CUDA graphs on CUDA, LoRA merged for generation; "
-        "one process; with tools each turn prefills its rows' whole context; "
+        "one process; with tools each trajectory's cache is kept across its turns "
+        "(rollout.static.keep_cache); "
         "r1fit/rollout/static_engine.py), 'vllm' (one in-process "
         "vLLM engine per training process, its weights synced from the policy before each "
         "rollout; pip install -e '.[vllm]'), or 'auto': vllm where it is installed and the device "

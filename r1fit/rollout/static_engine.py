@@ -31,8 +31,16 @@ Semantics match ``generate_completions``: greedy is the argmax of the float32 lo
 blocked placeholders and ``min_new_tokens`` set the blocked and end ids to -inf; sampling is
 ``sample_rows`` (temperature, top-p, inverse CDF) fed by the counter uniforms instead of numpy
 streams, so for the same seeds the two engines give different, equally valid completions.
+
+**Multi-turn** (``keep``/``previous`` of :meth:`StaticDecoder.generate`): a trajectory's cache is
+kept across its turns. The next turn keeps each row's cached tokens that are still a prefix of
+its grown context, moves them (one gather per layer) so that every row's context ends at the
+same column, and prefills only the rest (the policy's last token and the tool turn) as one
+padded block whose padding writes to a scratch column; a tool turn that shows images is
+prefilled whole (the images' positions and attention are the model's own rules).
+
 Left out for now: continuous batching (finished rows are compacted away, not replaced by
-waiting rows) and multi-turn tool rollouts (``rollout.engine=static`` refuses ``tools``).
+waiting rows).
 """
 
 from __future__ import annotations
@@ -135,8 +143,14 @@ class RowsLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        self.keys.index_copy_(2, self.column, key_states.to(self.keys.dtype))
-        self.values.index_copy_(2, self.column, value_states.to(self.values.dtype))
+        if self.column.ndim == 1:  # a decode step: every row writes the same column
+            self.keys.index_copy_(2, self.column, key_states.to(self.keys.dtype))
+            self.values.index_copy_(2, self.column, value_states.to(self.values.dtype))
+        else:  # an appended block: [rows, tokens] columns, each row its own
+            index = self.column[:, None, :, None].expand(-1, key_states.shape[1], -1,
+                                                         key_states.shape[3])
+            self.keys.scatter_(2, index, key_states.to(self.keys.dtype))
+            self.values.scatter_(2, index, value_states.to(self.values.dtype))
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -192,6 +206,18 @@ def merged_adapters(model: Any) -> Iterator[Any]:
         with torch.no_grad():
             for weight, backup in merged:
                 weight.copy_(backup)
+
+
+@dataclass(frozen=True)
+class KeptRows:
+    """What the cache holds of each row of the last call made with ``keep=True``: its buffer
+    slot, the token ids cached (its context and its turn but the turn's last token, never fed)
+    in the columns ``[end - len(ids), end)``, and the position of the token after them."""
+
+    slots: list[int]
+    ends: list[int]
+    ids: list[torch.Tensor]
+    next_positions: list[int]
 
 
 @dataclass(frozen=True)
@@ -266,6 +292,9 @@ class StaticDecoder:
         self._fingerprint: tuple[int, ...] = ()
         self._settings: tuple[Any, ...] | None = None
         self.captures = 0  # graphs captured so far (a test reads it)
+        # what the cache holds of the last call made with keep=True (None after any other call)
+        self._kept: KeptRows | None = None
+        self.appended = self.refilled = 0  # calls with previous= that appended / prefilled whole
         # read by the captured graphs: made once, so their addresses never change
         self._eos = torch.tensor(ids.eos, dtype=torch.long, device=self.device)
         self._blocked = torch.tensor(ids.blocked or [0], dtype=torch.long, device=self.device)
@@ -336,14 +365,20 @@ class StaticDecoder:
         """The attention mask of the current step for the first ``rows`` rows (and ``upto``
         columns), 4-D, which the transformers models take as it is (their mask builders do not
         run)."""
-        full = self.mask[:rows, :, :, :upto]
+        return self._kinds(self.mask[:rows, :, :, :upto], self.column)
+
+    def _kinds(self, full: torch.Tensor, query: torch.Tensor) -> Any:
+        """``full`` ([rows, 1, queries, columns] bool: what each query may read) as the model
+        takes it: per attention type (a sliding layer keeps the columns within the window before
+        the query's column, ``query``: the queries' columns, broadcastable to [queries, 1]),
+        additive for eager attention."""
+        columns = self.columns[:full.shape[-1]]
         kinds = set(self.layer_types) or {"full_attention"}
         masks: dict[str, torch.Tensor] = {}
         for kind in kinds:
             mask = full
             if kind == "sliding_attention" and self.window:
-                # the query column is self.column: keep the columns within the window before it
-                mask = full & (self.columns[:upto] > self.column - int(self.window))
+                mask = full & (columns > query - int(self.window))
             if self.additive:
                 floor = torch.finfo(self.keys[0].dtype).min
                 mask = torch.zeros(mask.shape, dtype=self.keys[0].dtype,
@@ -434,27 +469,40 @@ class StaticDecoder:
             size *= 2
         return min(size, self.capacity)
 
-    def _compact(self, rows: int, bucket: int) -> None:
-        """Move the rows still running to the front (the first ``bucket`` slots)."""
+    def _compact(self, rows: int, bucket: int, keep: bool) -> None:
+        """Move the rows still running to the front (the first ``bucket`` slots); ``keep``: the
+        finished rows' caches are kept too (moved behind them), for the next turn."""
         order = torch.cat([torch.nonzero(~self.done[:rows]).flatten(),
-                           torch.nonzero(self.done[:rows]).flatten()])[:bucket]
+                           torch.nonzero(self.done[:rows]).flatten()])
+        moved = rows if keep else bucket
         for buffer in (*self.keys, *self.values, self.mask, self.positions, self.seeds,
                        self.row_of, self.current, self.done, self.limits):
-            buffer[:bucket] = buffer[:rows].index_select(0, order)
+            buffer[:moved] = buffer[:rows].index_select(0, order[:moved])
 
     # --- the whole generation ------------------------------------------------------------------
 
     @torch.no_grad()
     def generate(self, rows: Sequence[Prompt], *, seeds: Sequence[int] | None,
                  batch_size: int, settings: SamplingSettings,
-                 limits: Sequence[int] | None = None, stop: Stop | None = None
-                 ) -> list[torch.Tensor]:
+                 limits: Sequence[int] | None = None, stop: Stop | None = None,
+                 keep: bool = False, previous: Sequence[int] | None = None,
+                 room: int | None = None) -> list[torch.Tensor]:
         """One completion per row, in row order, each cut after its EOS (the contract of
         ``generate_completions``: greedy takes ``seeds=None``, sampling one seed per row).
         ``limits``: row i's most tokens (default ``settings.max_new_tokens`` for all);
         ``stop``: a text that ends a row where it first appears (a multi-turn rollout's
         ``</tool_call>``), checked by the host every ``sync_every`` steps and cut exactly
-        after."""
+        after.
+
+        Multi-turn (one chunk: at most ``batch_size`` rows): ``keep=True`` keeps the rows' caches
+        after the call; the next call's ``previous[i]`` says which row of that call row i
+        continues (its context grown by the turn and what followed it). Such a row's cached
+        tokens that are still a prefix of its context stay in the cache and only the rest of the
+        context is prefilled (:meth:`_append`); where that cannot be done (the rest holds image
+        tokens, the cache is too short, any other call ran between) the contexts are prefilled
+        whole, with the same tokens as a result. ``room``: the columns after the rows' contexts
+        to allocate when the buffers grow (a trajectory's budget, so that its later turns fit
+        without reallocating; default: this call's most tokens)."""
         if limits is not None and len(limits) != len(rows):
             raise ValueError(f"{len(rows)} rows, {len(limits)} limits")
         if settings.greedy and seeds is not None:
@@ -464,6 +512,12 @@ class StaticDecoder:
                              f"{'no' if seeds is None else len(seeds)} seeds)")
         if not settings.greedy and settings.temperature <= 0:
             raise ValueError(f"sampling needs temperature > 0, got {settings.temperature}")
+        if (keep or previous is not None) and len(rows) > batch_size:
+            raise ValueError(f"keep/previous need the rows in one chunk ({len(rows)} rows, "
+                             f"batch_size {batch_size})")
+        if previous is not None and len(previous) != len(rows):
+            raise ValueError(f"{len(rows)} rows, {len(previous)} previous rows")
+        kept, self._kept = self._kept, None  # any call overwrites what an earlier one kept
         if settings.max_new_tokens < 1 or not rows:
             return [torch.zeros(0, dtype=torch.long) for _ in rows]
         model = self.model
@@ -487,34 +541,23 @@ class StaticDecoder:
                               for x in limits[start:start + batch_size]]
                     # the transformers model itself: peft's wrapper adds only Python per call
                     # (its adapters are merged and off inside the block)
-                    completions.extend(self._chunk(unwrap(generator), chunk, chunk_seeds,
-                                                   batch_size, settings, chunk_limits, stop))
+                    completions.extend(self._chunk(
+                        unwrap(generator), chunk, chunk_seeds, batch_size, settings,
+                        chunk_limits, stop, keep, None if previous is None else (previous, kept),
+                        room))
         finally:
             model.train(was_training)
         return completions
 
     def _chunk(self, model: Any, rows: Sequence[Prompt], seeds: Sequence[int] | None,
                batch_size: int, settings: SamplingSettings, limits: Sequence[int],
-               stop: Stop | None) -> list[torch.Tensor]:
+               stop: Stop | None, keep: bool,
+               follows: tuple[Sequence[int], KeptRows | None] | None,
+               room: int | None) -> list[torch.Tensor]:
         n, steps = len(rows), max(limits)
-        logits, prefill, batch, index, start = self._prefill(model, rows)
-        width = int(batch["attention_mask"].shape[1])
-        need = width + steps
-        if n > self.capacity or need > self.length:
-            # room for the longest prompts seen so far, rounded up: fewer reallocations
-            self._allocate(max(batch_size, n, self.capacity),
-                           max(self.length, -(-need // 64) * 64), prefill)
+        logits = self._start(model, rows, batch_size, steps, follows, room)
         self._bind(model, settings)
         dev = self.device
-        for layer, keys, values in zip(prefill.layers, self.keys, self.values):
-            kept = int(layer.keys.shape[2])  # a sliding layer keeps its window's last columns
-            keys[:n, :, width - kept:width] = layer.keys.index_select(0, index)
-            values[:n, :, width - kept:width] = layer.values.index_select(0, index)
-        del prefill
-        self.mask.zero_()
-        self.mask[:n, 0, 0, :width] = batch["attention_mask"].index_select(0, index).bool()
-        self.positions[:n] = start.index_select(0, index)
-        self.base.fill_(width - 1)
         self.row_of[:n] = torch.arange(n, device=dev)
         self.done.zero_()
         self.limits[:n] = torch.tensor(list(limits), dtype=torch.long, device=dev)
@@ -522,8 +565,9 @@ class StaticDecoder:
             self.seeds[:n] = torch.tensor([int(s) for s in seeds], dtype=torch.long, device=dev)
         out = self.out
         self.counter.zero_()
-        self._record(self._pick(logits.index_select(0, index), n, settings), n, out)
+        self._record(self._pick(logits, n, settings), n, out)
         self.counter.add_(1)
+        width = int(self.base) + 1  # the first decode column
         live = n
         for step in range(1, steps):
             if self.graphs:
@@ -539,14 +583,145 @@ class StaticDecoder:
                     break
                 bucket = self._bucket(running)
                 if bucket < live:
-                    self._compact(live, bucket)
+                    self._compact(live, bucket, keep)
                     live = bucket
         tokens = out[:n, :steps].cpu()
         cut = [row[:limit] for row, limit in zip(tokens, limits, strict=True)]
         if stop is not None:
             cut = [row[:at] if (at := stop.first(row.tolist())) is not None else row
                    for row in cut]
-        return [cut_after_eos(row, self.ids.eos) for row in cut]
+        cut = [cut_after_eos(row, self.ids.eos) for row in cut]
+        if keep:
+            self._keep(rows, cut, width)
+        return cut
+
+    def _start(self, model: Any, rows: Sequence[Prompt], batch_size: int, steps: int,
+               follows: tuple[Sequence[int], KeptRows | None] | None,
+               room: int | None) -> torch.Tensor:
+        """The rows' contexts in the cache (appended to what it kept of them where it can, else
+        prefilled whole): the logits of their first token [rows, vocab], float32."""
+        if follows is not None:
+            previous, kept = follows
+            logits = None if kept is None else self._append(model, rows, previous, kept, steps)
+            if logits is not None:
+                self.appended += 1
+                return logits
+            self.refilled += 1
+        return self._fresh(model, rows, batch_size, max(steps, room or 0))
+
+    def _fresh(self, model: Any, rows: Sequence[Prompt], batch_size: int,
+               steps: int) -> torch.Tensor:
+        """Prefill ``rows`` whole into the first rows of the buffers (grown to hold ``steps``
+        columns after them when too small): the logits of their first token [rows, vocab],
+        float32."""
+        n = len(rows)
+        logits, prefill, batch, index, start = self._prefill(model, rows)
+        width = int(batch["attention_mask"].shape[1])
+        # one column more than the rows fill: the scratch column an appended block's padding
+        # writes to (:meth:`_append`)
+        need = width + steps + 1
+        if n > self.capacity or need > self.length:
+            # room for the longest prompts seen so far, rounded up: fewer reallocations
+            self._allocate(max(batch_size, n, self.capacity),
+                           max(self.length, -(-need // 64) * 64), prefill)
+        for layer, keys, values in zip(prefill.layers, self.keys, self.values):
+            kept = int(layer.keys.shape[2])  # a sliding layer keeps its window's last columns
+            keys[:n, :, width - kept:width] = layer.keys.index_select(0, index)
+            values[:n, :, width - kept:width] = layer.values.index_select(0, index)
+        del prefill
+        self.mask.zero_()
+        self.mask[:n, 0, 0, :width] = batch["attention_mask"].index_select(0, index).bool()
+        self.positions[:n] = start.index_select(0, index)
+        self.base.fill_(width - 1)
+        return logits.index_select(0, index)
+
+    def _keep(self, rows: Sequence[Prompt], cut: Sequence[torch.Tensor], width: int) -> None:
+        """Record what the cache holds of each row after its turn: its context and the turn's
+        tokens but the last (a token is cached when it is fed, the next step's input)."""
+        n = len(rows)
+        slot_of = torch.empty(n, dtype=torch.long)
+        slot_of[self.row_of[:n].cpu()] = torch.arange(n)
+        positions = self.positions[:n].cpu()
+        fed = [max(int(tokens.shape[0]) - 1, 0) for tokens in cut]
+        slots = slot_of.tolist()
+        self._kept = KeptRows(
+            slots=slots, ends=[width + f for f in fed],
+            ids=[torch.cat([row.input_ids, tokens[:f].to(row.input_ids.dtype)])
+                 for row, tokens, f in zip(rows, cut, fed, strict=True)],
+            next_positions=[int(positions[slot]) + f for slot, f in zip(slots, fed)])
+
+    def _append(self, model: Any, rows: Sequence[Prompt], previous: Sequence[int],
+                kept: KeptRows, steps: int) -> torch.Tensor | None:
+        """Continue the rows of the kept call: keep each row's cached tokens that are still a
+        prefix of its context, moved so that every row's context ends at the same column (the
+        width a whole prefill would have, so the decode steps write one column for all rows),
+        and prefill only the rest of each context (the policy's last token and the tool turn).
+        The logits of the rows' first token [rows, vocab] float32, or None where this cannot be
+        done: the rest holds image tokens (their positions and attention are the model's own
+        rules), the buffers are too small, a row is unknown."""
+        n = len(rows)
+        if not self.keys or n > self.capacity:
+            return None
+        blocked = self._blocked if self.ids.blocked else None
+        plans = []  # per row: (slot, cached columns' start, common prefix, rest, rest's position)
+        for row, p in zip(rows, previous, strict=True):
+            if not 0 <= p < len(kept.slots):
+                return None
+            cached, ids = kept.ids[p], row.input_ids
+            shared = min(len(cached), len(ids) - 1)  # at least one token is fed
+            differ = torch.nonzero(cached[:shared] != ids[:shared])
+            if len(differ):
+                shared = int(differ[0])
+            rest = ids[shared:]
+            if blocked is not None and (torch.isin(rest, blocked.cpu()).any()
+                                        or torch.isin(cached[shared:], blocked.cpu()).any()):
+                return None
+            if any(bool(v[shared:].any()) for v in row.token_inputs.values()):
+                return None
+            plans.append((kept.slots[p], kept.ends[p] - len(cached), shared, rest,
+                          kept.next_positions[p] - (len(cached) - shared)))
+        width = max(row.length for row in rows)
+        if width + steps + 1 > self.length:
+            return None
+        dev, length = self.device, self.length
+        sizes = torch.tensor([len(plan[3]) for plan in plans], device=dev)
+        block = int(sizes.max())
+        # row r's kept tokens move to [begin, width - its rest), its rest fills up to width
+        begin = width - sizes - torch.tensor([plan[2] for plan in plans], device=dev)
+        shift = begin - torch.tensor([plan[1] for plan in plans], device=dev)
+        index = (self.columns.unsqueeze(0) - shift.unsqueeze(1)).clamp_(0, length - 1)
+        source = torch.tensor([plan[0] for plan in plans], device=dev)
+        for buffer in (*self.keys, *self.values):
+            picked = buffer.index_select(0, source)
+            buffer[:n] = picked.gather(2, index[:, None, :, None].expand(
+                -1, picked.shape[1], -1, picked.shape[3]))
+        # the block: each row's rest right-aligned at width, padded on the left; a pad's keys
+        # and values go to the scratch column (the last), which only pads read
+        input_ids = torch.full((n, block), self.ids.pad, dtype=torch.long)
+        positions = torch.zeros(n, block, dtype=torch.long)
+        for r, (_, _, _, rest, first) in enumerate(plans):
+            input_ids[r, block - len(rest):] = rest
+            positions[r, block - len(rest):] = first + torch.arange(len(rest))
+        queries = width - block + torch.arange(block, device=dev)  # the block's columns
+        real = torch.arange(block, device=dev).unsqueeze(0) >= (block - sizes).unsqueeze(1)
+        scratch = length - 1
+        columns = self.columns
+        reads = real[:, :, None] & (columns >= begin[:, None, None]) \
+            & (columns <= queries[None, :, None])
+        reads |= ~real[:, :, None] & (columns == scratch)
+        cache = StaticRows(self.keys, self.values,
+                           torch.where(real, queries.unsqueeze(0), scratch), n)
+        kwargs: dict[str, Any] = {self._cache_name: cache, "use_cache": True}
+        if self._keep_logits:
+            kwargs["logits_to_keep"] = 1
+        logits = model(input_ids=input_ids.to(dev),
+                       attention_mask=self._kinds(reads.unsqueeze(1), queries.unsqueeze(-1)),
+                       position_ids=positions.to(dev), **kwargs).logits[:, -1].float()
+        self.mask.zero_()
+        self.mask[:n, 0, 0] = (columns >= begin.unsqueeze(1)) & (columns < width)
+        self.positions[:n] = positions[:, -1].to(dev) + 1
+        self.base.fill_(width - 1)
+        return logits
 
     def _mark_stopped(self, stop: Stop, live: int, made: int) -> None:
         """Set the finished flag of every running row whose last tokens hold the stop text

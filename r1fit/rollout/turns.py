@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -199,11 +199,16 @@ def turn_seed(seed: int, turn: int) -> int:
     return int(np.random.SeedSequence([seed, turn]).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
-#: ``generate_turn(rows, seeds or None, limits) -> tokens``: one turn of each row, generated from
-#: ``rows`` (contexts), row i up to ``limits[i]`` tokens, stopped after ``</tool_call>`` or its
-#: end-of-sequence token (kept)
-GenerateTurn = Callable[[Sequence[Prompt], Sequence[int] | None, Sequence[int]],
-                        list[torch.Tensor]]
+class GenerateTurn(Protocol):
+    """One turn of each row, generated from ``rows`` (contexts), row i up to ``limits[i]``
+    tokens, stopped after ``</tool_call>`` or its end-of-sequence token (kept); ``seeds`` None
+    is greedy. ``previous``: row i continues row ``previous[i]`` of the last call (its context
+    is that row's grown by its turn and a tool turn), None on a rollout's first turn. An engine
+    that keeps a row's KV cache across turns reads it; the others ignore it."""
+
+    def __call__(self, rows: Sequence[Prompt], seeds: Sequence[int] | None,
+                 limits: Sequence[int], previous: Sequence[int] | None = None
+                 ) -> list[torch.Tensor]: ...
 
 
 class StopAtToolCall(StoppingCriteria):
@@ -234,7 +239,8 @@ def hf_generate_turn(model: Any, tokenizer: Any, settings: SamplingSettings, ids
 
     @torch.no_grad()
     def generate(rows: Sequence[Prompt], seeds: Sequence[int] | None,
-                 limits: Sequence[int]) -> list[torch.Tensor]:
+                 limits: Sequence[int], previous: Sequence[int] | None = None
+                 ) -> list[torch.Tensor]:
         gen_config = generation_config(replace(settings, max_new_tokens=max(limits)), ids)
         if not settings.min_new_tokens and \
                 getattr(unwrap(model).generation_config, "min_new_tokens", None) is None:
@@ -260,18 +266,24 @@ def hf_generate_turn(model: Any, tokenizer: Any, settings: SamplingSettings, ids
     return generate
 
 
-def static_generate_turn(decoder: StaticDecoder, tokenizer: Any,
-                         settings: SamplingSettings) -> GenerateTurn:
+def static_generate_turn(decoder: StaticDecoder, tokenizer: Any, settings: SamplingSettings,
+                         keep_cache: bool = True, room: int | None = None) -> GenerateTurn:
     """One turn of all open rows on the static engine (``settings.max_new_tokens`` replaced by
-    the rows' largest limit), each row stopped as :class:`StopAtToolCall` stops it. Every turn
-    prefills its rows' whole contexts (the cache is not kept across turns yet)."""
+    the rows' largest limit), each row stopped as :class:`StopAtToolCall` stops it.
+    ``keep_cache``: each row's KV cache is kept after its turn and the next turn prefills only
+    what the turn added (``StaticDecoder.generate``'s ``keep``/``previous``); else every turn
+    prefills its rows' whole contexts. ``room``: the tokens a trajectory may hold after its
+    prompt (``TurnBudgets.tokens``), the cache's columns after the prompts on a first turn."""
     stop = Stop(TOOL_CALL_CLOSE, tokenizer, STOP_WINDOW)
 
     def generate(rows: Sequence[Prompt], seeds: Sequence[int] | None,
-                 limits: Sequence[int]) -> list[torch.Tensor]:
+                 limits: Sequence[int], previous: Sequence[int] | None = None
+                 ) -> list[torch.Tensor]:
         return decoder.generate(rows, seeds=seeds, batch_size=max(len(rows), 1),
                                 settings=replace(settings, max_new_tokens=max(limits)),
-                                limits=limits, stop=stop)
+                                limits=limits, stop=stop, keep=keep_cache,
+                                previous=previous if keep_cache else None,
+                                room=room if previous is None else None)
 
     return generate
 
@@ -347,16 +359,20 @@ def run_trajectories(generate_turn: GenerateTurn, processor: Any, prompts: Seque
         contexts = [tool_context(p) for p in prompts]
     trajectories = [Trajectory(prompt) for prompt in prompts]
     open_rows = list(range(len(prompts)))
+    previous: list[int] | None = None  # each open row's place among the last turn's rows
     while open_rows:
         limits = [min(budgets.max_new_tokens, budgets.tokens - trajectories[i].length)
                   for i in open_rows]
         turn_seeds = None if seeds is None else \
             [turn_seed(seeds[i], trajectories[i].num_turns) for i in open_rows]
-        turns = generate_turn([trajectories[i].context() for i in open_rows], turn_seeds, limits)
+        turns = generate_turn([trajectories[i].context() for i in open_rows], turn_seeds, limits,
+                              previous)
         still_open = []
         for i, tokens in zip(open_rows, turns, strict=True):
             if _take_turn(trajectories[i], tokens, processor, runner, contexts[i], budgets, eos):
                 still_open.append(i)
+        place = {i: k for k, i in enumerate(open_rows)}
+        previous = [place[i] for i in still_open]
         open_rows = still_open
     return trajectories
 

@@ -243,8 +243,9 @@ class VllmEngine:
         return completions, logprobs
 
     def generate_turn(self, rows: Sequence[Prompt], seeds: Sequence[int] | None,
-                      limits: Sequence[int], *, temperature: float, top_p: float,
-                      eos: Sequence[int], blocked: Sequence[int]) -> list[torch.Tensor]:
+                      limits: Sequence[int], previous: Sequence[int] | None = None, *,
+                      temperature: float, top_p: float, eos: Sequence[int],
+                      blocked: Sequence[int]) -> list[torch.Tensor]:
         """One turn of each row for :func:`~r1fit.rollout.turns.run_trajectories` (its
         ``GenerateTurn`` once the keywords are bound): row i generates at most ``limits[i]``
         tokens and stops right after the token whose text completes ``</tool_call>`` (kept whole,
@@ -255,7 +256,9 @@ class VllmEngine:
         order (the row's own, then the tools'). vLLM takes at most ``spec.max_images`` images
         (``limit_mm_per_prompt``) and ``spec.max_model_len`` tokens per request: the caller sizes
         both for whole trajectories (the row's images plus what its tools may return; the longest
-        prompt plus ``rollout.max_trajectory_tokens``); a row past either is refused here."""
+        prompt plus ``rollout.max_trajectory_tokens``); a row past either is refused here.
+        ``previous`` (which row of the last turn a row continues) is not needed: each turn is
+        sent whole."""
         requests = [self._turn_request(row, limit) for row, limit in zip(rows, limits, strict=True)]
         # vLLM checks the stop text on its detokenized output (special tokens skipped, as
         # StopAtToolCall decodes) and drops any token after the one that completed it

@@ -128,7 +128,8 @@ class HFRollouts:
 
 class StaticRollouts(HFRollouts):
     """Rollouts and evaluation on the static-cache engine (one process); with ``tools``, each
-    turn of the open rows one engine call (their contexts prefilled whole each turn)."""
+    turn of the open rows one engine call, each row's cache kept across its turns
+    (``rollout.static.keep_cache``)."""
 
     def __init__(self, run: Run, settings: SamplingSettings,
                  tools: ToolTurns | None = None) -> None:
@@ -150,7 +151,9 @@ class StaticRollouts(HFRollouts):
     def _turns(self, settings: SamplingSettings, rows: Sequence[Prompt],
                seeds: Sequence[int] | None, batch_size: int) -> list[Trajectory]:
         assert self.tools is not None
-        turn = static_generate_turn(self.decoder, self.run.processor.tokenizer, settings)
+        turn = static_generate_turn(self.decoder, self.run.processor.tokenizer, settings,
+                                    keep_cache=self.run.cfg.rollout.static.keep_cache,
+                                    room=self.tools.budgets.tokens)
         return self.tools.run_rows(turn, rows, seeds, batch_size, evaluation=seeds is None)
 
 

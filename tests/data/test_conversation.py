@@ -73,7 +73,8 @@ class Scripted:
     def __init__(self, processor, texts: list[str], eos: int) -> None:
         self.tokenizer, self.texts, self.eos = processor.tokenizer, texts, eos
 
-    def __call__(self, rows: Sequence[Prompt], seeds, limits) -> list[torch.Tensor]:
+    def __call__(self, rows: Sequence[Prompt], seeds, limits,
+                 previous=None) -> list[torch.Tensor]:
         out = []
         for row in rows:
             text = self.texts[self.tokenizer.decode(row.input_ids.tolist()).count("<tool_response>")]

@@ -83,8 +83,8 @@ def scripted(model_turn, tokenizer):
     """``model_turn`` with the first turn of even-seeded (or greedy) rows replaced by CALL."""
     call = torch.tensor(tokenizer(CALL, add_special_tokens=False)["input_ids"])
 
-    def turn(rows, seeds, limits):
-        out = model_turn(rows, seeds, limits)
+    def turn(rows, seeds, limits, previous=None):
+        out = model_turn(rows, seeds, limits, previous)
         for i, row in enumerate(rows):
             first = "<tool_response>" not in tokenizer.decode(row.input_ids.tolist())
             if first and (seeds is None or seeds[i] % 2 == 0):
@@ -102,14 +102,14 @@ def install(setattr=setattr):
     def make(model, tokenizer, settings, ids, device):
         return scripted(real_hf(model, tokenizer, settings, ids, device), tokenizer)
 
-    def make_static(decoder, tokenizer, settings):
-        return scripted(real_static(decoder, tokenizer, settings), tokenizer)
+    def make_static(decoder, tokenizer, settings, keep_cache=True, room=None):
+        return scripted(real_static(decoder, tokenizer, settings, keep_cache, room), tokenizer)
 
-    def vllm_turn(self, rows, seeds, limits, **keywords):
-        def model_turn(rows_, seeds_, limits_):
-            return real_vllm(self, rows_, seeds_, limits_, **keywords)
+    def vllm_turn(self, rows, seeds, limits, previous=None, **keywords):
+        def model_turn(rows_, seeds_, limits_, previous_=None):
+            return real_vllm(self, rows_, seeds_, limits_, previous_, **keywords)
 
-        return scripted(model_turn, self.llm.get_tokenizer())(rows, seeds, limits)
+        return scripted(model_turn, self.llm.get_tokenizer())(rows, seeds, limits, previous)
 
     setattr(engines, "hf_generate_turn", make)
     setattr(engines, "static_generate_turn", make_static)

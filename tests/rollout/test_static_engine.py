@@ -1,14 +1,17 @@
 """The static-cache engine (rollout.engine=static) on CPU, where it runs eagerly: greedy tokens
 equal Hugging Face generate's on every built-in family, a row's sampled tokens depend on its seed
 only (alone, in a batch, across chunk sizes), min_new_tokens and blocked tokens as in the HF
-path, compaction exact, LoRA merged and restored bit-exactly."""
+path, compaction exact, LoRA merged and restored bit-exactly, and a multi-turn row continuing
+its kept cache gets the tokens of its context prefilled whole."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 
-from r1fit.data.batch import encode_prompts
+from r1fit.data.batch import Prompt, encode_prompts
 from r1fit.data.dataset import load_dataset
 from r1fit.models.load import load_policy
 from r1fit.rollout.generate import (
@@ -213,3 +216,71 @@ def test_decode_attention_equals_sdpa_with_repeated_heads():
     want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
     assert got.shape == want.shape == (3, 1, 8, 16)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _grown(rows, turns, text_ids):
+    """Each row's context grown by its turn and a tool turn's text (new Prompt objects: a row of
+    the next turn is its own conversation)."""
+    out = []
+    for row, tokens in zip(rows, turns, strict=True):
+        extra = torch.cat([tokens, torch.tensor(text_ids, dtype=torch.long)])
+        extras = {k: torch.cat([v, torch.zeros(len(extra), dtype=v.dtype)])
+                  for k, v in row.token_inputs.items()}
+        out.append(Prompt(torch.cat([row.input_ids, extra]), extras, row.image_inputs,
+                          row.sample))
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kept_cache_gives_the_tokens_of_a_whole_prefill(family, builtin_folder, tiny_dir):
+    """Multi-turn: a turn that continues the kept cache (only the new tokens prefilled) gives the
+    greedy tokens of the same contexts prefilled whole, and Hugging Face generate's, on every
+    family; rows leave between turns (the kept rows are picked by ``previous``), and early
+    finishers were compacted away in the first turn."""
+    folder = tiny_dir if family == "tiny" else builtin_folder(family)
+    model, ids, rows = setup(folder)
+    settings = SamplingSettings(max_new_tokens=24, greedy=True)
+    engine = StaticDecoder(model, ids, CPU, sync_every=2)
+    first = engine.generate(rows, seeds=None, batch_size=len(rows), settings=settings,
+                            keep=True)
+    text = [7, 8, 9, 10, 11] if family != "tiny-gemma3" else [107, 108, 109]
+    previous = [5, 0, 2, 7]  # rows 1, 3, 4, 6 ended
+    contexts = _grown([rows[i] for i in previous], [first[i] for i in previous], text)
+    limits = [24, 9, 17, 24]
+    kept = engine.generate(contexts, seeds=None, batch_size=len(rows), settings=settings,
+                           limits=limits, keep=True, previous=previous)
+    assert engine.appended == 1 and engine.refilled == 0
+    whole = StaticDecoder(model, ids, CPU).generate(contexts, seeds=None, batch_size=4,
+                                                    settings=settings, limits=limits)
+    hf = [generate_completions(model, [c], seeds=None, batch_size=1, settings=replace(
+        settings, max_new_tokens=limit), ids=ids, device=CPU)[0]
+        for c, limit in zip(contexts, limits, strict=True)]
+    assert any(len(c) > 1 for c in kept)
+    assert _same(kept, whole), [(a.tolist(), b.tolist()) for a, b in zip(kept, whole)]
+    assert _same(kept, hf)
+    # a third turn keeps what the second appended and decoded
+    third = _grown(contexts[1:3], kept[1:3], text)
+    again = engine.generate(third, seeds=None, batch_size=len(rows), settings=settings,
+                            previous=[1, 2])
+    assert engine.appended == 2
+    assert _same(again, StaticDecoder(model, ids, CPU).generate(
+        third, seeds=None, batch_size=2, settings=settings))
+
+
+def test_kept_cache_sampled_and_where_the_context_differs(tiny):
+    """Sampled rows continue the kept cache with the tokens a whole prefill gives them; a row
+    whose context no longer starts with its turn (a scripted turn replaced it) keeps only the
+    common prefix."""
+    model, ids, rows = tiny
+    settings = SamplingSettings(max_new_tokens=16, temperature=1.0, top_p=0.95)
+    seeds = row_seeds(3, 1, 0, len(rows))
+    engine = StaticDecoder(model, ids, CPU)
+    first = engine.generate(rows, seeds=seeds, batch_size=len(rows), settings=settings, keep=True)
+    turns = list(first)
+    turns[1] = torch.tensor([5, 6, 7, 8])  # not what the model wrote: the cache keeps the prompt
+    contexts = _grown(rows, turns, [7, 8, 9])
+    kept = engine.generate(contexts, seeds=seeds, batch_size=len(rows), settings=settings,
+                           keep=True, previous=list(range(len(rows))))
+    whole = StaticDecoder(model, ids, CPU).generate(contexts, seeds=seeds, batch_size=len(rows),
+                                                    settings=settings)
+    assert engine.appended == 1 and _same(kept, whole)

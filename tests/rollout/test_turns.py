@@ -70,7 +70,7 @@ class ScriptedPolicy:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return ids if text.endswith("</tool_call>") else [*ids, self.eos]
 
-    def __call__(self, rows: Sequence[Prompt], seeds, limits) -> list[torch.Tensor]:
+    def __call__(self, rows: Sequence[Prompt], seeds, limits, previous=None) -> list[torch.Tensor]:
         self.batches.append(len(rows))
         out = []
         for row, limit in zip(rows, limits, strict=True):
@@ -288,8 +288,9 @@ class FirstTurns:
     def __init__(self, model_turn, tokenizer, scripts: dict[str, list[str]]) -> None:
         self.model_turn, self.tokenizer, self.scripts = model_turn, tokenizer, scripts
         self.batches: list[int] = []  # rows of each batch the model generated
+        self.last: list[int] | None = None  # the rows the model generated in the last call
 
-    def __call__(self, rows, seeds, limits):
+    def __call__(self, rows, seeds, limits, previous=None):
         out: list[torch.Tensor | None] = []
         for row in rows:
             turn = self.tokenizer.decode(row.input_ids.tolist()).count("<tool_response>")
@@ -297,13 +298,19 @@ class FirstTurns:
             out.append(torch.tensor(self.tokenizer(script[turn], add_special_tokens=False)
                                     ["input_ids"]) if turn < len(script) else None)
         free = [i for i, tokens in enumerate(out) if tokens is None]
+        follows = None  # which row of the model's last call each free row continues
+        if free and previous is not None and self.last is not None:
+            place = {row: k for k, row in enumerate(self.last)}
+            mapped = [place.get(previous[i]) for i in free]
+            follows = None if None in mapped else mapped
         if free:
             self.batches.append(len(free))
             made = self.model_turn([rows[i] for i in free],
                                    None if seeds is None else [seeds[i] for i in free],
-                                   [limits[i] for i in free])
+                                   [limits[i] for i in free], follows)
             for i, tokens in zip(free, made, strict=True):
                 out[i] = tokens
+        self.last = free or None
         return out
 
 
@@ -438,6 +445,56 @@ def test_the_static_engine_gives_hfs_trajectories(tiny):
         assert torch.equal(hf.token_ids, static.token_ids)
         assert torch.equal(hf.policy_mask, static.policy_mask)
         assert hf.ended == static.ended
+
+
+def test_the_static_engine_keeps_the_cache_across_text_tool_turns(tiny):
+    """Greedy, tool turns of text only (a call to a tool that does not exist, a malformed call:
+    error results): with the cache kept across turns each turn prefills only what it adds, and
+    the trajectories equal those of prefilling every turn whole, and HF generate's. Rows leave
+    at different turns; a turn whose tool turn shows an image (the crop) is prefilled whole."""
+    from r1fit.rollout.static_engine import StaticDecoder
+    from r1fit.rollout.turns import static_generate_turn
+
+    model, processor, ids, prompts = tiny
+    settings = SamplingSettings(max_new_tokens=30, greedy=True)
+    missing = call("measure", what="corner")
+    scripts = {prompts[0].sample.source: [missing, "<tool_call>\n{not json\n</tool_call>"],
+               prompts[1].sample.source: [missing],
+               prompts[2].sample.source: [CROP, missing]}
+    engines = {
+        "hf": hf_generate_turn(model, processor.tokenizer, settings, ids, CPU),
+        "whole": static_generate_turn(StaticDecoder(model, ids, CPU), processor.tokenizer,
+                                      settings, keep_cache=False),
+        "kept": static_generate_turn(kept := StaticDecoder(model, ids, CPU, sync_every=4),
+                                     processor.tokenizer, settings, room=600)}
+    tok = processor.tokenizer
+
+    def overriding(turn):
+        """The model generates every row's turn (so the engine keeps every row); a scripted
+        turn then replaces the model's (the kept cache holds tokens the context does not)."""
+        def policy(rows, seeds, limits, previous=None):
+            out = turn(rows, seeds, limits, previous)
+            for i, row in enumerate(rows):
+                k = tok.decode(row.input_ids.tolist()).count("<tool_response>")
+                script = scripts.get(row.sample.source, [])
+                if k < len(script):
+                    out[i] = torch.tensor(tok(script[k], add_special_tokens=False)["input_ids"])
+            return out
+        return policy
+
+    out = {}
+    for name, turn in engines.items():
+        out[name] = run_trajectories(overriding(turn), processor, prompts, None, runner(),
+                                     budgets(max_new_tokens=30, max_trajectory_tokens=600),
+                                     eos=ids.eos)
+    assert [t.num_turns for t in out["hf"]] == [3, 2, 3], [t.ended for t in out["hf"]]
+    # turn 1: the crop's image in row 2's context: prefilled whole; turn 2 (rows 0, 2): appended
+    assert (kept.appended, kept.refilled) == (1, 1)
+    for name in ("whole", "kept"):
+        for hf, static in zip(out["hf"], out[name], strict=True):
+            assert torch.equal(hf.token_ids, static.token_ids), name
+            assert torch.equal(hf.policy_mask, static.policy_mask)
+            assert hf.ended == static.ended
 
 
 def test_the_static_engine_stops_rows_where_hfs_rule_does(tiny):

@@ -251,7 +251,7 @@ def tool_image_context(processor, ids, prompt, crops: int):
     tok = processor.tokenizer
     seen = []
 
-    def scripted(rows, seeds, limits):
+    def scripted(rows, seeds, limits, previous=None):
         (row,) = rows
         turn = tok.decode(row.input_ids.tolist()).count("<tool_response>")
         if turn < crops:

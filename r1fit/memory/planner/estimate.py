@@ -504,7 +504,7 @@ def engine_memory(f: ModelFacts, cfg: Config, stored: int, cuda: bool, budget: i
     return EngineMemory(weights, kv, sleeps=cuda and v.sleep_level > 0)
 
 
-#: the static engine's cache length is rounded up to this many columns (static_engine._chunk)
+#: the static engine's cache length is rounded up to this many columns (static_engine._fresh)
 STATIC_LENGTH_STEP = 64
 
 
@@ -513,14 +513,15 @@ def static_engine_memory(f: ModelFacts, cfg: Config, stored: int, prompt_tokens:
     """rollout.engine=static (r1fit/rollout/static_engine.py): a static KV cache of the most rows
     it generates at once (memory.generation_batch, or eval.batch when larger) x the prompt's
     planned tokens plus the completion (with tools the trajectory: each turn's context grows to
-    it), rounded up to 64 columns; the decode step's
+    it) and one scratch column, rounded up to 64 columns; the decode step's
     workspace (the model's logits, their float32 copy, the blocked-token copy and the sampler's
     float32 tensors, [rows x vocab] each: the largest of a step's intermediates, which its CUDA
     graph's pool keeps); with LoRA a copy of every adapted base weight (the merge is undone by
     copying it back, bit-exact)."""
     t = f.text
     rows = max(generation_rows, cfg.eval.batch if cfg.data.eval else 0, 1)
-    length = -(-(prompt_tokens + completion) // STATIC_LENGTH_STEP) * STATIC_LENGTH_STEP
+    # one column more: the scratch column an appended tool turn's padding writes to
+    length = -(-(prompt_tokens + completion + 1) // STATIC_LENGTH_STEP) * STATIC_LENGTH_STEP
     sampling = sampling_logits_f32(cfg.algo.temperature, cfg.algo.top_p)
     graphs = rows * t.vocab * (stored + (sampling + 2) * F32 + 1)
     backup = sum(i * o for i, o in f.lora_linears) * stored if cfg.model.lora.r > 0 else 0
