@@ -3,12 +3,13 @@
 The commands are the lines of README.md's and docs/'s fenced blocks (untyped, bash, sh, shell,
 console; in a block that uses `$ ` prompts only those lines) that start with `r1fit ` or
 `torchrun ... -m r1fit `, after joining `\\` continuations and splitting at `&&`, `||`, `;`
-and `|`. Each is parsed by the CLI's own argparse parser. A `train`, `sft`, `plan` or `config`
-command is then resolved by `r1fit config --json`, so every key exists and every value is
+and `|`. Each is parsed by the CLI's own argparse parser. A `train`, `sft`, `eval`, `plan` or
+`config` command is then resolved by `r1fit config --json`, so every key exists and every value is
 valid. The files it names must be there:
 
 - `model.path` and, for `train` and `sft`, `data.train`, `data.eval`, `data.image_folder` and
-  `data.eval_image_folder`: a `builtin:` name, a hub id (`owner/name`, `@split` allowed, no file
+  `data.eval_image_folder` (for `eval`: `data.eval`, `data.eval_image_folder` and `--model`): a
+  `builtin:` name, a hub id (`owner/name`, `@split` allowed, no file
   suffix), a path under the documented placeholder `/data/`, a file or folder of this
   repository, or a path under an output folder (`train.output_dir`, `r1fit export`'s OUT) of a
   command earlier on the same page;
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_docs import ROOT, manual_pages  # noqa: E402
 
 SHELL_BLOCKS = ("", "bash", "sh", "shell", "console")
-CONFIG_COMMANDS = ("train", "sft", "plan", "config")
+CONFIG_COMMANDS = ("train", "sft", "eval", "plan", "config")
 PLACEHOLDER = "/data/"
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+(@[\w.-]+)?")
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv", ".yaml", ".yml")
@@ -144,17 +145,21 @@ def check_command(args: list[str], produced: list[str]) -> list[str]:
     if ns.command in ("train", "sft"):  # plan and config read no data
         problems += data_problems(cfg, produced)
         produced.append(cfg["train"]["output_dir"])
+    if ns.command == "eval":  # data.eval only, and the model it scores
+        problems += data_problems(cfg, produced, keys=("eval",))
+        problems.append(source_problem("--model", getattr(ns, "model", None), produced))
     return [p for p in problems if p]
 
 
-def data_problems(cfg: dict, produced: list[str]) -> list[str | None]:
+def data_problems(cfg: dict, produced: list[str], keys: tuple[str, ...] = ("train", "eval")
+                  ) -> list[str | None]:
     """check_command's rules for the data a resolved config (``r1fit config --json``) reads."""
     data = cfg["data"]
+    folders = {"train": "image_folder", "eval": "eval_image_folder"}
     problems = [source_problem(f"data.{key}", value, produced)
-                for key in ("train", "eval") for value in as_list(data[key])]
-    problems += [path_problem(f"data.{key}", value, produced)
-                 for key in ("image_folder", "eval_image_folder") for value in as_list(data[key])
-                 if value is not None]
+                for key in keys for value in as_list(data[key])]
+    problems += [path_problem(f"data.{folders[key]}", value, produced)
+                 for key in keys for value in as_list(data[folders[key]]) if value is not None]
     model = cfg["model"]["path"]
     if HUB_ID.fullmatch(model) and any(str(v).startswith("builtin:") for v in as_list(data["train"])):
         problems.append(f"model.path={model} on data.train={data['train']}: a hub model on the "
