@@ -1,15 +1,16 @@
-"""Every measurement the README quotes is in the newest row of its benchmark in RESULTS.md.
+"""Every measurement the README (and docs/index.md, its copy in the manual) quotes is in the newest
+row of its benchmark in RESULTS.md.
 
 The rule, as checked here:
 
-- **Numbers.** In README.md's prose, tables and untyped (output) code blocks, leaving out inline
+- **Numbers.** In the page's prose, tables and untyped (output) code blocks, leaving out inline
   code, link targets and the other code blocks (commands and config values): a number glued to
   `x` or `%` (`8.6x`, `+1.1%`, sign kept), a duration `M min S s`, a number followed by a unit
   (`ms`, `s`, `min`, `h`, spelt out too, `MiB`, `GiB`, `MB`, `GB`, `GB/s`, `tokens/s`, `tok/s`;
   a space or line break between), and a
   fraction written with two or more decimals (`0.725`, `1.000`: accuracies). Versions
   (`2.14.1`) are not numbers.
-- **Its benchmark.** A README paragraph, table row or output block names the RESULTS.md section
+- **Its benchmark.** A paragraph, table row or output block names the RESULTS.md section
   it quotes: a link to the section's anchor (`benchmarks/RESULTS.md#...`) or the script its
   heading names (`benchmarks/tools_learning.py`). A table or output block without a name of its
   own takes the paragraph's before it. A unit that quotes a number and names no section fails.
@@ -17,8 +18,10 @@ The rule, as checked here:
   above it ran the same command on the same machine (the command's backticked text, with
   `time`, `python3` as `python`, `--budget N` and `train.output_dir=...` left out; "same" means
   the row above's). The number must appear, with the same digits (and sign and unit for `x` and
-  `%`), in a current row of a named section. So a number from a row since superseded fails, and
-  so does one no row holds.
+  `%`), in a current row of a named section; when the unit names a command in backticks that
+  begins a current row's command (`python` and `python3` alike), in one of those rows. So a
+  number from a row since superseded fails, so does one from a row of another command than the
+  one named, and so does one no row holds.
 """
 
 from __future__ import annotations
@@ -27,8 +30,11 @@ import re
 import unicodedata
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+FRONT_PAGES = (README, ROOT / "docs" / "index.md")
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 
 VERSION = re.compile(r"\d+\.\d+\.\d+")
@@ -67,17 +73,23 @@ def appears(number: str, row: str) -> bool:
     return any(re.search(rf"(?<![\d.,]){re.escape(form)}(?![\d]|[.,]\d)", row) for form in forms)
 
 
+def normal_command(text: str) -> str:
+    """A command as rows and pages are compared: without `time`, `python3`/`python`, `-m` before
+    r1fit, `--budget N` and `train.output_dir=...`."""
+    text = re.sub(r"\btime |PYTHONUNBUFFERED=1 |--budget \d+|train\.output_dir=\S+", " ", text)
+    text = re.sub(r"^\s*python3? (-m )?", "", text)
+    return " ".join(text.split())
+
+
 def command_key(machine: str, command: str, previous: tuple[str, str] | None) -> tuple[str, str]:
     if command.strip().startswith(("same", "the same")) and previous is not None:
         return previous
-    text = " ".join(re.findall(r"`([^`]*)`", command)) or command
-    text = re.sub(r"\btime |PYTHONUNBUFFERED=1 |--budget \d+|train\.output_dir=\S+", " ", text)
-    text = re.sub(r"\bpython3\b", "python", text)
-    return machine.split()[0].strip(",;") if machine.split() else "", " ".join(text.split())
+    text = normal_command(" ".join(re.findall(r"`([^`]*)`", command)) or command)
+    return machine.split()[0].strip(",;") if machine.split() else "", text
 
 
 def current_rows(results: str) -> dict[str, dict]:
-    """Each RESULTS.md section by anchor: its heading and the text of its current rows."""
+    """Each RESULTS.md section by anchor: its heading and its current rows (command, text)."""
     sections = {}
     for part in re.split(r"^## ", results, flags=re.M)[1:]:
         heading, body = part.split("\n", 1)
@@ -92,7 +104,7 @@ def current_rows(results: str) -> dict[str, dict]:
                 if previous in seen:
                     continue
                 seen.add(previous)
-            rows.append(line)
+            rows.append((previous[1] if previous else "", line))
         sections[slug(heading)] = {"heading": heading, "rows": rows}
     return sections
 
@@ -144,14 +156,25 @@ def misquoted(readme: str, results: str) -> list[str]:
             if name not in sections:
                 wrong.append(f"no RESULTS.md section #{name}: {where}")
         rows = [row for name in names for row in sections.get(name, {"rows": []})["rows"]]
-        wrong += [f"{number} is in no current row of #{', #'.join(names)}: {where}"
+        commands = [normal_command(span) for span in re.findall(r"`([^`\n]+)`", naming)]
+        ran = [text for command, text in rows if any(command.startswith(c) for c in commands if c)]
+        rows = ran or [text for _, text in rows]
+        wrong += [f"{number} is in no current row of #{', #'.join(names)}: {around(number, quoting)}"
                   for number in numbers if names and not any(appears(number, row) for row in rows)]
     return wrong
 
 
-def test_every_number_the_readme_quotes_is_in_the_newest_row_of_its_benchmark():
-    wrong = misquoted(README.read_text(), RESULTS.read_text())
-    assert not wrong, "README numbers without a current RESULTS.md row:\n" + "\n".join(wrong)
+def around(number: str, text: str) -> str:
+    """The page's words around a number, for the failure message."""
+    text = " ".join(text.split())
+    at = max(text.find(number), 0)
+    return "..." + text[max(at - 50, 0):at + len(number) + 30] + "..."
+
+
+@pytest.mark.parametrize("page", FRONT_PAGES, ids=lambda page: page.name)
+def test_every_number_the_readme_quotes_is_in_the_newest_row_of_its_benchmark(page):
+    wrong = misquoted(page.read_text(), RESULTS.read_text())
+    assert not wrong, f"{page.name} numbers without a current RESULTS.md row:\n" + "\n".join(wrong)
 
 
 RESULTS_SAMPLE = """## Demo: `r1fit train`
@@ -191,6 +214,7 @@ def test_a_stale_or_unnamed_number_is_caught():
         ("[results](RESULTS.md#demo-r1fit-train): 0.73 in 2 min 27 s.", "0.73 is in no current row"),
         ("[results](RESULTS.md#demo-r1fit-train): 0.725 in 3 min 23 s.", "3 min 23 s is in no"),
         ("Plans (`benchmarks/gpu_check.py`) -7.0% of the peak.", "-7.0% is in no current row"),
+        ("Decode (`python benchmarks/gpu_check.py --only speed`): +1.1%.", "+1.1% is in no current"),
         ("Decode at 8.6x HF's tokens/s.", "no RESULTS.md section named"),
         ("[results](RESULTS.md#nowhere): 8.6x.", "no RESULTS.md section #nowhere"),
     ]:
