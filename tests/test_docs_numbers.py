@@ -7,19 +7,18 @@ The rule, as checked here:
   code, link targets and the other code blocks (commands and config values): a number glued to
   `x` or `%` (`8.6x`, `+1.1%`, sign kept), a duration `M min S s`, a number followed by a unit
   (`ms`, `s`, `min`, `h`, spelt out too, `MiB`, `GiB`, `MB`, `GB`, `GB/s`, `tokens/s`, `tok/s`;
-  a space or line break between), and a
-  fraction written with two or more decimals (`0.725`, `1.000`: accuracies). Versions
-  (`2.14.1`) are not numbers.
+  a space or line break between), and a fraction written with two or more decimals (`0.725`,
+  `1.000`: accuracies). Versions (`2.14.1`) are not numbers.
 - **Its benchmark.** A paragraph, table row or output block names the RESULTS.md section
   it quotes: a link to the section's anchor (`benchmarks/RESULTS.md#...`) or the script its
   heading names (`benchmarks/tools_learning.py`). A table or output block without a name of its
   own takes the paragraph's before it. A unit that quotes a number and names no section fails.
 - **The newest row.** Within a section's table (newest first), a row is current when no row
-  above it ran the same command on the same machine (the command's backticked text, with
-  `time`, `python3` as `python`, `--budget N` and `train.output_dir=...` left out; "same" means
-  the row above's). The number must appear, with the same digits (and sign and unit for `x` and
+  above it ran the same command on the same machine (the command's backticked text, without
+  `time`, a leading `python`/`python3 [-m]`, `--budget N` and `train.output_dir=...`; "same"
+  means the row above's). The number must appear, with the same digits (and sign and unit for `x` and
   `%`), in a current row of a named section; when the unit names a command in backticks that
-  begins a current row's command (`python` and `python3` alike), in one of those rows. So a
+  begins a current row's command (compared the same way), in one of those rows. So a
   number from a row since superseded fails, so does one from a row of another command than the
   one named, and so does one no row holds.
 """
