@@ -21,8 +21,7 @@ from PIL import Image
 
 from r1fit.report.metrics import plain, read_metrics
 from r1fit.report.sinks import sample_rows
-from r1fit.rollout.record import Rollout
-from r1fit.rollout.turns import Trajectory, Turn
+from r1fit.rollout.record import Rollout, Trajectory, Turn
 from r1fit.tools import MalformedCall, ToolCall
 
 THUMBNAIL = 192  # pixels of an image's longer side in the report

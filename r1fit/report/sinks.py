@@ -28,8 +28,7 @@ from PIL import Image
 from r1fit.data.batch import decode_completions
 from r1fit.errors import R1fitError, one_line
 from r1fit.report.metrics import plain, read_metrics
-from r1fit.rollout.record import Rollout
-from r1fit.rollout.turns import Trajectory
+from r1fit.rollout.record import Rollout, Trajectory
 from r1fit.tools import ToolResult
 
 log = logging.getLogger("r1fit.report")

@@ -8,9 +8,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from r1fit.processes import all_sum
-from r1fit.rollout.record import Rollout
+from r1fit.rollout.record import END_REASONS, Rollout, Trajectory
 from r1fit.rollout.score import finished_rows
-from r1fit.rollout.turns import END_REASONS, Trajectory
 
 
 def step_metrics(rollout: Rollout, updates: list[dict[str, float | None]],

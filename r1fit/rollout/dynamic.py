@@ -31,9 +31,8 @@ import torch
 
 from r1fit.data.batch import Prompt, pad_rows
 from r1fit.processes import all_gather_objects, world
-from r1fit.rollout.record import Rollout
+from r1fit.rollout.record import Rollout, Trajectory
 from r1fit.rollout.score import AdvantageFn
-from r1fit.rollout.turns import Trajectory
 
 
 def informative_groups(rewards: torch.Tensor, num_generations: int) -> list[int]:

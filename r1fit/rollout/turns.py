@@ -4,7 +4,7 @@ policy goes on, up to the budgets (docs/tools.md). GRPO runs it through
 :func:`generate_trajectories` when ``tools`` are configured; the engines give the turn function
 (``hf_generate_turn`` and ``static_generate_turn`` here, the vLLM engine's ``generate_turn``).
 
-A :class:`Trajectory` holds the token ids of the whole conversation after the prompt, the ids the
+A :class:`~r1fit.rollout.record.Trajectory` holds the token ids of the whole conversation after the prompt, the ids the
 policy sampled kept as sampled (re-tokenizing decoded text need not give them back) and each tool
 turn encoded on its own by the processor, its images included; ``policy_mask`` is 1 exactly on the
 policy's tokens. The tool turn's text is what the chat template writes after an assistant turn's
@@ -31,7 +31,7 @@ still answer.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -51,7 +51,7 @@ from r1fit.rollout.generate import (
     generation_config,
     row_seeds,
 )
-from r1fit.rollout.record import Rollout
+from r1fit.rollout.record import Rollout, Trajectory, Turn
 from r1fit.rollout.static_engine import StaticDecoder, Stop
 from r1fit.tools import (
     TOOL_CALL_CLOSE,
@@ -64,9 +64,6 @@ from r1fit.tools import (
     parse_tool_calls,
     tool_turn_content,
 )
-
-#: why a trajectory ended
-END_REASONS = ("eos", "max_new_tokens", "max_turns", "max_trajectory_tokens")
 
 #: tokens at the end of a row decoded to look for ``</tool_call>``; more than any tokenizer
 #: splits the tag into
@@ -90,108 +87,6 @@ class TurnBudgets:
         if self.max_trajectory_tokens is not None:
             return self.max_trajectory_tokens
         return self.max_turns * self.max_new_tokens
-
-
-@dataclass(frozen=True)
-class Turn:
-    """One policy turn: its text (decoded, special tokens left out), its token count, how it ended
-    (``"eos"``, ``"tool_call"``, ``"length"``), the calls it wrote when it ended on one, and their
-    results (``()`` when they were not run). ``context_tokens``: the tokens of the tool turn
-    appended after it (0 when none was)."""
-
-    text: str
-    tokens: int
-    ended: str
-    calls: tuple[ToolCall | MalformedCall, ...] = ()
-    results: tuple[ToolResult, ...] = ()
-    context_tokens: int = 0
-
-
-@dataclass
-class Trajectory:
-    """One row's conversation after its prompt.
-
-    Attributes:
-        prompt: the row's prompt.
-        token_ids: [T] long, every token after the prompt: the policy's turns and the tool turns.
-        policy_mask: [T] float, 1 on the tokens the policy sampled, 0 on tool-turn tokens.
-        token_inputs: per-token extras over ``token_ids`` (``mm_token_type_ids``: 1 on the tool
-            images' tokens), each [T].
-        image_inputs: the tool images' tensors (``pixel_values``, ``image_grid_thw``), in order.
-        images: the images the tool turns showed, in order (fitted to the pixel budget).
-        turns: the policy's turns.
-        ended: why it ended (one of ``END_REASONS``); None while it is open.
-        calls_run: tool calls given to the runner (malformed ones included; the budget counts them).
-    """
-
-    prompt: Prompt
-    token_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
-    policy_mask: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
-    token_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
-    image_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
-    images: list[Image.Image] = field(default_factory=list)
-    turns: list[Turn] = field(default_factory=list)
-    ended: str | None = None
-    calls_run: int = 0
-
-    @property
-    def length(self) -> int:
-        return int(self.token_ids.shape[0])
-
-    @property
-    def policy_tokens(self) -> int:
-        """The tokens the policy sampled (the loss's tokens)."""
-        return int(self.policy_mask.sum())
-
-    @property
-    def num_turns(self) -> int:
-        return len(self.turns)
-
-    @property
-    def tool_calls(self) -> int:
-        """Calls answered with a result (run, or refused by a budget)."""
-        return sum(len(turn.results) for turn in self.turns)
-
-    @property
-    def tool_errors(self) -> int:
-        return sum(result.error for turn in self.turns for result in turn.results)
-
-    def context(self) -> Prompt:
-        """The prompt grown by the trajectory: what the policy's next turn is generated from."""
-        keys = dict.fromkeys([*self.prompt.token_inputs, *self.token_inputs])
-        extras = {key: torch.cat([_extra(self.prompt.token_inputs, key, self.prompt.length),
-                                  _extra(self.token_inputs, key, self.length)]) for key in keys}
-        # the sample shows every image the ids hold, in order (the vLLM engine sends them)
-        sample = replace(self.prompt.sample, images=[*self.prompt.sample.images, *self.images])
-        return Prompt(torch.cat([self.prompt.input_ids, self.token_ids]), extras,
-                      self._images(), sample)
-
-    def row(self) -> Prompt:
-        """The prompt as the log-prob passes run it before ``token_ids``: the prompt's tokens,
-        its images followed by the tool images (the order of their tokens), and the trajectory's
-        per-token extras as the completion's (``Prompt.completion_inputs``)."""
-        prompt = self.prompt
-        return Prompt(prompt.input_ids, prompt.token_inputs, self._images(), prompt.sample,
-                      dict(self.token_inputs))
-
-    def _images(self) -> dict[str, torch.Tensor]:
-        """The prompt's image tensors followed by the tool images', per key."""
-        parts = (self.prompt.image_inputs, self.image_inputs)
-        return {key: torch.cat([part[key] for part in parts if key in part])
-                for key in dict.fromkeys([*parts[0], *parts[1]])}
-
-    def _append(self, ids: torch.Tensor, policy: bool, extras: dict[str, torch.Tensor]) -> None:
-        n = int(ids.shape[0])
-        for key in dict.fromkeys([*self.token_inputs, *extras]):
-            self.token_inputs[key] = torch.cat([_extra(self.token_inputs, key, self.length),
-                                                _extra(extras, key, n)])
-        self.token_ids = torch.cat([self.token_ids, ids.to(torch.long)])
-        self.policy_mask = torch.cat([self.policy_mask, torch.full((n,), float(policy))])
-
-
-def _extra(extras: dict[str, torch.Tensor], key: str, n: int) -> torch.Tensor:
-    """``extras[key]``, or n zeros where a piece has no such extra (text has no image tokens)."""
-    return extras[key] if key in extras else torch.zeros(n, dtype=torch.long)
 
 
 def turn_seed(seed: int, turn: int) -> int:

@@ -27,8 +27,9 @@ from r1fit.models.weights import full_named_weights
 from r1fit.report.metrics import timed
 from r1fit.rollout.generate import SamplingSettings, generate_completions
 from r1fit.rollout.prefill import PrefillSharing
+from r1fit.rollout.record import Trajectory
 from r1fit.rollout.static_engine import StaticDecoder
-from r1fit.rollout.turns import Trajectory, hf_generate_turn, static_generate_turn
+from r1fit.rollout.turns import hf_generate_turn, static_generate_turn
 from r1fit.rollout.vllm_engine import EngineSpec, RolloutEngineError, VllmEngine
 from r1fit.train.run import Run
 from r1fit.train.tool_rollouts import ToolTurns

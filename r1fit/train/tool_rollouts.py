@@ -16,9 +16,9 @@ from typing import Any
 from r1fit.config import Config
 from r1fit.data.batch import Prompt
 from r1fit.processes import all_sum
+from r1fit.rollout.record import Trajectory
 from r1fit.rollout.turns import (
     GenerateTurn,
-    Trajectory,
     TurnBudgets,
     run_trajectories,
     tool_context,

@@ -17,7 +17,8 @@ from r1fit.data.dataset import load_dataset
 from r1fit.data.demonstrations import ToolDemonstrations, tool_turn_text
 from r1fit.data.sample import Sample
 from r1fit.data.shapes import ShapesSpec
-from r1fit.rollout.turns import Trajectory, TurnBudgets, run_trajectories
+from r1fit.rollout.record import Trajectory
+from r1fit.rollout.turns import TurnBudgets, run_trajectories
 from r1fit.tools import ToolContext, ToolRunner
 
 SYSTEM = "Use the tools, then answer."

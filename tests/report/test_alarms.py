@@ -129,14 +129,14 @@ def test_live_report_warns_of_entropy_collapse_once(tmp_path, caplog):
 
 def test_step_metrics_clipped_completions_and_zero_variance_groups():
     eos = [9, 10]
-    rollout = Rollout(step=1, prompts=[object(), object(), object()], num_generations=2,
-                      share=slice(0, 6))
-    # ends with EOS (9 or 10) = finished; else stopped by max_new_tokens = clipped
-    rollout.completions = [torch.tensor(t) for t in
-                           ([1, 2, 9], [1, 2, 3], [4, 10], [5, 5, 5], [9], [7, 7, 10])]
-    rollout.total_tokens = 15
-    rollout.rewards = torch.tensor([1.0, 1.0, 0.0, 0.5, 0.0, 0.0])  # groups 0 and 2 all-equal
-    rollout.correct = [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    rollout = Rollout(
+        step=1, prompts=[object(), object(), object()], num_generations=2, share=slice(0, 6),
+        # ends with EOS (9 or 10) = finished; else stopped by max_new_tokens = clipped
+        completions=[torch.tensor(t) for t in
+                     ([1, 2, 9], [1, 2, 3], [4, 10], [5, 5, 5], [9], [7, 7, 10])],
+        total_tokens=15,
+        rewards=torch.tensor([1.0, 1.0, 0.0, 0.5, 0.0, 0.0]),  # groups 0 and 2 all-equal
+        correct=[1.0, 1.0, 0.0, 0.0, 0.0, 0.0])
     row = step_metrics(rollout, [{"loss": 0.5}], {"seconds_generate": 1.0}, eos)
     assert row["completion_clipped_fraction"] == pytest.approx(2 / 6)
     assert row["zero_variance_groups"] == pytest.approx(2 / 3)

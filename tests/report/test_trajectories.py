@@ -20,8 +20,7 @@ from r1fit.report.html import build_report
 from r1fit.report.rollouts import save_rollout
 from r1fit.report.sinks import sample_rows
 from r1fit.report.step import step_metrics
-from r1fit.rollout.record import Rollout
-from r1fit.rollout.turns import Trajectory, Turn
+from r1fit.rollout.record import Rollout, Trajectory, Turn
 from r1fit.tools import MalformedCall, ToolCall, ToolResult
 
 EOS, POLICY, TOOL = 9, 5, 7  # token ids: end of sequence, any policy token, any tool-turn token

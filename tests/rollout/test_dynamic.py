@@ -188,7 +188,7 @@ def test_trajectories_travel_without_their_prompts(monkeypatch):
     from the batch's own, row r on prompt r // G."""
     from PIL import Image
 
-    from r1fit.rollout.turns import Trajectory
+    from r1fit.rollout.record import Trajectory
 
     sent = []
 

@@ -20,7 +20,8 @@ from r1fit.data.dataset import load_dataset
 from r1fit.models.load import load_policy
 from r1fit.models.weights import full_named_weights
 from r1fit.rollout.generate import SamplingSettings, TokenIds, row_seeds
-from r1fit.rollout.turns import END_REASONS, TurnBudgets, hf_generate_turn, run_trajectories
+from r1fit.rollout.record import END_REASONS
+from r1fit.rollout.turns import TurnBudgets, hf_generate_turn, run_trajectories
 from r1fit.rollout.vllm_engine import cut_after_stop
 from r1fit.tools import TOOL_CALL_CLOSE, ToolRunner
 

@@ -161,7 +161,7 @@ def test_a_trajectorys_tool_turns_are_out_of_the_loss(float64_tiny, micro, token
     where N counts the policy's tokens of the step, collated or packed."""
     from r1fit.data.batch import collate
     from r1fit.models.logprobs import completion_logprobs
-    from r1fit.rollout.turns import Trajectory
+    from r1fit.rollout.record import Trajectory
 
     model, processor, rows, completions = float64_tiny(0)
     pad = special_token_ids(model, processor)["pad"]
