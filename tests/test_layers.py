@@ -19,7 +19,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("r1fit.config",),
     ("r1fit.processes",),  # processes and collectives (no-ops in one process)
     ("r1fit.progress",),  # progress bars (rank 0's)
-    ("r1fit.algorithms", "r1fit.data", "r1fit.rewards", "r1fit.tools"),  # maths, data, rewards, tools
+    ("r1fit.algorithms", "r1fit.data", "r1fit.rewards"),  # maths, data, rewards
+    ("r1fit.tools",),  # tools: their calls, runner, tool turns, SFT demonstrations
     ("r1fit.models",),  # loading, LoRA, log-probs of a batch
     ("r1fit.rollout",),  # generation and the rollout record
     ("r1fit.distributed",),  # parallelize (FSDP2), loading on ranks
@@ -90,8 +91,8 @@ def test_an_upward_edge_inside_a_function_is_caught(tmp_path):
         "import os\n\n\ndef build():\n    from r1fit.train.run import start_run\n")
     (package / "train" / "run.py").write_text("from r1fit.memory import planner\n")
     assert upward_edges(package) == [
-        "r1fit/memory/planner.py:5: r1fit.memory.planner (layer 9) imports r1fit.train.run "
-        "(layer 10)"]
+        "r1fit/memory/planner.py:5: r1fit.memory.planner (layer 10) imports r1fit.train.run "
+        "(layer 11)"]
 
 
 def test_every_module_has_a_layer():

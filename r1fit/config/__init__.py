@@ -8,12 +8,11 @@ carries its help text in ``metadata["help"]``; ``r1fit config --reference`` prin
 manual's reference page (docs/reference/config.md) is generated from the same text. Unknown keys
 and bad values raise :class:`ConfigError` with one line naming the key and what is allowed.
 
-The jobs, one module each: ``schema`` (the dataclasses and ``Config``), ``values`` (a value checked
-against its field and written into the tree), ``checks`` (a whole config checked), ``load`` (the
-layers and each key's source), ``reference`` (the key reference).
+The jobs, one module each: ``schema`` (the dataclasses and ``Config``, whose ``check`` checks a
+whole config), ``values`` (a value checked against its field and written into the tree), ``load``
+(the layers and each key's source), ``reference`` (the key reference).
 """
 
-from r1fit.config.checks import check_consistency
 from r1fit.config.load import PRESETS, PRESETS_DIR, load_config, preset_values, resolve_config
 from r1fit.config.reference import config_reference_markdown, iter_fields
 from r1fit.config.schema import (
@@ -42,7 +41,7 @@ __all__ = [
     "FUSED_HEAD_CHUNK", "PRESETS", "PRESETS_DIR", "R1_SYSTEM_PROMPT", "RECOMPUTED_HEAD_CHUNK",
     "AlgoConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "EvalConfig",
     "LoraConfig", "MemoryConfig", "ModelConfig", "ReadOnlyDict", "ReportConfig", "RolloutConfig",
-    "SFTConfig", "ShapesConfig", "TrainConfig", "VllmConfig", "check_consistency",
+    "SFTConfig", "ShapesConfig", "TrainConfig", "VllmConfig",
     "config_reference_markdown", "iter_fields", "load_config", "opt", "preset_values",
     "resolve_config",
 ]

@@ -8,9 +8,8 @@ from typing import Any
 
 import yaml
 
-from r1fit.config.checks import changed, validated
 from r1fit.config.schema import Config
-from r1fit.config.values import ConfigError, apply, parse_override
+from r1fit.config.values import ConfigError, apply, changed, parse_override
 
 #: where the preset files live (package data)
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
@@ -54,7 +53,8 @@ def resolve_config(path: str | Path | None = None, overrides: list[str] | tuple[
     changes = [parse_override(item) for item in overrides]
     preset = changed(apply(Config(), data, ""), changes).applied_preset()
     preset_data = preset_values(preset) if preset else {}
-    cfg = validated(apply(apply(Config(), preset_data, ""), data, ""), changes)
+    cfg = changed(apply(apply(Config(), preset_data, ""), data, ""), changes)
+    cfg.check()
     sources = dict.fromkeys(_leaf_keys(cfg.to_dict()), "default")
     sources.update(dict.fromkeys(_leaf_keys(preset_data), f"preset {preset}"))
     sources.update(dict.fromkeys(_leaf_keys(data), f"file {path}"))

@@ -6,11 +6,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from r1fit.config.checks import validated
-from r1fit.config.values import ConfigError, ReadOnlyDict
+from r1fit.config.values import ConfigError, ReadOnlyDict, changed
+from r1fit.units import parse_bytes
 
 #: memory.logits_chunk=auto: tokens per LM-head chunk where the head makes its gradient in its
 #: forward (no chunk is recomputed, so a small one costs no extra matmul: with Qwen's 151,936-token
@@ -624,7 +625,51 @@ class Config:
     def with_values(self, changes: dict[str, Any]) -> Config:
         """A new, validated config with dotted keys set, e.g. ``{"memory.micro_batch": 1}``
         (the same path as ``key=value`` overrides; this config is left as it is)."""
-        return validated(self, [(key.split("."), value) for key, value in changes.items()])
+        cfg = changed(self, [(key.split("."), value) for key, value in changes.items()])
+        cfg.check()
+        return cfg
+
+    def check(self) -> None:
+        """Raise :class:`ConfigError` (one line, naming the keys) for settings that contradict
+        each other; :meth:`with_values` and every loaded config run it."""
+        self.algo.check()
+        if self.rollout.min_new_tokens > self.algo.max_new_tokens:
+            raise ConfigError(f"rollout.min_new_tokens ({self.rollout.min_new_tokens}) must be <= "
+                              f"algo.max_new_tokens ({self.algo.max_new_tokens})")
+        if self.memory.fused_loss is True and not self.algo.per_token_loss():
+            raise ConfigError("memory.fused_loss=true needs a loss of per-token terms: "
+                              "algo.importance_sampling_level=token and algo.cov_restriction=none "
+                              f"(now {self.algo.importance_sampling_level} and "
+                              f"{self.algo.cov_restriction}); use memory.fused_loss=auto")
+        if self.data.min_pixels > self.data.max_pixels:
+            raise ConfigError(f"data.min_pixels ({self.data.min_pixels}) must be <= data.max_pixels "
+                              f"({self.data.max_pixels})")
+        if not self.rewards:
+            raise ConfigError("rewards: at least one reward is needed, e.g. rewards.accuracy=1.0")
+        for name, weight in self.rewards.items():
+            if not math.isfinite(weight):
+                raise ConfigError(f"rewards.{name}: got {weight!r}, expected a finite number")
+        if self.memory.budget:
+            try:
+                parse_bytes(self.memory.budget)
+            except ValueError as exc:
+                raise ConfigError(f"memory.budget: {exc}") from None
+        if not self.checkpoint.resume.strip():
+            raise ConfigError("checkpoint.resume: got an empty value, expected 'auto', 'never' or a "
+                              "checkpoint folder")
+        _check_tools(self)
+        shapes = self.data.shapes
+        bad = [k for k in shapes.kinds if k not in ("color", "count", "position", "box", "zoom")]
+        if bad or not shapes.kinds:
+            raise ConfigError(f"data.shapes.kinds: got {list(shapes.kinds)!r}, expected a non-empty "
+                              "list of color, count, position, box, zoom")
+        if "box" in shapes.kinds and not (self.data.min_pixels <= shapes.image_size ** 2
+                                          <= self.data.max_pixels):
+            # a resized image would put the shapes elsewhere than the boxes the answers are scored by
+            raise ConfigError(f"data.shapes.image_size: {shapes.image_size} px squared is outside "
+                              f"data.min_pixels..max_pixels ({self.data.min_pixels}..{self.data.max_pixels}"
+                              "): box answers are pixels of the image as drawn, which must not be "
+                              "resized")
 
     def fuses_loss(self, sft: bool = False) -> bool:
         """Whether GRPO updates (``sft``: SFT steps, whose cross-entropy is always a sum of
@@ -645,3 +690,38 @@ class Config:
         """A short hash of the resolved config, for run identity."""
         text = json.dumps(self.to_dict(), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _check_tools(cfg: Config) -> None:
+    """``tools`` and the budgets of a multi-turn rollout, and what multi-turn rollouts do not
+    run with yet."""
+    rollout = cfg.rollout
+    if rollout.max_trajectory_tokens is not None and \
+            rollout.max_trajectory_tokens < cfg.algo.max_new_tokens:
+        raise ConfigError(f"rollout.max_trajectory_tokens ({rollout.max_trajectory_tokens}) must "
+                          f"be >= algo.max_new_tokens ({cfg.algo.max_new_tokens}), the first "
+                          "turn's own allowance")
+    if not cfg.tools:
+        return
+    bad = [name for name in cfg.tools if not name.strip() or name.strip() != name]
+    if bad:
+        raise ConfigError(f"tools: got {bad!r}, expected built-in tool names (crop, zoom) or "
+                          "'package.module:function' without spaces")
+    doubled = sorted({name for name in cfg.tools if cfg.tools.count(name) > 1})
+    if doubled:
+        raise ConfigError(f"tools: {doubled} named more than once")
+    if rollout.max_turns < 2:
+        raise ConfigError(f"rollout.max_turns: got {rollout.max_turns}, expected >= 2 with tools "
+                          "(a tool's result is read in the turn after the call)")
+    if rollout.max_tool_calls < 1:
+        raise ConfigError("rollout.max_tool_calls: got 0 with tools set; set it >= 1 or remove "
+                          "tools")
+    image_tools = sorted({"crop", "zoom"} & set(cfg.tools))
+    if image_tools and cfg.data.max_images < 2:
+        raise ConfigError(f"data.max_images={cfg.data.max_images}: tools {image_tools} return "
+                          "images, and a trajectory's images (the row's and the tools' together) "
+                          "must fit in it; set data.max_images >= 2")
+    if cfg.algo.overlong_buffer:
+        raise ConfigError("algo.overlong_buffer: DAPO's overlong shaping measures one completion "
+                          "against algo.max_new_tokens, not a trajectory of several turns; set it "
+                          "to 0 with tools")

@@ -184,3 +184,15 @@ def nest(path: list[str], value: Any) -> dict[str, Any]:
     for part in reversed(path):
         out = {part: out}
     return out
+
+
+def changed(cfg: Any, changes: list[tuple[list[str], Any]]) -> Any:
+    """``cfg`` with each (dotted path, value) applied in order (each value checked, the whole
+    not)."""
+    for keys, value in changes:
+        if keys[0] == "rewards" and len(keys) > 1:
+            # a reward name may contain dots ('pkg.mod:fn'): everything after 'rewards.' is the name
+            cfg = apply(cfg, {"rewards": {**cfg.rewards, ".".join(keys[1:]): value}}, "")
+            continue
+        cfg = apply(cfg, nest(keys, value), "")
+    return cfg

@@ -2,7 +2,7 @@
 turns (the tool turn of a multi-turn rollout, a user turn of a conversation).
 
 A row whose conversation holds tool turns (``("tool", text)`` in ``Sample.turns``: a tool
-demonstration, :mod:`r1fit.data.demonstrations`) is laid out as a multi-turn rollout lays out a
+demonstration, :mod:`r1fit.tools.demonstrations`) is laid out as a multi-turn rollout lays out a
 trajectory (r1fit/rollout/turns.py), so SFT trains on the tokens GRPO's rollouts produce: each
 assistant turn's text tokenized on its own, the turns between two assistant turns encoded by the
 processor with their images (:func:`after_assistant_tokens`, which the rollout's tool turns go

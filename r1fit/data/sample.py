@@ -31,7 +31,7 @@ class Sample:
             y2)`` in fractions of the first image's width and height (top-left origin), as the
             ``crop`` tool takes it (``builtin:shapes`` zoom rows: the mark). ``r1fit sft`` with
             ``crop`` or ``zoom`` tools writes such a row as a demonstration that calls the tool
-            there (:mod:`r1fit.data.demonstrations`); None: unknown.
+            there (:mod:`r1fit.tools.demonstrations`); None: unknown.
     """
 
     images: list[Image.Image]

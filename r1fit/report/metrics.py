@@ -11,12 +11,9 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from r1fit.errors import one_line
-
-if TYPE_CHECKING:
-    from r1fit.report.sinks import Trackers
 
 log = logging.getLogger("r1fit.report")
 
@@ -30,10 +27,19 @@ def plain(value: Any) -> Any:
     return value
 
 
+class RowSink(Protocol):
+    """Where a metrics row goes besides the file: the trackers of ``report.to``
+    (:class:`r1fit.report.sinks.Trackers`)."""
+
+    def write(self, row: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class MetricsWriter:
     """Appends metric rows and flushes each one, so a crash loses at most the row being written."""
 
-    def __init__(self, path: Path, *, active: bool = True, trackers: Trackers | None = None) -> None:
+    def __init__(self, path: Path, *, active: bool = True, trackers: RowSink | None = None) -> None:
         """``active=False`` (ranks other than 0) counts rows without writing them; ``trackers``
         receive every row written (and are closed with this writer)."""
         self.path = Path(path)

@@ -5,7 +5,7 @@ context), computed with the chunked LM head and accumulated over micro-batches. 
 the same steps as a short warm-up before GRPO; there it learns the
 ``<think>/<answer>`` format with a random row's answer, so the task itself is left to GRPO.
 With ``zoom`` or ``crop`` among ``tools``, ``r1fit sft`` learns each row whose focus is known as a
-tool demonstration (:mod:`r1fit.data.demonstrations`), laid out as GRPO's multi-turn rollouts lay
+tool demonstration (:mod:`r1fit.tools.demonstrations`), laid out as GRPO's multi-turn rollouts lay
 out the same conversation, so that GRPO with tools starts from a policy that calls them.
 """
 
@@ -25,7 +25,6 @@ from r1fit.data.batch import Batch, Prompt
 from r1fit.data.build import BadRowCounter
 from r1fit.data.conversation import conversation_target
 from r1fit.data.dataset import PromptSampler
-from r1fit.data.demonstrations import ToolDemonstrations
 from r1fit.data.errors import BadRowError, DataError
 from r1fit.data.sample import Sample
 from r1fit.memory.telemetry import reset_peak, step_memory
@@ -37,6 +36,7 @@ from r1fit.progress import progress_bar
 from r1fit.report.html import LiveReport
 from r1fit.rewards.answer import extract_answer
 from r1fit.rng import RngState
+from r1fit.tools.demonstrations import ToolDemonstrations
 from r1fit.train.evaluate import evaluate
 from r1fit.train.forward import BatchLayout, longest_row, micro_batches
 from r1fit.train.optim import build_optimizer, build_scheduler, clip_and_step
@@ -109,7 +109,7 @@ def demonstrate(prompts: list[Prompt], demonstrations: ToolDemonstrations | None
 
 def tool_demonstrations(run: Run) -> ToolDemonstrations | None:
     """``r1fit sft`` with ``crop`` or ``zoom`` among ``tools``: rows with a focus become
-    demonstrations of that tool (:mod:`r1fit.data.demonstrations`), run as the rollouts run it."""
+    demonstrations of that tool (:mod:`r1fit.tools.demonstrations`), run as the rollouts run it."""
     demonstrations = ToolDemonstrations.of(run.cfg.tools, tool_runner(run.cfg)) \
         if run.cfg.tools else None
     if demonstrations is not None:

@@ -14,12 +14,12 @@ from transformers import AutoProcessor
 from r1fit.data.batch import Prompt, chat_messages, encode_prompts
 from r1fit.data.conversation import conversation_target
 from r1fit.data.dataset import load_dataset
-from r1fit.data.demonstrations import ToolDemonstrations, tool_turn_text
 from r1fit.data.sample import Sample
 from r1fit.data.shapes import ShapesSpec
 from r1fit.rollout.record import Trajectory
 from r1fit.rollout.turns import TurnBudgets, run_trajectories
 from r1fit.tools import ToolContext, ToolRunner
+from r1fit.tools.demonstrations import ToolDemonstrations, tool_turn_text
 
 SYSTEM = "Use the tools, then answer."
 CROP = '<tool_call>\n{"name": "crop", "arguments": {"x1": 0, "y1": 0, "x2": 0.5, "y2": 0.5}}\n</tool_call>'

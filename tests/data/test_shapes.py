@@ -315,8 +315,8 @@ def test_a_zoom_rows_focus_is_its_mark_and_its_demonstration_reads_it() -> None:
     """Sample.focus of a zoom row is the mark's square (every ink pixel of the image inside it),
     and the zoom its tool demonstration calls shows the stripes readable at the demo's pixel
     budget; other kinds have no focus."""
-    from r1fit.data.demonstrations import ToolDemonstrations
     from r1fit.tools import ToolRunner
+    from r1fit.tools.demonstrations import ToolDemonstrations
 
     spec = ShapesSpec(image_size=112, kinds=["zoom", "color"], max_distractors=0)
     source = ShapesSource(spec, split="train", size=24, seed=5)

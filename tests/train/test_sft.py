@@ -79,9 +79,9 @@ def test_the_loss_of_a_tool_demonstration_is_the_cross_entropy_of_its_conversati
     from r1fit.data.batch import chat_messages
     from r1fit.data.conversation import conversation_target
     from r1fit.data.dataset import load_dataset
-    from r1fit.data.demonstrations import ToolDemonstrations
     from r1fit.data.shapes import ShapesSpec
     from r1fit.tools import ToolRunner
+    from r1fit.tools.demonstrations import ToolDemonstrations
     from r1fit.train.forward import BatchLayout
     from r1fit.train.sft import micro_batch_loss
 

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from r1fit.data.dataset import load_dataset
-from r1fit.data.demonstrations import ToolDemonstrations, demonstration_call, zoom_factor
 from r1fit.data.errors import DataError
 from r1fit.data.images import fit_pixel_budget
 from r1fit.data.sample import Sample
 from r1fit.data.shapes import ShapesSpec
 from r1fit.tools import ToolContext, ToolRunner, parse_tool_calls
+from r1fit.tools.demonstrations import ToolDemonstrations, demonstration_call, zoom_factor
 from r1fit.tools.registry import BUILTIN_TOOLS
 
 MARK = (144 / 896, 184 / 896, 176 / 896, 216 / 896)  # a 32 px mark centred on (160, 200)
