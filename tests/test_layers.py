@@ -3,8 +3,14 @@ to the importing module's own layer or a lower one.
 
 This list is the one place the layer order is written (docs/architecture.md's Layers section points here).
 A module belongs to the layer of the one prefix that names it: a package is in one layer, never split
-over two. And no import cycle, even within a layer or through a function-level import: a module that
-needs another's code and is needed by it is one module, or the shared part moves down.
+over two. And no import circle, between files or between packages (two sibling folders, or a folder
+and a file beside it, that import each other, directly or around a loop), even within a layer: a
+module that needs another's code and is needed by it is one module, or the shared part moves down.
+
+Every import counts: at module level, inside a function (a function-level import that dodges a
+circle at import time is still a dependency both ways), and under ``if TYPE_CHECKING:`` (an
+annotation that names a module's class still ties the two; type against a ``Protocol`` declared
+below instead).
 """
 
 from __future__ import annotations
@@ -120,31 +126,59 @@ def test_a_package_is_in_one_layer():
         < layer_of("r1fit.distributed.parallelize")
 
 
-def _type_checking(node: ast.AST) -> bool:
-    test = getattr(node, "test", None)
-    return isinstance(node, ast.If) and (
-        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
-        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the r1fit modules it imports (every import: module level, in a function, under
+    ``if TYPE_CHECKING:``)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        here = module_name(path, package)
+        graph[here] = {target for _, target in imports_of(path, package) if target != here}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of nodes that reach each other (each group sorted; groups in order of their
+    first node)."""
+    found: list[list[str]] = []
+    for start in sorted(graph):
+        reach = _reachable(graph, start)
+        if start in reach and not any(start in c for c in found):
+            found.append(sorted(m for m in reach if start in _reachable(graph, m)))
+    return found
 
 
 def import_cycles(package: Path = PACKAGE) -> list[list[str]]:
-    """Groups of modules that import each other, directly or around a loop (function-level
-    imports included; imports under ``if TYPE_CHECKING:`` are annotations only, left out)."""
-    graph: dict[str, set[str]] = {}
-    for path in sorted(package.rglob("*.py")):
-        tree = ast.parse(path.read_text(), filename=str(path))
-        for node in ast.walk(tree):
-            if _type_checking(node):
-                node.body = []  # type: ignore[attr-defined]
-        here = module_name(path, package)
-        runtime = {n.lineno for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)}
-        graph[here] = {t for line, t in imports_of(path, package) if line in runtime and t != here}
-    cycles: list[list[str]] = []
-    for start in sorted(graph):
-        reach = _reachable(graph, start)
-        if start in reach and not any(start in c for c in cycles):
-            cycles.append(sorted(m for m in reach if start in _reachable(graph, m)))
-    return cycles
+    """Groups of modules that import each other, directly or around a loop."""
+    return cycles(import_graph(package))
+
+
+def _child(module: str, parent: str) -> str | None:
+    """The child of package ``parent`` (a subpackage or a module in it) that holds ``module``;
+    None when ``module`` is outside ``parent`` or is ``parent`` itself (its ``__init__``)."""
+    if not module.startswith(parent + "."):
+        return None
+    return f"{parent}.{module[len(parent) + 1:].split('.')[0]}"
+
+
+def package_cycles(package: Path = PACKAGE) -> list[list[str]]:
+    """Circles between the children of one package: for each package (``r1fit``, ``r1fit.memory``,
+    ...), its subpackages and modules as nodes, an edge where any module under one imports any
+    module under another. A package's ``__init__`` importing its own children is no edge."""
+    graph = import_graph(package)
+    packages = sorted(".".join(folder.relative_to(package.parent).parts)
+                      for folder in [package, *package.rglob("*")] if folder.is_dir())
+    found: list[list[str]] = []
+    for parent in packages:
+        children: dict[str, set[str]] = {}
+        for module, targets in graph.items():
+            source = _child(module, parent)
+            if source is None:
+                continue
+            children.setdefault(source, set()).update(
+                target for target in map(lambda t: _child(t, parent), targets)
+                if target is not None and target != source)
+        found += [c for c in cycles(children) if len(c) > 1]
+    return found
 
 
 def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
@@ -161,12 +195,43 @@ def test_no_import_cycles():
     assert import_cycles() == []
 
 
-def test_a_cycle_through_a_function_is_caught(tmp_path):
+def test_no_circle_between_packages():
+    assert package_cycles() == []
+
+
+def test_a_cycle_through_a_function_or_an_annotation_is_caught(tmp_path):
     package = tmp_path / "r1fit"
     (package / "models").mkdir(parents=True)
     (package / "models" / "prefix.py").write_text(
         "def check():\n    from r1fit.models.logprobs import run\n")
     (package / "models" / "logprobs.py").write_text("from r1fit.models.prefix import Packed\n")
     (package / "models" / "load.py").write_text(
-        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from r1fit.models.logprobs import x\n")
-    assert import_cycles(package) == [["r1fit.models.logprobs", "r1fit.models.prefix"]]
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from r1fit.models.weights import x\n")
+    (package / "models" / "weights.py").write_text("from r1fit.models.load import unwrap\n")
+    (package / "models" / "packing.py").write_text("from r1fit.models.prefix import Packed\n")
+    assert import_cycles(package) == [["r1fit.models.load", "r1fit.models.weights"],
+                                      ["r1fit.models.logprobs", "r1fit.models.prefix"]]
+
+
+def test_a_circle_between_packages_is_caught(tmp_path):
+    """data.demonstrations -> tools.registry -> data.images: no two modules import each other,
+    but the packages do; a subpackage and a module beside it too (memory.planner.facts ->
+    memory.guard -> memory.planner.estimate); an ``__init__`` importing its children is none."""
+    package = tmp_path / "r1fit"
+    for folder in ("data", "tools", "memory/planner"):
+        (package / folder).mkdir(parents=True)
+    files = {"data/__init__.py": "from r1fit.data.images import fit\n",
+             "data/images.py": "", "data/demonstrations.py": "from r1fit.tools.registry import Runner\n",
+             "tools/registry.py": "from r1fit.data.images import fit\n",
+             "memory/planner/facts.py": "from r1fit.memory.guard import Guard\n",
+             "memory/planner/estimate.py": "", "memory/guard.py":
+             "def plan():\n    from r1fit.memory.planner.estimate import estimate\n",
+             "memory/probe.py": "from r1fit.memory.guard import Guard\n"}
+    for name, text in files.items():
+        (package / name).write_text(text)
+    assert import_cycles(package) == []
+    assert package_cycles(package) == [["r1fit.data", "r1fit.tools"],
+                                       ["r1fit.memory.guard", "r1fit.memory.planner"]]
+    (package / "data" / "demonstrations.py").unlink()
+    (package / "memory" / "guard.py").write_text("")
+    assert package_cycles(package) == []
