@@ -45,35 +45,21 @@ log = logging.getLogger("r1fit")
 
 
 @dataclass
-class Run:
-    """The pieces every loop starts with."""
+class Session:
+    """What generation and evaluation read: the model, its processor, the held-out data and the
+    sizes to generate with. ``r1fit eval`` starts one alone (:mod:`r1fit.train.eval_command`);
+    a training :class:`Run` is one with its loop's pieces added."""
 
     cfg: Config
-    kind: str  # "grpo" (r1fit train) or "sft"
-    out: Path
     world: World
     device: torch.device
     model: Any      # the transformers (or peft) model
     processor: Any
     policy: Any     # the module to call for log-probs and generation: the FSDP root when sharded
     ids: TokenIds
-    train_set: PromptDataset
     eval_set: PromptDataset | None
     sizes: ChunkSizes  # memory.micro_batch / micro_batch_tokens / generation_batch in use
     max_prompt_tokens: int | None
-    metrics: MetricsWriter
-    trackers: Trackers  # report.to (also fed by metrics); empty on ranks other than 0
-    checkpoints: CheckpointManager
-    rss_before_load_bytes: int  # what memory.budget is measured from on CPU
-    rss_after_load_bytes: int
-    started: float  # perf_counter() when the run started
-    layout: BatchLayout  # memory.share_prefix, packing: how micro-batches reach the model
-
-    @cached_property
-    def meter(self) -> MfuMeter:
-        """The ``flops`` and ``mfu`` meter of the run's steps (the device's peak read or measured
-        once, on first use)."""
-        return MfuMeter(self.model, self.device, next(self.model.parameters()).dtype)
 
     @cached_property
     def specials(self) -> tuple[str, ...]:
@@ -94,6 +80,28 @@ class Run:
             encode_prompts(self.processor, clean, self.cfg.data.system_prompt),
             self.max_prompt_tokens)
         return prompts, refused + too_long
+
+
+@dataclass
+class Run(Session):
+    """The pieces every loop starts with."""
+
+    kind: str  # "grpo" (r1fit train) or "sft"
+    out: Path
+    train_set: PromptDataset
+    metrics: MetricsWriter
+    trackers: Trackers  # report.to (also fed by metrics); empty on ranks other than 0
+    checkpoints: CheckpointManager
+    rss_before_load_bytes: int  # what memory.budget is measured from on CPU
+    rss_after_load_bytes: int
+    started: float  # perf_counter() when the run started
+    layout: BatchLayout  # memory.share_prefix, packing: how micro-batches reach the model
+
+    @cached_property
+    def meter(self) -> MfuMeter:
+        """The ``flops`` and ``mfu`` meter of the run's steps (the device's peak read or measured
+        once, on first use)."""
+        return MfuMeter(self.model, self.device, next(self.model.parameters()).dtype)
 
     def fetch(self, sampler: PromptSampler, bad_rows: BadRowCounter, k: int) -> list[Prompt]:
         """The next ``k`` good training prompts; bad rows are skipped and counted."""
@@ -167,9 +175,7 @@ def start_run(cfg: Config, kind: str) -> Run:
     if checkpoints.has_model("model"):
         checkpoints.load_model("model", model)
     checkpoints.add_model("model", model, processor)
-    max_prompt_tokens = cfg.data.max_prompt_tokens
-    if max_prompt_tokens is None and (context := context_length(model)) is not None:
-        max_prompt_tokens = max(1, context - cfg.algo.max_new_tokens)
+    max_prompt_tokens = prompt_limit(cfg, model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     log.info("%s run: model %s (%.2fM params, %.2fM trainable) on %s -> %s", kind,
@@ -180,9 +186,18 @@ def start_run(cfg: Config, kind: str) -> Run:
                  "the config file and overrides; `r1fit config` shows each key's source", preset,
                  cfg.preset, preset)
     trackers = open_trackers(cfg, out) if w.main else Trackers([])
-    return Run(cfg, kind, out, w, device, model, processor, policy, TokenIds.of(model, processor),
-               train_set, eval_set, sizes, max_prompt_tokens,
-               MetricsWriter(out / "metrics.jsonl", active=w.main, trackers=trackers), trackers,
-               checkpoints,
-               rss_before_load, current_rss_bytes(), started,
-               BatchLayout(cfg.memory.share_prefix))
+    return Run(cfg=cfg, world=w, device=device, model=model, processor=processor, policy=policy,
+               ids=TokenIds.of(model, processor), eval_set=eval_set, sizes=sizes,
+               max_prompt_tokens=max_prompt_tokens, kind=kind, out=out, train_set=train_set,
+               metrics=MetricsWriter(out / "metrics.jsonl", active=w.main, trackers=trackers),
+               trackers=trackers, checkpoints=checkpoints, rss_before_load_bytes=rss_before_load,
+               rss_after_load_bytes=current_rss_bytes(), started=started,
+               layout=BatchLayout(cfg.memory.share_prefix))
+
+
+def prompt_limit(cfg: Config, model: Any) -> int | None:
+    """The longest prompt a row may have: ``data.max_prompt_tokens``, else the model's context
+    less ``algo.max_new_tokens`` (None: the model states no context length)."""
+    if cfg.data.max_prompt_tokens is None and (context := context_length(model)) is not None:
+        return max(1, context - cfg.algo.max_new_tokens)
+    return cfg.data.max_prompt_tokens
