@@ -26,6 +26,32 @@ def build_datasets(cfg: Config) -> tuple[PromptDataset, PromptDataset | None]:
     """``data.train`` and ``data.eval`` (None when unset) as configured; with tools
     (``tools`` not empty) their samples carry their source-resolution images too."""
     d = cfg.data
+    common, methods = _common(cfg)
+    train_sources = _as_list(d.train)
+    # data.shapes.train_size sizes the built-in task only: a file's rows are all used
+    builtin = len(train_sources) == 1 and train_sources[0].startswith("builtin:")
+    train = load_dataset(train_sources, split="train",
+                         size=d.shapes.train_size if builtin else None,
+                         image_folders=_as_list(d.image_folder), reward_methods=methods, **common)
+    evalset = _eval_set(cfg, common, methods) if d.eval else None
+    log.info("data: %d training rows (%d bad, skipped), %s", len(train), train.bad_rows,
+             f"{len(evalset)} eval rows ({evalset.bad_rows} bad)" if evalset else "no eval set")
+    return train, evalset
+
+
+def build_eval_set(cfg: Config) -> PromptDataset:
+    """``data.eval`` alone (``r1fit eval``: the training data is not read); it must be set."""
+    if not cfg.data.eval:
+        raise DataError("data.eval is null: set data.eval to the held-out rows to score")
+    evalset = _eval_set(cfg, *_common(cfg))
+    log.info("data: %d eval rows (%d bad, skipped)", len(evalset), evalset.bad_rows)
+    return evalset
+
+
+def _common(cfg: Config) -> tuple[dict[str, Any], list[str]]:
+    """The keywords of ``load_dataset`` that the training and eval sets share, and the accuracy
+    methods ``data.reward_method`` names (checked)."""
+    d = cfg.data
     shapes = ShapesSpec(image_size=d.shapes.image_size, kinds=list(d.shapes.kinds),
                         max_distractors=d.shapes.max_distractors, zoom_hint=d.shapes.zoom_hint,
                         zoom_cells=d.shapes.zoom_cells)
@@ -44,23 +70,16 @@ def build_datasets(cfg: Config) -> tuple[PromptDataset, PromptDataset | None]:
                                   check_method=check_method,
                                   # tools cut the images at their source resolution
                                   keep_source_images=bool(cfg.tools))
-    train_sources = _as_list(d.train)
-    # data.shapes.train_size sizes the built-in task only: a file's rows are all used
-    builtin = len(train_sources) == 1 and train_sources[0].startswith("builtin:")
-    train = load_dataset(train_sources, split="train",
-                         size=d.shapes.train_size if builtin else None,
-                         image_folders=_as_list(d.image_folder), reward_methods=methods, **common)
-    evalset = None
-    if d.eval:
-        # per-source methods belong to the training sources; eval rows name their own or
-        # take the one method given for all
-        evalset = load_dataset(_as_list(d.eval), split="eval", size=d.eval_size,
-                               image_folders=_as_list(d.eval_image_folder),
-                               reward_methods=methods if len(methods) == 1 else ["default"],
-                               **common)
-    log.info("data: %d training rows (%d bad, skipped), %s", len(train), train.bad_rows,
-             f"{len(evalset)} eval rows ({evalset.bad_rows} bad)" if evalset else "no eval set")
-    return train, evalset
+    return common, methods
+
+
+def _eval_set(cfg: Config, common: dict[str, Any], methods: list[str]) -> PromptDataset:
+    # per-source methods belong to the training sources; eval rows name their own or take the
+    # one method given for all
+    d = cfg.data
+    return load_dataset(_as_list(d.eval), split="eval", size=d.eval_size,
+                        image_folders=_as_list(d.eval_image_folder),
+                        reward_methods=methods if len(methods) == 1 else ["default"], **common)
 
 
 class BadRowCounter:

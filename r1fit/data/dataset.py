@@ -33,6 +33,7 @@ class _Source(Protocol):
     name: str
     total_rows: int
     bad_rows: int
+    skipped: list[str]  # "<where>: <reason>" of each row skipped at load time
 
     def __len__(self) -> int: ...
 
@@ -47,6 +48,7 @@ class PromptDataset(Sequence[Sample]):
         total_rows: rows read from the source (for a built-in task: its size).
         bad_rows: rows skipped at load time. Rows whose images fail only when decoded are not counted
             here: ``__getitem__`` raises ``BadRowError`` for them and ``fetch`` reports them.
+        skipped: ``"<where>: <reason>"`` of each row skipped at load time.
         keep_source_images: whether each returned sample also carries its images at the source's
             resolution (``Sample.source_images``, for tools); only the samples fetched hold them.
     """
@@ -60,6 +62,7 @@ class PromptDataset(Sequence[Sample]):
         self.name = source.name
         self.total_rows = source.total_rows
         self.bad_rows = source.bad_rows
+        self.skipped = list(source.skipped)
         self.min_pixels = min_pixels
         self.max_pixels = max_pixels
 

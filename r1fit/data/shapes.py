@@ -449,6 +449,7 @@ class ShapesSource:
         self.items = [make_item(spec, seed=seed, split=split, index=i) for i in range(size)]
         self.total_rows = size
         self.bad_rows = 0
+        self.skipped: list[str] = []  # no row of a built-in task is bad
 
     def __len__(self) -> int:
         """Number of items."""

@@ -79,6 +79,7 @@ class RowSource:
         total_rows: rows read (blank JSONL lines are not rows).
         bad_rows: rows skipped as bad.
         first_error: ``"<where>: <reason>"`` of the first bad row, or ``None``.
+        skipped: ``"<where>: <reason>"`` of every bad row, in order.
         formats: the format found for each table.
     """
 
@@ -99,6 +100,7 @@ class RowSource:
         self.rows: list[GoodRow] = []
         self.total_rows = self.bad_rows = 0
         self.first_error: str | None = None
+        self.skipped: list[str] = []
         self._max_images = max_images
         self._folders: list[Path | None] = []
         self._methods: list[str] = []
@@ -178,6 +180,7 @@ class RowSource:
         """Count a bad row and warn about it (the first ``MAX_ROW_WARNINGS`` only)."""
         message = f"{where}: {reason}"
         self.bad_rows += 1
+        self.skipped.append(message)
         if self.first_error is None:
             self.first_error = message
         if self.bad_rows <= MAX_ROW_WARNINGS:
