@@ -209,6 +209,23 @@ def load_policy(
     return model, processor
 
 
+def load_adapter(model: nn.Module, folder: str | os.PathLike[str]) -> PeftModel:
+    """``model`` with the LoRA adapter saved in ``folder`` (``adapter_config.json`` and its
+    weights, as a LoRA run's ``final/`` holds them) loaded onto it: the same peft model that
+    training builds, in eval mode."""
+    try:
+        with warnings.catch_warnings():
+            # peft probes the deprecated `is_gradient_checkpointing` property; not our call site.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
+                                    category=FutureWarning)
+            adapted = PeftModel.from_pretrained(model, os.fspath(folder))
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:
+        raise ModelConfigError(f"cannot load the LoRA adapter {os.fspath(folder)!r} onto its base "
+                               f"model: {one_line(err)}") from err
+    drop_input_grad_hooks(adapted)  # peft adds them
+    return adapted
+
+
 def enable_checkpointing(model: nn.Module, every: int = 1) -> None:
     """Recompute layer activations in the backward pass (transformers' own switch), on every
     ``every``-th layer (its ``every_n_layers``: vision blocks and decoder layers counted together
