@@ -1,8 +1,9 @@
-"""``r1fit train | sft | plan | config | inspect | export | report``: parse, build, run.
+"""``r1fit train | sft | eval | plan | config | inspect | export | report``: parse, build, run.
 
     r1fit train                      # the built-in demo (tiny model, builtin:shapes)
     r1fit train my.yaml algo.num_generations=8 model.lora.r=16
     r1fit sft my.yaml sft.steps=500
+    r1fit eval my.yaml --model runs/demo/final   # data.eval scored: accuracy, pass@k, eval.html
     r1fit plan my.yaml --device-memory 80GiB  # peak memory per device, before launch (no weights)
     r1fit plan Qwen/Qwen2.5-VL-7B-Instruct    # a model instead of a config: model.path=...
     r1fit plan my.yaml --sft                  # a step of r1fit sft instead of a GRPO step
@@ -130,6 +131,28 @@ def cmd_train(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(ns: argparse.Namespace) -> int:
+    """``r1fit eval``: a model, checkpoint or LoRA adapter scored on ``data.eval``."""
+    cfg = _config(ns.args)
+    from r1fit.memory.telemetry import configure_cuda_allocator
+    from r1fit.report.blocks import print_blocks
+    from r1fit.report.eval_page import summary_lines
+    from r1fit.train.eval_command import evaluate_model
+
+    configure_cuda_allocator()  # before anything touches CUDA
+    summary, out = evaluate_model(cfg, ns.model, ns.out)
+    if ns.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    how = "greedy" if summary["samples"] == 1 else f"{summary['samples']} samples per row"
+    print_blocks([f"r1fit eval: {summary['model']} ({summary['model_kind']}) on "
+                  f"{summary['data']}, {how}",
+                  (["metric", "value"], summary_lines(summary), {1}),
+                  f"eval.jsonl, eval.html and summary.json in {out}"],
+                 rich=sys.stdout.isatty())
+    return 0
+
+
 def cmd_plan(ns: argparse.Namespace) -> int:
     """``r1fit plan``: the memory plan of a run, before launching it."""
     from r1fit.memory.planner import plan_memory, render
@@ -209,7 +232,8 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "train": cmd_train, "sft": cmd_train, "plan": cmd_plan, "config": cmd_config,
+    "train": cmd_train, "sft": cmd_train, "eval": cmd_eval, "plan": cmd_plan,
+    "config": cmd_config,
     "inspect": cmd_inspect, "export": cmd_export, "report": cmd_report, "doctor": cmd_doctor,
 }
 
@@ -224,6 +248,20 @@ def build_parser() -> argparse.ArgumentParser:
                        ("sft", "supervised fine-tuning on the solutions")):
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("args", nargs="*", metavar="CONFIG.yaml | key.sub=value")
+    text = ("score a model on data.eval with the config's rewards: accuracy, format, pass@k and "
+            "mean@k (eval.samples=k; greedy when 1), eval.jsonl, eval.html, summary.json")
+    p = sub.add_parser("eval", help=text, description=text)
+    p.add_argument("args", nargs="*", metavar="CONFIG.yaml | key.sub=value",
+                   help="the run's config and overrides (no config: the demo's)")
+    p.add_argument("--model", metavar="PATH",
+                   help="what to score (default: model.path): a model folder or hub id (a full "
+                        "fine-tuning run's final/), a LoRA adapter folder (a LoRA run's final/; "
+                        "loaded onto model.path), or a run's checkpoint-N folder (its weights on "
+                        "the base and LoRA settings it recorded)")
+    p.add_argument("--out", metavar="DIR", type=Path,
+                   help="a new or empty folder for the outputs (default: "
+                        "<train.output_dir>/eval/<model>-<date>-<time>)")
+    p.add_argument("--json", action="store_true", help="print summary.json instead of a table")
     text = "predict a run's peak memory per device before launching it (reads no weights)"
     p = sub.add_parser("plan", help=text, description=text)
     p.add_argument("args", nargs="*", metavar="CONFIG.yaml | MODEL | key.sub=value",

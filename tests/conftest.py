@@ -176,3 +176,33 @@ def nearly_all_stop():
         return TokenIds(ids.pad, eos, ids.blocked)
 
     return make
+
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+@pytest.fixture
+def headless_chromium(tmp_path: Path) -> Callable[[Path], tuple[Path, list[str]]]:
+    """``shoot(page)``: ``page`` (an HTML file) opened from disk in headless Chromium; returns its
+    screenshot (1200 x 900) and the console lines (messages and uncaught errors). Skips the test
+    where Chromium is missing (CI installs it: apt-get install chromium)."""
+    import shutil
+    import subprocess
+
+    if not CHROMIUM.exists():
+        pytest.skip("no /usr/bin/chromium (apt-get install chromium)")
+
+    def shoot(page: Path) -> tuple[Path, list[str]]:
+        shot, profile = tmp_path / "shot.png", tmp_path / "chromium-profile"
+        args = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                "--no-first-run", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", f"--user-data-dir={profile}",
+                "--enable-logging=stderr", "--v=0", "--window-size=1200,900",
+                f"--screenshot={shot}", page.resolve().as_uri()]
+        done = subprocess.run(args, capture_output=True, text=True, timeout=60)
+        shutil.rmtree(profile, ignore_errors=True)
+        assert shot.is_file(), done.stderr[-2000:]
+        return shot, [line for line in done.stderr.splitlines()
+                      if "CONSOLE" in line or "Uncaught" in line]
+
+    return shoot

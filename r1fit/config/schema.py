@@ -531,6 +531,9 @@ class EvalConfig:
     every: int = opt(20, "Evaluate every N GRPO steps (0 = only before and after training).", ge=0)
     before_train: bool = opt(True, "Evaluate once before GRPO starts (after the SFT warm-up).")
     batch: int = opt(64, "Questions generated together during evaluation (greedy).", ge=1)
+    samples: int = opt(1, "r1fit eval: answers per question. 1: the greedy answer (as the run's "
+                       "own evaluations); k > 1: k answers sampled at algo.temperature and "
+                       "algo.top_p, each with its own seed, scored as pass@k and mean@k.", ge=1)
 
 
 @dataclass(frozen=True)

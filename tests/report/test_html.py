@@ -7,12 +7,9 @@ from __future__ import annotations
 import json
 import logging
 import re
-import shutil
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
 from PIL import Image
 
 from r1fit.cli import main
@@ -20,8 +17,6 @@ from r1fit.report.html import LiveReport, build_report, write_report
 from r1fit.report.rollouts import save_rollout
 
 from .test_trajectories import scored_rollout
-
-CHROMIUM = Path("/usr/bin/chromium")
 
 
 def synthetic_run(folder: Path, *, trouble: bool = False) -> Path:
@@ -177,24 +172,13 @@ def test_two_step_run_saves_rollouts_and_reports_them(use_tiny_cache, tmp_path):
             "warm-up (SFT) loss"} <= set(figures(page))
 
 
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="no /usr/bin/chromium (apt-get install chromium)")
-def test_page_renders_in_headless_chromium_without_console_errors(tmp_path):
+def test_page_renders_in_headless_chromium_without_console_errors(tmp_path, headless_chromium):
     run = synthetic_run(tmp_path / "run", trouble=True)
     save_rollout(scored_rollout(tools=True, step=12), None, run / "rollouts")  # multi-turn rows
-    page = write_report(run)
-    shot = tmp_path / "shot.png"
-    args = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-            "--no-first-run", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr",
-            "--v=0", "--window-size=1200,900", f"--screenshot={shot}", page.resolve().as_uri()]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=60)
-    assert shot.is_file(), done.stderr[-2000:]
+    shot, console = headless_chromium(write_report(run))
     colours = Image.open(shot).convert("RGB").getcolors(maxcolors=1 << 20)
     assert colours is not None and len(colours) > 20  # text, plots and images, not a blank page
-    console = [line for line in done.stderr.splitlines()
-               if "CONSOLE" in line or "Uncaught" in line]
     assert console == []
-    shutil.rmtree(tmp_path / "profile", ignore_errors=True)
 
 
 def test_training_rewrites_the_page_every_n_steps_on_rank_0_only(tmp_path):
