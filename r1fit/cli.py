@@ -11,7 +11,7 @@
     r1fit inspect runs/demo          # its checkpoints, newest first; or one checkpoint's files
     r1fit export runs/demo/checkpoint-40 my-model [--merge-lora]   # a plain Hugging Face folder
     r1fit report runs/demo [--out FILE]   # one HTML file: plots, alarms, sampled rollouts
-    r1fit doctor [--json] [--check]  # versions, GPUs, kernels for a bug report; --check: self-check
+    r1fit doctor [--json] [--check] [--calibrate]  # facts for a bug report; self-check; rates
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
     """``r1fit doctor``: the machine's facts; with ``--check`` a self-check."""
     from r1fit.doctor.command import doctor
 
-    return doctor(json_out=ns.json, check=ns.check, out=ns.out)
+    return doctor(json_out=ns.json, check=ns.check, out=ns.out, calibrate=ns.calibrate)
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
@@ -310,6 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR", type=Path,
                    help="--check: where its runs go, a new or empty folder (default: a "
                         "temporary folder, removed afterwards)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure the first device's rates for the time model (matmul FLOP/s, "
+                        "copy bandwidth, launch cost, a decoder layer's step, disk writes; under "
+                        "a minute) and cache them for `r1fit plan`")
     return parser
 
 

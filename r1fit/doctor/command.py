@@ -10,15 +10,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from r1fit.doctor.env import collect_env, render_env
+from r1fit.doctor.env import collect_env, first_device, render_env
 from r1fit.errors import R1fitError
 from r1fit.report.blocks import print_blocks
 
 
-def doctor(*, json_out: bool = False, check: bool = False, out: Path | None = None) -> int:
+def doctor(*, json_out: bool = False, check: bool = False, out: Path | None = None,
+           calibrate: bool = False) -> int:
     """Print this machine's facts (``json_out``: as one JSON object); with ``check`` run the
     self-check into ``out`` (default: a temporary folder, removed when every item passes, kept
-    and named when one fails) and add its verdicts. Returns 0, or 1 when an item failed."""
+    and named when one fails) and add its verdicts; with ``calibrate`` measure the first
+    device's rates for the time model and cache them. Returns 0, or 1 when an item failed."""
+    if calibrate:
+        return _calibrate(json_out)
     env = collect_env()
     if not check:
         if json_out:
@@ -53,3 +57,28 @@ def doctor(*, json_out: bool = False, check: bool = False, out: Path | None = No
                  *(f"  {v.line()}" for v in verdicts)]
         print_blocks(lines, rich=sys.stdout.isatty())
     return 0 if ok else 1
+
+
+def _calibrate(json_out: bool) -> int:
+    """``r1fit doctor --calibrate``: measure, cache and print the first device's rates."""
+    from r1fit.memory.rates import calibrate, calibration_path
+
+    began = time.perf_counter()
+    rates = calibrate()
+    path = calibration_path(first_device())
+    if json_out:
+        print(json.dumps({**rates.to_dict(), "path": str(path)}, indent=2))
+        return 0
+    matmul = [(dtype, f"{n}", f"{rate / 1e9:,.1f}") for dtype, curve in rates.matmul.items()
+              for n, rate in curve]
+    layer = ", ".join(f"{rows} rows {seconds * 1e3:.3f} ms" for rows, seconds in
+                      rates.layer_step_s)
+    print_blocks([f"calibrated {rates.device} in {time.perf_counter() - began:.0f} s",
+                  (("matmul dtype", "size", "GFLOP/s"), matmul, {1, 2}),
+                  f"copy bandwidth {rates.copy_bytes_per_s / 1e9:,.1f} GB/s (read + write)",
+                  f"launch {rates.launch_s * 1e6:.1f} us per small kernel",
+                  f"decoder layer step: {layer} (fixed part "
+                  f"{rates.layer_overhead_s() * 1e3:.3f} ms)",
+                  f"disk writes {rates.disk_bytes_per_s / 1e6:,.0f} MB/s",
+                  f"saved to {path}: `r1fit plan` reads it"], rich=sys.stdout.isatty())
+    return 0

@@ -19,6 +19,7 @@ import torch
 
 import r1fit
 from r1fit.memory.flops import device_peak_flops
+from r1fit.memory.rates import cpu_name
 from r1fit.report.blocks import print_blocks
 from r1fit.units import format_bytes
 
@@ -100,20 +101,9 @@ def _memory_bytes() -> int | None:
         return None
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _cpu() -> dict[str, Any]:
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"name": _cpu_name(), "cores": os.cpu_count(), "usable_cores": usable,
+    return {"name": cpu_name(), "cores": os.cpu_count(), "usable_cores": usable,
             "torch_threads": torch.get_num_threads(), "memory_bytes": _memory_bytes()}
 
 

@@ -93,6 +93,7 @@ from r1fit.memory.planner.formulas import (
     vision_other_saved_per_patch,
 )
 from r1fit.memory.planner.kernels import conv_backward_workspace_per_channel
+from r1fit.memory.planner.timing import run_shape, time_plan
 from r1fit.units import format_bytes, parse_bytes
 
 #: Headroom kept free of the budget: a plan "fits" when its peak is at most (1 - margin) x budget,
@@ -169,6 +170,8 @@ class Plan:
     activations_by_checkpointing: dict[str, int] = field(default_factory=dict)
     details: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: the time model's prediction (r1fit/memory/planner/timing.py: TimePlan.to_dict())
+    time: dict[str, Any] = field(default_factory=dict)
 
     @property
     def usable_bytes(self) -> int:
@@ -317,12 +320,29 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
                                                  ("generation_batch", generation)) if x == "auto"]},
                 notes=notes)
     plan.advice = _advice(plan, facts, asked, view, prompt, sizes, device_type, usable)
+    plan.time = _time(plan, facts, cfg, prompt, device_type, kind)
     return plan
 
 
 def predict_peak(cfg: Config, *, device_type: str = "cuda") -> int:
     """The predicted peak bytes of one GRPO step on one device (what a probe should measure)."""
     return plan_memory(cfg, device_type=device_type).peak_bytes
+def _time(plan: Plan, facts: ModelFacts, cfg: Config, prompt: PromptShape, device_type: str,
+          kind: str) -> dict[str, Any]:
+    """The time model's prediction for the planned step (its sizes and engine), on this
+    machine's calibrated rates for ``device_type``, else data sheets."""
+    from r1fit.memory.rates import device_rates  # torch: at plan time, not with the planner
+
+    d = plan.details
+    # FSDP on CUDA computes float32 weights in bfloat16 (see _estimate)
+    dtype = "bfloat16" if d["gpus"] > 1 and device_type == "cuda" else d["dtype"]
+    shape = run_shape(facts, cfg, prompt, rows=d["rows_per_gpu"],
+                      generation_batch=d["generation_batch"], micro_batch=d["micro_rows"],
+                      completion=d["completion_tokens"], engine=d["engine"],
+                      device_type=device_type, dtype=dtype)
+    return time_plan(shape, device_rates(device_type), cfg, processes=d["gpus"],
+                     eval_rows=cfg.data.eval_size if cfg.data.eval else None,
+                     training_only=kind == "sft").to_dict()
 
 
 def _largest(peak_at: Any, rows: int, usable: int) -> int:

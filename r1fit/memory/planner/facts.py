@@ -125,6 +125,9 @@ class ModelFacts:
     #: the input embedding's gradient can go into its .grad in place (a plain nn.Embedding:
     #: r1fit/algorithms/embedding.py)
     embedding_into_grad: bool = False
+    #: the model's matrices as the FLOP count reads them (r1fit/memory/flops.py), for the time
+    #: model; as built (no adapters, everything trainable)
+    shape: Any = field(default=None, compare=False, repr=False)  # flops.ModelShape
 
     def checkpointed(self, every: int) -> tuple[int, int]:
         """(decoder layers, vision blocks) recomputed in backward when checkpointing is on with
@@ -171,6 +174,7 @@ def _facts(source: str, checkpoint: str, path: str, lora_target: str) -> ModelFa
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from r1fit.algorithms.embedding import embeds_into_grad
+    from r1fit.memory.flops import ModelShape
     from r1fit.models.load import (
         ModelConfigError,
         checkpoint_dtype,
@@ -239,7 +243,8 @@ def _facts(source: str, checkpoint: str, path: str, lora_target: str) -> ModelFa
         root_vision_params=_numel(vision_params) - sum(block_sizes),
         processor=_processor(checkpoint), image_token_id=getattr(config, "image_token_id", None),
         checkpoint_order=order,
-        embedding_into_grad=embed is not None and embeds_into_grad(embed))
+        embedding_into_grad=embed is not None and embeds_into_grad(embed),
+        shape=ModelShape.of(model))
 
 
 def _checkpoint_order(model: Any, layers: list[Any], visual: Any) -> str:

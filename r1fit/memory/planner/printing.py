@@ -111,6 +111,42 @@ def render_blocks(plan: Plan, cfg: Config) -> list[Any]:
     if plan.advice:
         blocks.append("advice:")
         blocks += [f"  {a}" for a in plan.advice]
+    if plan.time:
+        blocks += time_blocks(plan.time, cfg)
+    return blocks
+
+
+def _seconds(x: float) -> str:
+    """Seconds for a reader: us, ms below one second, s below an hour, else hours."""
+    if x < 1e-3:
+        return f"{x * 1e6:.0f} us"
+    if x < 1:
+        return f"{x * 1e3:.1f} ms"
+    return f"{x:.1f} s" if x < 3600 else f"{x / 3600:.1f} h"
+
+
+def time_blocks(t: dict[str, Any], cfg: Config) -> list[Any]:
+    """The time model's prediction (r1fit/memory/planner/timing.py) as lines and a table."""
+    step = t["step_seconds"] or 1e-9
+    rows = []
+    for name, seconds in t["phases"].items():
+        if not seconds:
+            continue
+        label = name
+        if name == "generate":
+            d = t["details"]
+            label += (f" (prefill {_seconds(d['prefill_seconds'])}, decode "
+                      f"{_seconds(d['decode_step_seconds'])} per token step)")
+        rows.append((label, _seconds(seconds), f"{seconds / step:.0%}"))
+    run = (f"{cfg.train.max_steps} steps"
+           + (f" + {t['evaluations']} evaluations of {_seconds(t['eval_seconds'])}"
+              if t["evaluations"] and t["eval_seconds"] is not None else ""))
+    blocks: list[Any] = [
+        f"time (predicted; rates: {t['source']}):",
+        (("phase", "per step", "share"), rows, {1, 2}),
+        f"step {_seconds(t['step_seconds'])}, {t['tokens_per_second']:,.0f} completion tokens/s; "
+        f"run ({run}): {_seconds(t['run_seconds'])}; {t['dominant']} dominates"]
+    blocks += [f"  {a}" for a in t["advice"]]
     return blocks
 
 
@@ -128,6 +164,8 @@ def _part_rows(plan: Plan, cfg: Config, engine: str) -> list[tuple[str, str, str
             continue
         if static and name == "engine_weights" and not plan.parts[name]:
             continue  # no LoRA: nothing is merged
+        if name == "engine_graphs" and not static:
+            continue  # the static engine's alone (vLLM's graphs are in its own pool)
         size = plan.parts[name]
         label = _STATIC_LABELS.get(name, _LABELS[name]) if static else _LABELS[name]
         if gpus > 1 and name in ("weights", "gradients", "optimizer", "reference"):

@@ -1,0 +1,288 @@
+"""The time model: one step's seconds by phase, and the run's, predicted before launch.
+
+It reads what the memory plan reads (the model's shapes, the step's sizes, the engine) and a
+device's rates (:mod:`r1fit.memory.rates`: measured by ``r1fit doctor --calibrate``, else data
+sheets). Every phase is a sum of two kinds of cost, each read from the rates:
+
+- **work**: the model FLOPs of the phase (:mod:`r1fit.memory.flops`: 2 per multiply-add, the
+  backward twice the forward's matrices, causal attention) over the device's matmul rate at the
+  size of the model's matrices (its hidden width), or the bytes it must read over the copy
+  bandwidth, whichever takes longer (a decode step reads every weight and the live KV cache
+  for a handful of rows: memory-bound);
+- **overhead**: the fixed seconds of running a decoder layer once (the calibration's
+  ``layer_overhead_s``: its kernels' launches and Python), per layer and forward; a backward
+  counts as two forwards. An engine that replays the decode step as CUDA graphs (static, vLLM)
+  pays one launch per layer and step instead.
+
+Phases, per process and step (``memory.generation_batch`` rows per generation chunk,
+``memory.micro_batch`` per micro-batch; every completion taken as ``algo.max_new_tokens`` long,
+as the memory plan takes it; with tools the trajectory's budget):
+
+- ``generate``: per chunk, the prefill of its prompts (each distinct prompt once where the engine
+  shares them: static, vLLM, ``rollout.share_prefill=true``; the vision tower included), then
+  one decode step per token after the first, at the chunk's mean context; HF generate with LoRA
+  runs peft's adapters unmerged (four more kernels per adapted matrix);
+- ``score``: the reward functions, ``SCORE_SECONDS_PER_ROW`` per row (string work);
+- ``logprobs``: the reference's forward (``algo.beta`` > 0 under full fine-tuning; with LoRA the
+  same model with its adapters off) over every row;
+- ``update``: ``algo.num_iterations`` forwards and backwards of every row (the recomputed
+  forward of checkpointed layers included) and as many AdamW steps (reading and writing the
+  trainable weights, gradients and two float32 moments);
+- ``checkpoint``: a save's bytes (trainable weights, their AdamW moments) over the disk's write
+  rate, once every ``checkpoint.every`` steps (spread over them).
+
+Left out: tool calls' own time, FSDP's collectives (several processes are planned as one), the
+weight sync of vLLM, and evaluation when the eval set's size is not known before loading it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from r1fit.config import Config
+from r1fit.memory.planner.facts import ModelFacts, PromptShape
+
+if TYPE_CHECKING:  # torch's modules: imported where a plan is timed, not with the planner
+    from r1fit.memory.flops import GroupShape, ModelShape
+    from r1fit.memory.rates import DeviceRates
+
+#: the reward functions' seconds per row (string parsing; measured ~0.1 ms on the built-in task)
+SCORE_SECONDS_PER_ROW = 1e-4
+#: bytes AdamW reads and writes per trainable element: the weight (read, write), its gradient
+#: (read), two float32 moments (read, write); with the weight in the run's dtype
+ADAM_MOMENT_BYTES = 16
+#: kernels peft adds per adapted Linear in an unmerged forward (dropout, A, B, scaled add)
+LORA_KERNELS = 4
+#: phases in the order a step runs them
+PHASES = ("generate", "score", "logprobs", "update", "checkpoint")
+
+
+@dataclass(frozen=True)
+class TimePlan:
+    """Predicted seconds of one step by phase (``PHASES``), the step, the run.
+
+    ``tokens_per_second``: the step's completion tokens (every process's) over its seconds;
+    ``run_seconds``: ``train.max_steps`` steps, plus the evaluations when their size is known
+    (``eval_seconds`` each, ``evaluations`` of them); ``dominant``: the phase that takes longest;
+    ``source``: where the device's rates came from; ``advice``: what would shorten the step."""
+
+    phases: dict[str, float]
+    step_seconds: float
+    tokens_per_second: float
+    run_seconds: float
+    evaluations: int
+    eval_seconds: float | None
+    dominant: str
+    source: str
+    advice: list[str] = field(default_factory=list)
+    details: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TimeShape:
+    """What the time model reads of a planned step (one process's share)."""
+
+    shape: ModelShape  # the FLOP count's matrices, adapted to the run (LoRA, trained parts)
+    layers: int  # decoder layers
+    vision_blocks: int
+    hidden: int
+    kv_bytes_per_token: int  # keys and values of one token, all layers
+    weight_bytes: int  # the decoder's matrices and LM head, as stored (read per decode step)
+    bytes_per_element: int
+    dtype: str  # the computing dtype's name (bfloat16, float32)
+    lora_linears_per_layer: int
+    prompt: int  # tokens of a prompt, images included
+    patches: int  # vision patches of a prompt's images
+    completion: int  # tokens after the prompt
+    group: int  # completions per prompt
+    rows: int  # of a step, on this process
+    generation_batch: int
+    micro_batch: int
+    shares_prompts: bool  # a generation chunk prefills each distinct prompt once
+    graphs: bool  # the decode step replayed as CUDA graphs
+    unmerged_lora: bool  # HF generate runs peft's adapters beside the base weights
+    reference_pass: bool
+    iterations: int
+    checkpointed_fraction: float  # of the decoder's layers recomputed in backward
+    trainable: int  # elements
+    checkpoint_every: int
+
+
+def run_shape(facts: ModelFacts, cfg: Config, prompt: PromptShape, *, rows: int,
+              generation_batch: int, micro_batch: int, completion: int, engine: str,
+              device_type: str, dtype: str) -> TimeShape:
+    """The :class:`TimeShape` of one planned step (the memory plan's sizes and engine)."""
+    lora = cfg.model.lora.r > 0
+    base = facts.shape
+    assert base is not None, "model facts without a FLOP shape"
+    vision_trains = facts.vision is not None and not lora and not cfg.model.freeze_vision
+    shape = replace(base, lora_matrix=cfg.model.lora.r * facts.lora_in_plus_out if lora else 0,
+                    text_frozen=base.text_matrix if lora else 0, head_trains=not lora,
+                    vision_trains=vision_trains)
+    b = {"bfloat16": 2, "float16": 2}.get(dtype, 4)
+    t = facts.text
+    trainable = (shape.lora_matrix if lora else
+                 facts.params - (0 if vision_trains else facts.vision_params))
+    layers_ckpt, _ = facts.checkpointed(cfg.memory.checkpoint_every)
+    return TimeShape(
+        shape=shape, layers=t.layers, vision_blocks=facts.vision.depth if facts.vision else 0,
+        hidden=t.hidden, kv_bytes_per_token=2 * t.kv_dim * t.layers * b,
+        weight_bytes=(base.text_matrix + base.head) * b, bytes_per_element=b, dtype=dtype,
+        lora_linears_per_layer=facts.lora_layers // max(t.layers, 1) if lora else 0,
+        prompt=prompt.tokens, patches=prompt.patches if facts.vision else 0,
+        completion=completion, group=cfg.algo.num_generations, rows=rows,
+        generation_batch=generation_batch, micro_batch=micro_batch,
+        shares_prompts=engine in ("static", "vllm") or (
+            engine == "hf" and cfg.rollout.share_prefill is True),
+        graphs=device_type == "cuda" and (engine == "vllm" or (
+            engine == "static" and cfg.rollout.static.cuda_graphs is not False)),
+        unmerged_lora=lora and engine == "hf",
+        reference_pass=cfg.algo.beta > 0, iterations=cfg.algo.num_iterations,
+        checkpointed_fraction=(layers_ckpt / t.layers if cfg.memory.gradient_checkpointing
+                               and t.layers else 0.0),
+        trainable=trainable, checkpoint_every=cfg.checkpoint.every)
+
+
+def _work(flops: float, nbytes: float, s: TimeShape, rates: DeviceRates) -> float:
+    """Seconds of ``flops`` of the model's matrices that must read ``nbytes``: the longer of the
+    two at the device's rates."""
+    return max(flops / rates.matmul_rate(s.dtype, s.hidden), nbytes / rates.copy_bytes_per_s)
+
+
+def _forward_overhead(s: TimeShape, rates: DeviceRates, *, vision: bool = False) -> float:
+    """The fixed seconds of one eager forward: every decoder layer once (and vision block)."""
+    return (s.layers + (s.vision_blocks if vision else 0)) * rates.layer_overhead_s()
+
+
+def prompts_in_chunk(s: TimeShape, rows: int) -> int:
+    """Prompts a generation chunk of ``rows`` prefills: each distinct one once where the engine
+    shares them (a chunk that does not start on a group boundary touches one more), else
+    every row."""
+    if not s.shares_prompts:
+        return rows
+    return min(rows, math.ceil(rows / s.group) + (1 if rows % s.group else 0))
+
+
+def generation_seconds(s: TimeShape, rates: DeviceRates, rows: int, completion: int
+                       ) -> tuple[float, float]:
+    """(prefill, decode) seconds of ``rows`` rows generated ``s.generation_batch`` at a time,
+    ``completion`` tokens each."""
+    from r1fit.memory.flops import forward_flops
+
+    prefill = decode = 0.0
+    patches = (s.patches,) if s.patches else ()
+    one = forward_flops(s.shape, context=0, tokens=s.prompt, head_tokens=1, patches=patches)
+    for start in range(0, rows, s.generation_batch):
+        chunk = min(s.generation_batch, rows - start)
+        n = prompts_in_chunk(s, chunk)
+        prefill += _work(n * one, s.weight_bytes, s, rates) + _forward_overhead(
+            s, rates, vision=bool(patches))
+        steps = max(completion - 1, 0)
+        if not steps:
+            continue
+        context = s.prompt + completion / 2  # the mean context of the decode steps
+        matrices = s.shape.text_matrix + s.shape.head + (s.shape.lora_matrix
+                                                         if s.unmerged_lora else 0)
+        flops = 2 * chunk * matrices + 4 * s.shape.attention_width * chunk * context
+        nbytes = s.weight_bytes + chunk * context * s.kv_bytes_per_token
+        if s.graphs:
+            fixed = s.layers * rates.launch_s  # one replay: about a launch per layer
+        else:
+            fixed = s.layers * (rates.layer_overhead_s() + (
+                s.lora_linears_per_layer * LORA_KERNELS * rates.launch_s
+                if s.unmerged_lora else 0.0))
+        decode += steps * (_work(flops, nbytes, s, rates) + fixed)
+    return prefill, decode
+
+
+def _row_group(s: TimeShape) -> GroupShape:
+    from r1fit.memory.flops import GroupShape
+
+    return GroupShape(s.prompt, (s.completion,), (s.patches,) if s.patches else ())
+
+
+def time_plan(s: TimeShape, rates: DeviceRates, cfg: Config, *, processes: int = 1,
+              eval_rows: int | None = None, training_only: bool = False) -> TimePlan:
+    """One step's predicted seconds by phase, and the run's (``eval_rows``: rows of the eval
+    set, at most ``data.eval_size``, each evaluation generating them greedily ``eval.batch`` at
+    a time; ``training_only``: a step of ``r1fit sft``, an update and no rollout)."""
+    from r1fit.memory.flops import forward_flops, scoring_flops, update_flops
+
+    group = _row_group(s)
+    micro_batches = math.ceil(s.rows / max(s.micro_batch, 1))
+    prefill, decode = (0.0, 0.0) if training_only else \
+        generation_seconds(s, rates, s.rows, s.completion)
+    forward = scoring_flops(s.shape, group)
+    passes = s.rows * forward
+    logprobs = 0.0
+    if s.reference_pass:
+        logprobs = _work(passes, micro_batches * s.weight_bytes, s, rates) + micro_batches * \
+            _forward_overhead(s, rates, vision=bool(s.patches))
+    recompute = s.checkpointed_fraction * s.rows * forward_flops(
+        s.shape, context=0, tokens=s.prompt + s.completion, head_tokens=0)
+    update_work = s.rows * update_flops(s.shape, group) + recompute
+    optimizer = s.trainable * (2 * s.bytes_per_element + s.bytes_per_element
+                               + ADAM_MOMENT_BYTES) / rates.copy_bytes_per_s
+    update = s.iterations * (
+        _work(update_work, micro_batches * s.weight_bytes, s, rates)
+        + micro_batches * 3 * _forward_overhead(s, rates, vision=bool(s.patches))
+        + optimizer)
+    saved = s.trainable * (s.bytes_per_element + 8)
+    checkpoint = saved / rates.disk_bytes_per_s / s.checkpoint_every if s.checkpoint_every else 0
+    phases = {"generate": prefill + decode,
+              "score": 0.0 if training_only else s.rows * SCORE_SECONDS_PER_ROW,
+              "logprobs": logprobs, "update": update, "checkpoint": checkpoint}
+    step = sum(phases.values())
+    evaluations, eval_seconds = 0, None
+    if eval_rows is not None and cfg.data.eval:
+        eval_shape = replace(s, generation_batch=cfg.eval.batch, group=1, shares_prompts=False)
+        eval_seconds = sum(generation_seconds(eval_shape, rates,
+                                              math.ceil(eval_rows / processes), s.completion))
+        every = cfg.eval.every
+        evaluations = int(cfg.eval.before_train) + (
+            cfg.train.max_steps // every if every else 0) + (
+            1 if not every or cfg.train.max_steps % every else 0)  # the last step evaluates
+    run = cfg.train.max_steps * step + evaluations * (eval_seconds or 0.0)
+    dominant = max(phases, key=phases.__getitem__)
+    tokens = s.rows * processes * s.completion
+    return TimePlan(phases=phases, step_seconds=step, tokens_per_second=tokens / max(step, 1e-9),
+                    run_seconds=run, evaluations=evaluations, eval_seconds=eval_seconds,
+                    dominant=dominant, source=rates.source,
+                    advice=_advice(s, cfg, phases, dominant),
+                    details={"prefill_seconds": prefill, "decode_seconds": decode,
+                             "decode_step_seconds": decode / max(
+                                 math.ceil(s.rows / s.generation_batch)
+                                 * max(s.completion - 1, 1), 1)})
+
+
+def _advice(s: TimeShape, cfg: Config, phases: dict[str, float], dominant: str) -> list[str]:
+    """What would shorten the step, for its dominant phase."""
+    out: list[str] = []
+    step = sum(phases.values()) or 1.0
+    share = phases[dominant] / step
+    if dominant == "generate":
+        if not s.graphs:
+            out.append("generation is eager: rollout.engine=static (CUDA graphs, one process) or "
+                       "vllm replays the decode step without per-layer launches")
+        if s.generation_batch < s.rows:
+            out.append(f"memory.generation_batch={s.generation_batch} < {s.rows} rows: larger "
+                       "chunks read the weights fewer times per token")
+        if s.iterations == 1:
+            out.append("algo.num_iterations > 1 reuses each rollout for more updates")
+    elif dominant == "update":
+        if s.micro_batch < s.rows:
+            out.append(f"memory.micro_batch={s.micro_batch}: larger micro-batches run fewer, "
+                       "fuller forwards")
+        if s.checkpointed_fraction:
+            out.append("memory.gradient_checkpointing recomputes the forward in backward: "
+                       "memory.checkpoint_every > 1 recomputes fewer layers where memory allows")
+        if s.group > 1 and not cfg.memory.share_prefix:
+            out.append("memory.share_prefix runs each group's prompt once per micro-batch")
+    if out:
+        out[0] = f"{dominant} is {share:.0%} of the step: {out[0]}"
+    return out

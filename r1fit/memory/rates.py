@@ -1,0 +1,334 @@
+"""What a device does per second, for the time model (:mod:`r1fit.memory.planner.timing`):
+measured by ``r1fit doctor --calibrate`` and cached per device, else taken from data sheets.
+
+:func:`calibrate` measures, in well under a minute:
+
+- **matmul rate** (FLOP/s) of square products in the device's 16-bit dtype and in float32, at a
+  few sizes (a small model's matrices run far below the peak on a CPU);
+- **copy bandwidth** (bytes/s, read + write counted) of a large device-to-device copy: the rate
+  at which a decode step reads weights and KV cache;
+- **launch cost** (seconds per kernel): a one-element in-place add, run many times; the floor
+  of every small operation (Python and dispatch on a CPU, the kernel launch on a GPU);
+- **layer step cost**: the seconds of one token step through a small decoder layer (attention
+  with a KV cache, MLP, norms: the kernels a transformer layer launches) at two batch sizes; the
+  fixed part per layer and step is what an eager decode step pays before any arithmetic;
+- **disk write rate** (bytes/s) of a file written and synced in the cache folder (checkpoints).
+
+They are saved to ``$R1FIT_CACHE/calibration/<device key>.json``, the key naming the device, its
+driver and torch (another torch or driver measures again). Without a calibration,
+:func:`device_rates` answers from data sheets for a GPU it knows (``GPU_PEAK_TFLOPS``, memory
+bandwidth below) and from rough CPU figures otherwise, and says so (``source``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from r1fit.memory.flops import gpu_peak_flops
+from r1fit.rollout.prefill import cache_argument
+
+#: data-sheet memory bandwidth (bytes/s) of GPUs, by name fragment as torch reports it (the
+#: first match wins, so longer names first): HBM's peak; a copy reaches ~80-90% of it
+GPU_BANDWIDTH: tuple[tuple[str, float], ...] = (
+    ("GB200", 8.0e12), ("B200", 8.0e12), ("H200", 4.8e12), ("H100 PCIe", 2.0e12),
+    ("H100", 3.35e12), ("H800", 3.35e12), ("H20", 4.0e12), ("A100", 2.0e12), ("A800", 2.0e12),
+    ("L40S", 0.864e12), ("L40", 0.864e12), ("L4", 0.3e12), ("A10G", 0.6e12), ("A10", 0.6e12),
+    ("RTX 4090", 1.0e12), ("RTX 3090", 0.936e12), ("V100", 0.9e12), ("T4", 0.32e12),
+)
+#: a GPU kernel launch from eager PyTorch (seconds), the order of magnitude the field quotes
+GPU_LAUNCH_SECONDS = 8e-6
+#: rough CPU figures for an uncalibrated plan (a 2-core cloud machine measured here, rounded)
+CPU_DEFAULTS = {"matmul": 4e10, "copy": 1e10, "launch": 5e-6, "layer_step": 5e-4, "disk": 2e8}
+#: rough NVMe write rate for an uncalibrated GPU machine
+GPU_DISK_DEFAULT = 1e9
+
+#: the sizes the matmul rate is measured at (square products)
+MATMUL_SIZES = (128, 256, 512, 1024, 2048)
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """One device's rates (see the module docstring). ``matmul``: per dtype name, ``[(size,
+    FLOP/s)]`` for square products of that size; ``layer_step``: seconds of one token step
+    through the calibration's decoder layer at ``layer_rows`` rows each; ``source``:
+    "calibrated <date>" or what the figures were taken from."""
+
+    device: str
+    key: str
+    matmul: dict[str, list[tuple[int, float]]]
+    copy_bytes_per_s: float
+    launch_s: float
+    layer_step_s: list[tuple[int, float]]
+    disk_bytes_per_s: float
+    source: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def calibrated(self) -> bool:
+        return self.source.startswith("calibrated")
+
+    def matmul_rate(self, dtype: str, size: float) -> float:
+        """FLOP/s of a product whose matrices are about ``size`` wide: the measured rate of the
+        nearest size at or below it (the largest measured beyond; float32's where ``dtype`` was
+        not measured)."""
+        curve = self.matmul.get(dtype) or self.matmul["float32"]
+        below = [rate for n, rate in curve if n <= size]
+        return below[-1] if below else curve[0][1]
+
+    def layer_overhead_s(self) -> float:
+        """The fixed seconds of one token step through one decoder layer: the calibration
+        layer's step time extrapolated to zero rows (its arithmetic grows with the rows)."""
+        (r1, t1), (r2, t2) = self.layer_step_s[0], self.layer_step_s[-1]
+        if r2 == r1:
+            return t1
+        slope = (t2 - t1) / (r2 - r1)
+        return max(t1 - slope * r1, self.launch_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DeviceRates:
+        matmul = {k: [(int(n), float(r)) for n, r in v] for k, v in data["matmul"].items()}
+        steps = [(int(n), float(s)) for n, s in data["layer_step_s"]]
+        return cls(device=data["device"], key=data["key"], matmul=matmul,
+                   copy_bytes_per_s=float(data["copy_bytes_per_s"]),
+                   launch_s=float(data["launch_s"]), layer_step_s=steps,
+                   disk_bytes_per_s=float(data["disk_bytes_per_s"]), source=data["source"],
+                   notes=list(data.get("notes", [])))
+
+
+def device_name(device: torch.device) -> str:
+    """The device's name: the GPU's, or the CPU's model name and the threads torch uses."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{cpu_name()} ({torch.get_num_threads()} threads)"
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what the platform says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_key(device: torch.device) -> str:
+    """The calibration cache's key: device name, driver (CUDA) and torch version, as a file
+    name."""
+    parts = [device_name(device), f"torch {torch.__version__}"]
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        parts += [f"cuda {torch.version.cuda}", f"sm {props.major}.{props.minor}"]
+    return re.sub(r"[^A-Za-z0-9.+-]+", "_", " ".join(parts)).strip("_")
+
+
+def calibration_path(device: torch.device) -> Path:
+    """Where ``device``'s calibration is cached."""
+    from r1fit.models.builtin import cache_root
+
+    return cache_root() / "calibration" / f"{device_key(device)}.json"
+
+
+def device_rates(device_type: str = "cuda", device_name_: str | None = None) -> DeviceRates:
+    """The rates a plan for ``device_type`` uses: this machine's cached calibration of its
+    first device of that type, else data-sheet figures (``device_name_``: the GPU planned for,
+    default this machine's first, else an H100's)."""
+    device = torch.device("cuda" if device_type == "cuda" else "cpu")
+    if device_type == "cpu" or torch.cuda.is_available():
+        cached = load_calibration(device)
+        if cached is not None:
+            return cached
+    if device_type == "cpu":
+        return _cpu_defaults()
+    name = device_name_ or (torch.cuda.get_device_name(0) if torch.cuda.is_available()
+                            else "NVIDIA H100 80GB HBM3")
+    return datasheet_rates(name)
+
+
+def load_calibration(device: torch.device) -> DeviceRates | None:
+    """``device``'s cached calibration, or None (none yet, or unreadable: measured again)."""
+    path = calibration_path(device)
+    if not path.is_file():
+        return None
+    try:
+        return DeviceRates.from_dict(json.loads(path.read_text()))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def datasheet_rates(name: str) -> DeviceRates:
+    """A GPU's rates from data sheets (bf16 and float32 peaks at every size, HBM bandwidth, a
+    typical launch cost); an unknown GPU gets an H100's, said in ``source``."""
+    bf16, fp32 = gpu_peak_flops(name, torch.bfloat16), gpu_peak_flops(name, torch.float32)
+    bandwidth = next((bw for fragment, bw in GPU_BANDWIDTH if fragment in name), None)
+    source = f"data sheet ({name}); not calibrated: r1fit doctor --calibrate measures it"
+    if bf16 is None or fp32 is None or bandwidth is None:
+        bf16, fp32, bandwidth = 989e12, 494e12, 3.35e12
+        source = f"data sheet of an H100 ({name} unknown); r1fit doctor --calibrate measures it"
+    layer = 60 * GPU_LAUNCH_SECONDS  # ~60 kernels per eager decoder layer step
+    return DeviceRates(device=name, key=name, matmul={"bfloat16": [(MATMUL_SIZES[-1], bf16)],
+                                                      "float32": [(MATMUL_SIZES[-1], fp32)]},
+                       copy_bytes_per_s=bandwidth, launch_s=GPU_LAUNCH_SECONDS,
+                       layer_step_s=[(1, layer), (64, layer)], disk_bytes_per_s=GPU_DISK_DEFAULT,
+                       source=source)
+
+
+def _cpu_defaults() -> DeviceRates:
+    d = CPU_DEFAULTS
+    name = device_name(torch.device("cpu"))
+    return DeviceRates(device=name, key=name, matmul={"float32": [(MATMUL_SIZES[0], d["matmul"])]},
+                       copy_bytes_per_s=d["copy"], launch_s=d["launch"],
+                       layer_step_s=[(1, d["layer_step"]), (16, d["layer_step"])],
+                       disk_bytes_per_s=d["disk"],
+                       source="rough CPU figures; not calibrated: r1fit doctor --calibrate")
+
+
+# --- measuring ---------------------------------------------------------------------------------
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best(run: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls of ``run`` (after one untimed warm-up)."""
+    run()
+    _sync(device)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return max(best, 1e-9)
+
+
+def measure_matmul(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...],
+                   repeats: int = 3) -> list[tuple[int, float]]:
+    """FLOP/s of square products at each size."""
+    out = []
+    for n in sizes:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        loops = max(1, int(1e9 // (2 * n ** 3)))  # ~1 GFLOP per timing: small sizes loop
+
+        def run(a: torch.Tensor = a, b: torch.Tensor = b, loops: int = loops) -> None:
+            for _ in range(loops):
+                torch.matmul(a, b)
+
+        out.append((n, 2 * n ** 3 * loops / _best(run, device, repeats)))
+    return out
+
+
+def measure_copy(device: torch.device, nbytes: int, repeats: int = 5) -> float:
+    """Bytes/s of a device-to-device copy of ``nbytes`` (read + write counted)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / _best(lambda: dst.copy_(src), device, repeats)
+
+
+def measure_launch(device: torch.device, ops: int = 2000) -> float:
+    """Seconds per small kernel: ``ops`` one-element in-place adds, the best of 3."""
+    x = torch.zeros(1, device=device)
+
+    def run() -> None:
+        for _ in range(ops):
+            x.add_(1)
+
+    return _best(run, device, 3) / ops
+
+
+def measure_layer_step(device: torch.device, dtype: torch.dtype,
+                       rows: tuple[int, ...], repeats: int = 5) -> list[tuple[int, float]]:
+    """Seconds of one token step through one small decoder layer of a transformers model (a
+    2-layer Qwen2 of width 256 with a 64-token cache, the step divided by its layers): what an
+    eager decode step costs per layer beyond its arithmetic."""
+    from transformers import DynamicCache, Qwen2Config, Qwen2Model
+
+    config = Qwen2Config(hidden_size=256, intermediate_size=704, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                         max_position_embeddings=256)
+    config._attn_implementation = "sdpa"
+    model = Qwen2Model(config).to(device=device, dtype=dtype).eval()
+    name = cache_argument(model)
+    out = []
+    with torch.no_grad():
+        for n in rows:
+            prompt = torch.randint(0, 512, (n, 64), device=device)
+            cache = DynamicCache(config=config)
+            model(input_ids=prompt, use_cache=True, **{name: cache})
+            token = torch.randint(0, 512, (n, 1), device=device)
+            position = torch.full((n, 1), 64, device=device)
+
+            def steps(cache: Any = cache, token: torch.Tensor = token,
+                      position: torch.Tensor = position) -> None:
+                # the cache grows by a column a step (64 -> ~130): about the same cost
+                for _ in range(10):
+                    model(input_ids=token, position_ids=position, use_cache=True,
+                          **{name: cache})
+
+            out.append((n, _best(steps, device, repeats) / 10 / config.num_hidden_layers))
+    return out
+
+
+def measure_disk(folder: Path, nbytes: int) -> float:
+    """Bytes/s of writing ``nbytes`` to a new file in ``folder`` and syncing it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    block = os.urandom(1 << 20)
+    with tempfile.NamedTemporaryFile(dir=folder) as f:
+        start = time.perf_counter()
+        for _ in range(max(1, nbytes >> 20)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+        seconds = time.perf_counter() - start
+    return max(1, nbytes >> 20) * (1 << 20) / max(seconds, 1e-9)
+
+
+def calibrate(device: torch.device | None = None, *, quick: bool = False,
+              save: bool = True) -> DeviceRates:
+    """Measure ``device``'s rates (default: the first CUDA device, else the CPU) and cache them
+    (``save``). ``quick``: the smallest sizes only (tests)."""
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
+    half = torch.bfloat16 if not cuda or torch.cuda.is_bf16_supported() else torch.float16
+    sizes = MATMUL_SIZES[:2] if quick else (MATMUL_SIZES + ((4096, 8192) if cuda else ()))
+    matmul = {"float32": measure_matmul(device, torch.float32, sizes)}
+    matmul[str(half).removeprefix("torch.")] = measure_matmul(
+        device, half, sizes[:3] if not cuda and not quick else sizes)
+    copy_bytes = (1 << 30) if cuda else (64 << 20)
+    from r1fit.models.builtin import cache_root
+
+    rates = DeviceRates(
+        device=device_name(device), key=device_key(device), matmul=matmul,
+        copy_bytes_per_s=measure_copy(device, (8 << 20) if quick else copy_bytes),
+        launch_s=measure_launch(device, 200 if quick else 2000),
+        layer_step_s=measure_layer_step(device, torch.float32 if not cuda else half,
+                                        (1, 16) if not cuda else (1, 64),
+                                        repeats=2 if quick else 5),
+        disk_bytes_per_s=measure_disk(cache_root() / "calibration",
+                                      (4 << 20) if quick else (256 << 20)),
+        source=f"calibrated {time.strftime('%Y-%m-%d')}",
+        notes=[f"{platform.platform()}", f"torch {torch.__version__}"])
+    if save:
+        path = calibration_path(device)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(rates.to_dict(), indent=2))
+    return rates

@@ -1,0 +1,118 @@
+"""The time model on hand-computed numbers: a made-up model (decoder matrices of 1,000 entries
+over 2 layers, a head of 200, attention width 10) on made-up rates (4 GFLOP/s at its width,
+10 GB/s, 2 us a launch, 0.28 ms of fixed cost per layer step); then on builtin:tiny's facts."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from r1fit.config import load_config
+from r1fit.memory.flops import ModelShape
+from r1fit.memory.planner import plan_memory
+from r1fit.memory.planner.facts import model_facts, prompt_shape
+from r1fit.memory.planner.timing import (
+    TimeShape,
+    generation_seconds,
+    prompts_in_chunk,
+    run_shape,
+    time_plan,
+)
+from r1fit.memory.rates import DeviceRates
+
+SHAPE = ModelShape(text_matrix=1000, text_frozen=0, lora_matrix=0, head=200, head_trains=True,
+                   attention_width=10, vision_matrix=0, vision_merger=0, merge=1,
+                   vision_trains=False, vision_attention_width=0)
+RATES = DeviceRates(device="test", key="test",
+                    matmul={"float32": [(128, 1e9), (512, 4e9), (2048, 8e9)]},
+                    copy_bytes_per_s=1e10, launch_s=2e-6, layer_step_s=[(1, 3e-4), (16, 6e-4)],
+                    disk_bytes_per_s=1e8, source="test")
+STEP = TimeShape(shape=SHAPE, layers=2, vision_blocks=0, hidden=600, kv_bytes_per_token=40,
+                 weight_bytes=4800, bytes_per_element=4, dtype="float32",
+                 lora_linears_per_layer=0, prompt=10, patches=0, completion=5, group=4, rows=8,
+                 generation_batch=8, micro_batch=4, shares_prompts=True, graphs=False,
+                 unmerged_lora=False, reference_pass=False, iterations=1,
+                 checkpointed_fraction=0.0, trainable=1200, checkpoint_every=0)
+FIXED = 2.8e-4  # RATES' fixed seconds per layer step: 3e-4 - 1 x (6e-4 - 3e-4) / 15
+
+
+def test_prompts_a_chunk_prefills():
+    assert prompts_in_chunk(STEP, 8) == 2  # two whole groups of 4
+    assert prompts_in_chunk(STEP, 6) == 3  # a chunk off the group boundary touches one more
+    assert prompts_in_chunk(STEP, 1) == 1
+    assert prompts_in_chunk(replace(STEP, shares_prompts=False), 6) == 6
+
+
+def test_generation_by_hand():
+    prefill, decode = generation_seconds(STEP, RATES, rows=8, completion=5)
+    # prefill: 2 prompts x (2 x 1000 x 10 + 2 x 200 x 1 + 4 x 10 x 55) = 45,200 FLOPs at 4e9
+    # (above the 4,800 weight bytes at 1e10), plus 2 layers' fixed cost
+    assert prefill == pytest.approx(45_200 / 4e9 + 2 * FIXED)
+    # 4 decode steps of 8 rows at a mean context of 12.5: 2 x 8 x 1200 + 4 x 10 x 8 x 12.5
+    # = 23,200 FLOPs (5.8 us), above 4,800 + 8 x 12.5 x 40 = 8,800 bytes (0.88 us)
+    assert decode == pytest.approx(4 * (23_200 / 4e9 + 2 * FIXED))
+    # replayed as CUDA graphs: a launch per layer instead of the fixed cost
+    _, graphs = generation_seconds(replace(STEP, graphs=True), RATES, rows=8, completion=5)
+    assert graphs == pytest.approx(4 * (23_200 / 4e9 + 2 * 2e-6))
+    # peft's unmerged adapters: 7 adapted matrices x 4 kernels more per layer
+    _, unmerged = generation_seconds(replace(STEP, unmerged_lora=True,
+                                             lora_linears_per_layer=7), RATES, 8, 5)
+    assert unmerged == pytest.approx(4 * (23_200 / 4e9 + 2 * (FIXED + 28 * 2e-6)))
+    # memory-bound: a slow copy makes the bytes the longer side
+    _, slow = generation_seconds(STEP, replace(RATES, copy_bytes_per_s=1e8), 8, 5)
+    assert slow == pytest.approx(4 * (8_800 / 1e8 + 2 * FIXED))
+    # two chunks of 4 rows: each its own prefill (one prompt each) and decode
+    prefill2, _ = generation_seconds(replace(STEP, generation_batch=4), RATES, 8, 5)
+    assert prefill2 == pytest.approx(2 * (22_600 / 4e9 + 2 * FIXED))
+
+
+def test_a_step_by_hand():
+    cfg = load_config(None, ["train.max_steps=10", "eval.every=4", "data.eval=builtin:shapes"])
+    t = time_plan(STEP, RATES, cfg, eval_rows=16)
+    prefill, decode = generation_seconds(STEP, RATES, 8, 5)
+    assert t.phases["generate"] == pytest.approx(prefill + decode)
+    assert t.phases["score"] == pytest.approx(8 * 1e-4)
+    assert t.phases["logprobs"] == 0 and t.phases["checkpoint"] == 0
+    # update: each row's forward (22,200 + 14,600) and backward (60,000 + 4,000 + 2 x 4,800)
+    # = 110,400 FLOPs, x 8 rows at 4e9; 2 micro-batches x 3 forwards' fixed cost; AdamW over
+    # 1,200 float32 elements: 28 bytes each at 1e10
+    update = 8 * 110_400 / 4e9 + 2 * 3 * 2 * FIXED + 1200 * 28 / 1e10
+    assert t.phases["update"] == pytest.approx(update)
+    assert t.step_seconds == pytest.approx(prefill + decode + 8e-4 + update)
+    assert t.tokens_per_second == pytest.approx(8 * 5 / t.step_seconds)
+    assert t.dominant == "update"
+    # evaluations: before training, at steps 4 and 8, and at the last step (10)
+    assert t.evaluations == 4
+    assert t.run_seconds == pytest.approx(10 * t.step_seconds + 4 * t.eval_seconds)
+    assert time_plan(STEP, RATES, load_config(None, ["train.max_steps=10", "eval.every=5"]),
+                     eval_rows=16).evaluations == 3
+    # the reference's pass, checkpoints every 2 steps: 1,200 x (4 + 8) bytes at 1e8 over 2 steps
+    more = time_plan(replace(STEP, reference_pass=True, checkpoint_every=2), RATES, cfg)
+    assert more.phases["logprobs"] == pytest.approx(8 * 36_800 / 4e9 + 2 * 2 * FIXED)
+    assert more.phases["checkpoint"] == pytest.approx(1200 * 12 / 1e8 / 2)
+    # an SFT step: the update alone
+    sft = time_plan(STEP, RATES, cfg, training_only=True)
+    assert sft.phases["generate"] == sft.phases["score"] == 0
+    assert sft.phases["update"] == pytest.approx(update)
+
+
+def test_the_run_shape_of_a_plan(use_tiny_cache):
+    cfg = load_config(None, ["model.lora.r=8", "algo.num_generations=4",
+                             "train.prompts_per_step=2"])
+    facts = model_facts(cfg.model.path, cfg.model.lora.target)
+    prompt = prompt_shape(cfg, facts)
+    cuda = run_shape(facts, cfg, prompt, rows=8, generation_batch=8, micro_batch=4,
+                     completion=16, engine="static", device_type="cuda", dtype="bfloat16")
+    assert cuda.graphs and cuda.shares_prompts and not cuda.unmerged_lora
+    assert cuda.shape.lora_matrix == 8 * facts.lora_in_plus_out
+    assert cuda.shape.text_frozen == cuda.shape.text_matrix and not cuda.shape.head_trains
+    assert cuda.trainable == 8 * facts.lora_in_plus_out and cuda.bytes_per_element == 2
+    cpu = run_shape(facts, cfg, prompt, rows=8, generation_batch=8, micro_batch=4,
+                    completion=16, engine="hf", device_type="cpu", dtype="float32")
+    assert not cpu.graphs and cpu.unmerged_lora and cpu.lora_linears_per_layer == 7
+    # the plan carries the prediction, on the rates this machine has for the device planned
+    plan = plan_memory(cfg, device_type="cpu")
+    assert set(plan.time["phases"]) == {"generate", "score", "logprobs", "update",
+                                        "checkpoint"}
+    assert plan.time["step_seconds"] == pytest.approx(sum(plan.time["phases"].values()))

@@ -1,0 +1,81 @@
+"""The device rates of the time model: a quick calibration measures positive rates and caches
+them where `r1fit plan` finds them; the lookups on hand-made rates; data sheets for a GPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from r1fit.cli import main
+from r1fit.memory import rates as rates_module
+from r1fit.memory.rates import (
+    DeviceRates,
+    calibrate,
+    calibration_path,
+    datasheet_rates,
+    device_rates,
+    load_calibration,
+)
+
+CPU = torch.device("cpu")
+
+
+def made(**changes) -> DeviceRates:
+    values = dict(device="test", key="test",
+                  matmul={"float32": [(128, 1e9), (512, 4e9), (2048, 8e9)]},
+                  copy_bytes_per_s=1e10, launch_s=2e-6, layer_step_s=[(1, 3e-4), (16, 6e-4)],
+                  disk_bytes_per_s=1e8, source="test")
+    return DeviceRates(**{**values, **changes})
+
+
+def test_the_lookups_on_hand_made_rates():
+    r = made()
+    # the rate of the nearest measured size at or below the one asked; the smallest below it
+    assert r.matmul_rate("float32", 64) == 1e9
+    assert r.matmul_rate("float32", 600) == 4e9
+    assert r.matmul_rate("float32", 4096) == 8e9
+    assert r.matmul_rate("bfloat16", 600) == 4e9  # not measured: float32's
+    # the layer step extrapolated to zero rows: 3e-4 - (3e-4 / 15) * 1 = 2.8e-4
+    assert r.layer_overhead_s() == pytest.approx(2.8e-4)
+    # a step that shrinks with rows (noise): never below a launch
+    assert made(layer_step_s=[(1, 1e-6), (16, 1e-3)]).layer_overhead_s() == 2e-6
+    assert DeviceRates.from_dict(json.loads(json.dumps(r.to_dict()))) == r
+
+
+def test_a_quick_calibration_is_cached_for_the_plan(tmp_path, monkeypatch):
+    monkeypatch.setenv("R1FIT_CACHE", str(tmp_path))
+    assert load_calibration(CPU) is None
+    assert not device_rates("cpu").calibrated  # rough figures until calibrated
+    measured = calibrate(CPU, quick=True)
+    assert measured.calibrated and measured.copy_bytes_per_s > 0 and measured.launch_s > 0
+    assert all(rate > 0 for curve in measured.matmul.values() for _, rate in curve)
+    assert set(measured.matmul) == {"float32", "bfloat16"}
+    assert [rows for rows, _ in measured.layer_step_s] == [1, 16]
+    assert all(seconds > 0 for _, seconds in measured.layer_step_s)
+    assert measured.disk_bytes_per_s > 0
+    assert calibration_path(CPU).parent == tmp_path / "calibration"
+    assert device_rates("cpu") == measured == load_calibration(CPU)
+    # an unreadable cache is measured again, not trusted
+    calibration_path(CPU).write_text("{not json")
+    assert load_calibration(CPU) is None
+
+
+def test_doctor_calibrate_prints_and_caches(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("R1FIT_CACHE", str(tmp_path))
+    real = rates_module.calibrate
+    monkeypatch.setattr(rates_module, "calibrate", lambda: real(CPU, quick=True))
+    assert main(["doctor", "--calibrate", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["source"].startswith("calibrated")
+    assert printed["path"] == str(calibration_path(CPU))
+    assert load_calibration(CPU) is not None
+
+
+def test_gpu_rates_from_data_sheets():
+    h200 = datasheet_rates("NVIDIA H200")
+    assert h200.matmul_rate("bfloat16", 4096) == 989e12
+    assert h200.copy_bytes_per_s == 4.8e12 and not h200.calibrated
+    unknown = datasheet_rates("Some Future GPU")
+    assert "unknown" in unknown.source and unknown.matmul_rate("bfloat16", 1) == 989e12
