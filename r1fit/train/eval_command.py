@@ -49,6 +49,7 @@ from r1fit.checkpoint.manager import (
     TRAINER_STATE,
     CheckpointError,
     checkpoint_order,
+    flatten,
     list_checkpoints,
     run_config,
     verify,
@@ -116,7 +117,7 @@ def model_source(cfg: Config, path: str | None) -> ModelSource:
         problem = verify(folder)
         if problem is not None:
             raise CheckpointError(f"--model {path}: cannot read the checkpoint: {problem}")
-        saved = _flat(read_json_object(folder / "config.json").get("model", {}))
+        saved = flatten(read_json_object(folder / "config.json").get("model", {}))
         return ModelSource("checkpoint", path, {f"model.{key}": saved[key]
                                                 for key in CHECKPOINT_MODEL_KEYS if key in saved})
     if inside := list_checkpoints(folder):
@@ -126,16 +127,6 @@ def model_source(cfg: Config, path: str | None) -> ModelSource:
         return ModelSource("folder", path, {"model.path": str(folder), "model.lora.r": 0})
     raise ConfigError(f"--model {path}: not a model folder (config.json), a LoRA adapter folder "
                       f"({ADAPTER_CONFIG}) or an r1fit checkpoint (manifest.json)")
-
-
-def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[prefix + key] = value
-    return out
 
 
 def output_folder(cfg: Config, source: ModelSource, out: Path | None) -> Path:
