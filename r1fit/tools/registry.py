@@ -87,9 +87,10 @@ def resolve_tool(spec: str) -> tuple[str, ToolFn]:
 
 @dataclass
 class ToolCounts:
-    """One tool's calls since the start of the run. ``errors`` are calls that gave an error
-    result other than a timeout (bad arguments, the tool raised, returned something unusable);
-    ``timeouts`` are calls abandoned after the timeout."""
+    """One tool's calls since its counts were last zeroed (a GRPO run adds them to its totals
+    and zeroes them each step: :class:`r1fit.train.tool_rollouts.ToolTotals`). ``errors`` are
+    calls that gave an error result other than a timeout (bad arguments, the tool raised,
+    returned something unusable); ``timeouts`` are calls abandoned after the timeout."""
 
     calls: int = 0
     errors: int = 0
@@ -98,8 +99,9 @@ class ToolCounts:
 
 @dataclass
 class ToolStats:
-    """Counts of the run's tool calls, per tool, and of malformed calls (bad JSON, unknown tool),
-    which belong to no tool. Saved by checkpoints through ``state_dict``."""
+    """A runner's counts of tool calls, per tool, and of malformed calls (bad JSON, unknown
+    tool), which belong to no tool, and its abandoned threads. Not saved: a GRPO run saves its
+    totals (:class:`r1fit.train.tool_rollouts.ToolTotals`, which zeroes these on a restore)."""
 
     tools: dict[str, ToolCounts] = field(default_factory=dict)
     malformed: int = 0
@@ -120,14 +122,6 @@ class ToolStats:
         out["tools/malformed"] = float(self.malformed)
         out["tools/stuck"] = float(self.stuck)
         return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"tools": {n: vars(c).copy() for n, c in self.tools.items()},
-                "malformed": self.malformed}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.tools = {name: ToolCounts(**counts) for name, counts in state["tools"].items()}
-        self.malformed = int(state["malformed"])
 
 
 @dataclass

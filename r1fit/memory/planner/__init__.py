@@ -26,7 +26,6 @@ from r1fit.memory.planner.estimate import (
     Plan,
     cublas_workspaces,
     plan_memory,
-    predict_peak,
 )
 from r1fit.memory.planner.facts import (
     CHARS_PER_TOKEN,
@@ -61,7 +60,7 @@ __all__ = [
     "PARTS", "QUESTION_TOKENS", "SAFETY_MARGIN", "SHAPES_SAMPLES", "ModelFacts", "Plan",
     "PromptShape", "TextDims", "VisionDims", "cublas_workspaces", "layer_backward_temp_per_token",
     "layer_forward_temp_per_token", "layer_saved_per_token", "model_facts", "plan_memory",
-    "predict_peak", "prompt_shape", "render", "render_blocks", "shard_elements",
+    "prompt_shape", "render", "render_blocks", "shard_elements",
     "vision_block_saved_per_patch", "vision_dims", "vision_forward_temp_per_patch",
     "vision_other_saved_per_patch",
 ]

@@ -324,9 +324,6 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
     return plan
 
 
-def predict_peak(cfg: Config, *, device_type: str = "cuda") -> int:
-    """The predicted peak bytes of one GRPO step on one device (what a probe should measure)."""
-    return plan_memory(cfg, device_type=device_type).peak_bytes
 def _time(plan: Plan, facts: ModelFacts, cfg: Config, prompt: PromptShape, device_type: str,
           kind: str) -> dict[str, Any]:
     """The time model's prediction for the planned step (its sizes and engine), on this
