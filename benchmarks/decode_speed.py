@@ -13,8 +13,11 @@ random weights stop at random lengths). Hugging Face generate is timed for ``--h
 tokens (fewer than ``--new-tokens`` when its time needs it) and its tokens/s at
 ``--new-tokens`` is its prefill plus ``--new-tokens`` - 1 decode steps at the measured per-step
 time (the table says so); the engine is timed at ``--new-tokens`` after one warm-up call that
-captures its CUDA graphs. Each timing is the median of ``--repeats`` calls. Exit 0 (targets are
-judged by the caller: gpu_check).
+captures its CUDA graphs. ``--turn-tokens N`` also times a second turn of every row after N
+text tokens of a tool turn (each turn decoding ``TURN_NEW_TOKENS``): the engine continuing its
+kept cache (only the new tokens prefilled) against one prefilling the grown contexts whole.
+Each timing is the median of ``--repeats`` calls. Exit 0 (targets are judged by the caller:
+gpu_check).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(1, str(ROOT))
 
 RECIPE = ROOT / "configs" / "qwen2.5-vl-3b-lora.yaml"
+#: tokens each turn of the second-turn timing decodes (``--turn-tokens``)
+TURN_NEW_TOKENS = 32
 
 
 def copy_bandwidth(device: Any, gib: float = 1.0, repeats: int = 10) -> float:
@@ -117,8 +122,8 @@ def rows_for(processor: Any, prompts: int, generations: int, image_size: int,
 def measure(  # noqa: PLR0913 -- the benchmark's knobs, all keywords
         folder: str, *, lora_r: int, lora_alpha: int, prompts: int, generations: int,
             image_size: int, new_tokens: int, hf_tokens: int, device: str, dtype: str,
-            repeats: int = 3, bandwidth: float | None = None, compile: bool = False
-            ) -> dict[str, Any]:
+            repeats: int = 3, bandwidth: float | None = None, compile: bool = False,
+            turn_tokens: int = 0) -> dict[str, Any]:
     """Both engines on one model and batch; the numbers as a dict (see the module docstring)."""
     import torch
 
@@ -203,7 +208,57 @@ def measure(  # noqa: PLR0913 -- the benchmark's knobs, all keywords
     result["speedup_tokens_per_second"] = (
         None if hf_result is None else
         result["static"]["tokens_per_second"] / hf_result["tokens_per_second"])
+    if turn_tokens:
+        # each turn decodes TURN_NEW_TOKENS: the two differ in what they prefill
+        result["turn"] = turn_timings(engine, StaticDecoder(model, ids, dev, graphs=engine.graphs),
+                                      rows, seeds, settings(min(new_tokens, TURN_NEW_TOKENS)),
+                                      turn_tokens, dev, repeats)
     return result
+
+
+def turn_timings(engine: Any, whole: Any, rows: Sequence[Any], seeds: Sequence[int],
+                 settings: Any, turn_tokens: int, dev: Any, repeats: int) -> dict[str, Any]:
+    """A second turn of every row (its context grown by its first turn and ``turn_tokens``
+    tokens of a text tool turn) on the engine that kept the first turn's cache (only the new
+    tokens prefilled) against a second engine that prefills the grown contexts whole: seconds
+    of the turn (median of ``repeats``, each after its own first turn)."""
+    import torch
+
+    from r1fit.data.batch import Prompt
+
+    n = len(rows)
+    tool = torch.arange(turn_tokens, dtype=torch.long) % 200 + 10  # ordinary text ids (bytes)
+
+    def grown(turns: Sequence[Any]) -> list[Any]:
+        out = []
+        for row, tokens in zip(rows, turns, strict=True):
+            extra = torch.cat([tokens, tool])
+            extras = {k: torch.cat([v, torch.zeros(len(extra), dtype=v.dtype)])
+                      for k, v in row.token_inputs.items()}
+            out.append(Prompt(torch.cat([row.input_ids, extra]), extras, row.image_inputs,
+                              row.sample))
+        return out
+
+    kept_times, whole_times, same = [], [], True
+    for _ in range(repeats + 1):  # the first pair warms the block's kernels up
+        first = engine.generate(rows, seeds=seeds, batch_size=n, settings=settings, keep=True)
+        contexts = grown(first)
+        sync(dev)
+        started = time.perf_counter()
+        kept = engine.generate(contexts, seeds=seeds, batch_size=n, settings=settings,
+                               previous=list(range(n)))
+        sync(dev)
+        kept_times.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        again = whole.generate(contexts, seeds=seeds, batch_size=n, settings=settings)
+        sync(dev)
+        whole_times.append(time.perf_counter() - started)
+        same = same and all(torch.equal(a, b) for a, b in zip(kept, again, strict=True))
+    kept_s, whole_s = statistics.median(kept_times[1:]), statistics.median(whole_times[1:])
+    return {"tool_tokens": turn_tokens, "context_tokens_mean": statistics.mean(
+                c.length for c in contexts),
+            "kept_seconds": kept_s, "whole_seconds": whole_s, "speedup": whole_s / kept_s,
+            "appended": engine.appended, "same_tokens": same}
 
 
 def static_timings(engine: Any, rows: Sequence[Any], seeds: Sequence[int],
@@ -247,6 +302,11 @@ def lines(name: str, r: dict[str, Any]) -> list[str]:
         + (f"; CUDA graphs FAILED: {st['graphs_error']}" if st.get("graphs_error") else ""),
         f"  roofline: {r['bytes_per_decode_step'] / 2**30:.2f} GiB per step at "
         f"{r['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s -> {st['roofline_fraction']:.0%}",
+        *([] if not r.get("turn") else [
+            f"  second turn ({r['turn']['tool_tokens']} tool tokens, contexts of "
+            f"{r['turn']['context_tokens_mean']:.0f}): kept cache {r['turn']['kept_seconds']:.2f} "
+            f"s, whole prefill {r['turn']['whole_seconds']:.2f} s ({r['turn']['speedup']:.2f}x; "
+            f"same tokens: {r['turn']['same_tokens']})"]),
     ]
 
 
@@ -267,12 +327,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--compile", action="store_true", help="torch.compile the engine's decode step")
     p.add_argument("--bandwidth", type=float, default=None,
                    help="copy bandwidth in bytes/s (default: measured here)")
+    p.add_argument("--turn-tokens", type=int, default=0,
+                   help="also time a second turn after this many tool-turn tokens: the kept "
+                        "cache against a whole prefill of the grown contexts (0: not run)")
     p.add_argument("--json", help="write the result here too")
     a = p.parse_args(argv)
     r = measure(a.folder, lora_r=a.lora_r, lora_alpha=a.lora_alpha, prompts=a.prompts,
                 generations=a.generations, image_size=a.image_size, new_tokens=a.new_tokens,
                 hf_tokens=a.new_tokens if a.hf_tokens is None else a.hf_tokens, device=a.device, dtype=a.dtype,
-                repeats=a.repeats, bandwidth=a.bandwidth, compile=a.compile)
+                repeats=a.repeats, bandwidth=a.bandwidth, compile=a.compile,
+                turn_tokens=a.turn_tokens)
     print("\n".join(lines("decode", r)), file=sys.stderr, flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(r))

@@ -31,7 +31,9 @@ ones); the whole run stops starting stages when ``--budget`` seconds are spent:
   512 forced tokens), Hugging Face generate against the static engine (rollout.engine=static),
   each case in its own process (benchmarks/decode_speed.py): 3B LoRA r=64, 3B full, 3B LoRA with
   rollout.static.compile. Completion tokens/s, ms per decode step, the fraction of the memory
-  roofline (weights + the rows' live KV over a device copy's bandwidth measured in the stage).
+  roofline (weights + the rows' live KV over a device copy's bandwidth measured in the stage);
+  the 3B LoRA case also times a second turn after a 256-token text tool turn, the kept cache
+  against a whole prefill (``TURN_TOOL_TOKENS``).
   Targets: LoRA at least 10x HF's tokens/s, 50% of the roofline. Then 3 GRPO steps of 3B LoRA
   with the static engine: step 2's seconds per phase and the update's MFU, step 3 profiled
   (report.profile_step: where the update's time goes), and the plan with the engine against the
@@ -350,6 +352,8 @@ PROFILE_LINES = 30
 SPEED_DECODE = (("3b-lora", True, False, 120), ("3b-full", False, False, 90),
                 ("3b-lora-compiled", True, True, 150))
 SPEED_CASES = (*(case[0] for case in SPEED_DECODE), "step")
+#: the 3b-lora case also times a second turn after a text tool turn of this many tokens
+TURN_TOOL_TOKENS = 256
 
 
 def speed_values(args: argparse.Namespace) -> list[str]:
@@ -389,7 +393,9 @@ def stage_speed(args: argparse.Namespace, work: Path) -> StageResult:
                    *(["--compile"] if compiled else []),
                    *[f"--{k.replace('_', '-')}={v}" for k, v in shape.items()
                      if not (compiled and k == "hf_tokens")],
-                   *(["--hf-tokens=0"] if compiled else [])]
+                   *(["--hf-tokens=0"] if compiled else []),
+                   # the second turn after a tool turn: kept cache against a whole prefill
+                   *([f"--turn-tokens={TURN_TOOL_TOKENS}"] if name == "3b-lora" else [])]
         try:
             stdout = run_child(command, f"speed {name}", "decode_speed", env=child_env(),
                                timeout=cap if gpu else None, log=LOG, group=True)

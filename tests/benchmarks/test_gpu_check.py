@@ -164,6 +164,10 @@ def test_the_smoke_runs_every_stage_with_numbers(tmp_path, capsys):
         assert speed[name]["hf"]["tokens_per_second"] > 0
         assert speed[name]["static"]["tokens_per_second"] > 0
         assert speed[name]["static"]["graphs"] is False  # CPU: eager
+    # the second turn after a text tool turn: the kept cache gives the whole prefill's tokens
+    turn = speed["3b-lora"]["turn"]
+    assert turn["same_tokens"] is True and turn["appended"] > 0
+    assert turn["kept_seconds"] > 0 and turn["whole_seconds"] > 0
     assert speed["3b-lora-step"]["seconds_generate"] > 0
     assert speed["3b-lora-step"]["engine_lines"][0] == "rollout.engine=static"
     for stage in SMOKED:
