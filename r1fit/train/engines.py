@@ -7,6 +7,11 @@ CUDA graphs on CUDA, LoRA merged for generation); one process.
 the first rollout after each update, and it sleeps (CUDA) while the policy trains.
 Both sample row i with seed ``row_seeds(...)[i]``, each with its own sampler, so the two engines
 give different (equally valid) completions for the same seeds.
+
+With ``tools`` (a :class:`~r1fit.train.tool_rollouts.ToolTurns`) an engine's rollouts are
+multi-turn trajectories: :meth:`RolloutEngine.rollout` is the generation stage either way, and the
+engine holds the tool counts a checkpoint saves (:meth:`RolloutEngine.state`) and a metrics row
+reports (:meth:`RolloutEngine.step_counts`); the GRPO loop never asks which.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -25,11 +30,11 @@ from r1fit.distributed.parallelize import gathered
 from r1fit.models.load import context_length, resolve_model_path, special_token_ids, unwrap
 from r1fit.models.weights import full_named_weights
 from r1fit.report.metrics import timed
-from r1fit.rollout.generate import SamplingSettings, generate_completions
+from r1fit.rollout.generate import SamplingSettings, generate_completions, generate_rollout
 from r1fit.rollout.prefill import PrefillSharing
-from r1fit.rollout.record import Trajectory
+from r1fit.rollout.record import Rollout, Trajectory
 from r1fit.rollout.static_engine import StaticDecoder
-from r1fit.rollout.turns import hf_generate_turn, static_generate_turn
+from r1fit.rollout.turns import generate_trajectories, hf_generate_turn, static_generate_turn
 from r1fit.rollout.vllm_engine import EngineSpec, RolloutEngineError, VllmEngine
 from r1fit.train.run import Run
 from r1fit.train.tool_rollouts import ToolTurns
@@ -40,8 +45,24 @@ log = logging.getLogger("r1fit.rollout")
 class RolloutEngine(Protocol):
     """What the GRPO loop and evaluation call on an engine (hf, static, vllm alike)."""
 
+    tools: ToolTurns | None
+
     def ready(self, times: dict[str, float]) -> AbstractContextManager[None]:
         """A block in which the engine generates from the policy's current weights."""
+        ...
+
+    def rollout(self, batch: Rollout, *, seed: int) -> Rollout:
+        """The generation stage (inside ``ready``): ``batch`` with its completions, or with
+        ``tools`` its trajectories."""
+        ...
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint saves of the engine and an OOM-redone step restores: the tool
+        counts with ``tools``, else nothing."""
+        ...
+
+    def step_counts(self) -> dict[str, float]:
+        """The metrics row's ``tools/...`` counts after a step (empty without ``tools``)."""
         ...
 
     def generate(self, rows: Sequence[Prompt], seeds: Sequence[int]
@@ -70,7 +91,32 @@ class RolloutEngine(Protocol):
         ...
 
 
-class HFRollouts:
+class Rollouts:
+    """What every engine does the same way: the generation stage, one completion per row or,
+    with ``tools``, a trajectory (its ``generate`` or ``trajectories``), and the tool counts."""
+
+    tools: ToolTurns | None
+
+    def generate(self, rows: Sequence[Prompt], seeds: Sequence[int]
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        raise NotImplementedError
+
+    def trajectories(self, rows: Sequence[Prompt], seeds: Sequence[int]) -> list[Trajectory]:
+        raise NotImplementedError
+
+    def rollout(self, batch: Rollout, *, seed: int) -> Rollout:
+        if self.tools is None:
+            return generate_rollout(batch, self.generate, seed=seed)
+        return generate_trajectories(batch, self.trajectories, seed=seed)
+
+    def state(self) -> dict[str, Any]:
+        return {} if self.tools is None else {"tools": self.tools.totals}
+
+    def step_counts(self) -> dict[str, float]:
+        return {} if self.tools is None else self.tools.totals.step()
+
+
+class HFRollouts(Rollouts):
     """Rollouts with ``generate`` on the policy, ``memory.generation_batch`` rows at a time;
     with ``tools``, multi-turn trajectories (:meth:`trajectories`)."""
 
@@ -158,7 +204,7 @@ class StaticRollouts(HFRollouts):
         return self.tools.run_rows(turn, rows, seeds, batch_size, evaluation=seeds is None)
 
 
-class VllmRollouts:
+class VllmRollouts(Rollouts):
     """Rollouts on this process's vLLM engine, synced from the policy when it changed; with
     ``tools``, multi-turn trajectories, each turn of the open rows one engine call."""
 
@@ -184,8 +230,18 @@ class VllmRollouts:
             max_images=cfg.data.max_images,
             image_token_id=special_token_ids(run.model, run.processor)["image_pad"],
             distributed=run.world.distributed)
-        self.engine = VllmEngine(spec, model.config.get_text_config())
+        self.spec, self.text_config = spec, model.config.get_text_config()
+        self._engine: VllmEngine | None = None
         self.stale = True  # the engine holds the checkpoint's weights, not the policy's
+
+    @property
+    def engine(self) -> VllmEngine:
+        """This process's vLLM engine, started on first use (the first ``ready``): after the
+        run's checkpoint is restored, so the optimizer's moments are on the device before vLLM
+        sizes its KV cache from what is free."""
+        if self._engine is None:
+            self._engine = VllmEngine(self.spec, self.text_config)
+        return self._engine
 
     @contextmanager
     def ready(self, times: dict[str, float]) -> Iterator[None]:
@@ -230,10 +286,12 @@ class VllmRollouts:
     def updated(self) -> None:
         """The policy changed: sync before the next rollout; free the engine's memory meanwhile."""
         self.stale = True
-        self.engine.sleep()
+        if self._engine is not None:
+            self._engine.sleep()
 
     def close(self) -> None:
-        self.engine.close()
+        if self._engine is not None:
+            self._engine.close()
 
 
 def rollout_engine(run: Run, settings: SamplingSettings,

@@ -5,7 +5,10 @@ Each step: fetch ``prompts_per_step`` prompts; (1) generate ``num_generations`` 
 (:func:`score_rollout`); (3) reference log-probs (:func:`add_logprobs`); (4) ``num_iterations``
 clipped policy updates on that rollout (:func:`policy_update`), the first of which returns it
 with the old-policy log-probs the others need. Each stage returns what it made: a new record, and
-the update its statistics. Then one metrics row, evaluation when due, a checkpoint when due.
+the update its statistics. :func:`grpo_step` runs the four stages (under the OOM guard), then
+:func:`metrics_row` makes the step's row; evaluation when due, a checkpoint when due. The engine
+(:mod:`r1fit.train.engines`) generates one completion per row or, with ``tools``, a multi-turn
+trajectory; the loop never asks which.
 
 Departures from DeepSeekMath's GRPO, all by config: DAPO's token-mean loss and clip-higher are the
 defaults (``algo.loss_aggregation``, ``algo.epsilon_high``); Dr. GRPO is available
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -51,11 +55,10 @@ from r1fit.report.step import step_metrics
 from r1fit.rewards.registry import RewardScorer
 from r1fit.rng import RngState
 from r1fit.rollout.dynamic import StepDraws
-from r1fit.rollout.generate import SamplingSettings, generate_rollout
+from r1fit.rollout.generate import SamplingSettings
 from r1fit.rollout.record import Rollout
 from r1fit.rollout.score import AdvantageSettings, finished_rows, kl_in_reward, loss_counts, score_rollout
-from r1fit.rollout.turns import generate_trajectories
-from r1fit.train.engines import rollout_engine
+from r1fit.train.engines import RolloutEngine, rollout_engine
 from r1fit.train.evaluate import evaluate
 from r1fit.train.forward import add_logprobs, longest_row, micro_batches, run_logprobs
 from r1fit.train.optim import build_optimizer, build_scheduler, clip_and_step
@@ -64,6 +67,26 @@ from r1fit.train.sft import supervised_steps
 from r1fit.train.tool_rollouts import ToolTurns
 
 log = logging.getLogger("r1fit.grpo")
+
+
+@dataclass(frozen=True)
+class Trainer:
+    """What a GRPO step works with, built once by :func:`train_grpo`: the run, the engine that
+    generates (its tools, if any, inside it), the KL reference, the optimizer and its schedule,
+    the prompt sampler, the bad-row and reward counters, the OOM guard, and the advantage and
+    loss settings (``algo``, read once)."""
+
+    run: Run
+    engine: RolloutEngine
+    reference: Reference | None
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    sampler: PromptSampler
+    bad_rows: BadRowCounter
+    scorer: RewardScorer
+    guard: OOMGuard
+    advantage: AdvantageSettings
+    loss: LossSettings
 
 
 def train_grpo(cfg: Any) -> dict[str, Any]:
@@ -82,19 +105,18 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
     scorer = RewardScorer(cfg.rewards)
     loop = Counters(best=-1.0, since_best=0)
     rng = RngState(cfg.train.seed, run.world.rank)
-    tools = ToolTurns(run, algo.max_new_tokens) if cfg.tools else None  # multi-turn rollouts
+    settings = SamplingSettings(algo.max_new_tokens, algo.temperature, algo.top_p,
+                                min_new_tokens=cfg.rollout.min_new_tokens)
+    # with tools, multi-turn rollouts; vLLM starts on the first rollout, after the restore
+    engine = rollout_engine(run, settings, ToolTurns.of(run, algo.max_new_tokens))
     # everything a resumed run needs to continue exactly; the models are saved alongside
     state = {"optimizer": OptimizerState(run.model, optimizer),
              "scheduler": SchedulerState(scheduler), "sampler": sampler, "loop": loop,
              "bad_rows": bad_rows, "rewards": scorer, "sizes": run.sizes, "rng": rng,
-             **({"tools": tools.totals} if tools is not None else {})}
+             **engine.state()}
     start = run.checkpoints.restore("grpo", state)
-    guard = run.guard(optimizer)
-    settings = SamplingSettings(algo.max_new_tokens, algo.temperature, algo.top_p,
-                                min_new_tokens=cfg.rollout.min_new_tokens)
-    engine = rollout_engine(run, settings, tools)
-    advantage = AdvantageSettings.of(algo)  # algo.advantage_estimator, overlong shaping
-    loss = LossSettings.of(algo)  # clip range, KL term, aggregation, TIS, Clip-Cov/KL-Cov
+    trainer = Trainer(run, engine, reference, optimizer, scheduler, sampler, bad_rows, scorer,
+                      run.guard(optimizer), AdvantageSettings.of(algo), LossSettings.of(algo))
     if run.eval_set is not None and cfg.eval.before_train and start == 0:
         row = {"step": 0, **evaluate(run, engine)}
         run.metrics.write(row)
@@ -102,75 +124,27 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
 
     report = LiveReport(cfg.report, run.out, main=run.world.main)  # rank 0: rollouts, alarms, page
     profile_step = step_to_profile(cfg)
-    meter = run.meter  # flops, mfu
     step = start
     with progress_bar("GRPO", cfg.train.max_steps, completed=start) as advance:
         for step in range(start + 1, cfg.train.max_steps + 1):
             times: dict[str, float] = {}
             reset_peak(run.device)  # peak_memory_bytes is this step's peak
-            # over several processes each rank generates and scores its share of a batch's rows;
-            # rewards are gathered so advantages see whole groups
-            share = run.world.share(cfg.train.prompts_per_step * algo.num_generations,
-                                    "rows per step (prompts_per_step x num_generations)")
-
-            def attempt() -> tuple[StepDraws, Rollout | None, list[dict[str, float | None]]]:
-                """The four stages: draw batches (fetch, generate, score) until the step has its
-                groups (one batch without dynamic sampling), then log-probs and updates on the
-                kept ones. The OOM guard redoes it all with smaller chunks if memory runs out,
-                from the same prompts: the sampler is put back too."""
-                draws = StepDraws(step, algo.num_generations,
-                                  only_informative=algo.dynamic_sampling)
-                while not draws.done(cfg.train.prompts_per_step, algo.max_resample_batches):
-                    prompts = run.fetch(sampler, bad_rows, cfg.train.prompts_per_step)
-                    batch = Rollout(step, prompts, algo.num_generations, share,
-                                    row_offset=draws.rows)
-                    with engine.ready(times), timed(times, "seconds_generate"), \
-                            guard.phase("generation"):
-                        batch = generate_rollout(batch, engine.generate, seed=cfg.train.seed) \
-                            if tools is None else \
-                            generate_trajectories(batch, engine.trajectories, seed=cfg.train.seed)
-                    with timed(times, "seconds_score"):
-                        batch = score_rollout(batch, scorer, run.processor, advantage)
-                    draws.add(batch)
-                # the kept groups, their rows split evenly over the processes again
-                rollout = draws.kept(cfg.train.prompts_per_step, advantage.estimator)
-                if rollout is None:  # no group with differing rewards: nothing to learn from
-                    return draws, None, []
-                with timed(times, "seconds_update"):
-                    with guard.phase("micro_batch"):
-                        rollout = add_logprobs(rollout, run, reference)
-                    updates = []
-                    for i in range(algo.num_iterations):  # the first adds what the others read
-                        rollout, update = policy_update(run, rollout, optimizer, scheduler, guard,
-                                                        loss, iteration=i)
-                        updates.append(update)
-                    engine.updated()
-                return draws, rollout, updates
-
             with step_profile(profile_step, step, run.out, run.device, main=run.world.main):
-                draws, rollout, updates = guard.run_step(
-                    attempt, restore=[rng, scorer, sampler, bad_rows,
-                                      *([tools.totals] if tools is not None else [])])
+                # the OOM guard redoes the step with smaller chunks if memory runs out, from the
+                # same prompts: the sampler and the counters are put back too
+                draws, rollout, updates = trainer.guard.run_step(
+                    partial(grpo_step, trainer, step, times),
+                    restore=[rng, scorer, sampler, bad_rows, *engine.state().values()])
             if rollout is None:
                 log.warning("step %d: all %d groups of the %d batches drawn have all-equal rewards "
                             "(algo.max_resample_batches); no update this step", step,
                             len(draws.prompts), draws.batches)
             # the rollout figures (rewards, accuracy, zero_variance_groups...) are over every row
             # drawn, the update's over the kept ones
-            drawn = draws.drawn(rollout, advantage.estimator)
+            drawn = draws.drawn(rollout, trainer.advantage.estimator)
             run.trackers.log_samples(drawn, run.processor)  # every report.samples_every steps
             report.save_rollout(drawn, run.processor)  # every report.rollouts_every steps
-            row = {"step": step, **step_metrics(drawn, updates, times, run.ids.eos),
-                   "sample_batches": draws.batches,
-                   "kept_groups": 0 if rollout is None else len(rollout.prompts),
-                   "learning_rate": scheduler.get_last_lr()[0], **step_memory(run.device),
-                   "bad_rows": bad_rows.count, "reward_errors": scorer.total_errors,
-                   **(tools.totals.step() if tools is not None else {}),
-                   "oom_retries": guard.retries, "micro_batch": run.sizes.micro_batch,
-                   "micro_batch_tokens": run.sizes.micro_batch_tokens,
-                   "generation_batch": run.sizes.generation_batch,
-                   **flops_metrics(meter, run, drawn, rollout, reference is not None,
-                                   sum(times.values()))}
+            row = metrics_row(trainer, step, draws, drawn, rollout, updates, times)
             # evaluations go into the step's own line (the last step always evaluates), so every
             # step appears exactly once in metrics.jsonl
             if run.eval_set is not None and (step == cfg.train.max_steps or
@@ -195,6 +169,62 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
     report.finish()
     engine.close()  # last: vLLM's shutdown takes down the process groups it joined
     return summary
+
+
+def grpo_step(trainer: Trainer, step: int, times: dict[str, float]
+              ) -> tuple[StepDraws, Rollout | None, list[dict[str, float | None]]]:
+    """One step's four stages: draw batches (fetch, generate, score) until the step has its
+    groups (one batch without dynamic sampling), then log-probs and ``algo.num_iterations``
+    updates on the kept ones. Returns the draws, the rollout the updates trained on (None when
+    no group had differing rewards: no update) and each update's statistics; ``times`` gets the
+    stages' seconds. Over several processes each generates and scores its share of a batch's
+    rows; rewards are gathered so advantages see whole groups."""
+    run, engine, guard, algo = trainer.run, trainer.engine, trainer.guard, trainer.run.cfg.algo
+    prompts_per_step = run.cfg.train.prompts_per_step
+    share = run.world.share(prompts_per_step * algo.num_generations,
+                            "rows per step (prompts_per_step x num_generations)")
+    draws = StepDraws(step, algo.num_generations, only_informative=algo.dynamic_sampling)
+    while not draws.done(prompts_per_step, algo.max_resample_batches):
+        prompts = run.fetch(trainer.sampler, trainer.bad_rows, prompts_per_step)
+        batch = Rollout(step, prompts, algo.num_generations, share, row_offset=draws.rows)
+        with engine.ready(times), timed(times, "seconds_generate"), guard.phase("generation"):
+            batch = engine.rollout(batch, seed=run.cfg.train.seed)
+        with timed(times, "seconds_score"):
+            batch = score_rollout(batch, trainer.scorer, run.processor, trainer.advantage)
+        draws.add(batch)
+    # the kept groups, their rows split evenly over the processes again
+    rollout = draws.kept(prompts_per_step, trainer.advantage.estimator)
+    if rollout is None:  # no group with differing rewards: nothing to learn from
+        return draws, None, []
+    with timed(times, "seconds_update"):
+        with guard.phase("micro_batch"):
+            rollout = add_logprobs(rollout, run, trainer.reference)
+        updates = []
+        for i in range(algo.num_iterations):  # the first adds what the others read
+            rollout, update = policy_update(run, rollout, trainer.optimizer, trainer.scheduler,
+                                            guard, trainer.loss, iteration=i)
+            updates.append(update)
+        engine.updated()
+    return draws, rollout, updates
+
+
+def metrics_row(trainer: Trainer, step: int, draws: StepDraws, drawn: Rollout,
+                rollout: Rollout | None, updates: list[dict[str, float | None]],
+                times: dict[str, float]) -> dict[str, Any]:
+    """The step's metrics row (before any evaluation): the rollout figures of every row
+    ``drawn``, the updates' of the kept ``rollout``, the counters, memory, chunk sizes and FLOPs."""
+    run = trainer.run
+    return {"step": step, **step_metrics(drawn, updates, times, run.ids.eos),
+            "sample_batches": draws.batches,
+            "kept_groups": 0 if rollout is None else len(rollout.prompts),
+            "learning_rate": trainer.scheduler.get_last_lr()[0], **step_memory(run.device),
+            "bad_rows": trainer.bad_rows.count, "reward_errors": trainer.scorer.total_errors,
+            **trainer.engine.step_counts(),
+            "oom_retries": trainer.guard.retries, "micro_batch": run.sizes.micro_batch,
+            "micro_batch_tokens": run.sizes.micro_batch_tokens,
+            "generation_batch": run.sizes.generation_batch,
+            **flops_metrics(run.meter, run, drawn, rollout, trainer.reference is not None,
+                            sum(times.values()))}
 
 
 def step_to_profile(cfg: Any) -> int:

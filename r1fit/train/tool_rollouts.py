@@ -74,6 +74,11 @@ class ToolTotals:
 class ToolTurns:
     """The run's tools and turn budgets (``algo.max_new_tokens`` per turn)."""
 
+    @classmethod
+    def of(cls, run: Any, max_new_tokens: int) -> ToolTurns | None:
+        """The run's tools (``tools``), or None without any: one completion per row."""
+        return cls(run, max_new_tokens) if run.cfg.tools else None
+
     def __init__(self, run: Any, max_new_tokens: int) -> None:
         cfg = run.cfg
         self.run = run
