@@ -27,8 +27,10 @@ from typing import Any
 
 from r1fit.checkpoint.files import fsync_dir, fsync_tree, read_json_object
 from r1fit.checkpoint.manager import (
+    MANIFEST,
     MODEL_DIR,
     PARTIAL,
+    TRAINER_STATE,
     CheckpointError,
     list_checkpoints,
     verify,
@@ -108,6 +110,16 @@ def _checked_model_dir(checkpoint: Path) -> Path:
     if inside:
         raise CheckpointError(f"{checkpoint} is a run's output folder; export one of its "
                               f"checkpoints, e.g. {inside[0]}")
+    if not (checkpoint / MANIFEST).is_file():  # a run's final/ or an export: nothing to export
+        if (checkpoint / _ADAPTER).is_file():
+            raise CheckpointError(
+                f"{checkpoint} is a LoRA adapter folder (a LoRA run's final/), not a checkpoint: "
+                "from_pretrained loads it as it is; to merge it, export the run's last checkpoint "
+                "with --merge-lora, or merge it with peft (docs/using.md)")
+        if (checkpoint / "config.json").is_file() and not (checkpoint / TRAINER_STATE).is_file():
+            raise CheckpointError(
+                f"{checkpoint} is a Hugging Face model folder (a full run's final/ or an export), "
+                "not a checkpoint: from_pretrained loads it as it is")
     problem = verify(checkpoint)
     if problem is not None:
         raise CheckpointError(f"{checkpoint}: cannot export: {problem}")

@@ -138,3 +138,20 @@ def test_a_truncated_base_model_is_a_one_line_error(checkpoints, capsys, tmp_pat
                           "truncated or corrupt (")
     assert err.endswith(f"; delete {base} and r1fit builds it again\n")
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_a_final_folder_is_refused_saying_it_loads_as_it_is(checkpoints, capsys, tmp_path):
+    """A run's final/ (or an export) is already a Hugging Face folder: one line says so."""
+    lora_final = checkpoints["lora"].parent / "final"
+    code, _, err = export(capsys, str(lora_final), str(tmp_path / "out"), "--merge-lora")
+    assert code == 2
+    assert err == (f"r1fit: error: {lora_final} is a LoRA adapter folder (a LoRA run's final/), "
+                   "not a checkpoint: from_pretrained loads it as it is; to merge it, export the "
+                   "run's last checkpoint with --merge-lora, or merge it with peft "
+                   "(docs/using.md)\n")
+    full_final = checkpoints["full"].parent / "final"
+    code, _, err = export(capsys, str(full_final), str(tmp_path / "out"))
+    assert code == 2
+    assert err == (f"r1fit: error: {full_final} is a Hugging Face model folder (a full run's "
+                   "final/ or an export), not a checkpoint: from_pretrained loads it as it is\n")
+    assert not (tmp_path / "out").exists()
