@@ -53,8 +53,9 @@ class Rollout:
     # log-probs of this process's rows [rows, longest completion] (None when not needed)
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
-    # the engine's log-probs of the sampled tokens (vLLM; None with HF generate), and their mean
-    # absolute difference to the trainer's, measured by the first update
+    # the engine's log-probs of the sampled tokens (vLLM; None with HF generate; 0 on a
+    # trajectory's tool-turn tokens), and their mean absolute difference to the trainer's over
+    # the policy's tokens, measured by the first update
     engine_logp: torch.Tensor | None = None
     engine_logp_diff: float | None = None
     # with tools (multi-turn rollouts): this process's rows' trajectories, in the order of
@@ -129,6 +130,8 @@ class Trajectory:
         turns: the policy's turns.
         ended: why it ended (one of ``END_REASONS``); None while it is open.
         calls_run: tool calls given to the runner (malformed ones included; the budget counts them).
+        engine_logp: [T] float, the engine's log-prob of each token the policy sampled, 0 on
+            tool-turn tokens; None from an engine that gives none (only vLLM does).
     """
 
     prompt: Prompt
@@ -140,6 +143,7 @@ class Trajectory:
     turns: list[Turn] = field(default_factory=list)
     ended: str | None = None
     calls_run: int = 0
+    engine_logp: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -187,8 +191,16 @@ class Trajectory:
         return {key: torch.cat([part[key] for part in parts if key in part])
                 for key in dict.fromkeys([*parts[0], *parts[1]])}
 
-    def _append(self, ids: torch.Tensor, policy: bool, extras: dict[str, torch.Tensor]) -> None:
+    def _append(self, ids: torch.Tensor, policy: bool, extras: dict[str, torch.Tensor],
+                logp: torch.Tensor | None = None) -> None:
+        """Append a policy turn's ``ids`` (``logp``: the engine's log-probs of them, if any) or,
+        not ``policy``, a tool turn's."""
         n = int(ids.shape[0])
+        piece = torch.zeros(n) if not policy else None if logp is None else logp.float()
+        if self.length == 0:  # the first turn is the policy's
+            self.engine_logp = piece
+        elif self.engine_logp is not None:
+            self.engine_logp = None if piece is None else torch.cat([self.engine_logp, piece])
         for key in dict.fromkeys([*self.token_inputs, *extras]):
             self.token_inputs[key] = torch.cat([_extra(self.token_inputs, key, self.length),
                                                 _extra(extras, key, n)])

@@ -39,7 +39,7 @@ import torch
 from PIL import Image
 from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from r1fit.data.batch import Prompt, collate, cut_after_eos
+from r1fit.data.batch import Prompt, collate, cut_after_eos, pad_rows
 from r1fit.data.conversation import after_assistant_tokens
 from r1fit.data.specials import escaped, special_tokens
 from r1fit.models.load import unwrap
@@ -94,16 +94,21 @@ def turn_seed(seed: int, turn: int) -> int:
     return int(np.random.SeedSequence([seed, turn]).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
+#: a row's turn: its tokens or, from an engine that gives them (vLLM), its tokens and the
+#: engine's log-prob of each
+TurnTokens = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
 class GenerateTurn(Protocol):
-    """One turn of each row, generated from ``rows`` (contexts), row i up to ``limits[i]``
-    tokens, stopped after ``</tool_call>`` or its end-of-sequence token (kept); ``seeds`` None
-    is greedy. ``previous``: row i continues row ``previous[i]`` of the last call (its context
+    """One turn of each row (:data:`TurnTokens`), generated from ``rows`` (contexts), row i up
+    to ``limits[i]`` tokens, stopped after ``</tool_call>`` or its end-of-sequence token (kept);
+    ``seeds`` None is greedy. ``previous``: row i continues row ``previous[i]`` of the last call (its context
     is that row's grown by its turn and a tool turn), None on a rollout's first turn. An engine
     that keeps a row's KV cache across turns reads it; the others ignore it."""
 
     def __call__(self, rows: Sequence[Prompt], seeds: Sequence[int] | None,
                  limits: Sequence[int], previous: Sequence[int] | None = None
-                 ) -> list[torch.Tensor]: ...
+                 ) -> Sequence[TurnTokens]: ...
 
 
 class StopAtToolCall(StoppingCriteria):
@@ -263,8 +268,10 @@ def run_trajectories(generate_turn: GenerateTurn, processor: Any, prompts: Seque
         turns = generate_turn([trajectories[i].context() for i in open_rows], turn_seeds, limits,
                               previous)
         still_open = []
-        for i, tokens in zip(open_rows, turns, strict=True):
-            if _take_turn(trajectories[i], tokens, processor, runner, contexts[i], budgets, eos):
+        for i, turn in zip(open_rows, turns, strict=True):
+            tokens, logp = turn if isinstance(turn, tuple) else (turn, None)
+            if _take_turn(trajectories[i], tokens, logp, processor, runner, contexts[i], budgets,
+                          eos):
                 still_open.append(i)
         place = {i: k for k, i in enumerate(open_rows)}
         previous = [place[i] for i in still_open]
@@ -272,13 +279,15 @@ def run_trajectories(generate_turn: GenerateTurn, processor: Any, prompts: Seque
     return trajectories
 
 
-def _take_turn(trajectory: Trajectory, tokens: torch.Tensor, processor: Any, runner: ToolRunner,
-               context: ToolContext, budgets: TurnBudgets, eos: Sequence[int]) -> bool:
-    """Append one policy turn, and its tool turn when the policy goes on; False when the
-    trajectory ended (``trajectory.ended`` says why)."""
+def _take_turn(trajectory: Trajectory, tokens: torch.Tensor, logp: torch.Tensor | None,
+               processor: Any, runner: ToolRunner, context: ToolContext, budgets: TurnBudgets,
+               eos: Sequence[int]) -> bool:
+    """Append one policy turn (``logp``: the engine's log-probs of its tokens, if any), and its
+    tool turn when the policy goes on; False when the trajectory ended (``trajectory.ended``
+    says why)."""
     text = processor.tokenizer.decode(tokens.tolist(), skip_special_tokens=True)
     ending = _ending(tokens, text, eos)
-    trajectory._append(tokens, True, {})
+    trajectory._append(tokens, True, {}, logp)
     turn = Turn(text, int(tokens.shape[0]), ending)
     if ending != "tool_call":
         trajectory.turns.append(turn)
@@ -316,13 +325,18 @@ RunTurns = Callable[[Sequence[Prompt], Sequence[int] | None], list[Trajectory]]
 def generate_trajectories(rollout: Rollout, run_turns: RunTurns, *, seed: int) -> Rollout:
     """Generation stage with tools: ``rollout`` with a trajectory per row of this process, seeded
     per row as :func:`~r1fit.rollout.generate.generate_rollout` seeds completions (and per turn
-    by :func:`turn_seed`); its completions are the trajectories' tokens after the prompt, and
-    ``total_tokens`` counts the policy's tokens of the whole step (the loss normaliser)."""
+    by :func:`turn_seed`); its completions are the trajectories' tokens after the prompt,
+    ``engine_logp`` the engine's log-probs of them where it gives them (vLLM; 0 on tool-turn
+    tokens, which the loss masks out), and ``total_tokens`` counts the policy's tokens of the
+    whole step (the loss normaliser)."""
     seeds = row_seeds(seed, rollout.step, rollout.first_row, len(rollout.rows))
     trajectories = run_turns(rollout.rows, seeds)
     local = sum(t.policy_tokens for t in trajectories)
+    engine_logp = [t.engine_logp for t in trajectories]
     return replace(rollout, completions=[t.token_ids for t in trajectories],
-                   trajectories=trajectories, engine_logp=None,
+                   trajectories=trajectories,
+                   engine_logp=pad_rows(engine_logp)  # type: ignore[arg-type]  # none is None
+                   if engine_logp and all(logp is not None for logp in engine_logp) else None,
                    total_tokens=int(all_sum([local])[0]))
 
 

@@ -84,6 +84,13 @@ def sampling_params(seed: int | None, *, max_tokens: int, temperature: float, to
         logit_bias={token: -100.0 for token in blocked} or None, **extra)
 
 
+def token_logprobs(sample: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """vLLM's log-prob of each of ``tokens`` (a prefix of ``sample``'s, which was asked for
+    ``logprobs=0``: the sampled token's only)."""
+    return torch.tensor([position[token].logprob for position, token in
+                         zip(sample.logprobs or [], tokens.tolist())], dtype=torch.float32)
+
+
 def cut_after_stop(tokens: torch.Tensor, decode: Callable[[list[int]], str], stop: str
                    ) -> torch.Tensor:
     """``tokens`` up to and including the one whose text completes the first ``stop`` in their
@@ -237,20 +244,20 @@ class VllmEngine:
             sample = out.outputs[0]
             tokens = cut_after_eos(torch.tensor(list(sample.token_ids), dtype=torch.long), eos)
             completions.append(tokens)
-            logprobs.append(torch.tensor(
-                [position[token].logprob for position, token in
-                 zip(sample.logprobs or [], tokens.tolist())], dtype=torch.float32))
+            logprobs.append(token_logprobs(sample, tokens))
         return completions, logprobs
 
     def generate_turn(self, rows: Sequence[Prompt], seeds: Sequence[int] | None,
                       limits: Sequence[int], previous: Sequence[int] | None = None, *,
                       temperature: float, top_p: float, eos: Sequence[int],
-                      blocked: Sequence[int]) -> list[torch.Tensor]:
+                      blocked: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One turn of each row for :func:`~r1fit.rollout.turns.run_trajectories` (its
         ``GenerateTurn`` once the keywords are bound): row i generates at most ``limits[i]``
         tokens and stops right after the token whose text completes ``</tool_call>`` (kept whole,
         also when its text runs past the tag) or at an ``eos`` token (kept). ``seeds=None`` is
-        greedy, else row i samples with ``seeds[i]``, whatever rows share its batch.
+        greedy, else row i samples with ``seeds[i]``, whatever rows share its batch. Each row's
+        turn comes with the engine's log-prob of each of its tokens (as :meth:`generate`'s), which
+        truncated importance sampling and ``engine_logp_diff`` read.
 
         A row is a grown context: its ``sample.images`` must be every image its ids hold, in
         order (the row's own, then the tools'). vLLM takes at most ``spec.max_images`` images
@@ -265,17 +272,21 @@ class VllmEngine:
         params = [sampling_params(
             None if seeds is None else seeds[i], max_tokens=limits[i], temperature=temperature,
             top_p=top_p, eos=eos, blocked=blocked, stop=[TOOL_CALL_CLOSE],
-            include_stop_str_in_output=True) for i in range(len(rows))]
+            include_stop_str_in_output=True, logprobs=0) for i in range(len(rows))]
         tokenizer = self.llm.get_tokenizer()
 
         def decode(ids: list[int]) -> str:
             return tokenizer.decode(ids, skip_special_tokens=True)
 
-        # cut again here: the turn ends where r1fit's decoding sees the tag, whatever vLLM kept
-        return [cut_after_stop(cut_after_eos(torch.tensor(list(out.outputs[0].token_ids),
-                                                          dtype=torch.long), eos),
-                               decode, TOOL_CALL_CLOSE)
-                for out in self._outputs(rows, requests, params)]
+        turns = []
+        for out in self._outputs(rows, requests, params):
+            sample = out.outputs[0]
+            # cut again here: the turn ends where r1fit's decoding sees the tag, whatever vLLM kept
+            tokens = cut_after_stop(cut_after_eos(torch.tensor(list(sample.token_ids),
+                                                               dtype=torch.long), eos),
+                                    decode, TOOL_CALL_CLOSE)
+            turns.append((tokens, token_logprobs(sample, tokens)))
+        return turns
 
     def _turn_request(self, row: Prompt, limit: int) -> dict[str, Any]:
         """``row``'s request, refused when its images or tokens do not fit the engine."""

@@ -88,6 +88,8 @@ def scripted(model_turn, tokenizer):
         for i, row in enumerate(rows):
             first = "<tool_response>" not in tokenizer.decode(row.input_ids.tolist())
             if first and (seeds is None or seeds[i] % 2 == 0):
+                # a scripted turn has no engine log-probs (vLLM's give them): its trajectory's
+                # engine_logp is None, and so is its step's (TIS does not run here)
                 out[i] = call[:limits[i]].clone()
         return out
 

@@ -16,9 +16,11 @@ from r1fit.data.dataset import load_dataset
 from r1fit.data.sample import Sample
 from r1fit.models.load import load_policy
 from r1fit.rollout.generate import SamplingSettings, TokenIds, row_seeds
+from r1fit.rollout.record import Rollout
 from r1fit.rollout.turns import (
     StopAtToolCall,
     TurnBudgets,
+    generate_trajectories,
     hf_generate_turn,
     run_trajectories,
     turn_seed,
@@ -78,6 +80,45 @@ class ScriptedPolicy:
             text = self.scripts[row.sample.source][turn]
             out.append(torch.tensor(self.ids(text)[:limit], dtype=torch.long))
         return out
+
+
+class LogProbPolicy(ScriptedPolicy):
+    """A scripted policy that gives its turns' log-probs, as the vLLM engine does: token j of
+    a row's k-th turn gets ``-(k + 1) - j / 100``."""
+
+    def __call__(self, rows, seeds, limits, previous=None):
+        out = []
+        for row, tokens in zip(rows, super().__call__(rows, seeds, limits, previous)):
+            turn = self.tokenizer.decode(row.input_ids.tolist()).count("<tool_response>")
+            out.append((tokens, -(turn + 1) - torch.arange(len(tokens)) / 100))
+        return out
+
+
+def test_an_engines_log_probs_follow_the_policy_tokens_into_the_rollout(processor, eos):
+    """With a turn function that gives log-probs (vLLM's), the trajectory holds them on the
+    policy's tokens and 0 on the tool turn's, and the generation stage puts them in the rollout
+    (where truncated importance sampling and engine_logp_diff read them); without, None."""
+    scripts = {"test#0": [CROP, ANSWER], "test#1": [ANSWER]}
+    policy = LogProbPolicy(processor, scripts, eos[0])
+    prompts = prompts_for(processor, 2)
+    trajectories = run_trajectories(policy, processor, prompts, None, runner(), budgets(),
+                                    eos=eos)
+    first = trajectories[0]
+    mask = first.policy_mask.bool()
+    calls, answer = (len(policy.ids(text)) for text in (CROP, ANSWER))
+    expected = torch.cat([-1 - torch.arange(calls) / 100, -2 - torch.arange(answer) / 100])
+    assert first.engine_logp.shape == first.token_ids.shape
+    assert torch.equal(first.engine_logp[mask], expected)
+    assert not first.engine_logp[~mask].any() and (~mask).sum() > 0
+    rollout = generate_trajectories(Rollout(1, prompts, 1, slice(0, 2)),
+                                    lambda rows, seeds: run_trajectories(
+                                        LogProbPolicy(processor, scripts, eos[0]), processor, rows,
+                                        seeds, runner(), budgets(), eos=eos), seed=0)
+    assert rollout.engine_logp.shape == (2, first.length)
+    assert torch.equal(rollout.engine_logp[0], first.engine_logp)
+    assert torch.equal(rollout.engine_logp[1, :trajectories[1].length], trajectories[1].engine_logp)
+    (plain,), _, _ = run(processor, eos, {"test#0": [CROP, ANSWER]})
+    assert plain.engine_logp is None
 
 
 def runner(*names: str) -> ToolRunner:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import math
 
 import pytest
 import torch
@@ -108,7 +109,8 @@ def turn_fn(engine, ids, blocked=None):
 
 
 def lists(turns):
-    return [t.tolist() for t in turns]
+    """The turns' tokens as lists (each turn comes with the engine's log-probs, left out)."""
+    return [tokens.tolist() for tokens, _ in turns]
 
 
 def test_cut_after_stop_keeps_the_token_that_completes_the_tag(hd32_dir):
@@ -159,7 +161,7 @@ def test_greedy_turns_repeat_and_limits_hold(setup, noisy):
     assert lists(turn(prompts[1:], None, [12, 12])) == first[1:]
     # no end token can be sampled: each turn runs to its own limit
     no_end = turn_fn(engine, ids, blocked=[*ids.blocked, *ids.eos])
-    assert [len(t) for t in no_end(prompts, row_seeds(0, 0, 0, 3), [1, 4, 9])] == [1, 4, 9]
+    assert [len(t) for t in lists(no_end(prompts, row_seeds(0, 0, 0, 3), [1, 4, 9]))] == [1, 4, 9]
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +191,7 @@ def test_a_turn_stops_right_after_the_token_that_completes_the_tag(setup, chain,
     # vLLM itself stops there (the engine's own cut changes nothing), and at the limit first
     monkeypatch.setattr("r1fit.rollout.vllm_engine.cut_after_stop", lambda tokens, *_: tokens)
     assert lists(turn_fn(engine, ids)(rows, seeds, [40] * len(rows))) == turns
-    assert [len(t) for t in turn_fn(engine, ids)(rows[:2], seeds[:2], [3, 5])] == [3, 5]
+    assert [len(t) for t in lists(turn_fn(engine, ids)(rows[:2], seeds[:2], [3, 5]))] == [3, 5]
 
 
 def runner() -> ToolRunner:
@@ -243,6 +245,18 @@ def test_run_trajectories_runs_on_the_engine(setup, chain):
         (alone,) = trajectories([i])
         assert torch.equal(alone.token_ids, together[i].token_ids)
         assert torch.equal(alone.policy_mask, together[i].policy_mask)
+    # the engine's log-probs ride along (what TIS and engine_logp_diff read): 0 on the tool
+    # turns' tokens; on the policy's, the chain's, log 1/2 after "l", else log 1 (a successor
+    # ~57 logits above every other token)
+    tok = processor.tokenizer
+    for row, t in zip(rows, together):
+        context = [*row.input_ids.tolist(), *t.token_ids.tolist()]
+        assert t.engine_logp.shape == t.token_ids.shape
+        policy = t.policy_mask.bool()
+        assert not t.engine_logp[~policy].any()
+        chain_logp = [-math.log(len(CHAIN[tok.decode([context[row.length + j - 1]])]))
+                      for j in policy.nonzero().flatten().tolist()]
+        assert torch.allclose(t.engine_logp[policy], torch.tensor(chain_logp), atol=1e-3)
 
 
 def tool_image_context(processor, ids, prompt, crops: int):
@@ -276,13 +290,13 @@ def test_a_context_with_a_tool_image_generates_as_hf_does(setup, noisy):
     # the grown context's sample carries the tool image after the row's own (Trajectory.context)
     grown = tool_image_context(processor, ids, prompts[0], crops=1)
     assert grown.image_inputs["image_grid_thw"].shape[0] == len(grown.sample.images) == 2
-    (vllm_turn,) = turn_fn(engine, ids)([grown], None, [12])
+    ((vllm_turn, _),) = turn_fn(engine, ids)([grown], None, [12])
     hf = hf_generate_turn(noisy, processor.tokenizer, SamplingSettings(12, greedy=True), ids, CPU)
     (hf_turn,) = hf([grown], None, [12])
     assert vllm_turn.tolist() == hf_turn.tolist()
     # the engine sees the tool image: another crop, another turn
     black = Image.new("RGB", grown.sample.images[1].size)
-    (other,) = turn_fn(engine, ids)([dataclasses.replace(grown, sample=dataclasses.replace(
+    ((other, _),) = turn_fn(engine, ids)([dataclasses.replace(grown, sample=dataclasses.replace(
         grown.sample, images=[grown.sample.images[0], black]))], None, [12])
     assert other.tolist() != vllm_turn.tolist()
     # refused before vLLM: images not carried, more images or tokens than the engine holds
