@@ -247,9 +247,10 @@ class VllmRollouts(Rollouts):
     def ready(self, times: dict[str, float]) -> Iterator[None]:
         """The engine holding the policy's weights: synced when stale. Under FSDP the sync
         gathers every parameter (collectives), so every rank enters this, rows or none."""
+        engine = self.engine  # started here the first time, outside the sync's seconds
         if self.stale:
             with timed(times, "seconds_weight_sync"), torch.no_grad():
-                self.engine.load_weights(full_named_weights(self.run.model))
+                engine.load_weights(full_named_weights(self.run.model))
             self.stale = False
         yield
 
