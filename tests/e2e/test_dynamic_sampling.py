@@ -124,10 +124,10 @@ def test_an_oom_redo_draws_the_same_prompts(dynamic_run, use_tiny_cache, on_path
     memory.generation_batch (16 -> 8, still one chunk for a rank's 8 rows, so the completions are
     the same) and redoes the step from its first batch, with the sampler put back: the run draws
     the prompts the uninterrupted run drew, and ends the same."""
-    from r1fit.train import grpo
+    from r1fit.train import engines
 
     redrawn = next(r["step"] for r in grpo_rows(dynamic_run) if r["sample_batches"] > 1)
-    real = grpo.generate_rollout
+    real = engines.generate_rollout  # the generation stage without tools (Rollouts.rollout)
     draws: list[tuple[int, int, list[str]]] = []
     injected = []
 
@@ -138,7 +138,7 @@ def test_an_oom_redo_draws_the_same_prompts(dynamic_run, use_tiny_cache, on_path
         draws.append((rollout.step, rollout.row_offset, [p.sample.source for p in rollout.prompts]))
         return real(rollout, generate_fn, **kw)
 
-    monkeypatch.setattr(grpo, "generate_rollout", generate)
+    monkeypatch.setattr(engines, "generate_rollout", generate)
     out = tmp_path / "redone"
     assert main(["train", f"train.output_dir={out}", *DYNAMIC]) == 0
     assert injected == [redrawn]
