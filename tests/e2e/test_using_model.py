@@ -194,16 +194,6 @@ def vllm_env() -> dict[str, str]:
     return {**env, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CONFIGURE_LOGGING": "0"}
 
 
-@pytest.mark.vllm
-def test_vllm_offline_answers_as_transformers(runs, merged, greedy, vllm_installed):
-    script = runs["root"] / "offline.py"
-    script.write_text(snippet("vllm", {FOLDER: literal(merged), PHOTO: literal(runs["photo"])}))
-    done = subprocess.run([sys.executable, str(script)], env=vllm_env(), capture_output=True,
-                          text=True, timeout=400, cwd=runs["root"])
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.endswith(greedy[1]), (done.stdout[-500:], greedy[1])
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
