@@ -12,6 +12,9 @@ measured by ``r1fit doctor --calibrate`` and cached per device, else taken from 
 - **layer step cost**: the seconds of one token step through a small decoder layer (attention
   with a KV cache, MLP, norms: the kernels a transformer layer launches) at two batch sizes; the
   fixed part per layer and step is what an eager decode step pays before any arithmetic;
+- **logits**: seconds per logit of r1fit's sampler and of the training head's float32
+  log-softmax forward and backward (with a 151,936-token vocabulary these, not the matmuls, can
+  be most of a small model's step);
 - **disk write rate** (bytes/s) of a file written and synced in the cache folder (checkpoints).
 
 They are saved to ``$R1FIT_CACHE/calibration/<device key>.json``, the key naming the device, its
@@ -73,6 +76,11 @@ class DeviceRates:
     disk_bytes_per_s: float
     source: str
     notes: list[str] = field(default_factory=list)
+    #: seconds per logit of r1fit's sampler (float32 conversion, exp, two-level cumsum): a
+    #: decode step pays it on every row's whole vocabulary
+    sample_s_per_logit: float = 0.0
+    #: seconds per logit of the training head's float32 log-softmax, forward and backward
+    head_s_per_logit: float = 0.0
 
     @property
     def calibrated(self) -> bool:
@@ -106,7 +114,9 @@ class DeviceRates:
                    copy_bytes_per_s=float(data["copy_bytes_per_s"]),
                    launch_s=float(data["launch_s"]), layer_step_s=steps,
                    disk_bytes_per_s=float(data["disk_bytes_per_s"]), source=data["source"],
-                   notes=list(data.get("notes", [])))
+                   notes=list(data.get("notes", [])),
+                   sample_s_per_logit=float(data.get("sample_s_per_logit", 0.0)),
+                   head_s_per_logit=float(data.get("head_s_per_logit", 0.0)))
 
 
 def device_name(device: torch.device) -> str:
@@ -182,11 +192,12 @@ def datasheet_rates(name: str) -> DeviceRates:
         bf16, fp32, bandwidth = 989e12, 494e12, 3.35e12
         source = f"data sheet of an H100 ({name} unknown); r1fit doctor --calibrate measures it"
     layer = 60 * GPU_LAUNCH_SECONDS  # ~60 kernels per eager decoder layer step
+    logit = 16 / bandwidth  # a few float32 passes over each logit
     return DeviceRates(device=name, key=name, matmul={"bfloat16": [(MATMUL_SIZES[-1], bf16)],
                                                       "float32": [(MATMUL_SIZES[-1], fp32)]},
                        copy_bytes_per_s=bandwidth, launch_s=GPU_LAUNCH_SECONDS,
                        layer_step_s=[(1, layer), (64, layer)], disk_bytes_per_s=GPU_DISK_DEFAULT,
-                       source=source)
+                       source=source, sample_s_per_logit=logit, head_s_per_logit=2 * logit)
 
 
 def _cpu_defaults() -> DeviceRates:
@@ -196,7 +207,8 @@ def _cpu_defaults() -> DeviceRates:
                        copy_bytes_per_s=d["copy"], launch_s=d["launch"],
                        layer_step_s=[(1, d["layer_step"]), (16, d["layer_step"])],
                        disk_bytes_per_s=d["disk"],
-                       source="rough CPU figures; not calibrated: r1fit doctor --calibrate")
+                       source="rough CPU figures; not calibrated: r1fit doctor --calibrate",
+                       sample_s_per_logit=16 / d["copy"], head_s_per_logit=32 / d["copy"])
 
 
 # --- measuring ---------------------------------------------------------------------------------
@@ -287,6 +299,25 @@ def measure_layer_step(device: torch.device, dtype: torch.dtype,
     return out
 
 
+def measure_logits(device: torch.device, rows: int, vocab: int,
+                   repeats: int = 3) -> tuple[float, float]:
+    """(sampler, training head) seconds per logit on ``rows`` x ``vocab`` float32 logits:
+    r1fit's sampler (:func:`r1fit.rollout.generate.sample_rows`), and a log-softmax's forward
+    and backward as the training head runs it."""
+    from r1fit.rollout.generate import sample_rows
+
+    scores = torch.randn(rows, vocab, device=device)
+    uniforms = torch.rand(rows, device=device, dtype=torch.float64)
+    sample = _best(lambda: sample_rows(scores, uniforms, 1.0, 1.0), device, repeats)
+    target = torch.randint(0, vocab, (rows, 1), device=device)
+
+    def head() -> None:
+        x = scores.detach().requires_grad_(True)
+        torch.log_softmax(x, dim=-1).gather(-1, target).sum().backward()
+
+    return sample / scores.numel(), _best(head, device, repeats) / scores.numel()
+
+
 def measure_disk(folder: Path, nbytes: int) -> float:
     """Bytes/s of writing ``nbytes`` to a new file in ``folder`` and syncing it."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -316,8 +347,10 @@ def calibrate(device: torch.device | None = None, *, quick: bool = False,
     copy_bytes = (1 << 30) if cuda else (64 << 20)
     from r1fit.models.builtin import cache_root
 
+    sample, head = measure_logits(device, 16, 16384 if quick else 131072)
     rates = DeviceRates(
         device=device_name(device), key=device_key(device), matmul=matmul,
+        sample_s_per_logit=sample, head_s_per_logit=head,
         copy_bytes_per_s=measure_copy(device, (8 << 20) if quick else copy_bytes),
         launch_s=measure_launch(device, 200 if quick else 2000),
         layer_step_s=measure_layer_step(device, torch.float32 if not cuda else half,

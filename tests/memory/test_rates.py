@@ -55,6 +55,7 @@ def test_a_quick_calibration_is_cached_for_the_plan(tmp_path, monkeypatch):
     assert [rows for rows, _ in measured.layer_step_s] == [1, 16]
     assert all(seconds > 0 for _, seconds in measured.layer_step_s)
     assert measured.disk_bytes_per_s > 0
+    assert measured.sample_s_per_logit > 0 and measured.head_s_per_logit > 0
     assert calibration_path(CPU).parent == tmp_path / "calibration"
     assert device_rates("cpu") == measured == load_calibration(CPU)
     # an unreadable cache is measured again, not trusted

@@ -20,13 +20,15 @@ as the memory plan takes it; with tools the trajectory's budget):
 
 - ``generate``: per chunk, the prefill of its prompts (each distinct prompt once where the engine
   shares them: static, vLLM, ``rollout.share_prefill=true``; the vision tower included), then
-  one decode step per token after the first, at the chunk's mean context; HF generate with LoRA
+  one decode step per token after the first, at the chunk's mean context, each with the sampler
+  over every row's vocabulary (the calibrated seconds per logit); HF generate with LoRA
   runs peft's adapters unmerged (four more kernels per adapted matrix);
 - ``score``: the reward functions, ``SCORE_SECONDS_PER_ROW`` per row (string work);
 - ``logprobs``: the reference's forward (``algo.beta`` > 0 under full fine-tuning; with LoRA the
   same model with its adapters off) over every row;
 - ``update``: ``algo.num_iterations`` forwards and backwards of every row (the recomputed
-  forward of checkpointed layers included) and as many AdamW steps (reading and writing the
+  forward of checkpointed layers included, and the head's float32 log-softmax over the
+  vocabulary per completion token) and as many AdamW steps (reading and writing the
   trainable weights, gradients and two float32 moments);
 - ``checkpoint``: a save's bytes (trainable weights, their AdamW moments) over the disk's write
   rate, once every ``checkpoint.every`` steps (spread over them).
@@ -92,6 +94,7 @@ class TimeShape:
     vision_blocks: int
     hidden: int
     kv_bytes_per_token: int  # keys and values of one token, all layers
+    vocab: int
     weight_bytes: int  # the decoder's matrices and LM head, as stored (read per decode step)
     bytes_per_element: int
     dtype: str  # the computing dtype's name (bfloat16, float32)
@@ -131,7 +134,7 @@ def run_shape(facts: ModelFacts, cfg: Config, prompt: PromptShape, *, rows: int,
     layers_ckpt, _ = facts.checkpointed(cfg.memory.checkpoint_every)
     return TimeShape(
         shape=shape, layers=t.layers, vision_blocks=facts.vision.depth if facts.vision else 0,
-        hidden=t.hidden, kv_bytes_per_token=2 * t.kv_dim * t.layers * b,
+        hidden=t.hidden, kv_bytes_per_token=2 * t.kv_dim * t.layers * b, vocab=t.vocab,
         weight_bytes=(base.text_matrix + base.head) * b, bytes_per_element=b, dtype=dtype,
         lora_linears_per_layer=facts.lora_layers // max(t.layers, 1) if lora else 0,
         prompt=prompt.tokens, patches=prompt.patches if facts.vision else 0,
@@ -196,7 +199,9 @@ def generation_seconds(s: TimeShape, rates: DeviceRates, rows: int, completion: 
             fixed = s.layers * (rates.layer_overhead_s() + (
                 s.lora_linears_per_layer * LORA_KERNELS * rates.launch_s
                 if s.unmerged_lora else 0.0))
-        decode += steps * (_work(flops, nbytes, s, rates) + fixed)
+        # the sampler over every row's whole vocabulary
+        decode += steps * (_work(flops, nbytes, s, rates) + fixed
+                           + chunk * s.vocab * rates.sample_s_per_logit)
     return prefill, decode
 
 
@@ -219,10 +224,13 @@ def time_plan(s: TimeShape, rates: DeviceRates, cfg: Config, *, processes: int =
         generation_seconds(s, rates, s.rows, s.completion)
     forward = scoring_flops(s.shape, group)
     passes = s.rows * forward
+    # the head's float32 log-softmax over the vocabulary, per completion token (forward and
+    # backward in an update; the forward, about half, in a log-prob pass)
+    head = s.rows * s.completion * s.vocab * rates.head_s_per_logit
     logprobs = 0.0
     if s.reference_pass:
         logprobs = _work(passes, micro_batches * s.weight_bytes, s, rates) + micro_batches * \
-            _forward_overhead(s, rates, vision=bool(s.patches))
+            _forward_overhead(s, rates, vision=bool(s.patches)) + head / 2
     recompute = s.checkpointed_fraction * s.rows * forward_flops(
         s.shape, context=0, tokens=s.prompt + s.completion, head_tokens=0)
     update_work = s.rows * update_flops(s.shape, group) + recompute
@@ -231,7 +239,7 @@ def time_plan(s: TimeShape, rates: DeviceRates, cfg: Config, *, processes: int =
     update = s.iterations * (
         _work(update_work, micro_batches * s.weight_bytes, s, rates)
         + micro_batches * 3 * _forward_overhead(s, rates, vision=bool(s.patches))
-        + optimizer)
+        + head + optimizer)
     saved = s.trainable * (s.bytes_per_element + 8)
     checkpoint = saved / rates.disk_bytes_per_s / s.checkpoint_every if s.checkpoint_every else 0
     phases = {"generate": prefill + decode,
