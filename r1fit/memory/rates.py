@@ -5,6 +5,7 @@ measured by ``r1fit doctor --calibrate`` and cached per device, else taken from 
 
 - **matmul rate** (FLOP/s) of square products in the device's 16-bit dtype and in float32, at a
   few sizes (a small model's matrices run far below the peak on a CPU);
+- **skinny matmul rate** of a decode step's products (a handful of rows times a wide matrix);
 - **copy bandwidth** (bytes/s, read + write counted) of a large device-to-device copy: the rate
   at which a decode step reads weights and KV cache;
 - **launch cost** (seconds per kernel): a one-element in-place add, run many times; the floor
@@ -81,6 +82,9 @@ class DeviceRates:
     sample_s_per_logit: float = 0.0
     #: seconds per logit of the training head's float32 log-softmax, forward and backward
     head_s_per_logit: float = 0.0
+    #: per dtype name, ``[(rows, FLOP/s)]`` of a decode step's skinny products: ``rows`` x 1024
+    #: times 1024 x 8192 (a handful of rows run far below a square product's rate)
+    skinny: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
     @property
     def calibrated(self) -> bool:
@@ -93,6 +97,17 @@ class DeviceRates:
         curve = self.matmul.get(dtype) or self.matmul["float32"]
         below = [rate for n, rate in curve if n <= size]
         return below[-1] if below else curve[0][1]
+
+    def skinny_rate(self, dtype: str, rows: float, size: float) -> float:
+        """FLOP/s of a decode step's products over ``rows`` rows: the measured skinny rate of
+        the nearest row count at or below it, never above the square rate at ``size``; the
+        square rate where no skinny product was measured."""
+        curve = self.skinny.get(dtype) or self.skinny.get("float32")
+        square = self.matmul_rate(dtype, size)
+        if not curve:
+            return square
+        below = [rate for n, rate in curve if n <= rows]
+        return min(below[-1] if below else curve[0][1], square)
 
     def layer_overhead_s(self) -> float:
         """The fixed seconds of one token step through one decoder layer: the calibration
@@ -116,7 +131,9 @@ class DeviceRates:
                    disk_bytes_per_s=float(data["disk_bytes_per_s"]), source=data["source"],
                    notes=list(data.get("notes", [])),
                    sample_s_per_logit=float(data.get("sample_s_per_logit", 0.0)),
-                   head_s_per_logit=float(data.get("head_s_per_logit", 0.0)))
+                   head_s_per_logit=float(data.get("head_s_per_logit", 0.0)),
+                   skinny={k: [(int(n), float(r)) for n, r in v]
+                           for k, v in data.get("skinny", {}).items()})
 
 
 def device_name(device: torch.device) -> str:
@@ -248,6 +265,23 @@ def measure_matmul(device: torch.device, dtype: torch.dtype, sizes: tuple[int, .
     return out
 
 
+def measure_skinny(device: torch.device, dtype: torch.dtype, rows: tuple[int, ...],
+                   width: int = 1024, out: int = 8192, repeats: int = 3) -> list[tuple[int, float]]:
+    """FLOP/s of ``rows`` x ``width`` times ``width`` x ``out`` products (a decode step's)."""
+    weight = torch.randn(width, out, device=device).to(dtype)
+    result = []
+    for n in rows:
+        x = torch.randn(n, width, device=device).to(dtype)
+        loops = max(1, int(2e8 // (2 * n * width * out)))
+
+        def run(x: torch.Tensor = x, loops: int = loops) -> None:
+            for _ in range(loops):
+                torch.matmul(x, weight)
+
+        result.append((n, 2 * n * width * out * loops / _best(run, device, repeats)))
+    return result
+
+
 def measure_copy(device: torch.device, nbytes: int, repeats: int = 5) -> float:
     """Bytes/s of a device-to-device copy of ``nbytes`` (read + write counted)."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
@@ -348,9 +382,13 @@ def calibrate(device: torch.device | None = None, *, quick: bool = False,
     from r1fit.models.builtin import cache_root
 
     sample, head = measure_logits(device, 16, 16384 if quick else 131072)
+    skinny_rows = (1, 16) if quick else (1, 4, 16, 64, 256)
+    skinny = {name: measure_skinny(device, dtype, skinny_rows, out=2048 if quick else 8192)
+              for name, dtype in (("float32", torch.float32),
+                                  (str(half).removeprefix("torch."), half))}
     rates = DeviceRates(
         device=device_name(device), key=device_key(device), matmul=matmul,
-        sample_s_per_logit=sample, head_s_per_logit=head,
+        sample_s_per_logit=sample, head_s_per_logit=head, skinny=skinny,
         copy_bytes_per_s=measure_copy(device, (8 << 20) if quick else copy_bytes),
         launch_s=measure_launch(device, 200 if quick else 2000),
         layer_step_s=measure_layer_step(device, torch.float32 if not cuda else half,

@@ -42,6 +42,14 @@ def test_the_lookups_on_hand_made_rates():
     # a step that shrinks with rows (noise): never below a launch
     assert made(layer_step_s=[(1, 1e-6), (16, 1e-3)]).layer_overhead_s() == 2e-6
     assert DeviceRates.from_dict(json.loads(json.dumps(r.to_dict()))) == r
+    # a decode step's products: the skinny rate of the nearest row count at or below, never
+    # above the square rate; the square rate where none was measured
+    assert r.skinny_rate("float32", 8, 600) == 4e9
+    skinny = made(skinny={"float32": [(1, 1e8), (16, 2e9)]})
+    assert skinny.skinny_rate("float32", 8, 600) == 1e8
+    assert skinny.skinny_rate("float32", 32, 600) == 2e9
+    assert skinny.skinny_rate("float32", 32, 64) == 1e9  # the square rate at 64 is lower
+    assert DeviceRates.from_dict(json.loads(json.dumps(skinny.to_dict()))) == skinny
 
 
 def test_a_quick_calibration_is_cached_for_the_plan(tmp_path, monkeypatch):
@@ -56,6 +64,8 @@ def test_a_quick_calibration_is_cached_for_the_plan(tmp_path, monkeypatch):
     assert all(seconds > 0 for _, seconds in measured.layer_step_s)
     assert measured.disk_bytes_per_s > 0
     assert measured.sample_s_per_logit > 0 and measured.head_s_per_logit > 0
+    assert set(measured.skinny) == {"float32", "bfloat16"}
+    assert all(rate > 0 for curve in measured.skinny.values() for _, rate in curve)
     assert calibration_path(CPU).parent == tmp_path / "calibration"
     assert device_rates("cpu") == measured == load_calibration(CPU)
     # an unreadable cache is measured again, not trusted

@@ -151,10 +151,14 @@ def run_shape(facts: ModelFacts, cfg: Config, prompt: PromptShape, *, rows: int,
         trainable=trainable, checkpoint_every=cfg.checkpoint.every)
 
 
-def _work(flops: float, nbytes: float, s: TimeShape, rates: DeviceRates) -> float:
+def _work(flops: float, nbytes: float, s: TimeShape, rates: DeviceRates,
+          rows: int | None = None) -> float:
     """Seconds of ``flops`` of the model's matrices that must read ``nbytes``: the longer of the
-    two at the device's rates."""
-    return max(flops / rates.matmul_rate(s.dtype, s.hidden), nbytes / rates.copy_bytes_per_s)
+    two at the device's rates (``rows``: a decode step's, whose products run at the skinny
+    rate)."""
+    rate = rates.matmul_rate(s.dtype, s.hidden) if rows is None else \
+        rates.skinny_rate(s.dtype, rows, s.hidden)
+    return max(flops / rate, nbytes / rates.copy_bytes_per_s)
 
 
 def _forward_overhead(s: TimeShape, rates: DeviceRates, *, vision: bool = False) -> float:
@@ -200,7 +204,7 @@ def generation_seconds(s: TimeShape, rates: DeviceRates, rows: int, completion: 
                 s.lora_linears_per_layer * LORA_KERNELS * rates.launch_s
                 if s.unmerged_lora else 0.0))
         # the sampler over every row's whole vocabulary
-        decode += steps * (_work(flops, nbytes, s, rates) + fixed
+        decode += steps * (_work(flops, nbytes, s, rates, rows=chunk) + fixed
                            + chunk * s.vocab * rates.sample_s_per_logit)
     return prefill, decode
 
