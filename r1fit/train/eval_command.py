@@ -199,7 +199,7 @@ def evaluate_model(cfg: Config, model: str | None = None, out: Path | None = Non
     # the rollouts' settings: greedy answers take their max_new_tokens alone
     settings = SamplingSettings(algo.max_new_tokens, algo.temperature, algo.top_p,
                                 min_new_tokens=cfg.rollout.min_new_tokens)
-    tools = ToolTurns(session, algo.max_new_tokens) if cfg.tools else None
+    tools = ToolTurns.of(session, algo.max_new_tokens)
     engine = rollout_engine(session, settings, tools)
     reset_peak(session.device)
     try:

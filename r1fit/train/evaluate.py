@@ -133,8 +133,7 @@ def evaluate(run: Run, engine: RolloutEngine | None = None) -> dict[str, Any]:
     reset_peak(run.device)  # eval/peak_memory_bytes is the evaluation's own peak
     if engine is None:
         settings = SamplingSettings(max_new_tokens=cfg.algo.max_new_tokens)
-        engine = HFRollouts(run, settings, ToolTurns(run, settings.max_new_tokens)
-                            if cfg.tools else None)
+        engine = HFRollouts(run, settings, ToolTurns.of(run, settings.max_new_tokens))
     correct = formatted = iou_sum = 0.0
     scored = bad = iou_rows = tool_rows = 0
     # each rank its share of the batches, as eval.batch rows apiece
