@@ -79,6 +79,9 @@ def _calibrate(json_out: bool) -> int:
                   f"launch {rates.launch_s * 1e6:.1f} us per small kernel",
                   f"decoder layer step: {layer} (fixed part "
                   f"{rates.layer_overhead_s() * 1e3:.3f} ms)",
+                  f"Hugging Face generate's own loop {rates.generate_step_s * 1e3:.3f} ms per "
+                  f"decode step; sampler {rates.sample_s_per_logit * 1e9:.2f} ns and training "
+                  f"head {rates.head_s_per_logit * 1e9:.2f} ns per logit",
                   f"disk writes {rates.disk_bytes_per_s / 1e6:,.0f} MB/s",
                   f"saved to {path}: `r1fit plan` reads it"], rich=sys.stdout.isatty())
     return 0

@@ -16,6 +16,8 @@ measured by ``r1fit doctor --calibrate`` and cached per device, else taken from 
 - **logits**: seconds per logit of r1fit's sampler and of the training head's float32
   log-softmax forward and backward (with a 151,936-token vocabulary these, not the matmuls, can
   be most of a small model's step);
+- **generate's step**: Hugging Face generate's own seconds per decode step (its loop, logits
+  processors, stopping criteria) on a 1-layer model, as r1fit's HF engine calls it;
 - **disk write rate** (bytes/s) of a file written and synced in the cache folder (checkpoints).
 
 They are saved to ``$R1FIT_CACHE/calibration/<device key>.json``, the key naming the device, its
@@ -33,7 +35,7 @@ import re
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +87,9 @@ class DeviceRates:
     #: per dtype name, ``[(rows, FLOP/s)]`` of a decode step's skinny products: ``rows`` x 1024
     #: times 1024 x 8192 (a handful of rows run far below a square product's rate)
     skinny: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    #: seconds Hugging Face generate spends per decode step outside the model's layers and the
+    #: sampler (its loop, logits processors, stopping criteria), at 16 rows
+    generate_step_s: float = 0.0
 
     @property
     def calibrated(self) -> bool:
@@ -133,7 +138,8 @@ class DeviceRates:
                    sample_s_per_logit=float(data.get("sample_s_per_logit", 0.0)),
                    head_s_per_logit=float(data.get("head_s_per_logit", 0.0)),
                    skinny={k: [(int(n), float(r)) for n, r in v]
-                           for k, v in data.get("skinny", {}).items()})
+                           for k, v in data.get("skinny", {}).items()},
+                   generate_step_s=float(data.get("generate_step_s", 0.0)))
 
 
 def device_name(device: torch.device) -> str:
@@ -352,6 +358,44 @@ def measure_logits(device: torch.device, rows: int, vocab: int,
     return sample / scores.numel(), _best(head, device, repeats) / scores.numel()
 
 
+def measure_generate_step(device: torch.device, rows: int = 16, repeats: int = 3) -> float:
+    """Seconds per decode step of Hugging Face generate, as r1fit's HF engine runs it (its
+    generation config, ``SeededSampler``), on a 1-layer model of width 64 and a 512-token
+    vocabulary (its sampler's cost is small there); :func:`calibrate` takes the layer's fixed
+    part off, leaving the loop's own cost per step."""
+    from transformers import LogitsProcessorList, Qwen2Config, Qwen2ForCausalLM
+
+    from r1fit.rollout.generate import (
+        SamplingSettings,
+        SeededSampler,
+        TokenIds,
+        generation_config,
+    )
+
+    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, vocab_size=512,
+                         max_position_embeddings=256)
+    config._attn_implementation = "sdpa"
+    model = Qwen2ForCausalLM(config).to(device).eval()
+    ids = TokenIds(pad=0, eos=[1], blocked=[2])
+    prompt = torch.randint(3, 512, (rows, 16), device=device)
+
+    def run(tokens: int) -> float:
+        settings = SamplingSettings(max_new_tokens=tokens, min_new_tokens=tokens)
+        gen = generation_config(settings, ids)
+
+        def call() -> None:
+            sampler = SeededSampler(list(range(rows)), 1.0, 1.0)
+            model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                           generation_config=gen, logits_processor=LogitsProcessorList([sampler]))
+
+        return _best(call, device, repeats)
+
+    with torch.no_grad():
+        per_step = (run(17) - run(1)) / 16
+    return max(per_step, 0.0)
+
+
 def measure_disk(folder: Path, nbytes: int) -> float:
     """Bytes/s of writing ``nbytes`` to a new file in ``folder`` and syncing it."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -389,6 +433,7 @@ def calibrate(device: torch.device | None = None, *, quick: bool = False,
     rates = DeviceRates(
         device=device_name(device), key=device_key(device), matmul=matmul,
         sample_s_per_logit=sample, head_s_per_logit=head, skinny=skinny,
+        generate_step_s=measure_generate_step(device, repeats=2 if quick else 3),
         copy_bytes_per_s=measure_copy(device, (8 << 20) if quick else copy_bytes),
         launch_s=measure_launch(device, 200 if quick else 2000),
         layer_step_s=measure_layer_step(device, torch.float32 if not cuda else half,
@@ -398,6 +443,9 @@ def calibrate(device: torch.device | None = None, *, quick: bool = False,
                                       (4 << 20) if quick else (256 << 20)),
         source=f"calibrated {time.strftime('%Y-%m-%d')}",
         notes=[f"{platform.platform()}", f"torch {torch.__version__}"])
+    # the measured step ran one decoder layer: what remains is generate's own loop
+    rates = replace(rates, generate_step_s=max(rates.generate_step_s - rates.layer_overhead_s(),
+                                               0.0))
     if save:
         path = calibration_path(device)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,8 @@ as the memory plan takes it; with tools the trajectory's budget):
 - ``generate``: per chunk, the prefill of its prompts (each distinct prompt once where the engine
   shares them: static, vLLM, ``rollout.share_prefill=true``; the vision tower included), then
   one decode step per token after the first, at the chunk's mean context, each with the sampler
-  over every row's vocabulary (the calibrated seconds per logit); HF generate with LoRA
+  over every row's vocabulary (the calibrated seconds per logit) and, on HF generate, its own
+  loop's cost per step (calibrated); HF generate with LoRA
   runs peft's adapters unmerged (four more kernels per adapted matrix);
 - ``score``: the reward functions, ``SCORE_SECONDS_PER_ROW`` per row (string work);
 - ``logprobs``: the reference's forward (``algo.beta`` > 0 under full fine-tuning; with LoRA the
@@ -109,6 +110,7 @@ class TimeShape:
     shares_prompts: bool  # a generation chunk prefills each distinct prompt once
     graphs: bool  # the decode step replayed as CUDA graphs
     unmerged_lora: bool  # HF generate runs peft's adapters beside the base weights
+    engine: str  # hf, static or vllm
     reference_pass: bool
     iterations: int
     checkpointed_fraction: float  # of the decoder's layers recomputed in backward
@@ -144,7 +146,7 @@ def run_shape(facts: ModelFacts, cfg: Config, prompt: PromptShape, *, rows: int,
             engine == "hf" and cfg.rollout.share_prefill is True),
         graphs=device_type == "cuda" and (engine == "vllm" or (
             engine == "static" and cfg.rollout.static.cuda_graphs is not False)),
-        unmerged_lora=lora and engine == "hf",
+        unmerged_lora=lora and engine == "hf", engine=engine,
         reference_pass=cfg.algo.beta > 0, iterations=cfg.algo.num_iterations,
         checkpointed_fraction=(layers_ckpt / t.layers if cfg.memory.gradient_checkpointing
                                and t.layers else 0.0),
@@ -203,6 +205,8 @@ def generation_seconds(s: TimeShape, rates: DeviceRates, rows: int, completion: 
             fixed = s.layers * (rates.layer_overhead_s() + (
                 s.lora_linears_per_layer * LORA_KERNELS * rates.launch_s
                 if s.unmerged_lora else 0.0))
+        if s.engine == "hf":
+            fixed += rates.generate_step_s  # generate's own loop, processors, criteria
         # the sampler over every row's whole vocabulary
         decode += steps * (_work(flops, nbytes, s, rates, rows=chunk) + fixed
                            + chunk * s.vocab * rates.sample_s_per_logit)

@@ -34,7 +34,7 @@ STEP = TimeShape(shape=SHAPE, layers=2, vision_blocks=0, hidden=600, kv_bytes_pe
                  weight_bytes=4800, bytes_per_element=4, dtype="float32",
                  lora_linears_per_layer=0, prompt=10, patches=0, completion=5, group=4, rows=8,
                  generation_batch=8, micro_batch=4, shares_prompts=True, graphs=False,
-                 unmerged_lora=False, reference_pass=False, iterations=1,
+                 unmerged_lora=False, engine="static", reference_pass=False, iterations=1,
                  checkpointed_fraction=0.0, trainable=1200, checkpoint_every=0)
 FIXED = 2.8e-4  # RATES' fixed seconds per layer step: 3e-4 - 1 x (6e-4 - 3e-4) / 15
 SAMPLE = 8 * 100 * 1e-9  # the sampler over 8 rows' 100 logits, per decode step
@@ -63,6 +63,10 @@ def test_generation_by_hand():
     _, unmerged = generation_seconds(replace(STEP, unmerged_lora=True,
                                              lora_linears_per_layer=7), RATES, 8, 5)
     assert unmerged == pytest.approx(4 * (23_200 / 4e9 + 2 * (FIXED + 28 * 2e-6) + SAMPLE))
+    # HF generate: its own loop's seconds per step on top
+    _, hf = generation_seconds(replace(STEP, engine="hf"), replace(RATES, generate_step_s=1e-3),
+                               8, 5)
+    assert hf == pytest.approx(4 * (23_200 / 4e9 + 2 * FIXED + SAMPLE + 1e-3))
     # memory-bound: a slow copy makes the bytes the longer side
     _, slow = generation_seconds(STEP, replace(RATES, copy_bytes_per_s=1e8), 8, 5)
     assert slow == pytest.approx(4 * (8_800 / 1e8 + 2 * FIXED + SAMPLE))
