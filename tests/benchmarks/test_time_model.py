@@ -1,0 +1,44 @@
+"""benchmarks/time_model.py without its training runs: every configuration of its grid is a
+valid config whose plan carries a time prediction; the verdict against the targets."""
+
+from __future__ import annotations
+
+import pytest
+from benchkit import load_script
+
+tm = load_script("time_model")
+
+
+def test_every_configuration_is_a_valid_config():
+    from r1fit.config import load_config
+
+    for overrides in tm.GRID.values():
+        load_config(None, [*tm.COMMON, *overrides])
+
+
+# the built-ins planned here are cheap to build (bench-1024 and 3b-cut would take seconds each)
+@pytest.mark.parametrize("name", sorted(n for n in tm.GRID if n.startswith(("tiny", "small"))))
+def test_a_configuration_is_planned_with_its_time(name, use_tiny_cache):
+    predicted = tm.predict(tm.GRID[name])
+    assert predicted["step"] > 0 and predicted["generate"] > 0 and predicted["update"] > 0
+    assert predicted["step"] >= predicted["generate"] + predicted["update"]
+
+
+def test_the_verdict(monkeypatch, capsys):
+    """Two configurations 5% and 20% off: met (median 12.5%); one 40% off: missed (exit 1)."""
+    import r1fit.memory.rates as rates
+
+    monkeypatch.setattr(tm, "GRID", {"a": [], "b": []})
+    monkeypatch.setattr(rates, "load_calibration", lambda device: object())
+    monkeypatch.setattr(tm, "cpu_ticks", lambda: None)  # no /proc: no run is disturbed
+    monkeypatch.setattr(tm, "predict", lambda overrides: {
+        "generate": 0.5, "score": 0.0, "update": 0.5, "step": 1.0, "source": "test"})
+    measured = {"a": 1 / 1.05, "b": 1 / 1.2}
+    monkeypatch.setattr(tm, "measure", lambda name, overrides, steps: {
+        "generate": measured[name] / 2, "score": 0.0, "update": measured[name] / 2,
+        "step": measured[name]})
+    assert tm.main([]) == 0
+    assert "median |error| 12%, worst 20% over 2 undisturbed" in capsys.readouterr().out
+    measured["b"] = 1 / 1.4
+    assert tm.main([]) == 1
+    assert "MISSED" in capsys.readouterr().out
