@@ -662,7 +662,7 @@ class StaticDecoder:
         n = len(rows)
         if not self.keys or n > self.capacity:
             return None
-        blocked = self._blocked if self.ids.blocked else None
+        blocked = torch.tensor(self.ids.blocked) if self.ids.blocked else None  # host side
         plans = []  # per row: (slot, cached columns' start, common prefix, rest, rest's position)
         for row, p in zip(rows, previous, strict=True):
             if not 0 <= p < len(kept.slots):
@@ -673,8 +673,8 @@ class StaticDecoder:
             if len(differ):
                 shared = int(differ[0])
             rest = ids[shared:]
-            if blocked is not None and (torch.isin(rest, blocked.cpu()).any()
-                                        or torch.isin(cached[shared:], blocked.cpu()).any()):
+            if blocked is not None and (torch.isin(rest, blocked).any()
+                                        or torch.isin(cached[shared:], blocked).any()):
                 return None
             if any(bool(v[shared:].any()) for v in row.token_inputs.values()):
                 return None

@@ -331,12 +331,10 @@ def _time(plan: Plan, facts: ModelFacts, cfg: Config, prompt: PromptShape, devic
     from r1fit.memory.rates import device_rates  # torch: at plan time, not with the planner
 
     d = plan.details
-    # FSDP on CUDA computes float32 weights in bfloat16 (see _estimate)
-    dtype = "bfloat16" if d["gpus"] > 1 and device_type == "cuda" else d["dtype"]
     shape = run_shape(facts, cfg, prompt, rows=d["rows_per_gpu"],
                       generation_batch=d["generation_batch"], micro_batch=d["micro_rows"],
                       completion=d["completion_tokens"], engine=d["engine"],
-                      device_type=device_type, dtype=dtype)
+                      device_type=device_type, dtype=d["compute_dtype"])
     return time_plan(shape, device_rates(device_type), cfg, processes=d["gpus"],
                      eval_rows=cfg.data.eval_size if cfg.data.eval else None,
                      training_only=kind == "sft").to_dict()
@@ -465,6 +463,8 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
         activations_by_checkpointing={"on": update.activations.on,
                                       "off": update.activations.off},
         details={"dtype": dtype, "engine": engine_name, "engine_why": engine_why,
+                 # what the step computes in: FSDP on CUDA gathers float32 weights in bfloat16
+                 "compute_dtype": "bfloat16" if b != stored else dtype,
                  "share_prefix": "on" if step.share_prefix else "off",
                  "dtype_from": f.config_dtype_from if cfg.model.dtype == "auto" else "model.dtype",
                  "params": f.params,
