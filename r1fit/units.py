@@ -35,3 +35,15 @@ def format_bytes(size: float, *, decimal: bool = False) -> str:
         if abs(size) >= scale:
             return f"{size / scale:.{1 if decimal else 2}f} {unit}"
     return f"{int(size)} B"
+
+
+def format_seconds(x: float) -> str:
+    """Seconds for a reader: us and ms below one second, s below two minutes, min below two
+    hours, else hours."""
+    if x < 1e-3:
+        return f"{x * 1e6:.0f} us"
+    if x < 1:
+        return f"{x * 1e3:.1f} ms"
+    if x < 120:
+        return f"{x:.1f} s"
+    return f"{x / 60:.1f} min" if x < 7200 else f"{x / 3600:.1f} h"

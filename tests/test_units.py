@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from r1fit.units import format_bytes, parse_bytes
+from r1fit.units import format_bytes, format_seconds, parse_bytes
 
 
 def test_parse_bytes():
@@ -18,3 +18,10 @@ def test_parse_bytes():
 def test_format_bytes():
     assert format_bytes(3 * 2**30 / 2) == "1.50 GiB"
     assert format_bytes(512) == "512 B"
+
+
+@pytest.mark.parametrize("seconds, shown", [(5e-4, "500 us"), (0.25, "250.0 ms"),
+                                            (42.0, "42.0 s"), (750.0, "12.5 min"),
+                                            (9000.0, "2.5 h")])
+def test_format_seconds(seconds, shown):
+    assert format_seconds(seconds) == shown

@@ -27,6 +27,7 @@ TREND_WINDOW = 20    # format up while accuracy down: over the last rows, first 
 TREND = 0.1          # ... each moving by at least this much
 ENTROPY_FRACTION = 0.1  # entropy collapse: below this fraction of the early entropy
 ENTROPY_FLOOR = 0.01    # ... or below this many nats per token, whatever it started at
+SLOW = 2.0  # a phase this many times its predicted seconds (r1fit/memory/prediction.py)
 
 
 def grpo_rows(rows: Rows) -> list[dict[str, Any]]:
@@ -119,6 +120,30 @@ def reward_errors(rows: Rows) -> str | None:
     return None
 
 
+def slow_phase(rows: Rows) -> str | None:
+    """A phase of the last ``RECENT`` steps (median) over ``SLOW`` times the time model's
+    prediction, where the prediction read rates measured on this machine
+    (``predicted_calibrated``); the first steps' one-off work (allocation, graph capture) is
+    outvoted by the median."""
+    timed = [r for r in rows if r.get("predicted_calibrated") == 1][-RECENT:]
+    if len(timed) < RECENT:
+        return None
+    slow = []
+    for key in sorted(k for k in timed[-1] if k.startswith("predicted_seconds_")):
+        measured, predicted = (series(timed, k) for k in (key.removeprefix("predicted_"), key))
+        if len(measured) < RECENT or not predicted:
+            continue
+        now, expected = statistics.median(measured), statistics.median(predicted)
+        if expected > 0 and now > SLOW * expected:
+            slow.append(f"{key.removeprefix('predicted_')} {now:.3g} s against "
+                        f"{expected:.3g} s ({now / expected:.1f}x)")
+    if not slow:
+        return None
+    return (f"slow steps: {'; '.join(slow)} predicted, median of the last {RECENT} steps: "
+            "another job on the machine, thermal throttling or a slow disk? (the prediction is "
+            "the time model's at start, on the rates of r1fit doctor --calibrate)")
+
+
 ALARMS: dict[str, Callable[[Rows], str | None]] = {
     "length_collapse": length_collapse,
     "entropy_collapse": entropy_collapse,
@@ -126,6 +151,7 @@ ALARMS: dict[str, Callable[[Rows], str | None]] = {
     "zero_variance": zero_variance,
     "format_without_accuracy": format_without_accuracy,
     "reward_errors": reward_errors,
+    "slow_phase": slow_phase,
 }
 
 

@@ -140,7 +140,10 @@ def plots(rows: Sequence[dict[str, Any]], run_dir: Path) -> list[str]:
         ("grad_norm", ["grad_norm"]),
         ("learning_rate", ["learning_rate"]),
         ("tokens_per_second", ["tokens_per_second"]),
-        ("seconds per step", ["seconds_generate", "seconds_score", "seconds_update"]),
+        # predicted_seconds_*: the time model's at start (r1fit/memory/prediction.py)
+        ("seconds per step, measured and predicted",
+         [f"{p}seconds_{phase}" for p in ("", "predicted_")
+          for phase in ("generate", "score", "update", "step")]),
     ]
     out = []
     for title, names in specs:
@@ -158,6 +161,42 @@ def plots(rows: Sequence[dict[str, Any]], run_dir: Path) -> list[str]:
     if warmup:
         out.append(figure("warm-up (SFT) loss", warmup))
     return out
+
+
+#: the multi-turn diagnostics (with tools): plot title, and the prefix of its keys, one per
+#: turn or per number of tool calls (r1fit/report/step.py)
+TURN_PLOTS = [
+    ("advantage per policy token, by turn", "turn_advantage/"),
+    ("importance ratio to the old policy, by turn (policy tokens)", "turn_ratio/"),
+    ("clipped policy tokens (fraction), by turn", "turn_clip_fraction/"),
+    ("KL to the reference (k3) per policy token, by turn", "turn_kl/"),
+    ("mean reward by tool calls per row", "reward_by_tool_calls/"),
+]
+
+
+def turn_section(rows: Sequence[dict[str, Any]]) -> str:
+    """The multi-turn diagnostics of a run with tools (empty for any other run): per step, the
+    advantage, ratio, clip fraction and KL of each policy turn's tokens, the reward by number
+    of tool calls, and the share of the trajectories' tokens out of the loss."""
+    keys = {k for r in rows for k in r}
+    if not any(k.startswith(prefix) for k in keys for _, prefix in TURN_PLOTS):
+        return ""
+    out = []
+    for title, prefix in TURN_PLOTS:
+        names = sorted((k for k in keys if k.startswith(prefix)),
+                       key=lambda k: int(k.rsplit("/", 1)[1]))
+        lines = {name: p for name in names if (p := points(rows, name))}
+        if lines:
+            out.append(figure(title, lines))
+    masked = points(rows, "masked_token_fraction")
+    if masked:
+        out.append(figure("trajectory tokens out of the loss (fraction: the tool turns')",
+                          {"masked_token_fraction": masked}))
+    return ('<h2 id="multi-turn">Multi-turn diagnostics</h2>\n<p>Per step, over the policy\'s '
+            'tokens of each turn (1 = the first, before any tool turn): are the turns after a '
+            'tool turn trained with the trajectory\'s advantage, clipped, drifting from the '
+            'reference? And does calling tools pay?</p>\n<div class="plots">\n'
+            + "\n".join(out) + "\n</div>")
 
 
 def steps_done(rows: Sequence[dict[str, Any]]) -> str:
@@ -331,6 +370,7 @@ rows{html.escape(skipped_note(skipped))}.</p>
 <div class="plots">
 {chr(10).join(plots(rows, run_dir))}
 </div>
+{turn_section(rows)}
 <h2>Rollouts</h2>
 <p>Saved every report.rollouts_every steps (rank 0's rows). Click a column to sort.</p>
 {browser}

@@ -51,7 +51,7 @@ from r1fit.progress import progress_bar
 from r1fit.report.html import LiveReport
 from r1fit.report.metrics import timed
 from r1fit.report.profile import step_profile
-from r1fit.report.step import step_metrics
+from r1fit.report.step import TurnFigures, step_metrics
 from r1fit.rewards.registry import RewardScorer
 from r1fit.rng import RngState
 from r1fit.rollout.dynamic import StepDraws
@@ -220,6 +220,7 @@ def metrics_row(trainer: Trainer, step: int, draws: StepDraws, drawn: Rollout,
             "learning_rate": trainer.scheduler.get_last_lr()[0], **step_memory(run.device),
             "bad_rows": trainer.bad_rows.count, "reward_errors": trainer.scorer.total_errors,
             **trainer.engine.step_counts(),
+            **(run.predicted.row() if run.predicted else {}),
             "oom_retries": trainer.guard.retries, "micro_batch": run.sizes.micro_batch,
             "micro_batch_tokens": run.sizes.micro_batch_tokens,
             "generation_batch": run.sizes.generation_batch,
@@ -341,6 +342,7 @@ def accumulate_policy_gradients(run: Run, rollout: Rollout, *, loss: LossSetting
     assert rollout.advantages is not None
     keep = finished_rows(rollout.completions, run.ids.eos) if algo.mask_truncated else None
     tokens, seqs = loss_counts(rollout, keep)
+    turns = TurnFigures.of(rollout, keep, loss, run.cfg.rollout.max_turns)  # none without tools
     # max(1, ...): when every completion is masked out the loss is 0, not 0 / 0
     totals = BatchTotals(max(tokens, 1), max(seqs, 1), algo.max_new_tokens)
     all_tokens = BatchTotals(rollout.total_tokens, rollout.total_rows, algo.max_new_tokens)
@@ -413,6 +415,8 @@ def accumulate_policy_gradients(run: Run, rollout: Rollout, *, loss: LossSetting
         for key in ("clip_fraction", "kl", "tis_weight", "cov_restricted"):
             if key in stats:  # kl only with a reference model (beta > 0); else logged as null
                 sums[key] += float(stats[key])
+        turns.add(piece, logp.detach(), old, ref, advantages, mask)
+    sums.update(turns.sums)
     if not capture_old:
         return Accumulated(sums)
     return Accumulated(sums, pad_rows(captured, max(int(c.shape[0]) for c in rollout.completions)))

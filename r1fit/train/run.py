@@ -29,6 +29,7 @@ from r1fit.distributed.loading import load_policy_on_ranks
 from r1fit.memory.autofit import resolve_checkpointing, resolve_sizes
 from r1fit.memory.flops import MfuMeter
 from r1fit.memory.guard import OOMGuard
+from r1fit.memory.prediction import StepPrediction, predict_steps
 from r1fit.memory.sizes import ChunkSizes
 from r1fit.memory.telemetry import configure_host_allocator, current_rss_bytes, use_tensor_probe
 from r1fit.models.load import context_length
@@ -96,6 +97,8 @@ class Run(Session):
     rss_after_load_bytes: int
     started: float  # perf_counter() when the run started
     layout: BatchLayout  # memory.share_prefix, packing: how micro-batches reach the model
+    #: the time model's seconds per step, logged in each step's row (None: not predicted)
+    predicted: StepPrediction | None
 
     @cached_property
     def meter(self) -> MfuMeter:
@@ -186,13 +189,14 @@ def start_run(cfg: Config, kind: str) -> Run:
                  "the config file and overrides; `r1fit config` shows each key's source", preset,
                  cfg.preset, preset)
     trackers = open_trackers(cfg, out) if w.main else Trackers([])
+    predicted = predict_steps(cfg.with_values(checkpointing), device.type, w.size, kind, sizes)
     return Run(cfg=cfg, world=w, device=device, model=model, processor=processor, policy=policy,
                ids=TokenIds.of(model, processor), eval_set=eval_set, sizes=sizes,
                max_prompt_tokens=max_prompt_tokens, kind=kind, out=out, train_set=train_set,
                metrics=MetricsWriter(out / "metrics.jsonl", active=w.main, trackers=trackers),
                trackers=trackers, checkpoints=checkpoints, rss_before_load_bytes=rss_before_load,
                rss_after_load_bytes=current_rss_bytes(), started=started,
-               layout=BatchLayout(cfg.memory.share_prefix))
+               layout=BatchLayout(cfg.memory.share_prefix), predicted=predicted)
 
 
 def prompt_limit(cfg: Config, model: Any) -> int | None:

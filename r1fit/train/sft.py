@@ -281,12 +281,15 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool,
             row = {f"{prefix}step": step, f"{prefix}loss": loss_sum,
                    f"{prefix}grad_norm": grad_norm,
                    f"{prefix}tokens_per_second": total_tokens / seconds,
+                   f"{prefix}seconds_step": seconds,
                    f"{prefix}flops": flops,
                    f"{prefix}mfu": meter.mfu(flops, seconds, run.world.size),
                    **step_memory(run.device, prefix), f"{prefix}bad_rows": bad_rows.count,
                    f"{prefix}truncated_answers": len(cut),
                    **({f"{prefix}demonstrations": demonstrated} if demonstrations else {}),
-                   f"{prefix}oom_retries": guard.retries}
+                   f"{prefix}oom_retries": guard.retries,
+                   # r1fit sft's steps were planned; a GRPO run's warm-up steps were not
+                   **(run.predicted.row() if run.predicted and run.kind == "sft" else {})}
             if not format_only and run.eval_set is not None and (
                     step == steps or (cfg.sft.eval_every and step % cfg.sft.eval_every == 0)):
                 row.update(evaluate(run))

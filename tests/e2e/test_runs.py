@@ -19,7 +19,8 @@ from r1fit.report.metrics import read_metrics
 STEP_KEYS = {"step", "loss", "reward_mean", "reward_std", "reward/accuracy", "reward/format",
              "accuracy", "kl", "clip_fraction", "completion_len_mean", "seconds_generate",
              "seconds_score", "seconds_update", "tokens_per_second", "grad_norm",
-             "peak_memory_bytes", "bad_rows", "reward_errors"}
+             "peak_memory_bytes", "bad_rows", "reward_errors", "predicted_seconds_generate",
+             "predicted_seconds_score", "predicted_seconds_update", "predicted_calibrated"}
 SMALL = ["train.max_steps=3", "train.prompts_per_step=2", "algo.num_generations=4",
          "algo.max_new_tokens=8", "sft.format_warmup_steps=2", "sft.batch_size=4",
          "data.eval_size=4", "eval.every=2", "memory.micro_batch=3", "memory.generation_batch=5",
@@ -98,6 +99,8 @@ def test_sft_three_steps_changes_weights(use_tiny_cache, tmp_path):
     assert all(r["truncated_answers"] == 0 for r in rows)  # sft.max_answer_tokens=1024
     # model FLOPs of each step's forward and backward (r1fit/memory/flops.py), and their MFU
     assert all(r["flops"] > 0 and 0 < r["mfu"] < 1 for r in rows)
+    # the time model's step beside the measured one
+    assert all(r["seconds_step"] > 0 and r["predicted_seconds_step"] > 0 for r in rows)
     before = AutoModelForImageTextToText.from_pretrained(use_tiny_cache / "models" / "tiny-v1")
     after = AutoModelForImageTextToText.from_pretrained(out / "final")
     changed = [not torch.equal(a, b) for a, b in zip(before.state_dict().values(),

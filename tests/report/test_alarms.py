@@ -19,7 +19,8 @@ from r1fit.rollout.record import Rollout
 def healthy(steps: int = 40) -> list[dict]:
     """A healthy run: noisy lengths that shrink a little, then settle; a few clipped completions;
     some zero-variance groups; format and accuracy both rising; entropy halving; no reward
-    errors."""
+    errors; generation up to 1.5x its predicted seconds (3.75x in the first step: its one-off
+    allocations), the update under its prediction."""
     rows: list[dict] = [{"warmup/step": 1, "warmup/loss": 2.0}, {"step": 0, "eval/accuracy": 0.2}]
     for s in range(1, steps + 1):
         wobble = math.sin(s * 1.7)
@@ -27,7 +28,10 @@ def healthy(steps: int = 40) -> list[dict]:
                      120 - min(s, 20) * 2 + 8 * wobble, "completion_clipped_fraction":
                      0.1 + 0.05 * wobble, "zero_variance_groups": 0.25 + 0.1 * wobble,
                      "reward/format": min(1.0, 0.5 + s / 50), "accuracy": 0.2 + s / 100,
-                     "entropy": 0.8 - s / 100 + 0.05 * wobble, "reward_errors": 0})
+                     "entropy": 0.8 - s / 100 + 0.05 * wobble, "reward_errors": 0,
+                     "seconds_generate": 3.0 if s == 1 else 1.0 + 0.2 * wobble,
+                     "predicted_seconds_generate": 0.8, "seconds_update": 0.5,
+                     "predicted_seconds_update": 0.6, "predicted_calibrated": 1.0})
     return rows
 
 
@@ -54,11 +58,30 @@ def test_no_alarm_on_a_healthy_run():
         healthy(), "reward/format", lambda s: 0.2 + s / 50), "accuracy", lambda s: 0.6 - s / 80)),
     ("reward_errors", with_values(healthy(), "reward_errors", lambda s: 0 if s < 39 else 3)),
     ("entropy_collapse", with_values(healthy(), "entropy", lambda s: 0.8 if s < 30 else 0.05)),
+    ("slow_phase", with_values(healthy(), "seconds_update", lambda s: 0.5 if s < 38 else 1.3)),
 ])
 def test_each_alarm_fires_on_its_trouble_and_only_it(name, rows):
     fired = check_alarms(rows)
     assert list(fired) == [name], fired
     assert ALARMS[name](rows) == fired[name]
+
+
+def test_slow_phase_names_the_phase_and_needs_a_calibrated_prediction():
+    rows = with_values(healthy(), "seconds_generate", lambda s: 1.0 if s < 38 else 2.5)
+    assert check_alarms(rows)["slow_phase"] == (
+        "slow steps: seconds_generate 2.5 s against 0.8 s (3.1x) predicted, median of the last 3 "
+        "steps: another job on the machine, thermal throttling or a slow disk? (the prediction "
+        "is the time model's at start, on the rates of r1fit doctor --calibrate)")
+    # one slow step of the last three is outvoted by the median
+    assert "slow_phase" not in check_alarms(
+        with_values(healthy(), "seconds_generate", lambda s: 1.0 if s != 39 else 9.0))
+    # a prediction from data sheets is no yardstick for this machine
+    assert "slow_phase" not in check_alarms(with_values(rows, "predicted_calibrated",
+                                                        lambda s: 0.0))
+    # nor before three steps have been predicted, nor in a run that logged no prediction
+    assert "slow_phase" not in check_alarms(rows[:4])
+    assert "slow_phase" not in check_alarms(
+        [{k: v for k, v in r.items() if not k.startswith("predicted_")} for r in rows])
 
 
 def test_length_collapse_needs_enough_steps_and_a_real_drop():

@@ -32,6 +32,7 @@ def synthetic_run(folder: Path, *, trouble: bool = False) -> Path:
                      "grad_norm": 1.0 + s % 3, "completion_len_mean": 60 + s,
                      "completion_clipped_fraction": 0.1, "zero_variance_groups": 0.25,
                      "seconds_generate": 2.0, "seconds_score": 0.1, "seconds_update": 1.5,
+                     "predicted_seconds_generate": 1.8, "predicted_seconds_update": 1.2,
                      "tokens_per_second": 300 + s, "learning_rate": 1e-5,
                      "peak_memory_bytes": 2**30 + s * 2**20, "reward_errors": 4 if trouble else 0,
                      **({"eval/accuracy": 0.4} if s % 6 == 0 else {})})
@@ -65,10 +66,12 @@ def test_report_has_plots_rollouts_and_no_alarm_on_a_healthy_run(tmp_path):
     assert figures(page) == [
         "reward", "accuracy", "loss", "kl", "completion length (tokens)",
         "completions clipped at algo.max_new_tokens (fraction)", "zero-variance groups (fraction)",
-        "clip_fraction", "grad_norm", "learning_rate", "tokens_per_second", "seconds per step",
+        "clip_fraction", "grad_norm", "learning_rate", "tokens_per_second",
+        "seconds per step, measured and predicted",
         "peak memory", "warm-up (SFT) loss"]
     assert page.count("<svg") == len(figures(page))
     assert "planner&#x27;s prediction: 1.50 GiB" in page
+    assert all(f"</i>{key}</span>" in page for key in ("seconds_update", "predicted_seconds_update"))
     assert "no alarm" in page and 'class="alarm"' not in page
     # the rollout browser: each prompt's image once, by a path relative to the page, and its rows
     assert page.count('<img src="rollouts/step_000010_g000_0.png"') == 1

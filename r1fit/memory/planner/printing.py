@@ -14,7 +14,7 @@ from r1fit.memory.planner.estimate import (
     SAFETY_MARGIN,
     Plan,
 )
-from r1fit.units import format_bytes
+from r1fit.units import format_bytes, format_seconds
 
 _LABELS = {"weights": "weights", "gradients": "gradients", "optimizer": "optimizer (AdamW)",
            "reference": "reference model",
@@ -116,14 +116,6 @@ def render_blocks(plan: Plan, cfg: Config) -> list[Any]:
     return blocks
 
 
-def _seconds(x: float) -> str:
-    """Seconds for a reader: us, ms below one second, s below an hour, else hours."""
-    if x < 1e-3:
-        return f"{x * 1e6:.0f} us"
-    if x < 1:
-        return f"{x * 1e3:.1f} ms"
-    return f"{x:.1f} s" if x < 3600 else f"{x / 3600:.1f} h"
-
 
 def time_blocks(t: dict[str, Any], cfg: Config) -> list[Any]:
     """The time model's prediction (r1fit/memory/planner/timing.py) as lines and a table."""
@@ -135,17 +127,18 @@ def time_blocks(t: dict[str, Any], cfg: Config) -> list[Any]:
         label = name
         if name == "generate":
             d = t["details"]
-            label += (f" (prefill {_seconds(d['prefill_seconds'])}, decode "
-                      f"{_seconds(d['decode_step_seconds'])} per token step)")
-        rows.append((label, _seconds(seconds), f"{seconds / step:.0%}"))
+            label += (f" (prefill {format_seconds(d['prefill_seconds'])}, decode "
+                      f"{format_seconds(d['decode_step_seconds'])} per token step)")
+        rows.append((label, format_seconds(seconds), f"{seconds / step:.0%}"))
     run = (f"{cfg.train.max_steps} steps"
-           + (f" + {t['evaluations']} evaluations of {_seconds(t['eval_seconds'])}"
+           + (f" + {t['evaluations']} evaluations of {format_seconds(t['eval_seconds'])}"
               if t["evaluations"] and t["eval_seconds"] is not None else ""))
     blocks: list[Any] = [
         f"time (predicted; rates: {t['source']}):",
         (("phase", "per step", "share"), rows, {1, 2}),
-        f"step {_seconds(t['step_seconds'])}, {t['tokens_per_second']:,.0f} completion tokens/s; "
-        f"run ({run}): {_seconds(t['run_seconds'])}; {t['dominant']} dominates"]
+        f"step {format_seconds(t['step_seconds'])}, {t['tokens_per_second']:,.0f} completion "
+        f"tokens/s; "
+        f"run ({run}): {format_seconds(t['run_seconds'])}; {t['dominant']} dominates"]
     blocks += [f"  {a}" for a in t["advice"]]
     return blocks
 
