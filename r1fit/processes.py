@@ -4,6 +4,12 @@ loops need (sums, gathers, a barrier).
 A run started without torchrun is one process and every helper here is a no-op, so the loops call
 them unconditionally. Under ``torchrun --nproc-per-node N`` (or several nodes through torchrun's
 rendezvous) each process joins one process group: NCCL on CUDA, gloo on CPU.
+
+``torchrun --nproc-per-node 1`` is one process like a plain run, unless ``R1FIT_ONE_PROCESS_GROUP=1``
+is set (:data:`ONE_PROCESS_GROUP`): then the one process joins a process group of its own and runs
+the distributed path whole (rank-0 loading from the meta device, FSDP2 and its mixed precision,
+sharded checkpoints, the collectives over one rank). No user needs that; it shows the code paths of
+a sharded run on a machine with one device (benchmarks/gpu_check.py's ``fsdp`` stage).
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ class World:
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    #: in a process group though alone in it (``R1FIT_ONE_PROCESS_GROUP=1`` under torchrun)
+    grouped: bool = False
 
     @property
     def main(self) -> bool:
@@ -42,7 +50,8 @@ class World:
 
     @property
     def distributed(self) -> bool:
-        return self.size > 1
+        """In a process group: the model is sharded and the helpers below communicate."""
+        return self.size > 1 or self.grouped
 
     def share(self, n: int, what: str = "rows") -> slice:
         """This rank's contiguous share of ``n`` items; ``n`` must split evenly, because every
@@ -55,6 +64,8 @@ class World:
 
 
 _WORLD = World()
+#: the environment variable that makes a one-process torchrun run join a process group anyway
+ONE_PROCESS_GROUP = "R1FIT_ONE_PROCESS_GROUP"
 
 
 def check_split(cfg: Any, kind: str, w: World) -> None:
@@ -79,23 +90,26 @@ def world() -> World:
 
 def init_distributed(device_type: str) -> World:
     """Join the process group torchrun describes (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
-    ``MASTER_ADDR``/``MASTER_PORT``); one process without torchrun."""
+    ``MASTER_ADDR``/``MASTER_PORT``); one process without torchrun, or with one process unless
+    :data:`ONE_PROCESS_GROUP` is ``1``. The backend: NCCL on CUDA, gloo on the CPU."""
     global _WORLD
     size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size <= 1:
+    grouped = size == 1 and os.environ.get(ONE_PROCESS_GROUP) == "1"
+    if size <= 1 and not grouped:
         _WORLD = World()
         return _WORLD
     try:
         rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     except KeyError as exc:
-        raise DistributedError(f"WORLD_SIZE={size} but {exc.args[0]} is not set; start several "
-                               "processes with torchrun") from exc
+        why = f"{ONE_PROCESS_GROUP}=1" if grouped else f"WORLD_SIZE={size}"
+        raise DistributedError(f"{why} but {exc.args[0]} is not set; start the processes with "
+                               "torchrun") from exc
     if not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
         if device_type == "cuda":
             torch.cuda.set_device(local_rank)
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
-    _WORLD = World(rank=rank, size=size, local_rank=local_rank)
+    _WORLD = World(rank=rank, size=size, local_rank=local_rank, grouped=grouped)
     return _WORLD
 
 

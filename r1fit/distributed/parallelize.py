@@ -57,9 +57,15 @@ def parallelize(root: nn.Module, *, activation_checkpointing: bool, world: World
         policy = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if stored == torch.float32 else None,
             reduce_dtype=torch.float32)
-    for unit in shard_units(root):
+    units = shard_units(root)
+    for unit in units:
         fully_shard(unit, mp_policy=policy)
     fully_shard(root, mp_policy=policy)
+    if world.main:  # what ran, for a reader of the log (benchmarks/gpu_check.py's fsdp stage)
+        log.info("FSDP2: %d units and the root sharded over %d process%s on %s; gathered in %s, "
+                 "gradients reduced in %s", len(units), world.size, "es" * (world.size > 1),
+                 device_type, _dtype_name(policy.param_dtype, root),
+                 _dtype_name(policy.reduce_dtype, root))
     for method in ("generate", "prefill"):  # generation enters through the root too
         if callable(getattr(root, method, None)):
             register_fsdp_forward_method(root, method)
@@ -69,6 +75,11 @@ def parallelize(root: nn.Module, *, activation_checkpointing: bool, world: World
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return root
+
+
+def _dtype_name(dtype: torch.dtype | None, root: nn.Module) -> str:
+    """A mixed-precision policy's dtype by name; None (not cast) is the stored one."""
+    return str(dtype or next(root.parameters()).dtype).removeprefix("torch.")
 
 
 def fsdp_modules(root: nn.Module) -> list[FSDPModule]:
