@@ -38,6 +38,18 @@ ones); the whole run stops starting stages when ``--budget`` seconds are spent:
   with the static engine: step 2's seconds per phase and the update's MFU, step 3 profiled
   (report.profile_step: where the update's time goes), and the plan with the engine against the
   run's max allocated (target as ``plan``). ``--speed-cases`` runs some of the cases.
+- ``fsdp``: the multi-GPU code paths on one card (about 2 minutes): the resume stage's run under
+  ``torchrun --standalone --nproc-per-node 1`` with ``R1FIT_ONE_PROCESS_GROUP=1``, so the one
+  process joins an NCCL process group (gloo in the smoke) and runs rank-0 loading from the meta
+  device, FSDP2 with its bf16 mixed-precision policy, sharded checkpoints of CUDA tensors and the
+  collectives over one rank; NCCL cannot put two ranks on one device, so communication between
+  devices does not run. 3 steps uninterrupted; the same SIGKILLed (torchrun and its worker) once
+  checkpoint 1 is saved, then resumed; the same 3 steps without torchrun. Target: the backend is
+  NCCL, and the resumed run's every step (metrics, timings and memory aside) and final weights
+  equal the uninterrupted torchrun run's bit for bit (``train.deterministic=true``). Printed:
+  the torchrun run's peak against the plan for one process (which leaves FSDP out) and the plain
+  run's; the step time against the plain run's (the cost of FSDP on one device); whether the
+  plain run equals the torchrun run.
 - ``plan``: ``r1fit plan`` (r1fit.memory.planner.plan_memory) against the largest per-step
   ``torch.cuda.max_memory_allocated`` (r1fit's ``peak_memory_bytes``) of 2-step GRPO runs: 3B
   LoRA and 3B full fine-tuning, G=8, 448 px, 256-token completions, bf16. Compared: the plan's
@@ -238,13 +250,31 @@ def read_run(out: Path, seconds: float, *, sft: bool = False) -> RunOutput:
 
 
 def train(values: list[str], out: Path, what: str, *, timeout: float | None = None,
-          command: str = "train") -> RunOutput:
+          command: str = "train", torchrun: bool = False,
+          env: dict[str, str] | None = None) -> RunOutput:
     """``r1fit train`` (or ``command``: ``sft``) in a fresh process (MISSING_ON_DEVICE
-    unimportable) into ``out``."""
+    unimportable) into ``out``; with ``torchrun``, started by torchrun as one process in a
+    process group of its own (:func:`launch`); ``env``: more environment variables."""
     started = time.perf_counter()
-    run_child([sys.executable, "-c", LAUNCHER, command, f"train.output_dir={out}", *values],
-              what, "r1fit", env=child_env(), timeout=timeout, log=LOG)
+    argv, environ = launch(command, [f"train.output_dir={out}", *values], torchrun=torchrun)
+    run_child(argv, what, "r1fit", env={**environ, **(env or {})}, timeout=timeout, log=LOG,
+              group=torchrun)
     return read_run(out, time.perf_counter() - started, sft=command == "sft")
+
+
+def launch(command: str, values: list[str], *, torchrun: bool = False
+           ) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of an r1fit run: ``python -c LAUNCHER``, or with
+    ``torchrun`` the same under ``torchrun --standalone --nproc-per-node 1`` with
+    ``R1FIT_ONE_PROCESS_GROUP=1`` (r1fit.processes: the one process joins a process group, NCCL
+    on CUDA, gloo on the CPU, and shards its model with FSDP2 as over several)."""
+    from r1fit.processes import ONE_PROCESS_GROUP
+
+    argv = [sys.executable, "-c", LAUNCHER, command, *values]
+    if not torchrun:
+        return argv, child_env()
+    return ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+             "1", "--no-python", *argv], {**child_env(), ONE_PROCESS_GROUP: "1"})
 
 
 def plan_of(values: list[str], *, gpu: bool) -> dict[str, int]:
@@ -848,6 +878,160 @@ def stage_detcost(args: argparse.Namespace, work: Path) -> StageResult:
     return result
 
 
+def stage_fsdp(args: argparse.Namespace, work: Path) -> StageResult:
+    """The multi-GPU code paths on one device: the resume stage's run (3B LoRA, short steps, a
+    checkpoint every step, ``train.deterministic=true``) under ``torchrun --nproc-per-node 1``
+    in a process group of its own (:func:`launch`: NCCL on a GPU, gloo in the smoke), so that
+    rank-0 loading from the meta device, FSDP2 with its mixed precision, the sharded checkpoints
+    and the collectives run as over several GPUs, with no communication between devices. Runs:
+    uninterrupted; SIGKILLed (torchrun and its worker) once checkpoint 1 is saved, then resumed;
+    the same run without torchrun. Reported: the backend, the resume against the uninterrupted
+    run (every step's metrics and the final weights, bit for bit), the torchrun run's peak
+    against the plan for one process, and its step time against the plain run's."""
+    from r1fit.doctor.selfcheck import compare_runs
+
+    gpu = scale_of(args).gpu
+    values = resume_values(args, deterministic=True)
+    # the smoke: one thread each, as torchrun gives its processes on CPU by default from two on
+    # (on a busy CI machine, two threads per tiny run spend their time waiting for each other)
+    env = {} if gpu else {"OMP_NUM_THREADS": "1"}
+    straight = train(values, work / "torchrun", "fsdp torchrun", torchrun=True, env=env)
+    kill_torchrun(values, work / "killed", after=KILL_AFTER, env=env)
+    resumed = train(values, work / "killed", "fsdp torchrun resumed", torchrun=True, env=env)
+    plain = train(values, work / "plain", "fsdp plain", env=env)
+    result = StageResult()
+    backend = process_group(straight)
+    want = "nccl" if gpu else "gloo"
+    result.data.update(backend=backend, sharding=straight.lines("FSDP2:"),
+                       seconds={"torchrun": straight.seconds, "plain": plain.seconds})
+    result.add("fsdp process group (torchrun, 1 process)",
+               f"{backend or 'none'} backend; {(straight.lines('FSDP2:') or ['no FSDP2 line'])[0]}",
+               want, backend == want)
+    resumed_at = resumed.lines("resumed grpo at step")
+    problem = resume_problem(resumed_at, KILL_AFTER)
+    differences = [problem] if problem else compare_runs(straight.out, resumed.out)
+    result.data.update(resume_differences=differences, resumed=resumed_at)
+    result.add("fsdp kill and resume (torchrun, deterministic=true)",
+               f"{'identical' if not differences else 'DIFFER'}: killed (SIGKILL to torchrun and "
+               f"its worker) after checkpoint-{KILL_AFTER}, "
+               f"{resumed_at[0] if resumed_at else 'not resumed'}; every step's metrics (timings "
+               f"and memory aside) and the final weights compared bit for bit with the "
+               f"uninterrupted torchrun run" + (f": {'; '.join(differences)}" if differences
+                                                 else ""),
+               "identical", not differences)
+    plan = plan_of(values, gpu=gpu)
+    error = plan_verdict(plan["allocated"], straight.peak())[0]
+    plain_error = plan_verdict(plan["allocated"], plain.peak())[0]
+    result.data.update(plan=plan, peak_bytes=straight.peak(), plain_peak_bytes=plain.peak(),
+                       plan_error=error, plain_plan_error=plain_error)
+    # no target: the plan for one process leaves FSDP out (r1fit plan --gpus 1), and the gap is
+    # what sharding costs on one device (the policy gathered whole for generation beside its
+    # shards)
+    result.add("fsdp peak (torchrun) vs plan for one process",
+               f"plan {plan['allocated'] / MIB:,.1f} MiB vs measured {straight.peak() / MIB:,.1f}"
+               f" MiB: {error:+.1%} (the plain run's peak {plain.peak() / MIB:,.1f} MiB: "
+               f"{plain_error:+.1%})")
+    times = step_times(straight.rows), step_times(plain.rows)
+    result.data.update(step_seconds={"torchrun": times[0], "plain": times[1]})
+    result.add("fsdp step time (torchrun / plain)", time_ratio_line(*times))
+    apart = compare_runs(straight.out, plain.out, limit=1)
+    result.data["plain_differences"] = apart
+    # no target: FSDP's flat parameter buffers and casts may round differently
+    result.add("fsdp torchrun vs plain run", "identical metrics and final weights" if not apart
+               else f"differ (float rounding under FSDP?): {apart[0]}")
+    return result
+
+
+def kill_torchrun(values: list[str], out: Path, *, after: int, env: dict[str, str],
+                  timeout: float = 600) -> None:
+    """torchrun of ``values`` into ``out`` (:func:`launch`), torchrun and its worker (a machine
+    lost) SIGKILLed as soon as ``checkpoint-<after>`` is saved; its output goes to the log."""
+    import signal
+
+    argv, environ = launch("train", [f"train.output_dir={out}", *values], torchrun=True)
+    checkpoint = out / f"checkpoint-{after}"
+    output = out.parent / f"{out.name}.killed-output.txt"
+    with open(output, "w") as sink:
+        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT,
+                                env={**environ, **env})
+    deadline = time.monotonic() + timeout
+    try:
+        while proc.poll() is None and not checkpoint.is_dir():
+            if time.monotonic() > deadline:
+                raise BenchmarkError(f"fsdp torchrun to kill: no {checkpoint.name} in "
+                                     f"{timeout:.0f} s")
+            time.sleep(0.005)
+        if proc.poll() is not None:
+            raise BenchmarkError(f"fsdp torchrun to kill: it ended (exit {proc.returncode}) "
+                                 f"before {checkpoint.name} was saved")
+    finally:
+        # torchrun starts its worker in a session of its own: the tree, not torchrun's group
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # it had ended
+                pass
+        proc.wait()
+        benchkit.append_log(LOG, f"fsdp torchrun SIGKILLed once {checkpoint.name} was saved",
+                            output.read_text(errors="replace"))
+
+
+def resume_problem(lines: list[str], after: int) -> str | None:
+    """Why a rerun's log lines ``resumed grpo at step ...`` do not show a resume from the
+    checkpoint the kill came after (None: they do). A later step means the kill came late: the
+    comparison would then prove less than it says."""
+    if not lines:
+        return "the rerun did not resume from a checkpoint (no 'resumed grpo at step' in its log)"
+    step = int(lines[0].split()[4])
+    if step != after:
+        return f"the rerun resumed at step {step}, not {after}: the kill came late"
+    return None
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (Linux: the parents in /proc/<pid>/stat), children first."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # field 4 is the parent; the name in field 2 may hold spaces, so split after it
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    found, frontier = [], [pid]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def process_group(run: RunOutput) -> str | None:
+    """The backend a run's log names for its process group (None: it had none)."""
+    lines = run.lines("processes (this is rank")
+    return lines[0].split(", ")[-1].removesuffix(" backend").strip() if lines else None
+
+
+#: the phases of a GRPO step's seconds
+PHASES = ("seconds_generate", "seconds_score", "seconds_update")
+
+
+def step_times(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean seconds per phase, and their sum (``step``), over the steps after the first (which
+    warms up), or over the one step there is."""
+    warm = rows[1:] or rows
+    means = {k: sum(float(r.get(k) or 0) for r in warm) / len(warm) for k in PHASES}
+    return {**means, "step": sum(means.values())}
+
+
+def time_ratio_line(sharded: dict[str, float], plain: dict[str, float]) -> str:
+    """The torchrun run's step time against the plain run's, whole and by phase."""
+    def ratio(key: str) -> str:
+        return f"{sharded[key] / plain[key]:.2f}x" if plain[key] > 0 else "n/a"
+
+    return (f"{ratio('step')}: {sharded['step']:.2f} s vs {plain['step']:.2f} s a step after the "
+            f"first (generate {ratio('seconds_generate')}, update {ratio('seconds_update')})")
+
+
 def stage_trl(args: argparse.Namespace, work: Path) -> StageResult:
     """benchmarks/vs_trl.py: TRL's GRPOTrainer and r1fit on the same model, data, G and forced
     completion length."""
@@ -886,6 +1070,7 @@ STAGES: dict[str, tuple[Callable[[argparse.Namespace, Path], StageResult], float
     # name: (function, time cap in seconds on a GPU; the smoke gives each its whole budget)
     "build": (stage_build, 120),
     "speed": (stage_speed, 300),
+    "fsdp": (stage_fsdp, 240),
     "plan": (stage_plan, 170),
     "memtrace": (stage_memtrace, 120),
     "oom": (stage_oom, 130),

@@ -1,6 +1,7 @@
 """benchmarks/gpu_check.py: its verdicts on made-up numbers (a missed target is a non-zero exit),
 and the ``--cpu-smoke`` run (its stages on builtin:tiny on CPU): every stage ends ok, with numbers
-in the table and the JSON. Four stages are left out of the smoke here, whose code runs elsewhere:
+in the table and the JSON (fsdp: torchrun with one process on gloo, killed and resumed, and a plain
+run). Four stages are left out of the smoke here, whose code runs elsewhere:
 trl (benchmarks/vs_trl.py, which tests/benchmarks/test_vs_trl.py runs on CPU against TRL),
 plan7b (the plan stage's runs on another model folder, which only a GPU builds), and resume and
 detcost (r1fit doctor's kill_and_resume and run_train, run for real by tests/doctor; their wiring
@@ -9,6 +10,7 @@ is tested here on fakes)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -85,6 +87,60 @@ def test_a_missed_plan_in_a_stage_makes_the_check_exit_1(monkeypatch, tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["stages"]["plan"]["met"] is False and report["exit_status"] == 1
     assert "MISSED   +12.0% (target -5%..+10%)" in (tmp_path / "gpu_check.log").read_text()
+
+
+def test_a_resume_proves_something_only_from_the_checkpoint_the_kill_came_after():
+    line = "resumed grpo at step 1 from /x/killed/checkpoint-1"
+    assert gc.resume_problem([line], 1) is None
+    assert gc.resume_problem([line.replace("step 1", "step 3")], 1) == (
+        "the rerun resumed at step 3, not 1: the kill came late")
+    assert "did not resume" in gc.resume_problem([], 1)
+
+
+def test_the_fsdp_stage_reads_the_backend_and_times_steps_after_the_first(tmp_path):
+    log = ("2026-11-28 00:06:44,506 INFO r1fit: 1 processes (this is rank 0), nccl backend\n"
+           "2026-11-28 00:06:45,000 INFO r1fit.distributed: FSDP2: 36 units and the root\n")
+    assert gc.process_group(gc.RunOutput(tmp_path, [], log, 1.0)) == "nccl"
+    assert gc.process_group(gc.RunOutput(tmp_path, [], "INFO r1fit: grpo run\n", 1.0)) is None
+    rows = [{"seconds_generate": 9.0, "seconds_score": 1.0, "seconds_update": 9.0},
+            {"seconds_generate": 2.0, "seconds_score": 0.5, "seconds_update": 1.0},
+            {"seconds_generate": 4.0, "seconds_score": 0.5, "seconds_update": 3.0}]
+    sharded = gc.step_times(rows)  # step 1 (warm-up) left out
+    assert sharded == {"seconds_generate": 3.0, "seconds_score": 0.5, "seconds_update": 2.0,
+                       "step": 5.5}
+    assert gc.step_times(rows[:1])["step"] == 19.0  # one step: that one
+    plain = {"seconds_generate": 2.0, "seconds_score": 0.5, "seconds_update": 0.25, "step": 2.75}
+    assert gc.time_ratio_line(sharded, plain) == (
+        "2.00x: 5.50 s vs 2.75 s a step after the first (generate 1.50x, update 8.00x)")
+
+
+def test_the_torchrun_launch_is_one_process_in_a_group_of_its_own():
+    argv, env = gc.launch("train", ["train.max_steps=3"], torchrun=True)
+    assert argv[1:8] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                         "--no-python", argv[0]]
+    assert argv[8:] == ["-c", gc.LAUNCHER, "train", "train.max_steps=3"]
+    assert env["R1FIT_ONE_PROCESS_GROUP"] == "1"
+    plain, plain_env = gc.launch("train", ["train.max_steps=3"])
+    assert plain == argv[7:] and "R1FIT_ONE_PROCESS_GROUP" not in plain_env
+
+
+def test_descendants_finds_a_grandchild(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                              "subprocess.Popen([sys.executable, '-c', 'import time; "
+                              "time.sleep(30)']); time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 20
+        while len(found := gc.descendants(child.pid)) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(found) == 1
+    finally:
+        for pid in [*gc.descendants(child.pid), child.pid]:
+            os.kill(pid, 9)
+        child.wait()
 
 
 #: the smoke's stages here; resume and detcost run r1fit doctor's kill_and_resume and run_train,
@@ -168,6 +224,13 @@ def test_the_smoke_runs_every_stage_with_numbers(tmp_path, capsys):
     turn = speed["3b-lora"]["turn"]
     assert turn["same_tokens"] is True and turn["appended"] > 0
     assert turn["kept_seconds"] > 0 and turn["whole_seconds"] > 0
+    # the multi-GPU paths in one torchrun process (gloo here): FSDP2 on, kill and resume exact
+    fsdp = stages["fsdp"]["data"]
+    assert stages["fsdp"]["met"] and fsdp["backend"] == "gloo" and fsdp["resume_differences"] == []
+    assert fsdp["resumed"][0].startswith(f"resumed grpo at step {gc.KILL_AFTER} ")
+    assert fsdp["sharding"][0].startswith("FSDP2: ") and "over 1 process on cpu" in fsdp["sharding"][0]
+    assert fsdp["peak_bytes"] > 0 and fsdp["plan"]["allocated"] > 0
+    assert fsdp["step_seconds"]["torchrun"]["step"] > 0 and fsdp["step_seconds"]["plain"]["step"] > 0
     assert speed["3b-lora-step"]["seconds_generate"] > 0
     assert speed["3b-lora-step"]["engine_lines"][0] == "rollout.engine=static"
     for stage in SMOKED:
