@@ -250,15 +250,12 @@ def read_run(out: Path, seconds: float, *, sft: bool = False) -> RunOutput:
 
 
 def train(values: list[str], out: Path, what: str, *, timeout: float | None = None,
-          command: str = "train", torchrun: bool = False,
-          env: dict[str, str] | None = None) -> RunOutput:
+          command: str = "train", env: dict[str, str] | None = None) -> RunOutput:
     """``r1fit train`` (or ``command``: ``sft``) in a fresh process (MISSING_ON_DEVICE
-    unimportable) into ``out``; with ``torchrun``, started by torchrun as one process in a
-    process group of its own (:func:`launch`); ``env``: more environment variables."""
+    unimportable) into ``out``; ``env``: more environment variables."""
     started = time.perf_counter()
-    argv, environ = launch(command, [f"train.output_dir={out}", *values], torchrun=torchrun)
-    run_child(argv, what, "r1fit", env={**environ, **(env or {})}, timeout=timeout, log=LOG,
-              group=torchrun)
+    argv, environ = launch(command, [f"train.output_dir={out}", *values])
+    run_child(argv, what, "r1fit", env={**environ, **(env or {})}, timeout=timeout, log=LOG)
     return read_run(out, time.perf_counter() - started, sft=command == "sft")
 
 
@@ -895,9 +892,14 @@ def stage_fsdp(args: argparse.Namespace, work: Path) -> StageResult:
     # the smoke: one thread each, as torchrun gives its processes on CPU by default from two on
     # (on a busy CI machine, two threads per tiny run spend their time waiting for each other)
     env = {} if gpu else {"OMP_NUM_THREADS": "1"}
-    straight = train(values, work / "torchrun", "fsdp torchrun", torchrun=True, env=env)
-    kill_torchrun(values, work / "killed", after=KILL_AFTER, env=env)
-    resumed = train(values, work / "killed", "fsdp torchrun resumed", torchrun=True, env=env)
+    # every torchrun run ends (or is killed, worker and all) before the stage's cap
+    deadline = time.monotonic() + (STAGES["fsdp"][1] - 15 if gpu else 600)
+    straight = train_torchrun(values, work / "torchrun", "fsdp torchrun", env=env,
+                              deadline=deadline)
+    train_torchrun(values, work / "killed", "fsdp torchrun killed", env=env, deadline=deadline,
+                   kill_after=KILL_AFTER)
+    resumed = train_torchrun(values, work / "killed", "fsdp torchrun resumed", env=env,
+                             deadline=deadline)
     plain = train(values, work / "plain", "fsdp plain", env=env)
     result = StageResult()
     backend = process_group(straight)
@@ -942,38 +944,45 @@ def stage_fsdp(args: argparse.Namespace, work: Path) -> StageResult:
     return result
 
 
-def kill_torchrun(values: list[str], out: Path, *, after: int, env: dict[str, str],
-                  timeout: float = 600) -> None:
-    """torchrun of ``values`` into ``out`` (:func:`launch`), torchrun and its worker (a machine
-    lost) SIGKILLed as soon as ``checkpoint-<after>`` is saved; its output goes to the log."""
+def train_torchrun(values: list[str], out: Path, what: str, *, env: dict[str, str],
+                   deadline: float, kill_after: int | None = None) -> RunOutput:
+    """``r1fit train`` of ``values`` into ``out`` under torchrun (:func:`launch`), its output
+    appended to the log. Torchrun and its worker (a machine lost) are SIGKILLed as soon as
+    ``checkpoint-<kill_after>`` is saved, or at ``deadline`` (time.monotonic(); an error then).
+    Torchrun starts its worker in a session of its own, which a kill of torchrun's process group
+    (run_child's timeout) would leave running, holding the GPU: here the whole tree is killed."""
     import signal
 
     argv, environ = launch("train", [f"train.output_dir={out}", *values], torchrun=True)
-    checkpoint = out / f"checkpoint-{after}"
-    output = out.parent / f"{out.name}.killed-output.txt"
+    checkpoint = out / f"checkpoint-{kill_after}"
+    output = out.parent / f"{out.name}.output.txt"
+    started = time.perf_counter()
     with open(output, "w") as sink:
         proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT,
                                 env={**environ, **env})
-    deadline = time.monotonic() + timeout
+    error = None
     try:
-        while proc.poll() is None and not checkpoint.is_dir():
+        while proc.poll() is None and not (kill_after and checkpoint.is_dir()):
             if time.monotonic() > deadline:
-                raise BenchmarkError(f"fsdp torchrun to kill: no {checkpoint.name} in "
-                                     f"{timeout:.0f} s")
+                error = f"{what}: stopped at the stage's deadline"
+                break
             time.sleep(0.005)
-        if proc.poll() is not None:
-            raise BenchmarkError(f"fsdp torchrun to kill: it ended (exit {proc.returncode}) "
-                                 f"before {checkpoint.name} was saved")
     finally:
-        # torchrun starts its worker in a session of its own: the tree, not torchrun's group
         for pid in [proc.pid, *descendants(proc.pid)]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:  # it had ended
                 pass
-        proc.wait()
-        benchkit.append_log(LOG, f"fsdp torchrun SIGKILLed once {checkpoint.name} was saved",
-                            output.read_text(errors="replace"))
+        code = proc.wait()
+        benchkit.append_log(LOG, f"{what} (exit {code})", output.read_text(errors="replace"))
+    if kill_after and error is None and not checkpoint.is_dir():
+        error = f"{what}: it ended (exit {code}) before {checkpoint.name} was saved"
+    if error is None and not kill_after and code != 0:
+        error = f"{what} failed (exit {code}):\n" + benchkit.failure_text(
+            output.read_text(errors="replace"))
+    if error:
+        raise BenchmarkError(error)
+    return read_run(out, time.perf_counter() - started)
 
 
 def resume_problem(lines: list[str], after: int) -> str | None:
