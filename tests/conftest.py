@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -181,28 +183,46 @@ def nearly_all_stop():
 CHROMIUM = Path("/usr/bin/chromium")
 
 
+def chromium(tmp_path: Path, page: Path, *options: str) -> subprocess.CompletedProcess:
+    """Headless Chromium (skips the test where it is missing: CI installs it, apt-get install
+    chromium) run on ``page`` (an HTML file, from disk) with ``options``, in a 1200 x 900 window
+    with a profile of its own, nothing from the network."""
+    if not CHROMIUM.exists():
+        pytest.skip("no /usr/bin/chromium (apt-get install chromium)")
+    profile = tmp_path / "chromium-profile"
+    args = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+            "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", f"--user-data-dir={profile}",
+            "--enable-logging=stderr", "--v=0", "--window-size=1200,900", *options,
+            page.resolve().as_uri()]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    shutil.rmtree(profile, ignore_errors=True)
+    return done
+
+
 @pytest.fixture
 def headless_chromium(tmp_path: Path) -> Callable[[Path], tuple[Path, list[str]]]:
     """``shoot(page)``: ``page`` (an HTML file) opened from disk in headless Chromium; returns its
-    screenshot (1200 x 900) and the console lines (messages and uncaught errors). Skips the test
-    where Chromium is missing (CI installs it: apt-get install chromium)."""
-    import shutil
-    import subprocess
-
-    if not CHROMIUM.exists():
-        pytest.skip("no /usr/bin/chromium (apt-get install chromium)")
+    screenshot (1200 x 900) and the console lines (messages and uncaught errors)."""
 
     def shoot(page: Path) -> tuple[Path, list[str]]:
-        shot, profile = tmp_path / "shot.png", tmp_path / "chromium-profile"
-        args = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                "--no-first-run", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync", f"--user-data-dir={profile}",
-                "--enable-logging=stderr", "--v=0", "--window-size=1200,900",
-                f"--screenshot={shot}", page.resolve().as_uri()]
-        done = subprocess.run(args, capture_output=True, text=True, timeout=60)
-        shutil.rmtree(profile, ignore_errors=True)
+        shot = tmp_path / "shot.png"
+        done = chromium(tmp_path, page, f"--screenshot={shot}")
         assert shot.is_file(), done.stderr[-2000:]
         return shot, [line for line in done.stderr.splitlines()
                       if "CONSOLE" in line or "Uncaught" in line]
 
     return shoot
+
+
+@pytest.fixture
+def chromium_dom(tmp_path: Path) -> Callable[[Path], str]:
+    """``dom(page)``: the document Chromium made of ``page`` (an HTML file, from disk) once
+    loaded and its scripts run (``--dump-dom``): what it shows, not what the file says."""
+
+    def dom(page: Path) -> str:
+        done = chromium(tmp_path, page, "--dump-dom")
+        assert done.returncode == 0 and "<body" in done.stdout, done.stderr[-2000:]
+        return done.stdout
+
+    return dom

@@ -190,7 +190,7 @@ def turn_section(rows: Sequence[dict[str, Any]]) -> str:
             out.append(figure(title, lines))
     masked = points(rows, "masked_token_fraction")
     if masked:
-        out.append(figure("trajectory tokens out of the loss (fraction: the tool turns')",
+        out.append(figure("trajectory tokens out of the loss: tool turns (fraction)",
                           {"masked_token_fraction": masked}))
     return ('<h2 id="multi-turn">Multi-turn diagnostics</h2>\n<p>Per step, over the policy\'s '
             'tokens of each turn (1 = the first, before any tool turn): are the turns after a '

@@ -40,6 +40,13 @@ def test_grpo_runs_the_tool_and_rewards_see_its_calls(use_tiny_cache, tool_calli
         # a calling row reads the result in a second turn; the others end in their first
         assert row["turns_mean"] == pytest.approx(1 + calls / 8)
         assert row["grad_norm"] > 0
+        # the multi-turn diagnostics: the tool turns out of the loss, the answers after them
+        # trained as a second turn (one update per rollout: ratio 1), rewards by calls
+        assert 0 < row["masked_token_fraction"] < 1
+        assert row["turn_ratio/1"] == row["turn_ratio/2"] == pytest.approx(1.0)
+        assert sorted(k for k in row if k.startswith("reward_by_tool_calls/")) == [
+            "reward_by_tool_calls/0", "reward_by_tool_calls/1"]
+    assert 'id="multi-turn"' in (out / "report.html").read_text()
     # evaluation runs the same loop greedily: every row calls first
     assert rows[-1]["eval/tool_use"] == 1.0
     # the report's rollouts hold the turns, with the image the zoom returned

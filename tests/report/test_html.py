@@ -19,9 +19,10 @@ from r1fit.report.rollouts import save_rollout
 from .test_trajectories import scored_rollout
 
 
-def synthetic_run(folder: Path, *, trouble: bool = False) -> Path:
+def synthetic_run(folder: Path, *, trouble: bool = False, tools: bool = False) -> Path:
     """A run folder: a warm-up, an evaluation at step 0, 12 GRPO steps (with reward errors when
-    ``trouble``), one saved step of rollouts (2 prompts x 3 completions) with its images."""
+    ``trouble``; with ``tools``, the multi-turn figures of 2 turns, 3 from step 7), one saved step
+    of rollouts (2 prompts x 3 completions) with its images."""
     folder.mkdir()
     rows = [{"warmup/step": 1, "warmup/loss": 2.0}, {"warmup/step": 2, "warmup/loss": 1.5},
             {"step": 0, "eval/accuracy": 0.1, "eval/format": 0.5}]
@@ -35,7 +36,8 @@ def synthetic_run(folder: Path, *, trouble: bool = False) -> Path:
                      "predicted_seconds_generate": 1.8, "predicted_seconds_update": 1.2,
                      "tokens_per_second": 300 + s, "learning_rate": 1e-5,
                      "peak_memory_bytes": 2**30 + s * 2**20, "reward_errors": 4 if trouble else 0,
-                     **({"eval/accuracy": 0.4} if s % 6 == 0 else {})})
+                     **({"eval/accuracy": 0.4} if s % 6 == 0 else {}),
+                     **(turn_figures(s) if tools else {})})
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (folder / "log.txt").write_text("2026-01-01 INFO r1fit.memory: auto-fit for 80.00 GiB on "
                                     "cuda: memory.micro_batch=4 (planned peak 1.50 GiB)\n")
@@ -54,6 +56,26 @@ def synthetic_run(folder: Path, *, trouble: bool = False) -> Path:
                           "images": [image]})
     (saved / "step_000010.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     return folder
+
+
+def turn_figures(step: int) -> dict[str, float]:
+    """A multi-turn step's figures (r1fit/report/step.py): turns 1-2, a third from step 7, and
+    the reward by 0 or 1 tool calls."""
+    turns = range(1, 4 if step >= 7 else 3)
+    return {"turns_mean": 2.0, "tool_calls_mean": 1.0, "masked_token_fraction": 0.3,
+            **{f"turn_advantage/{k}": 0.1 * (2 - k) for k in turns},
+            **{f"turn_ratio/{k}": 1.0 + 0.01 * k * (step % 2) for k in turns},
+            **{f"turn_clip_fraction/{k}": 0.02 * k for k in turns},
+            **{f"turn_kl/{k}": 0.001 * step * k for k in turns},
+            "reward_by_tool_calls/0": 0.2, "reward_by_tool_calls/1": 0.3 + step / 40}
+
+
+TURN_CAPTIONS = ["advantage per policy token, by turn",
+                 "importance ratio to the old policy, by turn (policy tokens)",
+                 "clipped policy tokens (fraction), by turn",
+                 "KL to the reference (k3) per policy token, by turn",
+                 "mean reward by tool calls per row",
+                 "trajectory tokens out of the loss: tool turns (fraction)"]
 
 
 def figures(page: str) -> list[str]:
@@ -175,13 +197,32 @@ def test_two_step_run_saves_rollouts_and_reports_them(use_tiny_cache, tmp_path):
             "warm-up (SFT) loss"} <= set(figures(page))
 
 
-def test_page_renders_in_headless_chromium_without_console_errors(tmp_path, headless_chromium):
-    run = synthetic_run(tmp_path / "run", trouble=True)
+def test_multi_turn_diagnostics_have_a_section_only_with_tools(tmp_path):
+    assert 'id="multi-turn"' not in build_report(synthetic_run(tmp_path / "plain"))
+    page = build_report(synthetic_run(tmp_path / "tools", tools=True))
+    section = page.split('<h2 id="multi-turn">Multi-turn diagnostics</h2>')[1].split("<h2>")[0]
+    assert figures(section) == TURN_CAPTIONS
+    # each turn a line, in turn order (turn 3 from step 7 on); each number of calls a line
+    assert re.findall(r"<span><i [^>]*></i>(turn_advantage/\d)</span>", section) == [
+        "turn_advantage/1", "turn_advantage/2", "turn_advantage/3"]
+    assert "reward_by_tool_calls/0" in section and "reward_by_tool_calls/1" in section
+    assert not set(TURN_CAPTIONS) & set(figures(page.split('id="multi-turn"')[0]))
+
+
+def test_page_renders_in_headless_chromium_without_console_errors(tmp_path, headless_chromium,
+                                                                  chromium_dom):
+    run = synthetic_run(tmp_path / "run", trouble=True, tools=True)
     save_rollout(scored_rollout(tools=True, step=12), None, run / "rollouts")  # multi-turn rows
     shot, console = headless_chromium(write_report(run))
     colours = Image.open(shot).convert("RGB").getcolors(maxcolors=1 << 20)
     assert colours is not None and len(colours) > 20  # text, plots and images, not a blank page
     assert console == []
+    # Chromium shows the multi-turn diagnostics: their section, a plot per figure, a line per turn
+    dom = chromium_dom(tmp_path / "run" / "report.html")
+    section = dom.split('<h2 id="multi-turn">Multi-turn diagnostics</h2>')[1].split("<h2>")[0]
+    assert figures(section) == TURN_CAPTIONS
+    assert section.count("<svg") == len(TURN_CAPTIONS)
+    assert section.count("<polyline") == 3 * 4 + 2 + 1  # 3 turns x 4 figures, 2 call counts, 1
 
 
 def test_training_rewrites_the_page_every_n_steps_on_rank_0_only(tmp_path):

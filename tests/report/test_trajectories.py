@@ -6,20 +6,23 @@ stay as they were."""
 from __future__ import annotations
 
 import json
+import math
 import re
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 from PIL import Image
 
-from r1fit.data.batch import Prompt
+from r1fit.algorithms.losses import LossSettings
+from r1fit.data.batch import Prompt, pad_rows
 from r1fit.data.sample import Sample
 from r1fit.report import step as step_module
 from r1fit.report.html import build_report
 from r1fit.report.rollouts import save_rollout
 from r1fit.report.sinks import sample_rows
-from r1fit.report.step import step_metrics
+from r1fit.report.step import TurnFigures, step_metrics
 from r1fit.rollout.record import Rollout, Trajectory, Turn
 from r1fit.tools import MalformedCall, ToolCall, ToolResult
 
@@ -86,8 +89,10 @@ def scored_rollout(*, tools: bool, step: int = 4) -> Rollout:
 
 
 def test_step_metrics_average_turns_calls_and_end_reasons_over_every_process_rows(monkeypatch):
-    # a second process holds rows with the same figures: every sum doubles
+    # a second process holds rows with the same figures: every sum doubles, its rows' calls
+    # gather after this one's
     monkeypatch.setattr(step_module, "all_sum", lambda values: [2 * v for v in values])
+    monkeypatch.setattr(step_module, "all_gather_rows", lambda t: torch.cat([t, t]))
     rollout = scored_rollout(tools=True)
     row = step_metrics(rollout, [{"loss": 0.5}], {"seconds_generate": 1.0}, [EOS])
     # this process: 2 + 3 + 2 turns, 1 + 3 + 1 calls, 0 + 2 + 0 errors; doubled, over 6 rows
@@ -100,14 +105,54 @@ def test_step_metrics_average_turns_calls_and_end_reasons_over_every_process_row
     # only the trajectory that ended on EOS ends with one: the others count as clipped
     assert row["completion_clipped_fraction"] == pytest.approx(1 - row["trajectory_end/eos"])
     assert row["completion_len_mean"] == pytest.approx(66 / 6)  # the policy's tokens only
+    # 9 + 16 + 8 policy tokens, 3 + 6 + 2 of tool turns (both processes alike): 11 of 44 masked
+    assert row["masked_token_fraction"] == pytest.approx(0.25)
+    # calls 1, 3, 1 | 1, 3, 1 for rewards 1, 0, 0.5 | 1, 1, 1
+    assert {k: v for k, v in row.items() if k.startswith("reward_by_tool_calls/")} == {
+        "reward_by_tool_calls/1": pytest.approx(0.875), "reward_by_tool_calls/3": 0.5}
 
     plain = step_metrics(scored_rollout(tools=False), [{"loss": 0.5}], {"seconds_generate": 1.0},
                          [EOS])
     added = {"turns_mean", "tool_calls_mean", "tool_errors_mean", "trajectory_end/eos",
              "trajectory_end/max_new_tokens", "trajectory_end/max_turns",
-             "trajectory_end/max_trajectory_tokens"}
+             "trajectory_end/max_trajectory_tokens", "masked_token_fraction",
+             "reward_by_tool_calls/1", "reward_by_tool_calls/3"}
     assert set(row) - set(plain) == added and set(plain) <= set(row)
     assert {k: row[k] for k in plain} == plain
+
+
+def test_turn_figures_are_means_over_each_policy_turns_tokens():
+    """Rows of 2, 3 and 2 policy turns with advantages 1, -1, 0 and ratios 1.5, 1, 0.5 (eps
+    0.2/0.28: row 0 clipped), a KL of e - 2 on row 1's third turn only; whatever sits on the tool
+    turns' tokens (inf here) counts nowhere. Two micro-batches: rows 0-1, then row 2."""
+    rollout = replace(scored_rollout(tools=True), ref_logp=torch.zeros(3, 22))
+    masks = pad_rows([t.policy_mask for t in rollout.trajectories], 22)
+    logp = torch.where(masks > 0, -1.0, float("inf"))
+    old = logp - torch.tensor([[math.log(1.5)], [0.0], [math.log(0.5)]])
+    ref = logp.clone()
+    ref[1, 16:] = logp[1, 16:] + 1  # row 1's third turn
+    loss = LossSettings(0.2, 0.28)
+    figures = TurnFigures.of(rollout, None, loss, max_turns=5)
+    for piece, width in ((slice(0, 2), 22), (slice(2, 3), 10)):
+        figures.add(piece, logp[piece, :width], old[piece, :width], ref[piece, :width],
+                    rollout.advantages[piece], masks[piece, :width])
+    # turn 1: 5 + 4 + 3 tokens, turn 2: 4 + 6 + 5, turn 3: 6 (row 1's)
+    assert figures.sums == pytest.approx({
+        "turn_advantage/1": 1 / 12, "turn_advantage/2": -2 / 15, "turn_advantage/3": -1.0,
+        "turn_ratio/1": 13 / 12, "turn_ratio/2": 14.5 / 15, "turn_ratio/3": 1.0,
+        "turn_clip_fraction/1": 5 / 12, "turn_clip_fraction/2": 4 / 15, "turn_clip_fraction/3": 0.0,
+        "turn_kl/1": 0.0, "turn_kl/2": 0.0, "turn_kl/3": math.e - 2})
+    # algo.mask_truncated leaving row 1 out: no third turn; without a reference, no KL
+    kept = TurnFigures.of(replace(rollout, ref_logp=None), torch.tensor([True, False, True]),
+                          loss, max_turns=5)
+    kept.add(slice(0, 3), logp[:, :22], old[:, :22], None, rollout.advantages,
+             masks * torch.tensor([[1.0], [0.0], [1.0]]))
+    assert kept.sums == pytest.approx({
+        "turn_advantage/1": 5 / 8, "turn_advantage/2": 4 / 9, "turn_ratio/1": 9 / 8,
+        "turn_ratio/2": 8.5 / 9, "turn_clip_fraction/1": 5 / 8, "turn_clip_fraction/2": 4 / 9})
+    plain = TurnFigures.of(scored_rollout(tools=False), None, loss, max_turns=5)
+    plain.add(slice(0, 3), logp, old, ref, rollout.advantages, masks)
+    assert plain.sums == {}
 
 
 def test_sample_rows_show_a_trajectory_turn_by_turn_with_its_results():

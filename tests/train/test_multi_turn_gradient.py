@@ -122,6 +122,20 @@ def assert_unchanged_by_tool_logprobs(run, rollout: Rollout, tool: torch.Tensor,
         assert torch.equal(a, b)
 
 
+def assert_turn_figures(update: dict, trajectories: list[Trajectory], mask: torch.Tensor,
+                        **values: torch.Tensor) -> None:
+    """The update's ``turn_<name>/<k>`` figures are the means of ``values`` over the policy
+    tokens of turn 1 (before the tool turn) and turn 2 (after it)."""
+    first = torch.zeros(mask.shape, dtype=torch.bool)
+    for i, trajectory in enumerate(trajectories):
+        first[i, :trajectory.turns[0].tokens] = True
+    for k, tokens in ((1, first & (mask > 0)), (2, ~first & (mask > 0))):
+        for name, value in values.items():
+            assert update[f"turn_{name}/{k}"] == pytest.approx(float(value[tokens].mean()),
+                                                               rel=1e-6, abs=1e-12), (name, k)
+    assert not any(key.startswith("turn_") and key.endswith("/3") for key in update)
+
+
 def token_gradient(grads: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
     """The micro-batches' gradients of the loss by log-prob, put together: [rows, width]."""
     out = torch.zeros(shape, dtype=torch.float64)
@@ -187,16 +201,19 @@ def test_a_two_turn_steps_gradient_equals_the_hand_computed_one(float64_tiny, mo
         rollout, update = grpo.policy_update(run, rollout, optimizer, scheduler, guard, loss,
                                              iteration=i)
         updates.append(update)
+        logp = seen["logp"]
+        ratio = torch.exp(logp - logp0)
+        adv = rollout.advantages.double().unsqueeze(1).expand_as(mask)
+        unclipped = ~(((ratio < 1 - eps_low) & (adv < 0)) | ((ratio > 1 + eps_high) & (adv > 0)))
+        d = logp0 - logp
+        assert_turn_figures(update, trajectories, mask, advantage=adv, ratio=ratio,
+                            clip_fraction=(~unclipped).double(), kl=torch.expm1(d) - d)
         if not fused:  # the loss's gradient per token: 0 on the tool turns, the rest by hand
             token_grad = token_gradient(seen["token_grads"], mask.shape)
             seen["token_grads"].clear()
             assert torch.all(token_grad[tool] == 0)
             assert torch.all(token_grad[mask == 0] == 0)
-            logp = seen["logp"]
-            ratio = torch.exp(logp - logp0)
-            adv = rollout.advantages.double().unsqueeze(1).expand_as(mask)
-            unclipped = ~(((ratio < 1 - eps_low) & (adv < 0)) | ((ratio > 1 + eps_high) & (adv > 0)))
-            expected = (-adv * ratio * unclipped + beta * (1 - torch.exp(logp0 - logp))) / policy_tokens
+            expected = (-adv * ratio * unclipped + beta * (1 - torch.exp(d))) / policy_tokens
             on = mask > 0
             torch.testing.assert_close(token_grad[on], expected[on], rtol=1e-8, atol=1e-14)
             if i == 0:  # ratio 1, no KL yet: every policy token, before or after the tool turn,
