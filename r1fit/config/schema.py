@@ -391,9 +391,10 @@ class MemoryConfig:
         True, "Recompute layer activations in the backward pass (less memory, about a third more "
         "update compute). 'auto': the planner decides at start-up for the device (CUDA: its free "
         "memory; CPU: memory.budget, else on): off when the step fits without it (with "
-        "micro_batch=auto: when the largest micro-batch without it is at least half the one with "
-        "it); with a fixed micro_batch that does not fit without it, only every n-th layer "
-        "(memory.checkpoint_every) for the largest n that fits; logged once.")
+        "micro_batch=auto: whichever of off and on, each at its largest micro-batch, the time "
+        "model predicts the faster step for); with a fixed micro_batch that does not fit "
+        "without it, only every n-th layer (memory.checkpoint_every) for the largest n that "
+        "fits; logged once.")
     checkpoint_every: int = opt(
         1, "With gradient checkpointing on, recompute only every n-th layer (transformers' "
         "every_n_layers: vision blocks and decoder layers counted together in module order, the "

@@ -13,7 +13,7 @@ import torch
 from r1fit.errors import R1fitError
 from r1fit.memory.sizes import ChunkSizes
 from r1fit.processes import all_max, world
-from r1fit.units import format_bytes, parse_bytes
+from r1fit.units import format_bytes, format_seconds, parse_bytes
 
 log = logging.getLogger("r1fit.memory")
 
@@ -75,9 +75,10 @@ def choose_checkpointing(cfg: Any, *, budget: int, device_type: str, gpus: int,
     more update compute when all are), so it is off when the step fits without it. With a fixed
     ``memory.micro_batch`` that does not fit without it, only every n-th layer recomputes, for
     the largest n whose plan fits (transformers' every_n_layers counts vision blocks and decoder
-    layers together; n = 1 is every layer). With ``micro_batch=auto``: off when the largest
-    micro-batch that fits without it is at least half the one that fits with it on every layer
-    (a micro-batch half as large costs less than recomputing every layer), else every layer."""
+    layers together; n = 1 is every layer). With ``micro_batch=auto``: whichever of off (at the
+    largest micro-batch that fits without it) and every layer (at the largest that fits with it)
+    the time model predicts the faster step for: recomputing costs a third more update
+    compute, more and smaller micro-batches cost their fixed per-forward work."""
     from r1fit.memory.planner import model_facts, plan_memory
 
     def plan(on: bool, every: int = 1) -> Any:
@@ -113,8 +114,13 @@ def choose_checkpointing(cfg: Any, *, budget: int, device_type: str, gpus: int,
     on = plan(True)
     largest_off, largest_on = (getattr(p, f"max_{sized_by}") for p in (off, on))
     sizes = f"largest {sized_by} without it {largest_off}, with it {largest_on}"
-    return (choice(False), sizes) if largest_off * 2 >= max(largest_on, 1) \
-        else (choice(True), sizes)
+    if not largest_off:
+        return choice(True), sizes
+    # each plan is of the run at its own largest size ('auto' plans what it will pick)
+    seconds_off, seconds_on = (p.time["step_seconds"] for p in (off, on))
+    return choice(seconds_on < seconds_off), (
+        f"{sizes}; predicted step {format_seconds(seconds_off)} without, "
+        f"{format_seconds(seconds_on)} with")
 
 
 def resolve_sizes(cfg: Any, device: torch.device, kind: str = "grpo") -> ChunkSizes:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -109,11 +111,12 @@ def test_auto_checkpointing_recomputes_every_nth_layer_when_that_is_enough(use_t
     assert chosen == {"memory.gradient_checkpointing": True, "memory.checkpoint_every": 1}
 
 
-def test_auto_checkpointing_with_auto_micro_batch_compares_the_largest_fits(use_tiny_cache):
+def test_auto_checkpointing_with_auto_micro_batch_picks_the_faster_step(use_tiny_cache,
+                                                                       monkeypatch):
     cfg = load_config(None, [*BASE, "memory.micro_batch=auto", "memory.gradient_checkpointing=auto"])
     choices = []
-    # 9 MiB: only checkpointing fits a micro-batch; 12 MiB: 3 rows without it, 5 with it (more
-    # than half: off); 1 GiB: every row either way
+    # 9 MiB: only checkpointing fits a micro-batch; 12 MiB: 3 rows without it, 5 with it;
+    # 1 GiB: every row either way (recomputing is then pure cost)
     for budget in (9 << 20, 12 << 20, 1 << 30):
         off, on = (plan_memory(cfg.with_values({"memory.gradient_checkpointing": value}),
                                device_memory_bytes=budget, device_type="cpu")
@@ -121,10 +124,23 @@ def test_auto_checkpointing_with_auto_micro_batch_compares_the_largest_fits(use_
         values, why = choose_checkpointing(cfg, budget=budget, device_type="cpu", gpus=1)
         chosen = values["memory.gradient_checkpointing"]
         assert values["memory.checkpoint_every"] == 1  # whole-model only with micro_batch=auto
-        assert chosen is (off.max_micro_batch * 2 < max(on.max_micro_batch, 1))
         assert f"without it {off.max_micro_batch}, with it {on.max_micro_batch}" in why
+        if off.max_micro_batch:
+            assert chosen is (on.time["step_seconds"] < off.time["step_seconds"])
+            assert "predicted step" in why
         choices.append(chosen)
-    assert choices == [True, False, False]
+    assert choices[0] is True and choices[2] is False
+    # at 12 MiB the choice follows the time model: a device whose forwards cost a lot of fixed
+    # time favours the larger micro-batch that checkpointing fits (one forward of 5 rows instead
+    # of two), one with free forwards the step without recomputation
+    import r1fit.memory.rates as rates
+
+    measured = rates.device_rates("cpu")
+    for layer_step, expected in ((1.0, True), (0.0, False)):
+        monkeypatch.setattr(rates, "device_rates", lambda *a, s=layer_step: replace(
+            measured, layer_step_s=[(1, s), (16, s)], launch_s=0.0))
+        values, _ = choose_checkpointing(cfg, budget=12 << 20, device_type="cpu", gpus=1)
+        assert values["memory.gradient_checkpointing"] is expected, layer_step
 
 
 def test_auto_checkpointing_without_a_cpu_budget_stays_on(use_tiny_cache):
