@@ -16,6 +16,13 @@ measured by ``r1fit doctor --calibrate`` and cached per device, else taken from 
 - **logits**: seconds per logit of r1fit's sampler and of the training head's float32
   log-softmax forward and backward (with a 151,936-token vocabulary these, not the matmuls, can
   be most of a small model's step);
+- **a layer over many tokens**: the calibration layer's forward, and its forward and backward,
+  over one row of ``LAYER_TOKENS`` tokens: beyond its matmul FLOPs (at the measured rate) and
+  its fixed cost, what remains is the element-wise work (norms, activations, rotary, residuals,
+  softmax) that grows with tokens x width and that the FLOP count leaves out;
+- **optimizer step per tensor**: AdamW (fused where the device has it, as training builds it),
+  the gradient-norm clip and zeroing over many small tensors: a model's many parameter tensors
+  (a LoRA model's two per adapted matrix) each cost it a fixed time;
 - **generate's step**: Hugging Face generate's own seconds per decode step (its loop, logits
   processors, stopping criteria) on a 1-layer model, as r1fit's HF engine calls it;
 - **disk write rate** (bytes/s) of a file written and synced in the cache folder (checkpoints).
@@ -61,6 +68,13 @@ GPU_DISK_DEFAULT = 1e9
 
 #: the sizes the matmul rate is measured at (square products)
 MATMUL_SIZES = (128, 256, 512, 1024, 2048)
+#: the calibration's decoder layer (a Qwen2 layer): width, MLP width, key/value width
+LAYER_WIDTH, LAYER_MLP, LAYER_KV = 256, 704, 128
+#: tokens of the one row the calibration layer's forward and backward run over
+LAYER_TOKENS = 512
+#: bytes an uncalibrated plan takes a layer's element-wise work to move per token and unit of
+#: width in a forward (about 30 passes, read and write, of 4-byte values); a backward twice that
+ELEMENTWISE_BYTES = 240
 
 
 @dataclass(frozen=True)
@@ -90,6 +104,11 @@ class DeviceRates:
     #: seconds Hugging Face generate spends per decode step outside the model's layers and the
     #: sampler (its loop, logits processors, stopping criteria), at 16 rows
     generate_step_s: float = 0.0
+    #: per dtype name, (tokens, forward seconds, forward and backward seconds) of the
+    #: calibration layer over one row (:meth:`elementwise_s` reads the element-wise part)
+    layer_tokens_s: dict[str, tuple[int, float, float]] = field(default_factory=dict)
+    #: seconds of an optimizer step (AdamW, gradient clip, zeroing) per parameter tensor
+    optimizer_s_per_tensor: float = 0.0
 
     @property
     def calibrated(self) -> bool:
@@ -123,6 +142,25 @@ class DeviceRates:
         slope = (t2 - t1) / (r2 - r1)
         return max(t1 - slope * r1, self.launch_s)
 
+    def elementwise_s(self, dtype: str, hidden: int) -> tuple[float, float]:
+        """(forward, forward and backward) seconds of a decoder layer's element-wise work per
+        token at width ``hidden``: the calibration layer's time over a row of tokens less its
+        matmul FLOPs at the measured rate and its fixed cost, per token, scaled from
+        its width to ``hidden`` (element-wise work grows with the width, matmuls with its
+        square). Data sheets: ``ELEMENTWISE_BYTES`` over the copy bandwidth."""
+        measured = self.layer_tokens_s.get(dtype) or self.layer_tokens_s.get("float32")
+        if not measured:
+            forward = ELEMENTWISE_BYTES * hidden / self.copy_bytes_per_s
+            return forward, 3 * forward
+        tokens, forward_s, train_s = measured
+        forward_flops, train_flops = calibration_layer_flops(tokens)
+        rate = self.matmul_rate(dtype if dtype in self.layer_tokens_s else "float32",
+                                LAYER_WIDTH)
+        fixed = self.layer_overhead_s()
+        per_width = hidden / LAYER_WIDTH / tokens
+        return (max(forward_s - forward_flops / rate - fixed, 0.0) * per_width,
+                max(train_s - train_flops / rate - 3 * fixed, 0.0) * per_width)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -139,7 +177,21 @@ class DeviceRates:
                    head_s_per_logit=float(data.get("head_s_per_logit", 0.0)),
                    skinny={k: [(int(n), float(r)) for n, r in v]
                            for k, v in data.get("skinny", {}).items()},
-                   generate_step_s=float(data.get("generate_step_s", 0.0)))
+                   generate_step_s=float(data.get("generate_step_s", 0.0)),
+                   layer_tokens_s={k: (int(v[0]), float(v[1]), float(v[2]))
+                                   for k, v in data.get("layer_tokens_s", {}).items()},
+                   optimizer_s_per_tensor=float(data.get("optimizer_s_per_tensor", 0.0)))
+
+
+def calibration_layer_flops(tokens: int) -> tuple[int, int]:
+    """(forward, forward and backward) FLOPs of the calibration layer over one row of
+    ``tokens`` tokens: its seven matrices (2 per multiply-add, the backward twice the forward's,
+    every weight trained) and causal attention (about half the scores, the backward twice)."""
+    matrices = 2 * tokens * (2 * LAYER_WIDTH * LAYER_WIDTH + 2 * LAYER_WIDTH * LAYER_KV
+                             + 3 * LAYER_WIDTH * LAYER_MLP)
+    attention = 2 * LAYER_WIDTH * tokens * tokens  # 4 * width * tokens^2, causal: half
+    forward = matrices + attention
+    return forward, 3 * forward
 
 
 def device_name(device: torch.device) -> str:
@@ -306,18 +358,28 @@ def measure_launch(device: torch.device, ops: int = 2000) -> float:
     return _best(run, device, 3) / ops
 
 
+def calibration_layers(device: torch.device, dtype: torch.dtype, positions: int = 256) -> Any:
+    """The calibration's layer stack: a 2-layer transformers Qwen2 model of ``LAYER_WIDTH``
+    (``LAYER_MLP`` MLP, ``LAYER_KV`` key/value width), sdpa attention, in eval mode."""
+    from transformers import Qwen2Config, Qwen2Model
+
+    config = Qwen2Config(hidden_size=LAYER_WIDTH, intermediate_size=LAYER_MLP,
+                         num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=LAYER_KV // 64, vocab_size=512,
+                         max_position_embeddings=positions)
+    config._attn_implementation = "sdpa"
+    return Qwen2Model(config).to(device=device, dtype=dtype).eval()
+
+
 def measure_layer_step(device: torch.device, dtype: torch.dtype,
                        rows: tuple[int, ...], repeats: int = 5) -> list[tuple[int, float]]:
-    """Seconds of one token step through one small decoder layer of a transformers model (a
-    2-layer Qwen2 of width 256 with a 64-token cache, the step divided by its layers): what an
+    """Seconds of one token step through one small decoder layer of a transformers model (the
+    calibration's 2-layer stack with a 64-token cache, the step divided by its layers): what an
     eager decode step costs per layer beyond its arithmetic."""
-    from transformers import DynamicCache, Qwen2Config, Qwen2Model
+    from transformers import DynamicCache
 
-    config = Qwen2Config(hidden_size=256, intermediate_size=704, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
-                         max_position_embeddings=256)
-    config._attn_implementation = "sdpa"
-    model = Qwen2Model(config).to(device=device, dtype=dtype).eval()
+    model = calibration_layers(device, dtype)
+    config = model.config
     name = cache_argument(model)
     out = []
     with torch.no_grad():
@@ -337,6 +399,47 @@ def measure_layer_step(device: torch.device, dtype: torch.dtype,
 
             out.append((n, _best(steps, device, repeats) / 10 / config.num_hidden_layers))
     return out
+
+
+def measure_layer_tokens(device: torch.device, dtype: torch.dtype, tokens: int = LAYER_TOKENS,
+                         repeats: int = 3) -> tuple[int, float, float]:
+    """(``tokens``, forward seconds, forward and backward seconds) per layer of the calibration
+    stack over one row of ``tokens`` tokens, every weight trained (the backward makes their
+    gradients)."""
+    model = calibration_layers(device, dtype, positions=max(tokens, 256))
+    ids = torch.randint(0, 512, (1, tokens), device=device)
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(input_ids=ids)
+
+    def train() -> None:
+        model(input_ids=ids).last_hidden_state.float().sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    layers = model.config.num_hidden_layers
+    return (tokens, _best(forward, device, repeats) / layers,
+            _best(train, device, repeats) / layers)
+
+
+def measure_optimizer(device: torch.device, tensors: int = 200, repeats: int = 3) -> float:
+    """Seconds per parameter tensor of an optimizer step as training runs it (AdamW, fused where
+    the device has it; the gradient norm clipped; gradients zeroed) over ``tensors`` tensors of
+    256 elements each (their arithmetic is nothing: the cost is per tensor)."""
+    params = [torch.nn.Parameter(torch.randn(256, device=device)) for _ in range(tensors)]
+    try:
+        optimizer = torch.optim.AdamW(params, lr=1e-6, fused=True)
+    except (RuntimeError, ValueError):
+        optimizer = torch.optim.AdamW(params, lr=1e-6)
+
+    def step() -> None:
+        for p in params:
+            p.grad = torch.ones_like(p)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return _best(step, device, repeats) / tensors
 
 
 def measure_logits(device: torch.device, rows: int, vocab: int,
@@ -441,6 +544,11 @@ def calibrate(device: torch.device | None = None, *, quick: bool = False,
                                         repeats=2 if quick else 5),
         disk_bytes_per_s=measure_disk(cache_root() / "calibration",
                                       (4 << 20) if quick else (256 << 20)),
+        layer_tokens_s={name: measure_layer_tokens(device, dtype, 64 if quick else LAYER_TOKENS,
+                                                   repeats=2 if quick else 3)
+                        for name, dtype in (("float32", torch.float32),
+                                            (str(half).removeprefix("torch."), half))},
+        optimizer_s_per_tensor=measure_optimizer(device, 20 if quick else 200),
         source=f"calibrated {time.strftime('%Y-%m-%d')}",
         notes=[f"{platform.platform()}", f"torch {torch.__version__}"])
     # the measured step ran one decoder layer: what remains is generate's own loop

@@ -52,6 +52,27 @@ def test_the_lookups_on_hand_made_rates():
     assert DeviceRates.from_dict(json.loads(json.dumps(skinny.to_dict()))) == skinny
 
 
+def test_elementwise_work_is_what_the_calibration_layer_spends_beyond_its_matmuls():
+    # the calibration layer over 100 tokens: 2 x 100 x (2 x 256^2 + 2 x 256 x 128 + 3 x 256 x
+    # 704) = 147,456,000 matrix FLOPs and 2 x 256 x 100^2 = 5,120,000 attention FLOPs, at the
+    # 1e9 FLOP/s measured at width 128 (the nearest at or below 256): 0.152576 s; training
+    # three times that; the fixed cost per layer forward 2.8e-4 s (once, three times)
+    flops = 147_456_000 + 5_120_000
+    r = made(layer_tokens_s={"float32": (100, flops / 1e9 + 2.8e-4 + 0.05,
+                                         3 * flops / 1e9 + 3 * 2.8e-4 + 0.2)})
+    forward, train = r.elementwise_s("float32", 512)
+    # what remains, per token, at twice the calibration layer's width
+    assert forward == pytest.approx(0.05 / 100 * 2)
+    assert train == pytest.approx(0.2 / 100 * 2)
+    assert r.elementwise_s("bfloat16", 512) == (forward, train)  # float32's, not measured
+    assert DeviceRates.from_dict(json.loads(json.dumps(r.to_dict()))) == r
+    # never below nothing; uncalibrated: 240 bytes per token and unit of width at the bandwidth
+    assert made(layer_tokens_s={"float32": (100, 1e-3, 1e-3)}).elementwise_s("float32", 512) \
+        == (0.0, 0.0)
+    assert made().elementwise_s("float32", 512) == pytest.approx((240 * 512 / 1e10,
+                                                                   3 * 240 * 512 / 1e10))
+
+
 def test_a_quick_calibration_is_cached_for_the_plan(tmp_path, monkeypatch):
     monkeypatch.setenv("R1FIT_CACHE", str(tmp_path))
     assert load_calibration(CPU) is None
@@ -67,6 +88,10 @@ def test_a_quick_calibration_is_cached_for_the_plan(tmp_path, monkeypatch):
     assert set(measured.skinny) == {"float32", "bfloat16"}
     assert measured.generate_step_s >= 0  # the loop's cost beyond the layers: can round to 0
     assert all(rate > 0 for curve in measured.skinny.values() for _, rate in curve)
+    assert set(measured.layer_tokens_s) == {"float32", "bfloat16"}
+    assert all(tokens == 64 and 0 < forward < train
+               for tokens, forward, train in measured.layer_tokens_s.values())
+    assert measured.optimizer_s_per_tensor > 0
     assert calibration_path(CPU).parent == tmp_path / "calibration"
     assert device_rates("cpu") == measured == load_calibration(CPU)
     # an unreadable cache is measured again, not trusted

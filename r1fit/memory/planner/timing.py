@@ -116,6 +116,7 @@ class TimeShape:
     checkpointed_fraction: float  # of the decoder's layers recomputed in backward
     trainable: int  # elements
     checkpoint_every: int
+    trainable_tensors: int = 0  # parameter tensors the optimizer steps
 
 
 def run_shape(facts: ModelFacts, cfg: Config, prompt: PromptShape, *, rows: int,
@@ -150,7 +151,9 @@ def run_shape(facts: ModelFacts, cfg: Config, prompt: PromptShape, *, rows: int,
         reference_pass=cfg.algo.beta > 0, iterations=cfg.algo.num_iterations,
         checkpointed_fraction=(layers_ckpt / t.layers if cfg.memory.gradient_checkpointing
                                and t.layers else 0.0),
-        trainable=trainable, checkpoint_every=cfg.checkpoint.every)
+        trainable=trainable, checkpoint_every=cfg.checkpoint.every,
+        trainable_tensors=2 * facts.lora_layers if lora else facts.param_tensors - (
+            0 if vision_trains else facts.vision_param_tensors))
 
 
 def _work(flops: float, nbytes: float, s: TimeShape, rates: DeviceRates,
@@ -166,6 +169,14 @@ def _work(flops: float, nbytes: float, s: TimeShape, rates: DeviceRates,
 def _forward_overhead(s: TimeShape, rates: DeviceRates, *, vision: bool = False) -> float:
     """The fixed seconds of one eager forward: every decoder layer once (and vision block)."""
     return (s.layers + (s.vision_blocks if vision else 0)) * rates.layer_overhead_s()
+
+
+def _elementwise(s: TimeShape, rates: DeviceRates, tokens: float, *, train: bool = False
+                 ) -> float:
+    """Seconds of the decoder layers' element-wise work over ``tokens`` tokens: a forward, or
+    with ``train`` a forward and backward (the calibrated rates, :meth:`DeviceRates.elementwise_s`)."""
+    forward, both = rates.elementwise_s(s.dtype, s.hidden)
+    return s.layers * tokens * (both if train else forward)
 
 
 def prompts_in_chunk(s: TimeShape, rows: int) -> int:
@@ -190,7 +201,7 @@ def generation_seconds(s: TimeShape, rates: DeviceRates, rows: int, completion: 
         chunk = min(s.generation_batch, rows - start)
         n = prompts_in_chunk(s, chunk)
         prefill += _work(n * one, s.weight_bytes, s, rates) + _forward_overhead(
-            s, rates, vision=bool(patches))
+            s, rates, vision=bool(patches)) + _elementwise(s, rates, n * s.prompt)
         steps = max(completion - 1, 0)
         if not steps:
             continue
@@ -235,18 +246,24 @@ def time_plan(s: TimeShape, rates: DeviceRates, cfg: Config, *, processes: int =
     # the head's float32 log-softmax over the vocabulary, per completion token (forward and
     # backward in an update; the forward, about half, in a log-prob pass)
     head = s.rows * s.completion * s.vocab * rates.head_s_per_logit
+    tokens = s.rows * (s.prompt + s.completion)
     logprobs = 0.0
     if s.reference_pass:
         logprobs = _work(passes, micro_batches * s.weight_bytes, s, rates) + micro_batches * \
-            _forward_overhead(s, rates, vision=bool(s.patches)) + head / 2
+            _forward_overhead(s, rates, vision=bool(s.patches)) + head / 2 + \
+            _elementwise(s, rates, tokens)
     recompute = s.checkpointed_fraction * s.rows * forward_flops(
         s.shape, context=0, tokens=s.prompt + s.completion, head_tokens=0)
     update_work = s.rows * update_flops(s.shape, group) + recompute
+    # AdamW's bytes over the bandwidth, and its fixed cost per tensor (clip and zeroing too)
     optimizer = s.trainable * (2 * s.bytes_per_element + s.bytes_per_element
-                               + ADAM_MOMENT_BYTES) / rates.copy_bytes_per_s
+                               + ADAM_MOMENT_BYTES) / rates.copy_bytes_per_s + \
+        s.trainable_tensors * rates.optimizer_s_per_tensor
     update = s.iterations * (
         _work(update_work, micro_batches * s.weight_bytes, s, rates)
         + micro_batches * 3 * _forward_overhead(s, rates, vision=bool(s.patches))
+        + _elementwise(s, rates, tokens, train=True)
+        + s.checkpointed_fraction * _elementwise(s, rates, tokens)
         + head + optimizer)
     saved = s.trainable * (s.bytes_per_element + 8)
     checkpoint = saved / rates.disk_bytes_per_s / s.checkpoint_every if s.checkpoint_every else 0

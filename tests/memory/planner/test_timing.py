@@ -1,6 +1,8 @@
 """The time model on hand-computed numbers: a made-up model (decoder matrices of 1,000 entries
 over 2 layers, a head of 200, attention width 10) on made-up rates (4 GFLOP/s at its width,
-10 GB/s, 2 us a launch, 0.28 ms of fixed cost per layer step); then on builtin:tiny's facts."""
+10 GB/s, 2 us a launch, 0.28 ms of fixed cost per layer step, no calibrated element-wise
+work: 240 bytes per token and unit of width at 10 GB/s; 1 us per optimizer tensor); then on
+builtin:tiny's facts."""
 
 from __future__ import annotations
 
@@ -28,17 +30,19 @@ RATES = DeviceRates(device="test", key="test",
                     matmul={"float32": [(128, 1e9), (512, 4e9), (2048, 8e9)]},
                     copy_bytes_per_s=1e10, launch_s=2e-6, layer_step_s=[(1, 3e-4), (16, 6e-4)],
                     disk_bytes_per_s=1e8, source="test", sample_s_per_logit=1e-9,
-                    head_s_per_logit=2e-9)
+                    head_s_per_logit=2e-9, optimizer_s_per_tensor=1e-6)
 STEP = TimeShape(shape=SHAPE, layers=2, vision_blocks=0, hidden=600, kv_bytes_per_token=40,
                  vocab=100,
                  weight_bytes=4800, bytes_per_element=4, dtype="float32",
                  lora_linears_per_layer=0, prompt=10, patches=0, completion=5, group=4, rows=8,
                  generation_batch=8, micro_batch=4, shares_prompts=True, graphs=False,
                  unmerged_lora=False, engine="static", reference_pass=False, iterations=1,
-                 checkpointed_fraction=0.0, trainable=1200, checkpoint_every=0)
+                 checkpointed_fraction=0.0, trainable=1200, checkpoint_every=0,
+                 trainable_tensors=10)
 FIXED = 2.8e-4  # RATES' fixed seconds per layer step: 3e-4 - 1 x (6e-4 - 3e-4) / 15
 SAMPLE = 8 * 100 * 1e-9  # the sampler over 8 rows' 100 logits, per decode step
 HEAD = 8 * 5 * 100 * 2e-9  # the head's log-softmax over 8 rows x 5 completion tokens' logits
+EW = 240 * 600 / 1e10  # a layer's element-wise seconds per token in a forward (x 3 in training)
 
 
 def test_prompts_a_chunk_prefills():
@@ -51,8 +55,9 @@ def test_prompts_a_chunk_prefills():
 def test_generation_by_hand():
     prefill, decode = generation_seconds(STEP, RATES, rows=8, completion=5)
     # prefill: 2 prompts x (2 x 1000 x 10 + 2 x 200 x 1 + 4 x 10 x 55) = 45,200 FLOPs at 4e9
-    # (above the 4,800 weight bytes at 1e10), plus 2 layers' fixed cost
-    assert prefill == pytest.approx(45_200 / 4e9 + 2 * FIXED)
+    # (above the 4,800 weight bytes at 1e10), plus 2 layers' fixed cost and their element-wise
+    # work over the 2 x 10 prompt tokens
+    assert prefill == pytest.approx(45_200 / 4e9 + 2 * FIXED + 2 * 20 * EW)
     # 4 decode steps of 8 rows at a mean context of 12.5: 2 x 8 x 1200 + 4 x 10 x 8 x 12.5
     # = 23,200 FLOPs (5.8 us), above 4,800 + 8 x 12.5 x 40 = 8,800 bytes (0.88 us)
     assert decode == pytest.approx(4 * (23_200 / 4e9 + 2 * FIXED + SAMPLE))
@@ -72,7 +77,7 @@ def test_generation_by_hand():
     assert slow == pytest.approx(4 * (8_800 / 1e8 + 2 * FIXED + SAMPLE))
     # two chunks of 4 rows: each its own prefill (one prompt each) and decode
     prefill2, _ = generation_seconds(replace(STEP, generation_batch=4), RATES, 8, 5)
-    assert prefill2 == pytest.approx(2 * (22_600 / 4e9 + 2 * FIXED))
+    assert prefill2 == pytest.approx(2 * (22_600 / 4e9 + 2 * FIXED + 2 * 10 * EW))
 
 
 def test_a_step_by_hand():
@@ -83,9 +88,11 @@ def test_a_step_by_hand():
     assert t.phases["score"] == pytest.approx(8 * 1e-4)
     assert t.phases["logprobs"] == 0 and t.phases["checkpoint"] == 0
     # update: each row's forward (22,200 + 14,600) and backward (60,000 + 4,000 + 2 x 4,800)
-    # = 110,400 FLOPs, x 8 rows at 4e9; 2 micro-batches x 3 forwards' fixed cost; AdamW over
-    # 1,200 float32 elements: 28 bytes each at 1e10; the head's log-softmax
-    update = 8 * 110_400 / 4e9 + 2 * 3 * 2 * FIXED + HEAD + 1200 * 28 / 1e10
+    # = 110,400 FLOPs, x 8 rows at 4e9; 2 micro-batches x 3 forwards' fixed cost; 2 layers'
+    # element-wise work over 8 x 15 tokens, forward and backward; AdamW over 1,200 float32
+    # elements: 28 bytes each at 1e10, and 10 tensors' fixed cost; the head's log-softmax
+    update = (8 * 110_400 / 4e9 + 2 * 3 * 2 * FIXED + 2 * 120 * 3 * EW + HEAD
+              + 1200 * 28 / 1e10 + 10 * 1e-6)
     assert t.phases["update"] == pytest.approx(update)
     assert t.step_seconds == pytest.approx(prefill + decode + 8e-4 + update)
     assert t.tokens_per_second == pytest.approx(8 * 5 / t.step_seconds)
@@ -97,7 +104,8 @@ def test_a_step_by_hand():
                      eval_rows=16).evaluations == 3
     # the reference's pass, checkpoints every 2 steps: 1,200 x (4 + 8) bytes at 1e8 over 2 steps
     more = time_plan(replace(STEP, reference_pass=True, checkpoint_every=2), RATES, cfg)
-    assert more.phases["logprobs"] == pytest.approx(8 * 36_800 / 4e9 + 2 * 2 * FIXED + HEAD / 2)
+    assert more.phases["logprobs"] == pytest.approx(8 * 36_800 / 4e9 + 2 * 2 * FIXED + HEAD / 2
+                                                    + 2 * 120 * EW)
     assert more.phases["checkpoint"] == pytest.approx(1200 * 12 / 1e8 / 2)
     # an SFT step: the update alone
     sft = time_plan(STEP, RATES, cfg, training_only=True)
