@@ -160,10 +160,14 @@ def measure(  # noqa: PLR0913 -- the benchmark's knobs, all keywords
         hf_all, out = timed(dev, lambda: hf(hf_tokens), repeats)
         assert all(len(c) == hf_tokens for c in out), "HF completions were not forced to full length"
         hf_step = (hf_all - hf_first) / max(hf_tokens - 1, 1)
-        hf_seconds = hf_first + (new_tokens - 1) * hf_step  # at new_tokens: prefill + decode steps
+        # at new_tokens: prefill + decode steps; where noise outweighs the few steps' time (a
+        # loaded machine, a smoke's handful of tokens), the run as measured
+        extrapolated = hf_step > 0
+        hf_seconds = hf_first + (new_tokens - 1) * hf_step if extrapolated else hf_all
         hf_result = {"prefill_seconds": hf_first, "seconds_measured": hf_all,
                      "decode_ms_per_step": hf_step * 1e3, "seconds_at_new_tokens": hf_seconds,
-                     "tokens_per_second": n * new_tokens / hf_seconds}
+                     "tokens_per_second": n * (new_tokens if extrapolated else hf_tokens)
+                     / hf_seconds, "extrapolated": extrapolated}
 
     memory(dev, "after hf generate")
     engine, error = StaticDecoder(model, ids, dev, compile=compile), None

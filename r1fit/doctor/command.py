@@ -9,10 +9,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from r1fit.doctor.env import collect_env, first_device, render_env
 from r1fit.errors import R1fitError
 from r1fit.report.blocks import print_blocks
+
+if TYPE_CHECKING:  # torch's: imported where the rates are measured
+    from r1fit.memory.rates import DeviceRates
 
 
 def doctor(*, json_out: bool = False, check: bool = False, out: Path | None = None,
@@ -59,6 +63,20 @@ def doctor(*, json_out: bool = False, check: bool = False, out: Path | None = No
     return 0 if ok else 1
 
 
+def _layer_tokens_lines(rates: DeviceRates) -> list[str]:
+    """The calibration layer over a row of tokens, per dtype, and its element-wise part."""
+    from r1fit.memory.rates import LAYER_WIDTH
+
+    lines = []
+    for dtype, (tokens, forward, train) in rates.layer_tokens_s.items():
+        per_token = rates.elementwise_s(dtype, LAYER_WIDTH)
+        lines.append(f"decoder layer over {tokens} tokens ({dtype}): forward {forward * 1e3:.2f} "
+                     f"ms, with backward {train * 1e3:.2f} ms; element-wise "
+                     f"{per_token[0] * 1e6:.2f} / {per_token[1] * 1e6:.2f} us per token at width "
+                     f"{LAYER_WIDTH}")
+    return lines
+
+
 def _calibrate(json_out: bool) -> int:
     """``r1fit doctor --calibrate``: measure, cache and print the first device's rates."""
     from r1fit.memory.rates import calibrate, calibration_path
@@ -80,8 +98,12 @@ def _calibrate(json_out: bool) -> int:
                   f"decoder layer step: {layer} (fixed part "
                   f"{rates.layer_overhead_s() * 1e3:.3f} ms)",
                   f"Hugging Face generate's own loop {rates.generate_step_s * 1e3:.3f} ms per "
-                  f"decode step; sampler {rates.sample_s_per_logit * 1e9:.2f} ns and training "
+                  f"decode step and {rates.generate_s_per_logit * 1e9:.2f} ns per logit; "
+                  f"sampler {rates.sample_s_per_logit * 1e9:.2f} ns and training "
                   f"head {rates.head_s_per_logit * 1e9:.2f} ns per logit",
+                  *_layer_tokens_lines(rates),
+                  f"optimizer step (AdamW, clip, zeroing) {rates.optimizer_s_per_tensor * 1e6:.1f} "
+                  "us per parameter tensor",
                   f"disk writes {rates.disk_bytes_per_s / 1e6:,.0f} MB/s",
                   f"saved to {path}: `r1fit plan` reads it"], rich=sys.stdout.isatty())
     return 0

@@ -104,6 +104,10 @@ class DeviceRates:
     #: seconds Hugging Face generate spends per decode step outside the model's layers and the
     #: sampler (its loop, logits processors, stopping criteria), at 16 rows
     generate_step_s: float = 0.0
+    #: seconds Hugging Face generate spends per logit of a decode step beyond the head's
+    #: matmul (r1fit's sampler, generate's logits processors and copies over the vocabulary);
+    #: charged instead of ``sample_s_per_logit`` on the HF engine
+    generate_s_per_logit: float = 0.0
     #: per dtype name, (tokens, forward seconds, forward and backward seconds) of the
     #: calibration layer over one row (:meth:`elementwise_s` reads the element-wise part)
     layer_tokens_s: dict[str, tuple[int, float, float]] = field(default_factory=dict)
@@ -123,15 +127,20 @@ class DeviceRates:
         return below[-1] if below else curve[0][1]
 
     def skinny_rate(self, dtype: str, rows: float, size: float) -> float:
-        """FLOP/s of a decode step's products over ``rows`` rows: the measured skinny rate of
-        the nearest row count at or below it, never above the square rate at ``size``; the
-        square rate where no skinny product was measured."""
+        """FLOP/s of a decode step's products over ``rows`` rows: the measured skinny rates
+        interpolated linearly in rows between the row counts measured (the first below them,
+        the last beyond), never above the square rate at ``size``; the square rate where no
+        skinny product was measured."""
         curve = self.skinny.get(dtype) or self.skinny.get("float32")
         square = self.matmul_rate(dtype, size)
         if not curve:
             return square
-        below = [rate for n, rate in curve if n <= rows]
-        return min(below[-1] if below else curve[0][1], square)
+        rate = curve[0][1] if rows <= curve[0][0] else curve[-1][1]
+        for (n1, r1), (n2, r2) in zip(curve, curve[1:]):
+            if n1 <= rows <= n2:
+                rate = r1 + (r2 - r1) * (rows - n1) / (n2 - n1)
+                break
+        return min(rate, square)
 
     def layer_overhead_s(self) -> float:
         """The fixed seconds of one token step through one decoder layer: the calibration
@@ -178,6 +187,7 @@ class DeviceRates:
                    skinny={k: [(int(n), float(r)) for n, r in v]
                            for k, v in data.get("skinny", {}).items()},
                    generate_step_s=float(data.get("generate_step_s", 0.0)),
+                   generate_s_per_logit=float(data.get("generate_s_per_logit", 0.0)),
                    layer_tokens_s={k: (int(v[0]), float(v[1]), float(v[2]))
                                    for k, v in data.get("layer_tokens_s", {}).items()},
                    optimizer_s_per_tensor=float(data.get("optimizer_s_per_tensor", 0.0)))
@@ -461,12 +471,16 @@ def measure_logits(device: torch.device, rows: int, vocab: int,
     return sample / scores.numel(), _best(head, device, repeats) / scores.numel()
 
 
-def measure_generate_step(device: torch.device, rows: int = 16, repeats: int = 3) -> float:
-    """Seconds per decode step of Hugging Face generate, as r1fit's HF engine runs it (its
-    generation config, ``SeededSampler``), on a 1-layer model of width 64 and a 512-token
-    vocabulary (its sampler's cost is small there); :func:`calibrate` takes the layer's fixed
-    part off, leaving the loop's own cost per step."""
+def measure_generate_step(device: torch.device, rows: int = 16, repeats: int = 3,
+                          vocab: int = 65536) -> tuple[float, float]:
+    """(seconds per decode step, seconds per logit) of Hugging Face generate as r1fit's HF
+    engine runs it (its generation config, ``SeededSampler``), on a 1-layer model of width 64:
+    the step at a 512-token vocabulary (:func:`calibrate` takes the layer's fixed part off,
+    leaving the loop's own cost), and what each logit more costs at ``vocab`` tokens beyond the
+    head's matmul (the sampler, generate's processors and copies: per logit, a large
+    vocabulary's step is mostly these)."""
     from transformers import LogitsProcessorList, Qwen2Config, Qwen2ForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from r1fit.rollout.generate import (
         SamplingSettings,
@@ -475,28 +489,42 @@ def measure_generate_step(device: torch.device, rows: int = 16, repeats: int = 3
         generation_config,
     )
 
-    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, vocab_size=512,
-                         max_position_embeddings=256)
-    config._attn_implementation = "sdpa"
-    model = Qwen2ForCausalLM(config).to(device).eval()
     ids = TokenIds(pad=0, eos=[1], blocked=[2])
     prompt = torch.randint(3, 512, (rows, 16), device=device)
 
-    def run(tokens: int) -> float:
-        settings = SamplingSettings(max_new_tokens=tokens, min_new_tokens=tokens)
-        gen = generation_config(settings, ids)
+    def per_step(size: int) -> tuple[float, Any]:
+        config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, vocab_size=size,
+                             max_position_embeddings=256)
+        config._attn_implementation = "sdpa"
+        model = Qwen2ForCausalLM(config).to(device).eval()
 
-        def call() -> None:
-            sampler = SeededSampler(list(range(rows)), 1.0, 1.0)
-            model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
-                           generation_config=gen, logits_processor=LogitsProcessorList([sampler]))
+        def run(tokens: int) -> float:
+            gen = generation_config(SamplingSettings(max_new_tokens=tokens,
+                                                     min_new_tokens=tokens), ids)
 
-        return _best(call, device, repeats)
+            def call() -> None:
+                sampler = SeededSampler(list(range(rows)), 1.0, 1.0)
+                model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                               generation_config=gen,
+                               logits_processor=LogitsProcessorList([sampler]))
 
-    with torch.no_grad():
-        per_step = (run(17) - run(1)) / 16
-    return max(per_step, 0.0)
+            return _best(call, device, repeats)
+
+        return (run(9) - run(1)) / 8, model
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # generate warns of min_length beside min_new_tokens
+    try:
+        with torch.no_grad():
+            small, _ = per_step(512)
+            large, model = per_step(vocab)
+            hidden = torch.randn(rows, 64, device=device)
+            head = _best(lambda: model.lm_head(hidden), device, repeats)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    per_logit = max(large - small - head, 0.0) / (rows * (vocab - 512))
+    return max(small, 0.0), per_logit
 
 
 def measure_disk(folder: Path, nbytes: int) -> float:
@@ -529,6 +557,8 @@ def calibrate(device: torch.device | None = None, *, quick: bool = False,
     from r1fit.models.builtin import cache_root
 
     sample, head = measure_logits(device, 16, 16384 if quick else 131072)
+    loop_step, loop_logit = measure_generate_step(device, repeats=2 if quick else 3,
+                                                  vocab=4096 if quick else 65536)
     skinny_rows = (1, 16) if quick else (1, 4, 16, 64, 256)
     skinny = {name: measure_skinny(device, dtype, skinny_rows, out=2048 if quick else 8192)
               for name, dtype in (("float32", torch.float32),
@@ -536,7 +566,7 @@ def calibrate(device: torch.device | None = None, *, quick: bool = False,
     rates = DeviceRates(
         device=device_name(device), key=device_key(device), matmul=matmul,
         sample_s_per_logit=sample, head_s_per_logit=head, skinny=skinny,
-        generate_step_s=measure_generate_step(device, repeats=2 if quick else 3),
+        generate_step_s=loop_step, generate_s_per_logit=loop_logit,
         copy_bytes_per_s=measure_copy(device, (8 << 20) if quick else copy_bytes),
         launch_s=measure_launch(device, 200 if quick else 2000),
         layer_step_s=measure_layer_step(device, torch.float32 if not cuda else half,

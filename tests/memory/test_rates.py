@@ -42,11 +42,13 @@ def test_the_lookups_on_hand_made_rates():
     # a step that shrinks with rows (noise): never below a launch
     assert made(layer_step_s=[(1, 1e-6), (16, 1e-3)]).layer_overhead_s() == 2e-6
     assert DeviceRates.from_dict(json.loads(json.dumps(r.to_dict()))) == r
-    # a decode step's products: the skinny rate of the nearest row count at or below, never
-    # above the square rate; the square rate where none was measured
+    # a decode step's products: the skinny rates interpolated in rows, never above the square
+    # rate; the square rate where none was measured
     assert r.skinny_rate("float32", 8, 600) == 4e9
     skinny = made(skinny={"float32": [(1, 1e8), (16, 2e9)]})
-    assert skinny.skinny_rate("float32", 8, 600) == 1e8
+    # between two measured row counts, linear in rows: 1e8 + 1.9e9 x 7 / 15
+    assert skinny.skinny_rate("float32", 8, 600) == pytest.approx(1e8 + 1.9e9 * 7 / 15)
+    assert skinny.skinny_rate("float32", 1, 600) == 1e8
     assert skinny.skinny_rate("float32", 32, 600) == 2e9
     assert skinny.skinny_rate("float32", 32, 64) == 1e9  # the square rate at 64 is lower
     assert DeviceRates.from_dict(json.loads(json.dumps(skinny.to_dict()))) == skinny
@@ -87,6 +89,7 @@ def test_a_quick_calibration_is_cached_for_the_plan(tmp_path, monkeypatch):
     assert measured.sample_s_per_logit > 0 and measured.head_s_per_logit > 0
     assert set(measured.skinny) == {"float32", "bfloat16"}
     assert measured.generate_step_s >= 0  # the loop's cost beyond the layers: can round to 0
+    assert measured.generate_s_per_logit >= 0
     assert all(rate > 0 for curve in measured.skinny.values() for _, rate in curve)
     assert set(measured.layer_tokens_s) == {"float32", "bfloat16"}
     assert all(tokens == 64 and 0 < forward < train

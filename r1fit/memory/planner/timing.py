@@ -216,11 +216,13 @@ def generation_seconds(s: TimeShape, rates: DeviceRates, rows: int, completion: 
             fixed = s.layers * (rates.layer_overhead_s() + (
                 s.lora_linears_per_layer * LORA_KERNELS * rates.launch_s
                 if s.unmerged_lora else 0.0))
+        per_logit = rates.sample_s_per_logit  # the sampler over every row's whole vocabulary
         if s.engine == "hf":
             fixed += rates.generate_step_s  # generate's own loop, processors, criteria
-        # the sampler over every row's whole vocabulary
+            # and its processors and copies over the vocabulary, the sampler among them
+            per_logit = max(per_logit, rates.generate_s_per_logit)
         decode += steps * (_work(flops, nbytes, s, rates, rows=chunk) + fixed
-                           + chunk * s.vocab * rates.sample_s_per_logit)
+                           + chunk * s.vocab * per_logit)
     return prefill, decode
 
 
