@@ -103,7 +103,8 @@ def _calibrate(json_out: bool) -> int:
                   f"head {rates.head_s_per_logit * 1e9:.2f} ns per logit",
                   *_layer_tokens_lines(rates),
                   f"optimizer step (AdamW, clip, zeroing) {rates.optimizer_s_per_tensor * 1e6:.1f} "
-                  "us per parameter tensor",
+                  f"us per parameter tensor; peft's unmerged LoRA adapter "
+                  f"{rates.lora_s_per_linear * 1e6:.1f} us per Linear forward",
                   f"disk writes {rates.disk_bytes_per_s / 1e6:,.0f} MB/s",
                   f"saved to {path}: `r1fit plan` reads it"], rich=sys.stdout.isatty())
     return 0

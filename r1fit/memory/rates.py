@@ -20,6 +20,8 @@ measured by ``r1fit doctor --calibrate`` and cached per device, else taken from 
   over one row of ``LAYER_TOKENS`` tokens: beyond its matmul FLOPs (at the measured rate) and
   its fixed cost, what remains is the element-wise work (norms, activations, rotary, residuals,
   softmax) that grows with tokens x width and that the FLOP count leaves out;
+- **an unmerged LoRA adapter**: what peft's adapter adds to one Linear's forward of one token
+  (its Python and kernels: dropout, A, B, scale, add), its arithmetic aside;
 - **optimizer step per tensor**: AdamW (fused where the device has it, as training builds it),
   the gradient-norm clip and zeroing over many small tensors: a model's many parameter tensors
   (a LoRA model's two per adapted matrix) each cost it a fixed time;
@@ -61,6 +63,11 @@ GPU_BANDWIDTH: tuple[tuple[str, float], ...] = (
 )
 #: a GPU kernel launch from eager PyTorch (seconds), the order of magnitude the field quotes
 GPU_LAUNCH_SECONDS = 8e-6
+#: an uncalibrated GPU's eager decoder layer step and peft adapter (seconds), as measured on one
+#: H100 (benchmarks/RESULTS.md, 2026-11-26, Hugging Face generate of Qwen2.5-VL-3B at G=8): ~28
+#: ms per token step over 36 layers fully fine-tuned, ~59 ms with LoRA r=16 on 7 Linears a layer
+GPU_LAYER_STEP_SECONDS = 28e-3 / 36
+GPU_LORA_SECONDS = (59e-3 - 28e-3) / (36 * 7)
 #: rough CPU figures for an uncalibrated plan (a 2-core cloud machine measured here, rounded)
 CPU_DEFAULTS = {"matmul": 4e10, "copy": 1e10, "launch": 5e-6, "layer_step": 5e-4, "disk": 2e8}
 #: rough NVMe write rate for an uncalibrated GPU machine
@@ -113,6 +120,9 @@ class DeviceRates:
     layer_tokens_s: dict[str, tuple[int, float, float]] = field(default_factory=dict)
     #: seconds of an optimizer step (AdamW, gradient clip, zeroing) per parameter tensor
     optimizer_s_per_tensor: float = 0.0
+    #: seconds peft's unmerged adapter adds to one Linear's forward (0: not measured, the time
+    #: model counts ``LORA_KERNELS`` launches)
+    lora_s_per_linear: float = 0.0
 
     @property
     def calibrated(self) -> bool:
@@ -190,7 +200,8 @@ class DeviceRates:
                    generate_s_per_logit=float(data.get("generate_s_per_logit", 0.0)),
                    layer_tokens_s={k: (int(v[0]), float(v[1]), float(v[2]))
                                    for k, v in data.get("layer_tokens_s", {}).items()},
-                   optimizer_s_per_tensor=float(data.get("optimizer_s_per_tensor", 0.0)))
+                   optimizer_s_per_tensor=float(data.get("optimizer_s_per_tensor", 0.0)),
+                   lora_s_per_linear=float(data.get("lora_s_per_linear", 0.0)))
 
 
 def calibration_layer_flops(tokens: int) -> tuple[int, int]:
@@ -276,13 +287,14 @@ def datasheet_rates(name: str) -> DeviceRates:
     if bf16 is None or fp32 is None or bandwidth is None:
         bf16, fp32, bandwidth = 989e12, 494e12, 3.35e12
         source = f"data sheet of an H100 ({name} unknown); r1fit doctor --calibrate measures it"
-    layer = 60 * GPU_LAUNCH_SECONDS  # ~60 kernels per eager decoder layer step
     logit = 16 / bandwidth  # a few float32 passes over each logit
     return DeviceRates(device=name, key=name, matmul={"bfloat16": [(MATMUL_SIZES[-1], bf16)],
                                                       "float32": [(MATMUL_SIZES[-1], fp32)]},
                        copy_bytes_per_s=bandwidth, launch_s=GPU_LAUNCH_SECONDS,
-                       layer_step_s=[(1, layer), (64, layer)], disk_bytes_per_s=GPU_DISK_DEFAULT,
-                       source=source, sample_s_per_logit=logit, head_s_per_logit=2 * logit)
+                       layer_step_s=[(1, GPU_LAYER_STEP_SECONDS), (64, GPU_LAYER_STEP_SECONDS)],
+                       disk_bytes_per_s=GPU_DISK_DEFAULT, source=source,
+                       sample_s_per_logit=logit, head_s_per_logit=2 * logit,
+                       lora_s_per_linear=GPU_LORA_SECONDS)
 
 
 def _cpu_defaults() -> DeviceRates:
@@ -452,6 +464,23 @@ def measure_optimizer(device: torch.device, tensors: int = 200, repeats: int = 3
     return _best(step, device, repeats) / tensors
 
 
+def measure_lora(device: torch.device, linears: int = 50, repeats: int = 5) -> float:
+    """Seconds peft's unmerged LoRA adapter (r=8) adds to the forward of one 256-wide Linear
+    over one token: a stack of ``linears`` plain Linears, then the same with adapters."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    stack = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(linears)))
+    stack = stack.to(device).eval()
+    x = torch.randn(1, 1, 256, device=device)
+    with torch.no_grad():
+        plain = _best(lambda: stack(x), device, repeats)
+        inject_adapter_in_model(LoraConfig(r=8, lora_alpha=16,
+                                           target_modules=[str(i) for i in range(linears)]),
+                                stack)
+        adapted = _best(lambda: stack(x), device, repeats)
+    return max(adapted - plain, 0.0) / linears
+
+
 def measure_logits(device: torch.device, rows: int, vocab: int,
                    repeats: int = 3) -> tuple[float, float]:
     """(sampler, training head) seconds per logit on ``rows`` x ``vocab`` float32 logits:
@@ -579,6 +608,7 @@ def calibrate(device: torch.device | None = None, *, quick: bool = False,
                         for name, dtype in (("float32", torch.float32),
                                             (str(half).removeprefix("torch."), half))},
         optimizer_s_per_tensor=measure_optimizer(device, 20 if quick else 200),
+        lora_s_per_linear=measure_lora(device, 10 if quick else 50),
         source=f"calibrated {time.strftime('%Y-%m-%d')}",
         notes=[f"{platform.platform()}", f"torch {torch.__version__}"])
     # the measured step ran one decoder layer: what remains is generate's own loop

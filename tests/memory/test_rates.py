@@ -94,7 +94,7 @@ def test_a_quick_calibration_is_cached_for_the_plan(tmp_path, monkeypatch):
     assert set(measured.layer_tokens_s) == {"float32", "bfloat16"}
     assert all(tokens == 64 and 0 < forward < train
                for tokens, forward, train in measured.layer_tokens_s.values())
-    assert measured.optimizer_s_per_tensor > 0
+    assert measured.optimizer_s_per_tensor > 0 and measured.lora_s_per_linear > 0
     assert calibration_path(CPU).parent == tmp_path / "calibration"
     assert device_rates("cpu") == measured == load_calibration(CPU)
     # an unreadable cache is measured again, not trusted
@@ -117,5 +117,8 @@ def test_gpu_rates_from_data_sheets():
     h200 = datasheet_rates("NVIDIA H200")
     assert h200.matmul_rate("bfloat16", 4096) == 989e12
     assert h200.copy_bytes_per_s == 4.8e12 and not h200.calibrated
+    # eager decode and peft's adapters at what the H100 rows of 2026-11-26 measured
+    assert h200.layer_overhead_s() == pytest.approx(28e-3 / 36)
+    assert h200.lora_s_per_linear == pytest.approx(31e-3 / 252)
     unknown = datasheet_rates("Some Future GPU")
     assert "unknown" in unknown.source and unknown.matmul_rate("bfloat16", 1) == 989e12

@@ -23,14 +23,15 @@ as the memory plan takes it; with tools the trajectory's budget):
   one decode step per token after the first, at the chunk's mean context, each with the sampler
   over every row's vocabulary (the calibrated seconds per logit) and, on HF generate, its own
   loop's cost per step (calibrated); HF generate with LoRA
-  runs peft's adapters unmerged (four more kernels per adapted matrix);
+  runs peft's adapters unmerged (their calibrated cost per adapted Linear);
 - ``score``: the reward functions, ``SCORE_SECONDS_PER_ROW`` per row (string work);
 - ``logprobs``: the reference's forward (``algo.beta`` > 0 under full fine-tuning; with LoRA the
   same model with its adapters off) over every row;
 - ``update``: ``algo.num_iterations`` forwards and backwards of every row (the recomputed
-  forward of checkpointed layers included, and the head's float32 log-softmax over the
-  vocabulary per completion token) and as many AdamW steps (reading and writing the
-  trainable weights, gradients and two float32 moments);
+  forward of checkpointed layers included, the layers' element-wise work, LoRA's unmerged
+  adapters, and the head's float32 log-softmax over the vocabulary per completion token) and
+  as many AdamW steps (reading and writing the trainable weights, gradients and two float32
+  moments, and a fixed cost per parameter tensor);
 - ``checkpoint``: a save's bytes (trainable weights, their AdamW moments) over the disk's write
   rate, once every ``checkpoint.every`` steps (spread over them).
 
@@ -171,6 +172,13 @@ def _forward_overhead(s: TimeShape, rates: DeviceRates, *, vision: bool = False)
     return (s.layers + (s.vision_blocks if vision else 0)) * rates.layer_overhead_s()
 
 
+def _adapters(s: TimeShape, rates: DeviceRates) -> float:
+    """The fixed seconds peft's unmerged adapters add to one forward of the decoder layers (the
+    calibrated cost per adapted Linear, else ``LORA_KERNELS`` launches each)."""
+    per_linear = rates.lora_s_per_linear or LORA_KERNELS * rates.launch_s
+    return s.layers * s.lora_linears_per_layer * per_linear
+
+
 def _elementwise(s: TimeShape, rates: DeviceRates, tokens: float, *, train: bool = False
                  ) -> float:
     """Seconds of the decoder layers' element-wise work over ``tokens`` tokens: a forward, or
@@ -213,9 +221,8 @@ def generation_seconds(s: TimeShape, rates: DeviceRates, rows: int, completion: 
         if s.graphs:
             fixed = s.layers * rates.launch_s  # one replay: about a launch per layer
         else:
-            fixed = s.layers * (rates.layer_overhead_s() + (
-                s.lora_linears_per_layer * LORA_KERNELS * rates.launch_s
-                if s.unmerged_lora else 0.0))
+            fixed = s.layers * rates.layer_overhead_s() + (
+                _adapters(s, rates) if s.unmerged_lora else 0.0)
         per_logit = rates.sample_s_per_logit  # the sampler over every row's whole vocabulary
         if s.engine == "hf":
             fixed += rates.generate_step_s  # generate's own loop, processors, criteria
@@ -251,9 +258,9 @@ def time_plan(s: TimeShape, rates: DeviceRates, cfg: Config, *, processes: int =
     tokens = s.rows * (s.prompt + s.completion)
     logprobs = 0.0
     if s.reference_pass:
-        logprobs = _work(passes, micro_batches * s.weight_bytes, s, rates) + micro_batches * \
-            _forward_overhead(s, rates, vision=bool(s.patches)) + head / 2 + \
-            _elementwise(s, rates, tokens)
+        logprobs = _work(passes, micro_batches * s.weight_bytes, s, rates) + micro_batches * (
+            _forward_overhead(s, rates, vision=bool(s.patches)) + _adapters(s, rates)) + \
+            head / 2 + _elementwise(s, rates, tokens)
     recompute = s.checkpointed_fraction * s.rows * forward_flops(
         s.shape, context=0, tokens=s.prompt + s.completion, head_tokens=0)
     update_work = s.rows * update_flops(s.shape, group) + recompute
@@ -263,7 +270,8 @@ def time_plan(s: TimeShape, rates: DeviceRates, cfg: Config, *, processes: int =
         s.trainable_tensors * rates.optimizer_s_per_tensor
     update = s.iterations * (
         _work(update_work, micro_batches * s.weight_bytes, s, rates)
-        + micro_batches * 3 * _forward_overhead(s, rates, vision=bool(s.patches))
+        + micro_batches * 3 * (_forward_overhead(s, rates, vision=bool(s.patches))
+                               + _adapters(s, rates))
         + _elementwise(s, rates, tokens, train=True)
         + s.checkpointed_fraction * _elementwise(s, rates, tokens)
         + head + optimizer)

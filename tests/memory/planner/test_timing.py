@@ -68,6 +68,11 @@ def test_generation_by_hand():
     _, unmerged = generation_seconds(replace(STEP, unmerged_lora=True,
                                              lora_linears_per_layer=7), RATES, 8, 5)
     assert unmerged == pytest.approx(4 * (23_200 / 4e9 + 2 * (FIXED + 28 * 2e-6) + SAMPLE))
+    # ... or, calibrated, peft's measured cost per adapted Linear: 2 layers x 7 x 10 us
+    _, measured = generation_seconds(replace(STEP, unmerged_lora=True,
+                                             lora_linears_per_layer=7),
+                                     replace(RATES, lora_s_per_linear=1e-5), 8, 5)
+    assert measured == pytest.approx(4 * (23_200 / 4e9 + 2 * FIXED + 14 * 1e-5 + SAMPLE))
     # HF generate: its own loop's seconds per step on top
     _, hf = generation_seconds(replace(STEP, engine="hf"), replace(RATES, generate_step_s=1e-3),
                                8, 5)
@@ -107,6 +112,12 @@ def test_a_step_by_hand():
     assert more.phases["logprobs"] == pytest.approx(8 * 36_800 / 4e9 + 2 * 2 * FIXED + HEAD / 2
                                                     + 2 * 120 * EW)
     assert more.phases["checkpoint"] == pytest.approx(1200 * 12 / 1e8 / 2)
+    # LoRA's adapters in training: each micro-batch's forward, backward (counted as two) and the
+    # reference's forward pay them, 2 layers x 7 adapted Linears x 10 us
+    lora = time_plan(replace(STEP, lora_linears_per_layer=7, reference_pass=True),
+                     replace(RATES, lora_s_per_linear=1e-5), cfg)
+    assert lora.phases["update"] == pytest.approx(update + 2 * 3 * 14 * 1e-5)
+    assert lora.phases["logprobs"] == pytest.approx(more.phases["logprobs"] + 2 * 14 * 1e-5)
     # an SFT step: the update alone
     sft = time_plan(STEP, RATES, cfg, training_only=True)
     assert sft.phases["generate"] == sft.phases["score"] == 0
