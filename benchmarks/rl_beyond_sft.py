@@ -1,0 +1,426 @@
+"""RL beyond SFT (issue 43): does GRPO lift a policy past what its demonstrations taught? A
+partly trained SFT policy, then GRPO from it with a reward that knows the truth, beside a control
+arm that keeps training SFT on the same demonstrations for the same training time.
+
+Command (on 2 CPU cores, the arms one after another, each `r1fit` run a process of its own):
+
+    python benchmarks/rl_beyond_sft.py
+    # = --tasks colour zoom --seeds 0 1 (the per-task settings: see --help)
+
+Tasks (held-out greedy accuracy on ``builtin:shapes`` eval rows, true answers):
+
+- ``colour``: the demo's colour questions (``r1fit/presets/demo.yaml``: ``builtin:tiny``, one
+  large shape, 4 colours). The SFT demonstrations are systematically wrong for one class: every
+  red shape is labelled "yellow" (``--relabel red=yellow``), written as a JSONL with its images in
+  the work folder, so SFT lands near 0.75 by design (random label noise would not: greedy
+  decoding takes the majority answer) and the reward, which reads the true answers, has
+  something to correct.
+- ``zoom``: the zoom questions with the zoom tool (``configs/zoom-tools.yaml``), SFT on tool
+  demonstrations stopped partway (``--zoom-sft-steps`` of the config's 2,500), so the policy
+  calls the tool but often zooms at the wrong place.
+
+Arms per task and seed: ``sft`` (the partial or wrong SFT, from the random-weight model), then
+from its ``final/`` folder ``grpo`` (``r1fit train``, evaluated every ``--<task>-eval-every``
+steps and before the first) and ``control`` (``r1fit sft`` on the same demonstrations, as many
+steps as take the GRPO arm's training time at the SFT arm's seconds per step, evaluated about as
+often). Time is training time: the steps' own seconds from metrics.jsonl, evaluations and loading
+left out, so both arms are compared at equal compute on the same machine.
+
+Target (issue 43; exit 1 when missed): on every task and seed run, GRPO's last held-out accuracy
+at least 25 points over the SFT it started from (its evaluation before the first step), and above
+the control arm's last (at equal training time). Exit 2 on bad arguments or a failed run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import benchkit
+from benchkit import BenchmarkError, positive, run_child
+
+NAME = "rl_beyond_sft"
+ROOT = Path(__file__).resolve().parent.parent
+ZOOM_CONFIG = ROOT / "configs" / "zoom-tools.yaml"
+TASKS = ("colour", "zoom")
+TARGET_GAIN = 0.25  # GRPO's last accuracy over the SFT it started from
+IMAGE_SIZE = 112  # data.shapes.image_size of the demo's colour questions
+
+
+# ----------------------------------------------------------------------------------------------
+# the colour task's systematically wrong demonstrations (pure, but for writing the images)
+
+
+def parse_relabel(text: str) -> dict[str, str]:
+    """``"red=yellow,green=blue"`` -> ``{"red": "yellow", "green": "blue"}`` (argparse type)."""
+    pairs = {}
+    for part in filter(None, text.split(",")):
+        true, sep, shown = part.partition("=")
+        if not sep or not true.strip() or not shown.strip():
+            raise argparse.ArgumentTypeError(f"expected TRUE=SHOWN[,TRUE=SHOWN...], got {text!r}")
+        pairs[true.strip().lower()] = shown.strip().lower()
+    if not pairs:
+        raise argparse.ArgumentTypeError("expected at least one TRUE=SHOWN pair")
+    return pairs
+
+
+def shown_answers(answers: Sequence[str], relabel: Mapping[str, str], share: float) -> list[str]:
+    """The demonstrations' answers: of each class ``relabel`` names, ``share`` of its rows (spread
+    evenly over them, in order: the k-th row of the class is relabelled when ``floor((k + 1) *
+    share)`` exceeds ``floor(k * share)``) shown as ``relabel`` says, the rest left true. Over
+    half wrong is what makes greedy decoding answer wrong for the class; below 1 the true answer
+    keeps some probability under sampling."""
+    seen: dict[str, int] = {}
+    shown = []
+    for answer in answers:
+        k = seen[answer] = seen.get(answer, -1) + 1
+        wrong = answer in relabel and int((k + 1) * share) > int(k * share)
+        shown.append(relabel[answer] if wrong else answer)
+    return shown
+
+
+def greedy_ceiling(answers: Sequence[str], shown: Sequence[str]) -> float:
+    """The held-out accuracy of a greedy policy that learnt the demonstrations' majority answer
+    per class, on rows whose classes are balanced as in ``answers``: the share of classes whose
+    commonest shown answer is the true one, weighted by their rows."""
+    by_class: dict[str, list[str]] = {}
+    for answer, show in zip(answers, shown, strict=True):
+        by_class.setdefault(answer, []).append(show)
+    right = sum(len(v) for a, v in by_class.items() if max(set(v), key=v.count) == a)
+    return right / len(answers)
+
+
+def write_colour_rows(folder: Path, rows: int, seed: int, relabel: Mapping[str, str],
+                      share: float) -> tuple[Path, float]:
+    """``rows`` train items of the demo's colour questions (``builtin:shapes`` drawn from
+    ``seed``, as ``r1fit train`` draws them with ``train.seed=seed``) as a JSONL of
+    demonstrations in ``folder``, their PNGs beside it. Train items only: the held-out rows stay
+    out by construction (``builtin:shapes`` splits by scene). Also the accuracy a greedy policy
+    that learnt them would have (:func:`greedy_ceiling`)."""
+    from r1fit.data.shapes import ShapesSpec, make_item, render_item
+
+    spec = ShapesSpec(kinds=("color",), image_size=IMAGE_SIZE, max_distractors=0)
+    unknown = sorted(set(relabel) - set(spec.colors))
+    if unknown:
+        raise BenchmarkError(f"--relabel: {unknown} not among the colours {list(spec.colors)}")
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    items = [make_item(spec, seed=seed, split="train", index=i) for i in range(rows)]
+    answers = [t.answer for t in items]
+    shown_all = shown_answers(answers, relabel, share)
+    lines = []
+    for i, (item, shown) in enumerate(zip(items, shown_all)):
+        name = f"images/{i:05d}.png"
+        render_item(item, spec).save(folder / name)
+        lines.append(json.dumps({"image": name, "problem": item.problem, "solution": shown}))
+    path = folder / "demonstrations.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path, greedy_ceiling(answers, shown_all)
+
+
+# ----------------------------------------------------------------------------------------------
+# curves: (training seconds, step, held-out accuracy) read from a run's metrics.jsonl
+
+
+@dataclass
+class Point:
+    seconds: float  # training time from the arm's start: the steps' own seconds summed
+    step: int
+    accuracy: float
+
+
+@dataclass
+class Arm:
+    """One run of a (task, seed): what it ran and its evaluations."""
+
+    name: str  # sft, grpo or control
+    points: list[Point] = field(default_factory=list)
+    minutes: float | None = None  # the process's wall time, loading and evaluations included
+    seconds_per_step: float | None = None  # median over its steps
+    last_row: dict | None = None  # GRPO: its last step's metrics row (the diagnostics)
+
+    @property
+    def final(self) -> float:
+        if not self.points:
+            raise BenchmarkError(f"arm {self.name}: no evaluation")
+        return self.points[-1].accuracy
+
+
+def step_seconds(row: Mapping) -> float | None:
+    """A step row's own seconds: an SFT step's ``seconds_step``, a GRPO step's stages
+    (``seconds_generate``, ``seconds_score``, ``seconds_update``, ...) summed; None for a row
+    that is not a step (an evaluation before the first)."""
+    if "seconds_step" in row:
+        return float(row["seconds_step"])
+    stages = [float(v) for k, v in row.items() if k.startswith("seconds_") and v is not None]
+    return sum(stages) if stages else None
+
+
+def read_curve(rows: Sequence[Mapping]) -> tuple[list[Point], list[float]]:
+    """The evaluations of a run's metrics rows at their cumulative training time, and every
+    step's seconds. Rows of a step logged twice (redone after an OOM) count once: the last."""
+    by_step: dict[int, Mapping] = {}
+    for row in rows:
+        if "step" in row:
+            by_step[int(row["step"])] = {**by_step.get(int(row["step"]), {}), **row}
+    points, seconds, total = [], [], 0.0
+    for step in sorted(by_step):
+        row = by_step[step]
+        spent = step_seconds(row)
+        if spent is not None:
+            seconds.append(spent)
+            total += spent
+        if "eval/accuracy" in row:
+            points.append(Point(round(total, 2), step, float(row["eval/accuracy"])))
+    return points, seconds
+
+
+def control_plan(grpo_seconds: float, sft_seconds_per_step: float, evaluations: int
+                 ) -> tuple[int, int]:
+    """The control arm's steps (its training time about the GRPO arm's, at the SFT arm's
+    seconds per step) and its evaluation interval (about ``evaluations`` evaluations)."""
+    steps = max(1, round(grpo_seconds / sft_seconds_per_step))
+    return steps, max(1, round(steps / max(1, evaluations)))
+
+
+# ----------------------------------------------------------------------------------------------
+# verdict and table
+
+
+@dataclass
+class Pair:
+    """A (task, seed): its SFT, GRPO and control arms."""
+
+    task: str
+    seed: int
+    arms: dict[str, Arm] = field(default_factory=dict)
+
+    def start(self) -> float:
+        """The SFT policy's accuracy: GRPO's evaluation before its first step."""
+        return self.arms["grpo"].points[0].accuracy
+
+
+def verdict(pairs: Sequence[Pair], target_gain: float = TARGET_GAIN) -> tuple[bool, list[str]]:
+    """Whether every (task, seed) met the target, and one line each."""
+    met, lines = True, []
+    for pair in pairs:
+        grpo, control = pair.arms["grpo"], pair.arms["control"]
+        start, final = pair.start(), grpo.final
+        gain = final - start
+        ok = gain >= target_gain and final > control.final
+        met = met and ok
+        lines.append(f"{pair.task} seed {pair.seed}: SFT {start:.3f} -> GRPO {final:.3f} "
+                     f"({100 * gain:+.1f} points, target >= {100 * target_gain:.0f}) in "
+                     f"{grpo.points[-1].seconds / 60:.1f} min; control (SFT continued) "
+                     f"{control.final:.3f} in {_last_seconds(control) / 60:.1f} min: "
+                     f"{'met' if ok else 'MISSED'}")
+    return met and bool(pairs), lines
+
+
+def _last_seconds(arm: Arm) -> float:
+    return arm.points[-1].seconds if arm.points else 0.0
+
+
+def table(pairs: Sequence[Pair]) -> str:
+    """One line per arm: its accuracy at each evaluation (training minutes: accuracy)."""
+    lines = ["| task | seed | arm | accuracy at training minutes | wall minutes |",
+             "|---|---|---|---|---|"]
+    for pair in pairs:
+        for arm in pair.arms.values():
+            curve = ", ".join(f"{p.seconds / 60:.1f}: {p.accuracy:.3f}" for p in arm.points)
+            wall = "-" if arm.minutes is None else f"{arm.minutes:.1f}"
+            lines.append(f"| {pair.task} | {pair.seed} | {arm.name} | {curve} | {wall} |")
+    return "\n".join(lines)
+
+
+DIAGNOSTICS = ("accuracy", "reward_mean", "zero_variance_groups", "entropy", "kl",
+               "clip_fraction", "completion_len_mean", "tool_calls_mean",
+               "masked_token_fraction")
+
+
+def diagnostics(row: Mapping | None) -> str:
+    """The last GRPO step's figures that say why a run did (not) learn: sampled accuracy,
+    groups with equal rewards, entropy, KL, and with tools the per-turn figures."""
+    if not row:
+        return "-"
+    keys = [k for k in DIAGNOSTICS if k in row] + sorted(
+        k for k in row if k.startswith(("reward_by_tool_calls/", "turn_advantage/")))
+    return ", ".join(f"{k} {row[k]:.3g}" for k in keys if isinstance(row[k], (int, float)))
+
+
+# ----------------------------------------------------------------------------------------------
+# running the arms
+
+
+def task_settings(args: argparse.Namespace, task: str) -> dict:
+    """The per-task options (``--<task>-...``) as one record."""
+    key = task.replace("-", "_")
+    return {name: getattr(args, f"{key}_{name}") for name in
+            SETTINGS}
+
+
+def base_command(task: str, kind: str) -> list[str]:
+    """``r1fit sft|train`` with the task's config: the zoom task's file, or the demo preset."""
+    config = [str(ZOOM_CONFIG)] if task == "zoom" else ["preset=demo"]
+    return [sys.executable, "-m", "r1fit", kind, *config]
+
+
+def run_arm(arm: Arm, command: list[str], out: Path, args: argparse.Namespace, what: str
+            ) -> None:
+    """Run ``command`` into ``out`` and read its curve and timings into ``arm``."""
+    from r1fit.report.metrics import read_metrics  # plain json; no torch
+
+    command = [*command, f"train.output_dir={out}", "train.overwrite=true", "checkpoint.every=0",
+               *args.set]
+    print(f"{NAME}: {what} -> {out}", flush=True)
+    began = time.perf_counter()
+    run_child(command, what, "r1fit", env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
+              timeout=args.timeout, log=args.log or out.parent / "log.txt")
+    arm.minutes = (time.perf_counter() - began) / 60
+    rows = read_metrics(out / "metrics.jsonl")
+    arm.points, seconds = read_curve(rows)
+    arm.seconds_per_step = statistics.median(seconds) if seconds else None
+    steps = [r for r in rows if "reward_mean" in r]
+    arm.last_row = steps[-1] if steps else None
+    if not arm.points:
+        raise BenchmarkError(f"{what}: no evaluation in {out / 'metrics.jsonl'}")
+
+
+def run_pair(task: str, seed: int, folder: Path, args: argparse.Namespace) -> Pair:
+    """The three arms of (``task``, ``seed``) in ``folder``."""
+    opts = task_settings(args, task)
+    pair = Pair(task, seed)
+    seeded = [f"train.seed={seed}", f"data.eval_size={opts['eval_size']}"]
+    data: list[str] = []
+    if task == "colour":
+        path, ceiling = write_colour_rows(folder / "data", args.colour_rows, seed, args.relabel,
+                                          args.relabel_share)
+        print(f"{NAME}: {task} seed {seed}: {args.colour_rows} demonstrations, the greedy "
+              f"accuracy they teach {ceiling:.3f}", flush=True)
+        data = [f"data.train={path}"]
+    sft = Arm("sft")
+    run_arm(sft, [*base_command(task, "sft"), "model.path=builtin:tiny", *data, *seeded,
+                  f"sft.steps={opts['sft_steps']}", *opts["sft_set"]],
+            folder / "sft", args, f"{task} seed {seed}: sft")
+    start_from = [f"model.path={folder / 'sft' / 'final'}"]
+    grpo = Arm("grpo")
+    run_arm(grpo, [*base_command(task, "train"), *start_from, *seeded,
+                   "sft.format_warmup_steps=0", f"train.max_steps={opts['grpo_steps']}",
+                   f"eval.every={opts['eval_every']}", "eval.before_train=true",
+                   *opts["grpo_set"]],
+            folder / "grpo", args, f"{task} seed {seed}: grpo")
+    if sft.seconds_per_step is None:
+        raise BenchmarkError(f"{task} seed {seed}: the sft arm logged no step time")
+    steps, every = control_plan(grpo.points[-1].seconds, sft.seconds_per_step,
+                                len(grpo.points) - 1)
+    control = Arm("control")
+    run_arm(control, [*base_command(task, "sft"), *start_from, *data, *seeded,
+                      f"sft.steps={steps}", f"sft.eval_every={every}",
+                      "eval.before_train=false", *opts["sft_set"]],
+            folder / "control", args, f"{task} seed {seed}: control ({steps} SFT steps)")
+    pair.arms = {"sft": sft, "grpo": grpo, "control": control}
+    return pair
+
+
+def run(args: argparse.Namespace) -> int:
+    folder = Path(args.output_dir or tempfile.mkdtemp(prefix="r1fit-rl-beyond-sft-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    pairs = []
+    for task in args.tasks:
+        for seed in args.seeds:
+            pairs.append(run_pair(task, seed, folder / f"{task}-seed{seed}", args))
+            print(table(pairs[-1:]), flush=True)
+    met, lines = verdict(pairs)
+    print(table(pairs))
+    for pair in pairs:
+        print(f"{pair.task} seed {pair.seed} GRPO's last step: "
+              f"{diagnostics(pair.arms['grpo'].last_row)}")
+    print("\n".join(lines))
+    minutes = (time.perf_counter() - started) / 60
+    print(f"{minutes:.1f} min in all; work folder {folder}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"command": sys.argv, "targets_met": met, "verdicts": lines, "minutes": minutes,
+             "pairs": [{"task": p.task, "seed": p.seed,
+                        "arms": {k: asdict(a) for k, a in p.arms.items()}} for p in pairs]},
+            indent=1))
+    return 0 if met else 1
+
+
+# ----------------------------------------------------------------------------------------------
+
+SETTINGS = ("sft_steps", "grpo_steps", "eval_every", "eval_size", "sft_set", "grpo_set")
+DEFAULTS = {  # per task, SETTINGS
+    # colour: SFT to convergence (800 steps: by 300 the policy sampled "red" as often on yellow
+    # shapes as on red ones, and GRPO then unlearnt it); GRPO at 1e-3 without KL
+    "colour": (800, 20, 5, 200, ["sft.learning_rate=2e-3"],
+               ["train.learning_rate=1e-3", "algo.beta=0"]),
+    "zoom": (1000, 20, 5, 48, [], ["train.learning_rate=1e-3", "algo.beta=0"]),
+}
+QUICK = {"colour": (4, 2, 1, 8, [], []), "zoom": (4, 2, 1, 8, [], ["train.prompts_per_step=2"])}
+
+
+def share(text: str) -> float:
+    """argparse type: a share in (0.5, 1]: more than half wrong, so greedy decoding is."""
+    value = float(text)
+    if not 0.5 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a share in (0.5, 1], got {text}")
+    return value
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=NAME, description=__doc__.split("\n\n")[0])
+    p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1], help="train.seed of each pair")
+    for task, (sft_steps, grpo_steps, every, size, sft_set, grpo_set) in DEFAULTS.items():
+        p.add_argument(f"--{task}-sft-steps", type=positive, default=None,
+                       help=f"the SFT arm's sft.steps (default {sft_steps})")
+        p.add_argument(f"--{task}-grpo-steps", type=positive, default=None,
+                       help=f"the GRPO arm's train.max_steps (default {grpo_steps})")
+        p.add_argument(f"--{task}-eval-every", type=positive, default=None,
+                       help=f"GRPO's eval.every (default {every})")
+        p.add_argument(f"--{task}-eval-size", type=positive, default=None,
+                       help=f"held-out rows, data.eval_size (default {size})")
+        p.add_argument(f"--{task}-sft-set", nargs="*", default=None, metavar="KEY=VALUE",
+                       help=f"overrides of the SFT and control arms (default {sft_set})")
+        p.add_argument(f"--{task}-grpo-set", nargs="*", default=None, metavar="KEY=VALUE",
+                       help=f"overrides of the GRPO arm (default {grpo_set})")
+    p.add_argument("--relabel", type=parse_relabel, default={"red": "yellow"},
+                   metavar="TRUE=SHOWN", help="the colour task's wrong labels (default red=yellow)")
+    p.add_argument("--relabel-share", type=share, default=0.8, metavar="S",
+                   help="the share of each relabelled class's rows shown wrong (default 0.8: "
+                   "greedy answers wrong, the truth still sampled)")
+    p.add_argument("--colour-rows", type=positive, default=2000,
+                   help="demonstrations written for the colour task")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="overrides of every run")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run: colour, one seed, a few steps, 8 held-out rows")
+    p.add_argument("--threads", type=positive, default=2, help="OMP_NUM_THREADS of the runs")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    p.add_argument("--output-dir", help="keep the runs here (default: a temporary folder)")
+    p.add_argument("--json", metavar="PATH", help="also write the results here")
+    p.add_argument("--log", type=Path, help="append the runs' output here (default: each pair's "
+                   "folder's log.txt)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.tasks, args.seeds, args.colour_rows = ["colour"], args.seeds[:1], 64
+    table_ = QUICK if args.quick else DEFAULTS
+    for task, values in table_.items():
+        key = task.replace("-", "_")
+        for name, value in zip(SETTINGS, values):
+            if getattr(args, f"{key}_{name}") is None:
+                setattr(args, f"{key}_{name}", value)
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(benchkit.main(NAME, parse_args, run))
