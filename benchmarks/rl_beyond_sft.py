@@ -10,11 +10,13 @@ Command (on 2 CPU cores, the arms one after another, each `r1fit` run a process 
 Tasks (held-out greedy accuracy on ``builtin:shapes`` eval rows, true answers):
 
 - ``colour``: the demo's colour questions (``r1fit/presets/demo.yaml``: ``builtin:tiny``, one
-  large shape, 4 colours). The SFT demonstrations are systematically wrong for one class: every
-  red shape is labelled "yellow" (``--relabel red=yellow``), written as a JSONL with its images in
-  the work folder, so SFT lands near 0.75 by design (random label noise would not: greedy
-  decoding takes the majority answer) and the reward, which reads the true answers, has
-  something to correct.
+  large shape, 4 colours). The SFT demonstrations are systematically wrong for one class: 80% of
+  the red shapes' rows say "yellow" (``--relabel red=yellow --relabel-share 0.8``), written as a
+  JSONL with its images in the work folder. Greedy decoding takes the majority answer, so SFT
+  lands at 0.75 by design, while the truth keeps some probability under sampling; the reward,
+  which reads the true answers, has something to correct. With every red row relabelled (share
+  1) the policy never samples "red" (two tokens it was never taught) and GRPO has nothing to
+  reinforce: see benchmarks/RESULTS.md.
 - ``zoom``: the zoom questions with the zoom tool (``configs/zoom-tools.yaml``), SFT on tool
   demonstrations stopped partway (``--zoom-sft-steps`` of the config's 2,500), so the policy
   calls the tool but often zooms at the wrong place.
@@ -296,6 +298,7 @@ def run_arm(arm: Arm, command: list[str], out: Path, args: argparse.Namespace, w
 def run_pair(task: str, seed: int, folder: Path, args: argparse.Namespace) -> Pair:
     """The three arms of (``task``, ``seed``) in ``folder``."""
     opts = task_settings(args, task)
+    folder.mkdir(parents=True, exist_ok=True)
     pair = Pair(task, seed)
     seeded = [f"train.seed={seed}", f"data.eval_size={opts['eval_size']}"]
     data: list[str] = []
