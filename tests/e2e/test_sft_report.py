@@ -29,7 +29,8 @@ def test_sft_writes_its_report_every_n_steps_and_at_the_end(use_tiny_cache, tmp_
     assert written == [3, 4]
     page = (out / "report.html").read_text()
     assert re.findall(r"<figcaption>(.*?)</figcaption>", page) == [
-        "accuracy", "loss", "grad_norm", "tokens_per_second", "peak memory"]
-    assert page.count("<svg") == 5
+        "accuracy", "loss", "grad_norm", "tokens_per_second",
+        "seconds per step, measured and predicted", "peak memory"]
+    assert page.count("<svg") == 6
     assert "3 SFT steps (last step 3)" in page and "no alarm" in page
     assert "eval_accuracy_end" in page  # the summary, written before the page
