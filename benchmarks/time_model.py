@@ -11,7 +11,8 @@ machine's calibrated rates); the measurement runs ``r1fit train`` for ``--steps`
 a fresh child process, every completion forced to ``algo.max_new_tokens`` tokens
 (``rollout.min_new_tokens``, as the plan takes them), no evaluation or checkpoint, and takes the
 median over the steps after the first (warm-up) of ``seconds_generate + seconds_score +
-seconds_update`` (the update's time holds the reference's log-probs). The machine's other load
+seconds_update`` (the update's time holds the reference's log-probs). A configuration with tools
+is predicted at the turns its run took (:func:`at_measured_turns`). The machine's other load
 is read from /proc/stat around each run; a run beside more than ``--max-other-cores`` busy cores
 of other processes is marked disturbed and left out of the verdict.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -91,7 +93,20 @@ def measure(name: str, overrides: list[str], steps: int) -> dict[str, float]:
               for key in ("generate", "score", "update")}
     step = statistics.median(sum(r.get(f"seconds_{key}", 0.0)
                                  for key in ("generate", "score", "update")) for r in rows)
-    return {**phases, "step": step}
+    turns = [r["turns_mean"] for r in rows if r.get("turns_mean") is not None]
+    return {**phases, "step": step, **({"turns": max(turns)} if turns else {})}
+
+
+def at_measured_turns(overrides: list[str], measured: dict[str, float]) -> list[str]:
+    """A configuration with tools planned at the turns its run took (the most a step's rows
+    averaged, each turn ``algo.max_new_tokens`` long: ``rollout.max_trajectory_tokens``): the
+    plan before launch takes the whole trajectory budget, an upper bound, as every completion
+    at ``algo.max_new_tokens`` is; here, as the other configurations' forced lengths do, the
+    prediction is given the shape the run had."""
+    if "turns" not in measured:
+        return overrides
+    tokens = next(int(v.split("=")[1]) for v in overrides if v.startswith("algo.max_new_tokens="))
+    return [*overrides, f"rollout.max_trajectory_tokens={math.ceil(measured['turns'] * tokens)}"]
 
 
 def predict(overrides: list[str]) -> dict[str, float]:
@@ -129,21 +144,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from r1fit.memory.rates import calibrate, load_calibration
+    from r1fit.memory.rates import load_calibration
 
     started = time.perf_counter()
     cpu = torch.device("cpu")
     if args.calibrate or load_calibration(cpu) is None:
         print("calibrating this machine (r1fit doctor --calibrate) ...", file=sys.stderr)
-        calibrate(cpu)
+        run_child([sys.executable, "-m", "r1fit", "doctor", "--calibrate"], "calibration",
+                  "r1fit")
     ticks = os.sysconf("SC_CLK_TCK")
     results = []
     for name in args.only or GRID:
-        predicted = predict(GRID[name])
         before, mine, began = cpu_ticks(), _own_seconds(), time.perf_counter()
         measured = measure(name, GRID[name], args.steps)
         seconds = time.perf_counter() - began
         after = cpu_ticks()
+        predicted = predict(at_measured_turns(GRID[name], measured))
         # the run is a child: its CPU time is this process's children's, not another job's
         others = None if before is None or after is None else max(
             0.0, ((after[0] - before[0]) / ticks - (_own_seconds() - mine)) / seconds)

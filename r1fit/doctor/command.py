@@ -8,6 +8,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -79,11 +80,15 @@ def _layer_tokens_lines(rates: DeviceRates) -> list[str]:
 
 def _calibrate(json_out: bool) -> int:
     """``r1fit doctor --calibrate``: measure, cache and print the first device's rates."""
-    from r1fit.memory.rates import calibrate, calibration_path
+    from r1fit.doctor.steps import measure_step_fixed
+    from r1fit.memory.rates import calibrate, save_calibration
 
     began = time.perf_counter()
     rates = calibrate()
-    path = calibration_path(first_device())
+    # what only r1fit's own step can show, planned on the rates just cached
+    micro_batch, update = measure_step_fixed(first_device())
+    rates = replace(rates, micro_batch_s=micro_batch, update_s=update)
+    path = save_calibration(rates, first_device())
     if json_out:
         print(json.dumps({**rates.to_dict(), "path": str(path)}, indent=2))
         return 0
@@ -105,6 +110,8 @@ def _calibrate(json_out: bool) -> int:
                   f"optimizer step (AdamW, clip, zeroing) {rates.optimizer_s_per_tensor * 1e6:.1f} "
                   f"us per parameter tensor; peft's unmerged LoRA adapter "
                   f"{rates.lora_s_per_linear * 1e6:.1f} us per Linear forward",
+                  f"r1fit's GRPO step beyond the model: {rates.micro_batch_s * 1e3:.2f} ms per "
+                  f"training micro-batch, {rates.update_s * 1e3:.2f} ms per update",
                   f"disk writes {rates.disk_bytes_per_s / 1e6:,.0f} MB/s",
                   f"saved to {path}: `r1fit plan` reads it"], rich=sys.stdout.isatty())
     return 0

@@ -123,6 +123,12 @@ class DeviceRates:
     #: seconds peft's unmerged adapter adds to one Linear's forward (0: not measured, the time
     #: model counts ``LORA_KERNELS`` launches)
     lora_s_per_linear: float = 0.0
+    #: seconds a training micro-batch's forward and backward cost beyond the model's layers and
+    #: arithmetic (the model's own positions, masks and embedding, r1fit's loss and its
+    #: statistics), and an update beyond its micro-batches (clipping, the optimizer's call):
+    #: measured by ``r1fit doctor --calibrate`` on r1fit's own GRPO step (r1fit/doctor/steps.py)
+    micro_batch_s: float = 0.0
+    update_s: float = 0.0
 
     @property
     def calibrated(self) -> bool:
@@ -201,7 +207,9 @@ class DeviceRates:
                    layer_tokens_s={k: (int(v[0]), float(v[1]), float(v[2]))
                                    for k, v in data.get("layer_tokens_s", {}).items()},
                    optimizer_s_per_tensor=float(data.get("optimizer_s_per_tensor", 0.0)),
-                   lora_s_per_linear=float(data.get("lora_s_per_linear", 0.0)))
+                   lora_s_per_linear=float(data.get("lora_s_per_linear", 0.0)),
+                   micro_batch_s=float(data.get("micro_batch_s", 0.0)),
+                   update_s=float(data.get("update_s", 0.0)))
 
 
 def calibration_layer_flops(tokens: int) -> tuple[int, int]:
@@ -604,7 +612,7 @@ def calibrate(device: torch.device | None = None, *, quick: bool = False,
         disk_bytes_per_s=measure_disk(cache_root() / "calibration",
                                       (4 << 20) if quick else (256 << 20)),
         layer_tokens_s={name: measure_layer_tokens(device, dtype, 64 if quick else LAYER_TOKENS,
-                                                   repeats=2 if quick else 3)
+                                                   repeats=2 if quick else 7)
                         for name, dtype in (("float32", torch.float32),
                                             (str(half).removeprefix("torch."), half))},
         optimizer_s_per_tensor=measure_optimizer(device, 20 if quick else 200),
@@ -615,7 +623,13 @@ def calibrate(device: torch.device | None = None, *, quick: bool = False,
     rates = replace(rates, generate_step_s=max(rates.generate_step_s - rates.layer_overhead_s(),
                                                0.0))
     if save:
-        path = calibration_path(device)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(rates.to_dict(), indent=2))
+        save_calibration(rates, device)
     return rates
+
+
+def save_calibration(rates: DeviceRates, device: torch.device) -> Path:
+    """Cache ``rates`` as ``device``'s calibration; returns the file."""
+    path = calibration_path(device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rates.to_dict(), indent=2))
+    return path

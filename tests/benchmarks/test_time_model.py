@@ -24,6 +24,17 @@ def test_a_configuration_is_planned_with_its_time(name, use_tiny_cache):
     assert predicted["step"] >= predicted["generate"] + predicted["update"]
 
 
+def test_a_tools_run_is_predicted_at_the_turns_it_took(use_tiny_cache):
+    tools = tm.GRID["tiny-full-g8-tools"]
+    assert tm.at_measured_turns(tools, {"step": 1.0}) == tools  # no turns logged: no tools
+    one = tm.at_measured_turns(tools, {"step": 1.0, "turns": 1.0})
+    assert one[-1] == "rollout.max_trajectory_tokens=32"  # one turn of algo.max_new_tokens=32
+    assert tm.at_measured_turns(tools, {"step": 1.0, "turns": 1.25})[-1] == \
+        "rollout.max_trajectory_tokens=40"
+    # one turn of the budget: a third of the default three turns' tokens to generate
+    assert tm.predict(one)["generate"] < tm.predict(tools)["generate"] / 2
+
+
 def test_the_verdict(monkeypatch, capsys):
     """Two configurations 5% and 20% off: met (median 12.5%); one 40% off: missed (exit 1)."""
     import r1fit.memory.rates as rates

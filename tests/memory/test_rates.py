@@ -106,9 +106,13 @@ def test_doctor_calibrate_prints_and_caches(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("R1FIT_CACHE", str(tmp_path))
     real = rates_module.calibrate
     monkeypatch.setattr(rates_module, "calibrate", lambda: real(CPU, quick=True))
+    # r1fit's own two GRPO runs (tests/doctor/test_steps.py): their answer, here
+    monkeypatch.setattr("r1fit.doctor.steps.measure_step_fixed", lambda device: (2e-3, 1e-3))
     assert main(["doctor", "--calibrate", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["source"].startswith("calibrated")
+    assert (printed["micro_batch_s"], printed["update_s"]) == (2e-3, 1e-3)
+    assert load_calibration(CPU).micro_batch_s == 2e-3  # cached with the rest
     assert printed["path"] == str(calibration_path(CPU))
     assert load_calibration(CPU) is not None
 

@@ -31,7 +31,8 @@ as the memory plan takes it; with tools the trajectory's budget):
   forward of checkpointed layers included, the layers' element-wise work, LoRA's unmerged
   adapters, and the head's float32 log-softmax over the vocabulary per completion token) and
   as many AdamW steps (reading and writing the trainable weights, gradients and two float32
-  moments, and a fixed cost per parameter tensor);
+  moments, and a fixed cost per parameter tensor), with the calibrated fixed cost of a
+  micro-batch and of an update beyond the model (``micro_batch_s``, ``update_s``);
 - ``checkpoint``: a save's bytes (trainable weights, their AdamW moments) over the disk's write
   rate, once every ``checkpoint.every`` steps (spread over them).
 
@@ -258,9 +259,10 @@ def time_plan(s: TimeShape, rates: DeviceRates, cfg: Config, *, processes: int =
     tokens = s.rows * (s.prompt + s.completion)
     logprobs = 0.0
     if s.reference_pass:
+        # a forward: about a third of a micro-batch's fixed training cost (forward, backward)
         logprobs = _work(passes, micro_batches * s.weight_bytes, s, rates) + micro_batches * (
-            _forward_overhead(s, rates, vision=bool(s.patches)) + _adapters(s, rates)) + \
-            head / 2 + _elementwise(s, rates, tokens)
+            _forward_overhead(s, rates, vision=bool(s.patches)) + _adapters(s, rates)
+            + rates.micro_batch_s / 3) + head / 2 + _elementwise(s, rates, tokens)
     recompute = s.checkpointed_fraction * s.rows * forward_flops(
         s.shape, context=0, tokens=s.prompt + s.completion, head_tokens=0)
     update_work = s.rows * update_flops(s.shape, group) + recompute
@@ -270,8 +272,9 @@ def time_plan(s: TimeShape, rates: DeviceRates, cfg: Config, *, processes: int =
         s.trainable_tensors * rates.optimizer_s_per_tensor
     update = s.iterations * (
         _work(update_work, micro_batches * s.weight_bytes, s, rates)
-        + micro_batches * 3 * (_forward_overhead(s, rates, vision=bool(s.patches))
-                               + _adapters(s, rates))
+        + micro_batches * (3 * (_forward_overhead(s, rates, vision=bool(s.patches))
+                                + _adapters(s, rates)) + rates.micro_batch_s)
+        + rates.update_s
         + _elementwise(s, rates, tokens, train=True)
         + s.checkpointed_fraction * _elementwise(s, rates, tokens)
         + head + optimizer)
