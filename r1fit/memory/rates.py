@@ -106,7 +106,8 @@ class DeviceRates:
     #: seconds per logit of the training head's float32 log-softmax, forward and backward
     head_s_per_logit: float = 0.0
     #: per dtype name, ``[(rows, FLOP/s)]`` of a decode step's skinny products: ``rows`` x 1024
-    #: times 1024 x 8192 (a handful of rows run far below a square product's rate)
+    #: times 1024 x 32768, a weight larger than a CPU's caches as a model's are (a handful of
+    #: rows run far below a square product's rate)
     skinny: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     #: seconds Hugging Face generate spends per decode step outside the model's layers and the
     #: sampler (its loop, logits processors, stopping criteria), at 16 rows
@@ -492,24 +493,38 @@ def measure_lora(device: torch.device, linears: int = 50, repeats: int = 5) -> f
 def measure_logits(device: torch.device, rows: int, vocab: int,
                    repeats: int = 3) -> tuple[float, float]:
     """(sampler, training head) seconds per logit on ``rows`` x ``vocab`` float32 logits:
-    r1fit's sampler (:func:`r1fit.rollout.generate.sample_rows`), and a log-softmax's forward
-    and backward as the training head runs it."""
+    r1fit's sampler (:func:`r1fit.rollout.generate.sample_rows`), and the training head as a
+    GRPO update runs it (:func:`r1fit.algorithms.logprobs.fused_head_loss`: log-probs,
+    entropies, the loss's gradient over the vocabulary) less its three matmuls, timed apart (the
+    time model counts those as FLOPs), on a 32-wide hidden state."""
+    from r1fit.algorithms.logprobs import fused_head_loss
     from r1fit.rollout.generate import sample_rows
 
     scores = torch.randn(rows, vocab, device=device)
     uniforms = torch.rand(rows, device=device, dtype=torch.float64)
     sample = _best(lambda: sample_rows(scores, uniforms, 1.0, 1.0), device, repeats)
-    target = torch.randint(0, vocab, (rows, 1), device=device)
+    hidden = torch.randn(rows, 32, device=device, requires_grad=True)
+    weight = torch.randn(vocab, 32, device=device, requires_grad=True)
+    targets = torch.randint(0, vocab, (rows,), device=device)
 
     def head() -> None:
-        x = scores.detach().requires_grad_(True)
-        torch.log_softmax(x, dim=-1).gather(-1, target).sum().backward()
+        loss, _, _ = fused_head_loss(hidden, weight, targets,
+                                     lambda rows_, logp, entropy: -logp.sum() - entropy.sum())
+        loss.backward()
+        hidden.grad = weight.grad = None
 
-    return sample / scores.numel(), _best(head, device, repeats) / scores.numel()
+    def matmuls() -> None:  # logits, and the gradients of the hidden state and the weight
+        h, w = hidden.detach(), weight.detach()
+        logits = h @ w.T
+        logits @ w
+        logits.T @ h
+
+    per_logit = max(_best(head, device, repeats) - _best(matmuls, device, repeats), 0.0)
+    return sample / scores.numel(), per_logit / scores.numel()
 
 
 def measure_generate_step(device: torch.device, rows: int = 16, repeats: int = 3,
-                          vocab: int = 65536) -> tuple[float, float]:
+                          vocab: int = 131072) -> tuple[float, float]:
     """(seconds per decode step, seconds per logit) of Hugging Face generate as r1fit's HF
     engine runs it (its generation config, ``SeededSampler``), on a 1-layer model of width 64:
     the step at a 512-token vocabulary (:func:`calibrate` takes the layer's fixed part off,
@@ -595,9 +610,9 @@ def calibrate(device: torch.device | None = None, *, quick: bool = False,
 
     sample, head = measure_logits(device, 16, 16384 if quick else 131072)
     loop_step, loop_logit = measure_generate_step(device, repeats=2 if quick else 3,
-                                                  vocab=4096 if quick else 65536)
+                                                  vocab=4096 if quick else 131072)
     skinny_rows = (1, 16) if quick else (1, 4, 16, 64, 256)
-    skinny = {name: measure_skinny(device, dtype, skinny_rows, out=2048 if quick else 8192)
+    skinny = {name: measure_skinny(device, dtype, skinny_rows, out=2048 if quick else 32768)
               for name, dtype in (("float32", torch.float32),
                                   (str(half).removeprefix("torch."), half))}
     rates = DeviceRates(
