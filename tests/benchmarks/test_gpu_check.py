@@ -26,6 +26,26 @@ def test_a_plan_may_be_10_percent_high_and_5_percent_low():
     assert gc.plan_verdict(94, 100)[1] is False  # too low: an OOM on the GPU
 
 
+def test_the_time_verdict_is_the_predicted_step_within_25_percent_of_the_measured():
+    row = {"seconds_generate": 3.0, "seconds_score": 0.1, "seconds_update": 0.9,
+           "predicted_seconds_generate": 3.5, "predicted_seconds_score": 0.1,
+           "predicted_seconds_update": 1.4, "predicted_calibrated": 1.0}
+    timing = gc.time_verdict(row)  # 5.0 s predicted against 4.0 s measured
+    assert timing["error"] == pytest.approx(0.25) and timing["met"] and timing["calibrated"]
+    assert gc.time_line(timing) == ("predicted/measured generate 3.50/3.00 s, update 1.40/0.90 s, "
+                                    "step 5.00/4.00 s: +25%")
+    over = gc.time_verdict({**row, "predicted_seconds_update": 1.5, "predicted_calibrated": 0.0})
+    assert not over["met"] and gc.time_line(over).endswith("(uncalibrated rates)")
+    assert gc.time_verdict({"seconds_generate": 1.0}) is None  # a run that logged no prediction
+
+
+def test_the_calibration_line_names_the_rates_the_model_leans_on():
+    rates = {"matmul": {"bfloat16": [[4096, 7.0e14], [8192, 8.0e14]]}, "copy_bytes_per_s": 3.0e12,
+             "layer_step_s": [[1, 6e-4], [64, 7e-4]], "micro_batch_s": 0.012, "seconds": 41.2}
+    assert gc.calibration_line(rates) == ("bf16 matmul 800 TFLOP/s, copy 3,000 GB/s, layer step "
+                                          "0.60 ms, micro-batch 12.0 ms; 41 s")
+
+
 def test_the_gpu_squeeze_budget_holds_micro_batch_4_and_not_g_by_the_plan(tmp_path):
     """The oom and autofit stages' budget on a GPU, planned on CPU from the real 3B config (a
     folder with the cut model's tokenizer and processor and the shipped config.json): the
@@ -206,6 +226,8 @@ def test_the_smoke_runs_every_stage_with_numbers(tmp_path, capsys):
         assert run["completion_len_mean"] == [8.0, 8.0]  # forced to algo.max_new_tokens
         assert run["speed"]["seconds_update"] > 0 and run["speed"]["mfu"] > 0
         assert any("share_prefill=auto: on (logits equal" in x for x in run["numerics"])
+        # the time model's prediction beside the measured step (no verdict off a GPU)
+        assert run["time"]["measured"]["update"] > 0 and run["time"]["predicted"]["update"] > 0
     assert stages["oom"]["met"] and stages["oom"]["data"]["kind"] == "simulated"
     memtrace = stages["memtrace"]["data"]  # the plan's phases; the history needs CUDA
     assert memtrace["plan_peak_phase"] in memtrace["plan_phases"] and "breakdown" not in memtrace
