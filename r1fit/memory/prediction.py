@@ -65,6 +65,11 @@ def predict_steps(cfg: Any, device_type: str, gpus: int, kind: str, sizes: Chunk
                               "memory.generation_batch": sizes.generation_batch}
     if sizes.micro_batch_tokens is not None:
         values["memory.micro_batch_tokens"] = sizes.micro_batch_tokens
+    # the planner's own reading of the data (its prompt estimate) would log "data: N rows" a
+    # second time in the run's log: only its warnings are kept
+    root = logging.getLogger("r1fit")
+    level = root.level
+    root.setLevel(logging.WARNING)
     try:
         plan = plan_memory(cfg.with_values(values), device_type=device_type, gpus=gpus,
                            kind=kind)
@@ -72,6 +77,8 @@ def predict_steps(cfg: Any, device_type: str, gpus: int, kind: str, sizes: Chunk
         log.warning("time model: no prediction for this run (%s: %s); the steps log their "
                     "measured seconds alone", type(exc).__name__, exc)
         return None
+    finally:
+        root.setLevel(level)
     prediction = StepPrediction.of(plan.time, kind)
     shown = ", ".join(f"{key.removeprefix('seconds_')} {format_seconds(value)}"
                       for key, value in prediction.seconds.items())
