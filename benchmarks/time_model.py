@@ -112,11 +112,12 @@ def at_measured_turns(overrides: list[str], measured: dict[str, float]) -> list[
 def predict(overrides: list[str]) -> dict[str, float]:
     from r1fit.config import load_config
     from r1fit.memory.planner import plan_memory
+    from r1fit.memory.prediction import StepPrediction
 
     plan = plan_memory(load_config(None, [*COMMON, *overrides]), device_type="cpu")
-    phases = plan.time["phases"]
-    return {"generate": phases["generate"], "score": phases["score"],
-            "update": phases["logprobs"] + phases["update"],
+    # the phases under the keys a run measures them by (the update's holds the log-prob pass)
+    seconds = StepPrediction.of(plan.time, "grpo").seconds
+    return {**{key.removeprefix("seconds_"): value for key, value in seconds.items()},
             "step": plan.time["step_seconds"], "source": plan.time["source"]}
 
 

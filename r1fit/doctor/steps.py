@@ -21,6 +21,7 @@ import torch
 from r1fit.config import load_config
 from r1fit.doctor.env import half_dtype
 from r1fit.doctor.selfcheck import run_train
+from r1fit.memory.prediction import StepPrediction
 from r1fit.report.metrics import grpo_step_rows
 
 #: rows of a step in the two runs (2 prompts x 4 completions)
@@ -53,8 +54,9 @@ def missed_update_seconds(device: torch.device, micro_batch: int, work: Path) ->
     out = run_train(values, work / f"micro_batch_{micro_batch}")
     rows = grpo_step_rows(out / "metrics.jsonl", last_per_step=True)[1:]
     measured = statistics.median(r["seconds_update"] for r in rows)
-    phases = plan_memory(load_config(None, values), device_type=device.type).time["phases"]
-    return measured - (phases["logprobs"] + phases["update"])
+    predicted = StepPrediction.of(plan_memory(load_config(None, values),
+                                              device_type=device.type).time, "grpo")
+    return measured - predicted.seconds["seconds_update"]
 
 
 def measure_step_fixed(device: torch.device) -> tuple[float, float]:

@@ -13,9 +13,9 @@ measured by ``r1fit doctor --calibrate`` and cached per device, else taken from 
 - **layer step cost**: the seconds of one token step through a small decoder layer (attention
   with a KV cache, MLP, norms: the kernels a transformer layer launches) at two batch sizes; the
   fixed part per layer and step is what an eager decode step pays before any arithmetic;
-- **logits**: seconds per logit of r1fit's sampler and of the training head's float32
-  log-softmax forward and backward (with a 151,936-token vocabulary these, not the matmuls, can
-  be most of a small model's step);
+- **logits**: seconds per logit of r1fit's sampler and of the training head (its log-probs,
+  entropies and the loss's gradient over the vocabulary, its matmuls aside): with a
+  151,936-token vocabulary these, not the matmuls, can be most of a small model's step;
 - **a layer over many tokens**: the calibration layer's forward, and its forward and backward,
   over one row of ``LAYER_TOKENS`` tokens: beyond its matmul FLOPs (at the measured rate) and
   its fixed cost, what remains is the element-wise work (norms, activations, rotary, residuals,
@@ -103,7 +103,8 @@ class DeviceRates:
     #: seconds per logit of r1fit's sampler (float32 conversion, exp, two-level cumsum): a
     #: decode step pays it on every row's whole vocabulary
     sample_s_per_logit: float = 0.0
-    #: seconds per logit of the training head's float32 log-softmax, forward and backward
+    #: seconds per logit of the training head as a GRPO update runs it (log-probs, entropies,
+    #: the loss's gradient over the vocabulary), its matmuls aside
     head_s_per_logit: float = 0.0
     #: per dtype name, ``[(rows, FLOP/s)]`` of a decode step's skinny products: ``rows`` x 1024
     #: times 1024 x 32768, a weight larger than a CPU's caches as a model's are (a handful of

@@ -29,7 +29,7 @@ as the memory plan takes it; with tools the trajectory's budget):
   same model with its adapters off) over every row;
 - ``update``: ``algo.num_iterations`` forwards and backwards of every row (the recomputed
   forward of checkpointed layers included, the layers' element-wise work, LoRA's unmerged
-  adapters, and the head's float32 log-softmax over the vocabulary per completion token) and
+  adapters, and the head's work over the vocabulary per completion token) and
   as many AdamW steps (reading and writing the trainable weights, gradients and two float32
   moments, and a fixed cost per parameter tensor), with the calibrated fixed cost of a
   micro-batch and of an update beyond the model (``micro_batch_s``, ``update_s``);
@@ -253,8 +253,8 @@ def time_plan(s: TimeShape, rates: DeviceRates, cfg: Config, *, processes: int =
         generation_seconds(s, rates, s.rows, s.completion)
     forward = scoring_flops(s.shape, group)
     passes = s.rows * forward
-    # the head's float32 log-softmax over the vocabulary, per completion token (forward and
-    # backward in an update; the forward, about half, in a log-prob pass)
+    # the head's work over the vocabulary per completion token beyond its matmuls (log-probs,
+    # entropies, the loss's gradient in an update; the forward, about half, in a log-prob pass)
     head = s.rows * s.completion * s.vocab * rates.head_s_per_logit
     tokens = s.rows * (s.prompt + s.completion)
     logprobs = 0.0
