@@ -17,9 +17,20 @@ Tasks (held-out greedy accuracy on ``builtin:shapes`` eval rows, true answers):
   which reads the true answers, has something to correct. With every red row relabelled (share
   1) the policy never samples "red" (two tokens it was never taught) and GRPO has nothing to
   reinforce: see benchmarks/RESULTS.md.
-- ``zoom``: the zoom questions with the zoom tool (``configs/zoom-tools.yaml``), SFT on tool
-  demonstrations stopped partway (``--zoom-sft-steps`` of the config's 2,500), so the policy
-  calls the tool but often zooms at the wrong place.
+- ``zoom``: the zoom questions with the zoom tool (``configs/zoom-tools.yaml``), the colour
+  task's mechanism with tools: tool demonstrations (a call on the mark, the zoom's image, the
+  answer) written as a JSONL whose calls are all right but whose answer after the zoom says
+  "horizontal" in 80% of the checkered marks' rows (``--zoom-relabel checkered=horizontal``),
+  so a policy that reads the zoom answers 0.667 greedily by design. Measured (RESULTS.md): at
+  the default 1,500 SFT steps (lr 1e-3 or 2e-3) the policy copies every stated place into its
+  call but answers "horizontal" whatever the zoom shows (0.333: it has not learnt to read), and
+  GRPO from it does not learn to read either. Reading came 700 steps into a 1,000-step SFT
+  continued from the 1,500-step one (0.667, the design's value): ``--zoom-sft-steps`` sets how
+  far SFT goes (a single 2,500-step run not yet measured here).
+
+``--reuse`` with ``--output-dir`` reads an arm whose folder already holds a run of the same
+command (its ``command.json``), so a run stopped partway goes on from the arm it stopped in, or
+other GRPO settings can be tried from the same SFT arm.
 
 Arms per task and seed: ``sft`` (the partial or wrong SFT, from the random-weight model), then
 from its ``final/`` folder ``grpo`` (``r1fit train``, evaluated every ``--<task>-eval-every``
@@ -100,19 +111,17 @@ def greedy_ceiling(answers: Sequence[str], shown: Sequence[str]) -> float:
     return right / len(answers)
 
 
-def write_colour_rows(folder: Path, rows: int, seed: int, relabel: Mapping[str, str],
-                      share: float) -> tuple[Path, float]:
-    """``rows`` train items of the demo's colour questions (``builtin:shapes`` drawn from
-    ``seed``, as ``r1fit train`` draws them with ``train.seed=seed``) as a JSONL of
-    demonstrations in ``folder``, their PNGs beside it. Train items only: the held-out rows stay
-    out by construction (``builtin:shapes`` splits by scene). Also the accuracy a greedy policy
-    that learnt them would have (:func:`greedy_ceiling`)."""
-    from r1fit.data.shapes import ShapesSpec, make_item, render_item
+def write_rows(folder: Path, spec, rows: int, seed: int, relabel: Mapping[str, str],
+               share: float) -> tuple[Path, float]:
+    """``rows`` train items of ``spec`` (``builtin:shapes`` drawn from ``seed``, as ``r1fit
+    train`` draws them with ``train.seed=seed``) as a JSONL of demonstrations in ``folder``,
+    their PNGs beside it, the answers as :func:`shown_answers` shows them; a zoom item's row
+    also holds its mark's box as ``focus``, so ``r1fit sft`` with the zoom tool learns it as a
+    call on the mark, the zoom's image, then the answer. Train items only: the held-out rows
+    stay out by construction (``builtin:shapes`` splits by scene). Also the accuracy a greedy
+    policy that learnt them would have (:func:`greedy_ceiling`)."""
+    from r1fit.data.shapes import make_item, mark_focus, render_item
 
-    spec = ShapesSpec(kinds=("color",), image_size=IMAGE_SIZE, max_distractors=0)
-    unknown = sorted(set(relabel) - set(spec.colors))
-    if unknown:
-        raise BenchmarkError(f"--relabel: {unknown} not among the colours {list(spec.colors)}")
     (folder / "images").mkdir(parents=True, exist_ok=True)
     items = [make_item(spec, seed=seed, split="train", index=i) for i in range(rows)]
     answers = [t.answer for t in items]
@@ -121,10 +130,51 @@ def write_colour_rows(folder: Path, rows: int, seed: int, relabel: Mapping[str, 
     for i, (item, shown) in enumerate(zip(items, shown_all)):
         name = f"images/{i:05d}.png"
         render_item(item, spec).save(folder / name)
-        lines.append(json.dumps({"image": name, "problem": item.problem, "solution": shown}))
+        row = {"image": name, "problem": item.problem, "solution": shown}
+        if item.kind == "zoom":
+            row["focus"] = list(mark_focus(item))
+        lines.append(json.dumps(row))
     path = folder / "demonstrations.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path, greedy_ceiling(answers, shown_all)
+
+
+def write_colour_rows(folder: Path, rows: int, seed: int, relabel: Mapping[str, str],
+                      share: float) -> tuple[Path, float]:
+    """:func:`write_rows` of the demo's colour questions."""
+    from r1fit.data.shapes import ShapesSpec
+
+    spec = ShapesSpec(kinds=("color",), image_size=IMAGE_SIZE, max_distractors=0)
+    unknown = sorted(set(relabel) - set(spec.colors))
+    if unknown:
+        raise BenchmarkError(f"--relabel: {unknown} not among the colours {list(spec.colors)}")
+    return write_rows(folder, spec, rows, seed, relabel, share)
+
+
+def zoom_spec():
+    """The zoom questions of ``configs/zoom-tools.yaml``'s ``data.shapes`` (read from the file, so
+    the demonstrations are the rows ``r1fit`` would draw from the same config)."""
+    import yaml
+
+    from r1fit.data.shapes import ShapesSpec
+
+    shapes = yaml.safe_load(ZOOM_CONFIG.read_text())["data"]["shapes"]
+    return ShapesSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in shapes.items()})
+
+
+def write_zoom_rows(folder: Path, rows: int, seed: int, relabel: Mapping[str, str],
+                    share: float) -> tuple[Path, float]:
+    """:func:`write_rows` of the zoom questions of ``configs/zoom-tools.yaml``, each a tool
+    demonstration (its 896 px image, the question stating the mark's place, the mark's box):
+    the calls and the zoomed images are right, only the word read from them is shown as
+    ``relabel`` says in ``share`` of each relabelled pattern's rows."""
+    from r1fit.data.shapes import ZOOM_PATTERNS
+
+    unknown = sorted(set(relabel) - set(ZOOM_PATTERNS))
+    if unknown:
+        raise BenchmarkError(f"--zoom-relabel: {unknown} not among the patterns "
+                             f"{list(ZOOM_PATTERNS)}")
+    return write_rows(folder, zoom_spec(), rows, seed, relabel, share)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -281,11 +331,18 @@ def run_arm(arm: Arm, command: list[str], out: Path, args: argparse.Namespace, w
 
     command = [*command, f"train.output_dir={out}", "train.overwrite=true", "checkpoint.every=0",
                *args.set]
-    print(f"{NAME}: {what} -> {out}", flush=True)
-    began = time.perf_counter()
-    run_child(command, what, "r1fit", env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
-              timeout=args.timeout, log=args.log or out.parent / "log.txt")
-    arm.minutes = (time.perf_counter() - began) / 60
+    done = out / "command.json"  # written after the run ended: what ran, and its minutes
+    if args.reuse and done.is_file() and json.loads(done.read_text())["command"] == command[1:]:
+        print(f"{NAME}: {what}: read from {out} (--reuse: the same command ran there)",
+              flush=True)
+        arm.minutes = json.loads(done.read_text())["minutes"]
+    else:
+        print(f"{NAME}: {what} -> {out}", flush=True)
+        began = time.perf_counter()
+        run_child(command, what, "r1fit", env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
+                  timeout=args.timeout, log=args.log or out.parent / "log.txt")
+        arm.minutes = (time.perf_counter() - began) / 60
+        done.write_text(json.dumps({"command": command[1:], "minutes": arm.minutes}))
     rows = read_metrics(out / "metrics.jsonl")
     arm.points, seconds = read_curve(rows)
     arm.seconds_per_step = statistics.median(seconds) if seconds else None
@@ -301,13 +358,15 @@ def run_pair(task: str, seed: int, folder: Path, args: argparse.Namespace) -> Pa
     folder.mkdir(parents=True, exist_ok=True)
     pair = Pair(task, seed)
     seeded = [f"train.seed={seed}", f"data.eval_size={opts['eval_size']}"]
-    data: list[str] = []
-    if task == "colour":
-        path, ceiling = write_colour_rows(folder / "data", args.colour_rows, seed, args.relabel,
-                                          args.relabel_share)
-        print(f"{NAME}: {task} seed {seed}: {args.colour_rows} demonstrations, the greedy "
-              f"accuracy they teach {ceiling:.3f}", flush=True)
-        data = [f"data.train={path}"]
+    write, rows, relabel = ((write_colour_rows, args.colour_rows, args.relabel)
+                            if task == "colour" else
+                            (write_zoom_rows, args.zoom_rows, args.zoom_relabel))
+    path = folder / "data" / "demonstrations.jsonl"
+    if not (args.reuse and path.is_file()):  # the same rows from the same arguments
+        path, ceiling = write(folder / "data", rows, seed, relabel, args.relabel_share)
+        print(f"{NAME}: {task} seed {seed}: {rows} demonstrations, the greedy accuracy they "
+              f"teach {ceiling:.3f}", flush=True)
+    data = [f"data.train={path}"]
     sft = Arm("sft")
     run_arm(sft, [*base_command(task, "sft"), "model.path=builtin:tiny", *data, *seeded,
                   f"sft.steps={opts['sft_steps']}", *opts["sft_set"]],
@@ -325,8 +384,8 @@ def run_pair(task: str, seed: int, folder: Path, args: argparse.Namespace) -> Pa
                                 len(grpo.points) - 1)
     control = Arm("control")
     run_arm(control, [*base_command(task, "sft"), *start_from, *data, *seeded,
-                      f"sft.steps={steps}", f"sft.eval_every={every}",
-                      "eval.before_train=false", *opts["sft_set"]],
+                      *opts["sft_set"], f"sft.steps={steps}", f"sft.eval_every={every}",
+                      "eval.before_train=false"],
             folder / "control", args, f"{task} seed {seed}: control ({steps} SFT steps)")
     pair.arms = {"sft": sft, "grpo": grpo, "control": control}
     return pair
@@ -366,7 +425,7 @@ DEFAULTS = {  # per task, SETTINGS
     # shapes as on red ones, and GRPO then unlearnt it); GRPO at 1e-3 without KL
     "colour": (800, 20, 5, 200, ["sft.learning_rate=2e-3"],
                ["train.learning_rate=1e-3", "algo.beta=0"]),
-    "zoom": (1000, 20, 5, 48, [], ["train.learning_rate=1e-3", "algo.beta=0"]),
+    "zoom": (1500, 20, 5, 48, ["sft.eval_every=250"], ["train.learning_rate=1e-3", "algo.beta=0"]),
 }
 QUICK = {"colour": (4, 2, 1, 8, [], []), "zoom": (4, 2, 1, 8, [], ["train.prompts_per_step=2"])}
 
@@ -403,6 +462,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "greedy answers wrong, the truth still sampled)")
     p.add_argument("--colour-rows", type=positive, default=2000,
                    help="demonstrations written for the colour task")
+    p.add_argument("--zoom-relabel", type=parse_relabel, default={"checkered": "horizontal"},
+                   metavar="TRUE=SHOWN", help="the zoom task's wrong answers after a right zoom "
+                   "(default checkered=horizontal)")
+    p.add_argument("--zoom-rows", type=positive, default=2000,
+                   help="tool demonstrations written for the zoom task")
+    p.add_argument("--reuse", action="store_true",
+                   help="with --output-dir: read an arm whose folder holds a run of the same "
+                   "command (its command.json) instead of running it again")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="overrides of every run")
     p.add_argument("--quick", action="store_true",

@@ -46,6 +46,24 @@ def test_the_demonstrations_file_holds_the_shown_answers(tmp_path):
         rb.write_colour_rows(tmp_path, 4, 0, {"purple": "red"}, 1.0)
 
 
+def test_the_zoom_demonstrations_zoom_right_and_name_the_shown_pattern(tmp_path):
+    from PIL import Image
+
+    path, ceiling = rb.write_zoom_rows(tmp_path, 6, 0, {"checkered": "horizontal"}, 1.0)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    # answers cycle horizontal, vertical, checkered: both checkered rows are shown "horizontal"
+    assert [r["solution"] for r in rows] == ["horizontal", "vertical", "horizontal"] * 2
+    assert ceiling == pytest.approx(2 / 3)
+    for row in rows:
+        x1, y1, x2, y2 = row["focus"]  # the 32 px mark of the 896 px image, in fractions
+        assert (x2 - x1, y2 - y1) == (pytest.approx(32 / 896), pytest.approx(32 / 896))
+        # the box is centred where the question says the mark is
+        assert f"centred at x={(x1 + x2) / 2:.2f}, y={(y1 + y2) / 2:.2f}" in row["problem"]
+        assert Image.open(tmp_path / row["image"]).size == (896, 896)
+    with pytest.raises(rb.BenchmarkError, match="striped"):
+        rb.write_zoom_rows(tmp_path, 3, 0, {"striped": "vertical"}, 1.0)
+
+
 def test_a_curve_is_read_at_cumulative_training_seconds():
     rows = [{"step": 0, "eval/accuracy": 0.75},  # before the first step: no time
             {"step": 1, "reward_mean": 1.0, "seconds_generate": 1.0, "seconds_update": 2.0},
@@ -95,6 +113,7 @@ def test_arguments_defaults_quick_and_refusals(refused):
     assert args.tasks == ["colour", "zoom"] and args.seeds == [0, 1]
     assert args.colour_sft_steps == 800 and args.relabel == {"red": "yellow"}
     assert rb.task_settings(args, "zoom")["grpo_steps"] == 20
+    assert args.zoom_relabel == {"checkered": "horizontal"} and not args.reuse
     args = rb.parse_args(["--colour-grpo-set", "algo.beta=0.05", "--zoom-sft-steps", "7"])
     assert args.colour_grpo_set == ["algo.beta=0.05"] and args.zoom_sft_steps == 7
     quick = rb.parse_args(["--quick", "--seeds", "3", "4"])
