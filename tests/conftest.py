@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from r1fit.models.builtin import ensure_builtin
+
+# One torch thread in each test process and in the runs it starts (they inherit the variable),
+# unless OMP_NUM_THREADS says otherwise: the suite's models are tiny, so a second thread gains
+# nothing on a quiet 2-core machine (15.3 s either way for two whole-run tests), and beside other
+# work it made them 4-6x slower (its threads wait for each other); with pytest-xdist's workers
+# (pyproject's addopts) each worker has a core of its own.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(autouse=True)

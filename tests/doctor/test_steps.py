@@ -3,12 +3,13 @@ differ only in micro-batch size, against the time model's prediction for each.""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 
 import r1fit.doctor.steps as steps
 from r1fit.config import load_config
-from r1fit.memory.rates import calibrate
 
 
 def test_the_two_runs_differ_only_in_micro_batch():
@@ -29,10 +30,20 @@ def test_the_missed_seconds_split_into_micro_batch_and_update(monkeypatch, tmp_p
     assert steps.measure_step_fixed(torch.device("cpu")) == (0.0, 0.04)
 
 
-def test_a_real_run_misses_a_positive_time_per_micro_batch(use_tiny_cache, tmp_path):
-    calibrate(torch.device("cpu"), quick=True)  # the plan's rates, cached in the test's cache
-    missed = {n: steps.missed_update_seconds(torch.device("cpu"), n, tmp_path)
-              for n in (steps.ROWS, 1)}
-    # eight micro-batches of one row cost more than the model counts for them: the model's
-    # own positions, masks and loss, per micro-batch
-    assert missed[1] > missed[steps.ROWS], missed
+def test_a_real_run_misses_its_measured_update_less_the_plans(use_tiny_cache, tmp_path):
+    """On a real run: the median update of the steps after the first, less the time model's
+    prediction for the run's config. (Which of the two sizes misses more is a timing: the
+    calibration measures it, no test asserts it; on a loaded machine it went either way.)"""
+    from r1fit.memory.planner import plan_memory
+    from r1fit.memory.prediction import StepPrediction
+    from r1fit.report.metrics import grpo_step_rows
+
+    device = torch.device("cpu")
+    missed = steps.missed_update_seconds(device, 1, tmp_path)
+    rows = grpo_step_rows(tmp_path / "micro_batch_1" / "metrics.jsonl", last_per_step=True)
+    assert [r["micro_batch"] for r in rows] == [1] * len(rows) and len(rows) >= 3
+    measured = sorted(r["seconds_update"] for r in rows[1:])
+    predicted = StepPrediction.of(plan_memory(load_config(None, steps.step_overrides(device, 1)),
+                                              device_type="cpu").time, "grpo")
+    assert missed == pytest.approx(statistics.median(measured)
+                                   - predicted.seconds["seconds_update"])
