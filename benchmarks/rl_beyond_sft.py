@@ -20,13 +20,15 @@ Tasks (held-out greedy accuracy on ``builtin:shapes`` eval rows, true answers):
 - ``zoom``: the zoom questions with the zoom tool (``configs/zoom-tools.yaml``), the colour
   task's mechanism with tools: tool demonstrations (a call on the mark, the zoom's image, the
   answer) written as a JSONL whose calls are all right but whose answer after the zoom says
-  "horizontal" in 80% of the checkered marks' rows (``--zoom-relabel checkered=horizontal``),
-  so a policy that reads the zoom answers 0.667 greedily by design. Measured (RESULTS.md): at
-  the default 1,500 SFT steps (lr 1e-3 or 2e-3) the policy copies every stated place into its
-  call but answers "horizontal" whatever the zoom shows (0.333: it has not learnt to read), and
-  GRPO from it does not learn to read either. Reading came 700 steps into a 1,000-step SFT
-  continued from the 1,500-step one (0.667, the design's value): ``--zoom-sft-steps`` sets how
-  far SFT goes (a single 2,500-step run not yet measured here).
+  "horizontal" in 70% of the checkered marks' rows (``--zoom-relabel checkered=horizontal
+  --zoom-relabel-share 0.7``), so a policy that reads the zoom answers 0.667 greedily by design,
+  plus 2,000 single-turn rows (``--zoom-read-rows``): the zoom's image alone, its stripes
+  asked, answered as the demonstrations answer. SFT 2,500 steps at a constant rate after the
+  warm-up. Measured (RESULTS.md): without the single-turn rows no SFT read the zoom within
+  1,500-2,000 steps (0.333, every answer "horizontal"), and GRPO cannot start reading from
+  nothing; with them it read from ~1,750 steps. At 80% wrong the policy sampled "checkered" as
+  often on horizontal marks as on checkered ones and GRPO kept 0.667; at 60% the control's
+  greedy answer flipped by chance (its sampled "checkered" near half on checkered marks).
 
 ``--reuse`` with ``--output-dir`` reads an arm whose folder already holds a run of the same
 command (its ``command.json``), so a run stopped partway goes on from the arm it stopped in, or
@@ -47,6 +49,7 @@ the control arm's last (at equal training time). Exit 2 on bad arguments or a fa
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import statistics
@@ -112,31 +115,59 @@ def greedy_ceiling(answers: Sequence[str], shown: Sequence[str]) -> float:
 
 
 def write_rows(folder: Path, spec, rows: int, seed: int, relabel: Mapping[str, str],
-               share: float) -> tuple[Path, float]:
+               share: float, read_rows: int = 0) -> tuple[Path, float]:
     """``rows`` train items of ``spec`` (``builtin:shapes`` drawn from ``seed``, as ``r1fit
     train`` draws them with ``train.seed=seed``) as a JSONL of demonstrations in ``folder``,
     their PNGs beside it, the answers as :func:`shown_answers` shows them; a zoom item's row
     also holds its mark's box as ``focus``, so ``r1fit sft`` with the zoom tool learns it as a
     call on the mark, the zoom's image, then the answer. Train items only: the held-out rows
     stay out by construction (``builtin:shapes`` splits by scene). Also the accuracy a greedy
-    policy that learnt them would have (:func:`greedy_ceiling`)."""
+    policy that learnt them would have (:func:`greedy_ceiling`).
+
+    ``read_rows`` (zoom items only) adds that many single-turn rows after them, from the next
+    train items: the image is what the demonstration's zoom returns on the mark (no tool call
+    to learn), the question asks for its stripes, the answer is shown as above; SFT learns to
+    read a zoom's image from them as fast as from a lone image, not only through the call."""
     from r1fit.data.shapes import make_item, mark_focus, render_item
 
     (folder / "images").mkdir(parents=True, exist_ok=True)
-    items = [make_item(spec, seed=seed, split="train", index=i) for i in range(rows)]
+    items = [make_item(spec, seed=seed, split="train", index=i) for i in range(rows + read_rows)]
     answers = [t.answer for t in items]
     shown_all = shown_answers(answers, relabel, share)
     lines = []
     for i, (item, shown) in enumerate(zip(items, shown_all)):
         name = f"images/{i:05d}.png"
-        render_item(item, spec).save(folder / name)
+        image = render_item(item, spec)
         row = {"image": name, "problem": item.problem, "solution": shown}
-        if item.kind == "zoom":
+        if i >= rows:
+            image, row["problem"] = zoomed_mark(image, mark_focus(item)), READ_PROBLEM
+        elif item.kind == "zoom":
             row["focus"] = list(mark_focus(item))
+        image.save(folder / name)
         lines.append(json.dumps(row))
     path = folder / "demonstrations.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path, greedy_ceiling(answers, shown_all)
+
+
+READ_PROBLEM = ("This is a zoom on a small grey square. Are its stripes horizontal, vertical or "
+                "checkered? Answer with one word.")
+
+
+def zoomed_mark(image, focus):
+    """What a tool demonstration's zoom on ``focus`` returns from ``image`` (r1fit's own call
+    and tool, at the zoom config's pixel budget)."""
+    import yaml
+
+    from r1fit.tools.api import ToolContext
+    from r1fit.tools.builtin import zoom
+    from r1fit.tools.demonstrations import demonstration_call
+
+    max_pixels = yaml.safe_load(ZOOM_CONFIG.read_text()).get("data", {}).get("max_pixels",
+                                                                             112 * 112)
+    call = demonstration_call("zoom", focus, image.size, max_pixels)
+    arguments = json.loads(call.split("\n")[1])["arguments"]
+    return zoom(ToolContext(images=(image,)), **arguments)
 
 
 def write_colour_rows(folder: Path, rows: int, seed: int, relabel: Mapping[str, str],
@@ -163,7 +194,7 @@ def zoom_spec():
 
 
 def write_zoom_rows(folder: Path, rows: int, seed: int, relabel: Mapping[str, str],
-                    share: float) -> tuple[Path, float]:
+                    share: float, read_rows: int = 0) -> tuple[Path, float]:
     """:func:`write_rows` of the zoom questions of ``configs/zoom-tools.yaml``, each a tool
     demonstration (its 896 px image, the question stating the mark's place, the mark's box):
     the calls and the zoomed images are right, only the word read from them is shown as
@@ -174,7 +205,7 @@ def write_zoom_rows(folder: Path, rows: int, seed: int, relabel: Mapping[str, st
     if unknown:
         raise BenchmarkError(f"--zoom-relabel: {unknown} not among the patterns "
                              f"{list(ZOOM_PATTERNS)}")
-    return write_rows(folder, zoom_spec(), rows, seed, relabel, share)
+    return write_rows(folder, zoom_spec(), rows, seed, relabel, share, read_rows)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -358,12 +389,14 @@ def run_pair(task: str, seed: int, folder: Path, args: argparse.Namespace) -> Pa
     folder.mkdir(parents=True, exist_ok=True)
     pair = Pair(task, seed)
     seeded = [f"train.seed={seed}", f"data.eval_size={opts['eval_size']}"]
-    write, rows, relabel = ((write_colour_rows, args.colour_rows, args.relabel)
-                            if task == "colour" else
-                            (write_zoom_rows, args.zoom_rows, args.zoom_relabel))
+    write, rows, relabel, wrong = (
+        (write_colour_rows, args.colour_rows, args.relabel, args.relabel_share)
+        if task == "colour" else
+        (write_zoom_rows, args.zoom_rows, args.zoom_relabel, args.zoom_relabel_share))
     path = folder / "data" / "demonstrations.jsonl"
     if not (args.reuse and path.is_file()):  # the same rows from the same arguments
-        path, ceiling = write(folder / "data", rows, seed, relabel, args.relabel_share)
+        extra = {"read_rows": args.zoom_read_rows} if task == "zoom" else {}
+        path, ceiling = write(folder / "data", rows, seed, relabel, wrong, **extra)
         print(f"{NAME}: {task} seed {seed}: {rows} demonstrations, the greedy accuracy they "
               f"teach {ceiling:.3f}", flush=True)
     data = [f"data.train={path}"]
@@ -395,11 +428,17 @@ def run(args: argparse.Namespace) -> int:
     folder = Path(args.output_dir or tempfile.mkdtemp(prefix="r1fit-rl-beyond-sft-"))
     folder.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    pairs = []
-    for task in args.tasks:
-        for seed in args.seeds:
-            pairs.append(run_pair(task, seed, folder / f"{task}-seed{seed}", args))
-            print(table(pairs[-1:]), flush=True)
+    jobs = [(task, seed) for task in args.tasks for seed in args.seeds]
+
+    def one(job: tuple[str, int]) -> Pair:
+        pair = run_pair(*job, folder / f"{job[0]}-seed{job[1]}", args)
+        print(table([pair]), flush=True)
+        return pair
+
+    # --jobs 2 on 2 cores with --threads 1: each pair's runs on a core of their own (the arms
+    # of one pair still run one after another: each starts from the one before)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        pairs = list(pool.map(one, jobs))
     met, lines = verdict(pairs)
     print(table(pairs))
     for pair in pairs:
@@ -425,7 +464,10 @@ DEFAULTS = {  # per task, SETTINGS
     # shapes as on red ones, and GRPO then unlearnt it); GRPO at 1e-3 without KL
     "colour": (800, 20, 5, 200, ["sft.learning_rate=2e-3"],
                ["train.learning_rate=1e-3", "algo.beta=0"]),
-    "zoom": (1500, 20, 5, 48, ["sft.eval_every=250"], ["train.learning_rate=1e-3", "algo.beta=0"]),
+    # zoom: with --zoom-read-rows the SFT read the zoom from ~1,750 steps (without them none
+    # of seven runs had by 1,500-2,000 steps); a constant rate after the warm-up (RESULTS.md)
+    "zoom": (2500, 20, 5, 48, ["sft.eval_every=250", "train.lr_schedule=constant"],
+             ["train.learning_rate=1e-3", "algo.beta=0"]),
 }
 QUICK = {"colour": (4, 2, 1, 8, [], []), "zoom": (4, 2, 1, 8, [], ["train.prompts_per_step=2"])}
 
@@ -435,6 +477,14 @@ def share(text: str) -> float:
     value = float(text)
     if not 0.5 < value <= 1:
         raise argparse.ArgumentTypeError(f"expected a share in (0.5, 1], got {text}")
+    return value
+
+
+def count(text: str) -> int:
+    """argparse type: a whole number >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text}")
     return value
 
 
@@ -460,6 +510,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--relabel-share", type=share, default=0.8, metavar="S",
                    help="the share of each relabelled class's rows shown wrong (default 0.8: "
                    "greedy answers wrong, the truth still sampled)")
+    p.add_argument("--zoom-relabel-share", type=share, default=0.7, metavar="S",
+                   help="the same for the zoom task (default 0.7: at 0.8 the SFT policy sampled "
+                   "the minority answer as often on other marks as on its own; at 0.6 SFT "
+                   "continued flipped its greedy answer by chance)")
     p.add_argument("--colour-rows", type=positive, default=2000,
                    help="demonstrations written for the colour task")
     p.add_argument("--zoom-relabel", type=parse_relabel, default={"checkered": "horizontal"},
@@ -467,6 +521,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "(default checkered=horizontal)")
     p.add_argument("--zoom-rows", type=positive, default=2000,
                    help="tool demonstrations written for the zoom task")
+    p.add_argument("--zoom-read-rows", type=count, default=2000,
+                   help="single-turn rows added to the zoom demonstrations: the zoom's image "
+                   "alone, its stripes asked, answers shown as the demonstrations' (default "
+                   "2000; 0: tool demonstrations only)")
     p.add_argument("--reuse", action="store_true",
                    help="with --output-dir: read an arm whose folder holds a run of the same "
                    "command (its command.json) instead of running it again")
@@ -475,6 +533,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: colour, one seed, a few steps, 8 held-out rows")
     p.add_argument("--threads", type=positive, default=2, help="OMP_NUM_THREADS of the runs")
+    p.add_argument("--jobs", type=positive, default=1,
+                   help="(task, seed) pairs run side by side (each pair's arms in turn)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     p.add_argument("--output-dir", help="keep the runs here (default: a temporary folder)")
     p.add_argument("--json", metavar="PATH", help="also write the results here")

@@ -108,12 +108,42 @@ def test_the_table_and_the_diagnostics():
     assert rb.diagnostics(row) == "accuracy 0.5, entropy 0.02, turn_advantage/1 -0.25"
 
 
+def test_the_zoom_read_rows_show_the_zoom_alone_and_the_shown_pattern(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    path, ceiling = rb.write_zoom_rows(tmp_path, 3, 0, {"checkered": "horizontal"}, 1.0,
+                                       read_rows=3)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    tool, read = rows[:3], rows[3:]
+    assert all("focus" in r for r in tool) and not any("focus" in r for r in read)
+    assert all(r["problem"] == rb.READ_PROBLEM for r in read)
+    # the read rows continue the train items (patterns cycling), relabelled as the others
+    assert [r["solution"] for r in read] == ["horizontal", "vertical", "horizontal"]
+    assert ceiling == pytest.approx(2 / 3)
+    for row, pattern in zip(read, ["horizontal", "vertical", "checkered"]):
+        image = Image.open(tmp_path / row["image"])
+        assert image.size == (112, 112)  # factor 8 of 896 px: the source's pixels, unshrunk
+        # the 32 px mark lies in the middle: its 16 px core is the striped pattern, 2 px stripes
+        core = np.asarray(image.convert("L"), dtype=float)[48:64, 48:64]
+        rows_vary, cols_vary = np.ptp(core.mean(axis=1)), np.ptp(core.mean(axis=0))
+        if pattern == "horizontal":
+            assert rows_vary > 100 and cols_vary < 1
+        elif pattern == "vertical":
+            assert cols_vary > 100 and rows_vary < 1
+        else:  # checkered: each row and column averages to the same grey
+            assert rows_vary < 1 and cols_vary < 1 and np.ptp(core) > 100
+
+
 def test_arguments_defaults_quick_and_refusals(refused):
     args = rb.parse_args([])
     assert args.tasks == ["colour", "zoom"] and args.seeds == [0, 1]
     assert args.colour_sft_steps == 800 and args.relabel == {"red": "yellow"}
     assert rb.task_settings(args, "zoom")["grpo_steps"] == 20
     assert args.zoom_relabel == {"checkered": "horizontal"} and not args.reuse
+    assert args.zoom_relabel_share == 0.7 and args.relabel_share == 0.8
+    assert args.zoom_read_rows == 2000 and args.jobs == 1
+    assert "train.lr_schedule=constant" in rb.task_settings(args, "zoom")["sft_set"]
     args = rb.parse_args(["--colour-grpo-set", "algo.beta=0.05", "--zoom-sft-steps", "7"])
     assert args.colour_grpo_set == ["algo.beta=0.05"] and args.zoom_sft_steps == 7
     quick = rb.parse_args(["--quick", "--seeds", "3", "4"])
@@ -122,3 +152,5 @@ def test_arguments_defaults_quick_and_refusals(refused):
     assert "--relabel-share" in refused(rb.parse_args, ["--relabel-share", "0.5"])
     assert "--relabel" in refused(rb.parse_args, ["--relabel", "red"])
     assert "--tasks" in refused(rb.parse_args, ["--tasks", "box"])
+    assert "--zoom-read-rows" in refused(rb.parse_args, ["--zoom-read-rows", "-1"])
+    assert "--jobs" in refused(rb.parse_args, ["--jobs", "0"])
