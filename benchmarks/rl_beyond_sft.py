@@ -23,8 +23,8 @@ Tasks (held-out greedy accuracy on ``builtin:shapes`` eval rows, true answers):
   "horizontal" in 70% of the checkered marks' rows (``--zoom-relabel checkered=horizontal
   --zoom-relabel-share 0.7``), so a policy that reads the zoom answers 0.667 greedily by design,
   plus 2,000 single-turn rows (``--zoom-read-rows``): the zoom's image alone, its stripes
-  asked, answered as the demonstrations answer. SFT 2,500 steps at a constant rate after the
-  warm-up. Measured (RESULTS.md): without the single-turn rows no SFT read the zoom within
+  asked, answered as the demonstrations answer. SFT 3,500 steps at a constant rate after the
+  warm-up (seed 0 read from ~2,750). Measured (RESULTS.md): without the single-turn rows no SFT read the zoom within
   1,500-2,000 steps (0.333, every answer "horizontal"), and GRPO cannot start reading from
   nothing; with them it read from ~1,750 steps. At 80% wrong the policy sampled "checkered" as
   often on horizontal marks as on checkered ones and GRPO kept 0.667; at 60% the control's
@@ -464,9 +464,10 @@ DEFAULTS = {  # per task, SETTINGS
     # shapes as on red ones, and GRPO then unlearnt it); GRPO at 1e-3 without KL
     "colour": (800, 20, 5, 200, ["sft.learning_rate=2e-3"],
                ["train.learning_rate=1e-3", "algo.beta=0"]),
-    # zoom: with --zoom-read-rows the SFT read the zoom from ~1,750 steps (without them none
-    # of seven runs had by 1,500-2,000 steps); a constant rate after the warm-up (RESULTS.md)
-    "zoom": (2500, 20, 5, 48, ["sft.eval_every=250", "train.lr_schedule=constant"],
+    # zoom: with --zoom-read-rows the SFT read the zoom from ~1,750 steps on seed 1, ~2,750 on
+    # seed 0 (without them none of seven runs had by 1,500-2,000 steps); a constant rate
+    # after the warm-up (RESULTS.md)
+    "zoom": (3500, 20, 5, 48, ["sft.eval_every=250", "train.lr_schedule=constant"],
              ["train.learning_rate=1e-3", "algo.beta=0"]),
 }
 QUICK = {"colour": (4, 2, 1, 8, [], []), "zoom": (4, 2, 1, 8, [], ["train.prompts_per_step=2"])}

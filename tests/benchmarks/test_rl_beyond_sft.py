@@ -144,6 +144,7 @@ def test_arguments_defaults_quick_and_refusals(refused):
     assert args.zoom_relabel_share == 0.7 and args.relabel_share == 0.8
     assert args.zoom_read_rows == 2000 and args.jobs == 1
     assert "train.lr_schedule=constant" in rb.task_settings(args, "zoom")["sft_set"]
+    assert rb.task_settings(args, "zoom")["sft_steps"] == 3500
     args = rb.parse_args(["--colour-grpo-set", "algo.beta=0.05", "--zoom-sft-steps", "7"])
     assert args.colour_grpo_set == ["algo.beta=0.05"] and args.zoom_sft_steps == 7
     quick = rb.parse_args(["--quick", "--seeds", "3", "4"])
