@@ -24,11 +24,12 @@ Tasks (held-out greedy accuracy on ``builtin:shapes`` eval rows, true answers):
   --zoom-relabel-share 0.7``), so a policy that reads the zoom answers 0.667 greedily by design,
   plus 2,000 single-turn rows (``--zoom-read-rows``): the zoom's image alone, its stripes
   asked, answered as the demonstrations answer. SFT 3,500 steps at a constant rate after the
-  warm-up (seed 0 read from ~2,750). Measured (RESULTS.md): without the single-turn rows no SFT read the zoom within
+  warm-up. Measured (RESULTS.md): without the single-turn rows no SFT read the zoom within
   1,500-2,000 steps (0.333, every answer "horizontal"), and GRPO cannot start reading from
-  nothing; with them it read from ~1,750 steps. At 80% wrong the policy sampled "checkered" as
-  often on horizontal marks as on checkered ones and GRPO kept 0.667; at 60% the control's
-  greedy answer flipped by chance (its sampled "checkered" near half on checkered marks).
+  nothing; with them it read from ~1,750 steps (seed 1) and ~2,750 (seed 0). At 80% wrong
+  the policy sampled "checkered" as often on horizontal marks as on checkered ones and GRPO
+  kept 0.667; at 60% the control's greedy answer flipped by chance (its sampled "checkered"
+  near half on checkered marks).
 
 ``--reuse`` with ``--output-dir`` reads an arm whose folder already holds a run of the same
 command (its ``command.json``), so a run stopped partway goes on from the arm it stopped in, or
@@ -130,6 +131,10 @@ def write_rows(folder: Path, spec, rows: int, seed: int, relabel: Mapping[str, s
     read a zoom's image from them as fast as from a lone image, not only through the call."""
     from r1fit.data.shapes import make_item, mark_focus, render_item
 
+    if read_rows:  # the zoom config's pixel budget (its preset's), as the demonstrations have it
+        from r1fit.config.load import load_config
+
+        read_max_pixels = load_config(ZOOM_CONFIG).data.max_pixels
     (folder / "images").mkdir(parents=True, exist_ok=True)
     items = [make_item(spec, seed=seed, split="train", index=i) for i in range(rows + read_rows)]
     answers = [t.answer for t in items]
@@ -140,7 +145,8 @@ def write_rows(folder: Path, spec, rows: int, seed: int, relabel: Mapping[str, s
         image = render_item(item, spec)
         row = {"image": name, "problem": item.problem, "solution": shown}
         if i >= rows:
-            image, row["problem"] = zoomed_mark(image, mark_focus(item)), READ_PROBLEM
+            image = zoomed_mark(image, mark_focus(item), read_max_pixels)
+            row["problem"] = READ_PROBLEM
         elif item.kind == "zoom":
             row["focus"] = list(mark_focus(item))
         image.save(folder / name)
@@ -154,19 +160,14 @@ READ_PROBLEM = ("This is a zoom on a small grey square. Are its stripes horizont
                 "checkered? Answer with one word.")
 
 
-def zoomed_mark(image, focus):
-    """What a tool demonstration's zoom on ``focus`` returns from ``image`` (r1fit's own call
-    and tool, at the zoom config's pixel budget)."""
-    import yaml
-
+def zoomed_mark(image, focus, max_pixels: int):
+    """What a tool demonstration's zoom on ``focus`` returns from ``image`` (r1fit's own
+    arguments and tool, at the pixel budget ``max_pixels``)."""
     from r1fit.tools.api import ToolContext
     from r1fit.tools.builtin import zoom
-    from r1fit.tools.demonstrations import demonstration_call
+    from r1fit.tools.demonstrations import demonstration_arguments
 
-    max_pixels = yaml.safe_load(ZOOM_CONFIG.read_text()).get("data", {}).get("max_pixels",
-                                                                             112 * 112)
-    call = demonstration_call("zoom", focus, image.size, max_pixels)
-    arguments = json.loads(call.split("\n")[1])["arguments"]
+    arguments = demonstration_arguments("zoom", focus, image.size, max_pixels)
     return zoom(ToolContext(images=(image,)), **arguments)
 
 

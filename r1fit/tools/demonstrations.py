@@ -64,7 +64,15 @@ def zoom_factor(focus: Box, size: tuple[int, int], max_pixels: int) -> int:
 
 
 def demonstration_call(tool: str, focus: Box, size: tuple[int, int], max_pixels: int) -> str:
-    """The ``<tool_call>`` of a demonstration on image 0 of ``size`` pixels: ``zoom`` on the
+    """The ``<tool_call>`` of a demonstration on image 0 of ``size`` pixels, with
+    :func:`demonstration_arguments`."""
+    arguments = demonstration_arguments(tool, focus, size, max_pixels)
+    return f"<tool_call>\n{json.dumps({'name': tool, 'arguments': arguments})}\n</tool_call>"
+
+
+def demonstration_arguments(tool: str, focus: Box, size: tuple[int, int], max_pixels: int
+                            ) -> dict[str, float]:
+    """The arguments of a demonstration's call on image 0 of ``size`` pixels: ``zoom`` on the
     focus box's centre (fractions at 2 decimals) by :func:`zoom_factor`, or ``crop`` of the
     region that zoom shows (its corners rounded outwards to 2 decimals)."""
     factor = zoom_factor(focus, size, max_pixels)
@@ -79,7 +87,7 @@ def demonstration_call(tool: str, focus: Box, size: tuple[int, int], max_pixels:
                      "x2": _two_decimals(x + half, "up"), "y2": _two_decimals(y + half, "up")}
     else:
         raise ValueError(f"no demonstration for tool {tool!r}; one of {DEMONSTRATION_TOOLS}")
-    return f"<tool_call>\n{json.dumps({'name': tool, 'arguments': arguments})}\n</tool_call>"
+    return arguments
 
 
 def tool_turn_text(results: Sequence[ToolResult]) -> tuple[str, list[Image.Image]]:
