@@ -16,8 +16,12 @@ time (the table says so); the engine is timed at ``--new-tokens`` after one warm
 captures its CUDA graphs. ``--turn-tokens N`` also times a second turn of every row after N
 text tokens of a tool turn (each turn decoding ``TURN_NEW_TOKENS``): the engine continuing its
 kept cache (only the new tokens prefilled) against one prefilling the grown contexts whole.
-Each timing is the median of ``--repeats`` calls. Exit 0 (targets are judged by the caller:
-gpu_check).
+Each timing is the median of ``--repeats`` calls. ``--profile-steps N`` then says where a
+decode step's device time goes (:func:`profile_decode`: the engine's call of 1 + N tokens and of
+1 token under torch.profiler, the difference per kernel over N): each kind's milliseconds per step
+(matmul, attention, fused, copy/index, ...), the kernels' share of the step's unprofiled time (what
+is left is the device waiting), the matmuls' bandwidth on the weights, and the top kernels. Exit 0
+(targets are judged by the caller: gpu_check).
 """
 
 from __future__ import annotations
@@ -38,6 +42,19 @@ if str(ROOT) not in sys.path:
 RECIPE = ROOT / "configs" / "qwen2.5-vl-3b-lora.yaml"
 #: tokens each turn of the second-turn timing decodes (``--turn-tokens``)
 TURN_NEW_TOKENS = 32
+#: kinds of a decode step's kernels (or, on CPU, operators), by fragments of their lowercased
+#: names; the first kind that matches wins (a fused attention kernel's name holds "gemm" too)
+KERNEL_KINDS = (
+    ("attention", ("fmha", "flash", "attention", "attn")),
+    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "splitk", "aten::mm", "aten::addmm",
+                "aten::bmm", "aten::matmul")),
+    ("fused (triton)", ("triton",)),
+    ("copy/index", ("copy", "index", "scatter", "gather", "cat", "fill", "memcpy", "memset")),
+    ("reduction", ("reduce", "sum", "max", "softmax", "scan", "cumsum", "sort")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "aten::")),
+)
+#: kernels listed by name in a profile
+PROFILE_TOP = 12
 
 
 def copy_bandwidth(device: Any, gib: float = 1.0, repeats: int = 10) -> float:
@@ -123,7 +140,7 @@ def measure(  # noqa: PLR0913 -- the benchmark's knobs, all keywords
         folder: str, *, lora_r: int, lora_alpha: int, prompts: int, generations: int,
             image_size: int, new_tokens: int, hf_tokens: int, device: str, dtype: str,
             repeats: int = 3, bandwidth: float | None = None, compile: bool = False,
-            turn_tokens: int = 0) -> dict[str, Any]:
+            turn_tokens: int = 0, profile_steps: int = 0) -> dict[str, Any]:
     """Both engines on one model and batch; the numbers as a dict (see the module docstring)."""
     import torch
 
@@ -212,6 +229,10 @@ def measure(  # noqa: PLR0913 -- the benchmark's knobs, all keywords
     result["speedup_tokens_per_second"] = (
         None if hf_result is None else
         result["static"]["tokens_per_second"] / hf_result["tokens_per_second"])
+    if profile_steps:
+        result["static"]["profile"] = profile_decode(
+            engine, rows, seeds, settings, min(profile_steps, new_tokens - 1), dev,
+            step_ms=st_step * 1e3, weight_bytes=weights)
     if turn_tokens:
         # each turn decodes TURN_NEW_TOKENS: the two differ in what they prefill
         result["turn"] = turn_timings(engine, StaticDecoder(model, ids, dev, graphs=engine.graphs),
@@ -265,6 +286,66 @@ def turn_timings(engine: Any, whole: Any, rows: Sequence[Any], seeds: Sequence[i
             "appended": engine.appended, "same_tokens": same}
 
 
+def kernel_kind(name: str) -> str:
+    """The kind (:data:`KERNEL_KINDS`) of a kernel or operator name; "other" when none matches."""
+    low = name.lower()
+    return next((kind for kind, parts in KERNEL_KINDS if any(p in low for p in parts)), "other")
+
+
+def profile_decode(engine: Any, rows: Sequence[Any], seeds: Sequence[int],
+                   settings: Callable[[int], Any], steps: int, dev: Any, *, step_ms: float,
+                   weight_bytes: int, top: int = PROFILE_TOP) -> dict[str, Any]:
+    """Where a decode step's device time goes: the engine's call of ``1 + steps`` tokens and of 1
+    token (prefill and the first pick only), each under torch.profiler; per kernel name (CUDA
+    kernels on a GPU, replayed graphs' included; operators' self CPU time on CPU) the difference
+    of the two over ``steps``. ``step_ms``: the step's unprofiled time, against which the
+    kernels' sum is a busy fraction; ``weight_bytes``: what the matmuls must read per step;
+    ``top``: the kernels listed by name."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(dev).type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+
+    def microseconds(tokens: int) -> tuple[dict[str, float], dict[str, int]]:
+        sync(dev)
+        with profile(activities=activities) as prof:
+            engine.generate(rows, seeds=seeds, batch_size=len(rows), settings=settings(tokens))
+            sync(dev)
+        times: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        for event in prof.events():
+            if cuda and event.device_type != DeviceType.CUDA:
+                continue
+            us = event.time_range.elapsed_us() if cuda else event.self_cpu_time_total
+            times[event.name] = times.get(event.name, 0.0) + us
+            counts[event.name] = counts.get(event.name, 0) + 1
+        return times, counts
+
+    first, first_counts = microseconds(1)
+    every, every_counts = microseconds(1 + steps)
+    # the kernels the decode steps launched: those called more often in the longer call (the
+    # prefill's own kernels differ between the two calls by timing noise only)
+    calls = {name: (n - first_counts.get(name, 0)) / steps for name, n in every_counts.items()
+             if n > first_counts.get(name, 0)}
+    per_step = {name: max(0.0, every[name] - first.get(name, 0.0)) / steps / 1e3
+                for name in calls}
+    kinds: dict[str, float] = {}
+    for name, ms in per_step.items():
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
+    total = sum(per_step.values())
+    listed = sorted(per_step, key=per_step.__getitem__, reverse=True)[:top]
+    matmul = kinds.get("matmul", 0.0)
+    return {"steps": steps, "what": "CUDA kernels" if cuda else "operators' self CPU time",
+            "ms_per_step": total, "calls_per_step": sum(calls.values()),
+            "busy_fraction": total / step_ms if step_ms > 0 else None,
+            "kinds_ms_per_step": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            "matmul_bytes_per_s": weight_bytes / (matmul / 1e3) if matmul > 0 else None,
+            "top": [{"name": name, "kind": kernel_kind(name), "ms_per_step": per_step[name],
+                     "calls_per_step": calls[name]} for name in listed]}
+
+
 def static_timings(engine: Any, rows: Sequence[Any], seeds: Sequence[int],
                    settings: Callable[[int], Any], new_tokens: int, dev: Any, repeats: int
                    ) -> tuple[float, float, float, int | None]:
@@ -311,6 +392,24 @@ def lines(name: str, r: dict[str, Any]) -> list[str]:
             f"{r['turn']['context_tokens_mean']:.0f}): kept cache {r['turn']['kept_seconds']:.2f} "
             f"s, whole prefill {r['turn']['whole_seconds']:.2f} s ({r['turn']['speedup']:.2f}x; "
             f"same tokens: {r['turn']['same_tokens']})"]),
+        *profile_lines(st.get("profile")),
+    ]
+
+
+def profile_lines(profile: dict[str, Any] | None) -> list[str]:
+    """A decode profile (:func:`profile_decode`) as table lines."""
+    if not profile:
+        return []
+    busy = profile["busy_fraction"]
+    rate = profile["matmul_bytes_per_s"]
+    return [
+        f"  profile ({profile['what']}, {profile['steps']} steps): {profile['ms_per_step']:.2f} ms "
+        f"per step in {profile['calls_per_step']:.0f} calls"
+        + ("" if busy is None else f", {busy:.0%} of the step's time")
+        + ("" if rate is None else f"; matmuls read the weights at {rate / 1e12:.2f} TB/s"),
+        "    " + ", ".join(f"{kind} {ms:.2f}" for kind, ms in profile["kinds_ms_per_step"].items()),
+        *(f"    {k['ms_per_step']:.3f} ms x{k['calls_per_step']:.0f} {k['kind']}: "
+          f"{k['name'][:90]}" for k in profile["top"]),
     ]
 
 
@@ -334,13 +433,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--turn-tokens", type=int, default=0,
                    help="also time a second turn after this many tool-turn tokens: the kept "
                         "cache against a whole prefill of the grown contexts (0: not run)")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="then profile this many decode steps of the engine: milliseconds per step "
+                        "by kind of kernel, and the top kernels (0: not run)")
     p.add_argument("--json", help="write the result here too")
     a = p.parse_args(argv)
     r = measure(a.folder, lora_r=a.lora_r, lora_alpha=a.lora_alpha, prompts=a.prompts,
                 generations=a.generations, image_size=a.image_size, new_tokens=a.new_tokens,
                 hf_tokens=a.new_tokens if a.hf_tokens is None else a.hf_tokens, device=a.device, dtype=a.dtype,
                 repeats=a.repeats, bandwidth=a.bandwidth, compile=a.compile,
-                turn_tokens=a.turn_tokens)
+                turn_tokens=a.turn_tokens, profile_steps=a.profile_steps)
     print("\n".join(lines("decode", r)), file=sys.stderr, flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(r))

@@ -36,7 +36,10 @@ ones); the whole run stops starting stages when ``--budget`` seconds are spent:
   rollout.static.compile. Completion tokens/s, ms per decode step, the fraction of the memory
   roofline (weights + the rows' live KV over a device copy's bandwidth measured in the stage);
   the 3B LoRA case also times a second turn after a 256-token text tool turn, the kept cache
-  against a whole prefill (``TURN_TOOL_TOKENS``).
+  against a whole prefill (``TURN_TOOL_TOKENS``); each case profiles 16 of the engine's decode
+  steps (``DECODE_PROFILE_STEPS``): milliseconds per step by kind of kernel (matmul, attention,
+  fused, copy/index, ...), the kernels' share of the step, the matmuls' bandwidth on the weights,
+  the top kernels.
   Targets: LoRA at least 10x HF's tokens/s, 50% of the roofline. Then 3 GRPO steps of 3B LoRA
   with the static engine: step 2's seconds per phase and the update's MFU, step 3 profiled
   (report.profile_step: where the update's time goes), and the plan with the engine against the
@@ -435,6 +438,8 @@ SPEED_DECODE = (("3b-lora", True, False, 120), ("3b-full", False, False, 90),
 SPEED_CASES = (*(case[0] for case in SPEED_DECODE), "step")
 #: the 3b-lora case also times a second turn after a text tool turn of this many tokens
 TURN_TOOL_TOKENS = 256
+#: decode steps of the engine profiled in each speed case (GPU, smoke): where a step's time goes
+DECODE_PROFILE_STEPS = (16, 4)
 
 
 def speed_values(args: argparse.Namespace) -> list[str]:
@@ -475,6 +480,7 @@ def stage_speed(args: argparse.Namespace, work: Path) -> StageResult:
                    *[f"--{k.replace('_', '-')}={v}" for k, v in shape.items()
                      if not (compiled and k == "hf_tokens")],
                    *(["--hf-tokens=0"] if compiled else []),
+                   f"--profile-steps={DECODE_PROFILE_STEPS[0 if gpu else 1]}",
                    # the second turn after a tool turn: kept cache against a whole prefill
                    *([f"--turn-tokens={TURN_TOOL_TOKENS}"] if name == "3b-lora" else [])]
         try:

@@ -242,6 +242,9 @@ def test_the_smoke_runs_every_stage_with_numbers(tmp_path, capsys):
         assert speed[name]["hf"]["tokens_per_second"] > 0
         assert speed[name]["static"]["tokens_per_second"] > 0
         assert speed[name]["static"]["graphs"] is False  # CPU: eager
+        profile = speed[name]["static"]["profile"]  # where a decode step's time goes
+        assert profile["steps"] == gc.DECODE_PROFILE_STEPS[1] and profile["ms_per_step"] > 0
+        assert profile["kinds_ms_per_step"]["matmul"] > 0
     # the second turn after a text tool turn: the kept cache gives the whole prefill's tokens
     turn = speed["3b-lora"]["turn"]
     assert turn["same_tokens"] is True and turn["appended"] > 0

@@ -1,0 +1,71 @@
+"""benchmarks/decode_speed.py's decode profile: kernels sorted into kinds by name (names as CUDA
+and the CPU profiler print them), and the per-step difference of two profiled engine calls,
+checked against the matmul count of the tiny model's decode step, worked out by hand."""
+
+from __future__ import annotations
+
+import decode_speed
+import pytest
+import torch
+
+from r1fit.data.batch import encode_prompts
+from r1fit.data.dataset import load_dataset
+from r1fit.models.load import load_policy
+from r1fit.rollout.generate import SamplingSettings, TokenIds, row_seeds
+from r1fit.rollout.static_engine import StaticDecoder
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize(("name", "kind"), [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1", "matmul"),
+    ("nvjet_hsh_128x64_64x4_1x2_h_bz_coopA_NTN", "matmul"),
+    ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_32x32_128x1_tn>",
+     "matmul"),
+    ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel)",
+     "attention"),  # a cutlass kernel, but attention's
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 64>>", "attention"),
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "fused (triton)"),
+    ("void at::native::index_elementwise_kernel<128, 4>", "copy/index"),
+    ("Memcpy DtoD (Device -> Device)", "copy/index"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>", "reduction"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add>",
+     "elementwise"),
+    ("aten::addmm", "matmul"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+    ("aten::mul", "elementwise"),
+    ("cudaGraphLaunch", "other"),
+])
+def test_kernel_kinds(name, kind):
+    assert decode_speed.kernel_kind(name) == kind
+
+
+def test_the_profile_counts_a_decode_steps_operators(tiny_dir):
+    model, processor = load_policy(str(tiny_dir), lora_r=0, lora_alpha=16, lora_dropout=0.0,
+                                   lora_target="all-linear", freeze_vision=True, dtype="float32",
+                                   device=CPU, gradient_checkpointing=False)
+    data = load_dataset("builtin:shapes", split="train", min_pixels=784, max_pixels=3136,
+                        max_images=1, max_bad_fraction=0.0, seed=0, size=4)
+    rows = [p for p in encode_prompts(processor, [data[i] for i in range(2)], "Answer.")
+            for _ in range(2)]
+    engine = StaticDecoder(model, TokenIds.of(model, processor), CPU)
+
+    def settings(tokens):
+        return SamplingSettings(max_new_tokens=tokens, temperature=1.0, top_p=1.0,
+                                min_new_tokens=tokens)
+
+    got = decode_speed.profile_decode(engine, rows, row_seeds(0, 1, 0, len(rows)), settings, 3,
+                                      CPU, step_ms=10.0, weight_bytes=1000, top=1000)
+    calls = {k["name"]: k["calls_per_step"] for k in got["top"]}
+    # one decode step's matmuls: q, k, v (with biases: addmm), o, gate, up, down per layer (mm),
+    # and the LM head (mm)
+    layers = model.config.get_text_config().num_hidden_layers
+    assert calls.get("aten::addmm", 0) == 3 * layers
+    assert calls.get("aten::mm", 0) == 4 * layers + 1
+    assert got["steps"] == 3 and got["what"] == "operators' self CPU time"
+    assert got["ms_per_step"] > 0 and got["busy_fraction"] == got["ms_per_step"] / 10.0
+    assert sum(got["kinds_ms_per_step"].values()) == pytest.approx(got["ms_per_step"])
+    assert got["matmul_bytes_per_s"] == 1000 / (got["kinds_ms_per_step"]["matmul"] / 1e3)
+    shown = [k["ms_per_step"] for k in got["top"]]
+    assert shown == sorted(shown, reverse=True) and all(c > 0 for c in calls.values())
+    assert any(line.startswith("    ") for line in decode_speed.profile_lines(got))
