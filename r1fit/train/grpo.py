@@ -161,6 +161,10 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
             stop = bool(cfg.train.early_stop_patience and
                         loop.since_best >= cfg.train.early_stop_patience)
             run.save("grpo", step, state, row, last=stop or step == cfg.train.max_steps)
+            # let this step's records go before the next step makes its own: otherwise its
+            # rollout (the prompts' pixel values, the rows' tokens and log-probs) would live
+            # through the next step beside the new one, which the memory plan does not count
+            del draws, rollout, updates, drawn, row
             if stop:
                 log.info("early stop at step %d: eval accuracy has not improved on %.3f for %d "
                          "evaluations", step, loop.best, loop.since_best)

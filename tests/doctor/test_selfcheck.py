@@ -5,7 +5,6 @@ measured peak, distances over their bounds."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -36,25 +35,13 @@ def checked(tiny_cache: Path, tmp_path_factory: pytest.TempPathFactory):
     out = tmp_path_factory.mktemp("doctor") / "check"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("R1FIT_CACHE", str(tiny_cache))  # the children inherit it
-        # torch's threads as a user's runs have them (one per core), in this process (which
-        # plans) and in its children, not the suite's one (tests/conftest.py). The plan depends
-        # on them: the planner measures the patch convolution's backward workspace at 16 output
-        # channels and scales it to the tower's width, and at 16 channels oneDNN's per-thread
-        # scratch dominates (84 KB at one thread, 159 KB at two; at tiny's 64 channels the real
-        # one is 310 / 319 KB). So the plan is 4.08 MiB at one thread, 4.37 at two, against a
-        # measured 4.33 MiB in both: at one thread 0.942x, under the check's 0.95x floor. Open
-        # planner defect: measured at the real width the workspace stops depending on threads,
-        # but the plan then sits ~6% under tiny's measured peak (a term of ~0.27 MiB missing)
-        cores = max(1, os.cpu_count() or 1)
-        mp.setenv("OMP_NUM_THREADS", str(cores))
-        threads = torch.get_num_threads()
-        torch.set_num_threads(cores)
+        # the suite's one torch thread (tests/conftest.py), here and in the children: the plan
+        # once depended on the thread count (the patch convolution's backward workspace, measured
+        # at 16 output channels and scaled up: 0.942x at one thread, 1.007x at two; measured at
+        # the tower's own width since, 0.991x at both)
         capture = _Capture()
         with capture:
-            try:
-                code = main(["doctor", "--check", "--json", "--out", str(out)])
-            finally:
-                torch.set_num_threads(threads)
+            code = main(["doctor", "--check", "--json", "--out", str(out)])
     return code, json.loads(capture.text), out
 
 

@@ -208,3 +208,32 @@ def test_no_step_is_profiled_while_the_tensor_probe_holds_the_profiler(monkeypat
     with caplog.at_level("WARNING", logger="r1fit"):
         assert grpo.step_to_profile(cfg) == 0
     assert "memory.cpu_peak=tensors keeps the profiler running" in caplog.text
+
+
+def test_a_steps_records_are_gone_before_the_next_step(use_tiny_cache, tmp_path, monkeypatch):
+    """The loop lets a step's rollout go before the next step draws its own: while step 2 scores
+    its rows, no record of step 1 is alive (it held the prompts' pixel values, tokens and
+    log-probs through the next step, beside the new ones, which the memory plan does not count)."""
+    import gc
+    import warnings
+
+    from r1fit.cli import main
+    from r1fit.train import grpo
+
+    alive: dict[int, set[int]] = {}
+    score = grpo.score_rollout
+
+    def watched(batch, *args, **kwargs):
+        gc.collect()
+        with warnings.catch_warnings():  # isinstance() on deprecated torch proxies warns
+            warnings.simplefilter("ignore")
+            alive[batch.step] = {o.step for o in gc.get_objects() if isinstance(o, Rollout)}
+        return score(batch, *args, **kwargs)
+
+    monkeypatch.setattr(grpo, "score_rollout", watched)
+    assert main(["train", f"train.output_dir={tmp_path / 'run'}", "train.max_steps=2",
+                 "train.prompts_per_step=2", "algo.num_generations=2", "algo.max_new_tokens=4",
+                 "sft.format_warmup_steps=0", "data.eval=null", "eval.before_train=false",
+                 "data.shapes.train_size=20", "data.shapes.image_size=56",
+                 "data.max_pixels=3136", "checkpoint.every=0", "report.to=[]"]) == 0
+    assert alive == {1: {1}, 2: {2}}

@@ -92,7 +92,7 @@ from r1fit.memory.planner.formulas import (
     vision_forward_bytes,
     vision_other_saved_per_patch,
 )
-from r1fit.memory.planner.kernels import conv_backward_workspace_per_channel
+from r1fit.memory.planner.kernels import conv_backward_workspace
 from r1fit.memory.planner.timing import run_shape, time_plan
 from r1fit.units import format_bytes, parse_bytes
 
@@ -404,8 +404,8 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
         s = replace(s, micro=cut.rows)
     if step.vision_trains and not cuda and f.vision is not None and f.vision.patch_conv:
         channels, kernel = f.vision.patch_conv
-        step = replace(step, patch_embed_workspace=f.vision.hidden
-                       * conv_backward_workspace_per_channel(channels, kernel, b))
+        step = replace(step, patch_embed_workspace=conv_backward_workspace(
+            channels, f.vision.hidden, kernel, b))
     # the step keeps every prompt's pixel values (each GPU encodes all of the step's prompts), with
     # tools its rows' trajectories' too, and the old/reference log-probs of its rows [rows x
     # completion]
@@ -957,6 +957,20 @@ def backward_end_bytes(step: StepShape, s: Sizes, fsdp: FsdpBuffers) -> int:
     return dense + (held_head_grad(step, s) if s.micro_batches > 1 else 0)
 
 
+def patch_embed_backward_bytes(step: StepShape, s: Sizes) -> int:
+    """What the patch embedding's backward holds beyond the ``.grad`` tensors and the
+    micro-batch's pixel values, when the tower trains: its workspace (measured on CPU), the pixel
+    values it saved for its weight's gradient in the compute dtype (float32 ones are the pixel
+    values themselves), and from the second micro-batch on (one process) its new weight gradient,
+    made beside the ``.grad`` it is then added into."""
+    v = step.facts.vision
+    if v is None or not step.vision_trains:
+        return 0
+    saved = pixel_bytes(v, step.training_patches(s.micro)) // F32 * step.b if step.b != F32 else 0
+    new_grad = v.hidden * v.pixels_per_patch * step.b if s.micro_batches > 1 and s.gpus == 1 else 0
+    return step.patch_embed_workspace + saved + new_grad
+
+
 @dataclass(frozen=True)
 class Update:
     """One micro-batch of the update: its peak, and the parts the plan reports."""
@@ -989,9 +1003,12 @@ def update_bytes(step: StepShape, s: Sizes, states: States, fsdp: FsdpBuffers,
                                 if step.vision_trains else 0),
         before + vision_saved + kept - rebuilt + logits_chunk,  # head: a chunk, or backward's start
         before + vision_saved + kept + layer_backward_bytes(step, s, fsdp),  # a layer's backward
-        # the end of backward: the patch embedding's, the tower's first op, is the last
-        states.gradients + pixels + backward_end_bytes(step, s, fsdp)
-        + step.patch_embed_workspace)
+        # the patch embedding's backward, the tower's first op (the input embedding's, made
+        # before the tower in the forward, runs after it: autograd runs later nodes first)
+        states.gradients + pixels + patch_embed_backward_bytes(step, s)
+        + (backward_end_bytes(step, s, fsdp) if s.gpus > 1 else 0),
+        # the end of backward
+        states.gradients + pixels + backward_end_bytes(step, s, fsdp))
     return Update(peak=peak, activations=activations, logits_chunk=logits_chunk, vision=vision)
 
 
