@@ -466,11 +466,13 @@ class StaticConfig:
     cuda_graphs: bool | None = opt(
         None, "Capture the decode step as CUDA graphs, one per batch-size bucket, replayed once "
         "per token. null: on CUDA yes; on CPU the step runs eagerly (no graphs there).")
-    compile: bool = opt(
-        False, "Run the decode step's forward through torch.compile before capturing it (fused "
+    compile: bool | None = opt(
+        None, "Run the decode step's forward through torch.compile before capturing it (fused "
         "kernels: fewer launches per layer): the first batch-size bucket compiles with static "
         "shapes, the next with a dynamic batch that the later buckets share (3 compiles at "
-        "most). Costs compile time at the first rollouts.")
+        "most). Costs compile time at the first rollouts (62 s for Qwen2.5-VL-3B on an H200, "
+        "which then decoded 1.6x as fast). null: on CUDA yes, on CPU no. Where the compile "
+        "fails, generation goes on without it (logged).")
     sync_every: int = opt(
         16, "Decode steps between the host's looks at which rows have finished (the only host "
         "synchronisation of decoding): there generation stops when every row has, and the rows "

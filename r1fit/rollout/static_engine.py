@@ -279,6 +279,7 @@ class StaticDecoder:
         # into the same graphs; compiled on a bucket's first step
         self.compile = bool(compile)
         self._compiled: Any = None
+        self._compiled_rows: set[int] = set()  # batch sizes the compiled forward has run at
         self.additive = impl == "eager"
         self._text_config = config
         self._cache_name, self._keep_logits = cache_argument(base), keeps_logits(base)
@@ -422,21 +423,44 @@ class StaticDecoder:
         kwargs = {self._cache_name: cache, "use_cache": True}
         if self._keep_logits:
             kwargs["logits_to_keep"] = 1
-        forward = model
-        if self.compile:
-            if self._compiled is None or self._compiled[0] is not model:
-                # dynamic=None: the first bucket (the largest, most of the tokens) compiles with
-                # static shapes; the first other size recompiles with a dynamic batch, which every
-                # later bucket reuses (size 1 is specialised once more): 3 compiles at most, not
-                # one per bucket (measured on CPU: sizes 4, 2, 1, 3 -> 3 graphs)
-                self._compiled = (model, torch.compile(model, dynamic=None))
-            forward = self._compiled[1]
+        inputs = {"input_ids": self.current[:rows].unsqueeze(-1),
+                  "attention_mask": self._masks(rows, upto), "position_ids": positions, **kwargs}
         with decode_attention_on(self._text_config):
-            logits = forward(input_ids=self.current[:rows].unsqueeze(-1),
-                             attention_mask=self._masks(rows, upto), position_ids=positions,
-                             **kwargs).logits[:, -1].float()
+            logits = self._forward(model, rows, inputs)
         self._record(self._pick(logits, rows, settings), rows, out)
         self.counter.add_(1)
+
+    def _forward(self, model: Any, rows: int, inputs: dict[str, Any]) -> torch.Tensor:
+        """The decode step's forward for ``rows`` rows: the last column's logits, float32.
+        Compiled when ``compile`` is on; a compile that fails at a batch size the compiled
+        forward has not run at yet (torch.compile cannot build it on this machine: no compiler,
+        an unsupported op) turns ``compile`` off for the engine's life, with a warning, and the
+        step runs uncompiled. Any other error (out of memory, or one at a size that ran before)
+        is raised."""
+        if not self.compile:
+            return model(**inputs).logits[:, -1].float()
+        if self._compiled is None or self._compiled[0] is not model:
+            # dynamic=None: the first bucket (the largest, most of the tokens) compiles with
+            # static shapes; the first other size recompiles with a dynamic batch, which every
+            # later bucket reuses (size 1 is specialised once more): 3 compiles at most, not
+            # one per bucket (measured on CPU: sizes 4, 2, 1, 3 -> 3 graphs)
+            self._compiled = (model, torch.compile(model, dynamic=None))
+            self._compiled_rows = set()
+        try:
+            logits = self._compiled[1](**inputs).logits[:, -1].float()
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:
+            if rows in self._compiled_rows:
+                raise
+            reason = (str(exc).strip().splitlines() or [""])[0][:300]
+            log.warning("rollout.static.compile: torch.compile of the decode step failed at %d "
+                        "rows (%s: %s); decoding without it (rollout.static.compile=false skips "
+                        "the attempt)", rows, type(exc).__name__, reason)
+            self.compile, self._compiled = False, None
+            return model(**inputs).logits[:, -1].float()
+        self._compiled_rows.add(rows)
+        return logits
 
     # --- graphs ----------------------------------------------------------------------------------
 

@@ -88,6 +88,56 @@ def test_the_compiled_decode_step_gives_the_eager_tokens(tiny):
                      eager[:n])
 
 
+def _compile_as(make_call):
+    """A stand-in for torch.compile: ``make_call(fn)`` is what "compiling" fn returns."""
+    return lambda fn, **kwargs: make_call(fn)
+
+
+def test_a_compile_that_fails_falls_back_to_the_uncompiled_step(tiny, monkeypatch, caplog):
+    """rollout.static.compile on a machine where torch.compile cannot build the step (no compiler,
+    an unsupported op): the engine warns once, turns compile off and decodes the eager tokens."""
+    model, ids, rows = tiny
+    settings = SamplingSettings(max_new_tokens=6, greedy=True)
+    eager = StaticDecoder(model, ids, CPU).generate(rows[:4], seeds=None, batch_size=4,
+                                                    settings=settings)
+
+    def broken(fn):
+        def call(*args, **kwargs):
+            raise RuntimeError("backend compiler failed\nits long traceback")
+        return call
+
+    monkeypatch.setattr(torch, "compile", _compile_as(broken))
+    engine = StaticDecoder(model, ids, CPU, compile=True)
+    with caplog.at_level("WARNING", logger="r1fit.rollout"):
+        got = engine.generate(rows[:4], seeds=None, batch_size=4, settings=settings)
+    assert _same(got, eager) and engine.compile is False
+    assert "torch.compile of the decode step failed at 4 rows (RuntimeError: backend compiler " \
+           "failed); decoding without it" in caplog.text
+    assert caplog.text.count("torch.compile of the decode step failed") == 1
+
+
+def test_an_error_where_the_compiled_step_ran_before_is_raised(tiny, monkeypatch):
+    """Only a first run at a batch size can be a compile failure: an error of the compiled step
+    at a size it ran at (a lost device, say) is the run's error, not a reason to fall back."""
+    model, ids, rows = tiny
+    calls = []
+
+    def flaky(fn):
+        def call(*args, **kwargs):
+            calls.append(len(args) + len(kwargs))
+            if len(calls) == 3:
+                raise RuntimeError("device lost")
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(torch, "compile", _compile_as(flaky))
+    engine = StaticDecoder(model, ids, CPU, compile=True)
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.generate(rows[:4], seeds=None, batch_size=4,
+                        settings=SamplingSettings(max_new_tokens=6, greedy=True))
+    assert len(calls) == 3 and engine.compile is True
+
+
 def test_sampled_row_depends_on_its_seed_only(tiny):
     model, ids, rows = tiny
     settings = SamplingSettings(max_new_tokens=16, temperature=1.0, top_p=0.95)
