@@ -44,8 +44,9 @@ ones); the whole run stops starting stages when ``--budget`` seconds are spent:
   Targets: LoRA at least 10x HF's tokens/s, 50% of the roofline. Then 3 GRPO steps of 3B LoRA
   with the static engine as a run has it by default (compiled; its compile falls in step 1):
   step 2's seconds per phase and the update's MFU, step 3 profiled
-  (report.profile_step: where the update's time goes), and the plan with the engine against the
-  run's max allocated (target as ``plan``). ``--speed-cases`` runs some of the cases.
+  (report.profile_step: where the update's time goes), the plan with the engine against the
+  run's max allocated (target as ``plan``), and the time model's step beside the measured one
+  (target ``TIME_TOLERANCE``, on calibrated rates). ``--speed-cases`` runs some of the cases.
 - ``fsdp``: the multi-GPU code paths on one card (about 2 minutes): the resume stage's run under
   ``torchrun --standalone --nproc-per-node 1`` with ``R1FIT_ONE_PROCESS_GROUP=1``, so the one
   process joins an NCCL process group (gloo in the smoke) and runs rank-0 loading from the meta
@@ -547,6 +548,13 @@ def stage_speed(args: argparse.Namespace, work: Path) -> StageResult:
                met if gpu else None)
     result.add("speed 3b-lora update MFU", f"{step['mfu']:.1%}",
                f"under {MFU_NOTE:.0%}: the note profiles the update" if gpu else "")
+    # the time model's prediction of the same step (issue 42: the speed row carries it too)
+    step["time"] = timing = time_verdict(last)
+    if timing is not None:
+        result.add(f"time 3b-lora GRPO step (static engine, step {last['step']})",
+                   time_line(timing),
+                   f"±{TIME_TOLERANCE:.0%} on calibrated rates" + ("" if gpu else " on a GPU"),
+                   timing["met"] if gpu and timing["calibrated"] else None)
     return result
 
 
@@ -1160,7 +1168,7 @@ STAGES: dict[str, tuple[Callable[[argparse.Namespace, Path], StageResult], float
     "detcost": (stage_detcost, 60),
     "plan7b": (stage_plan7b, 170),
     "sft": (stage_sft, 120),
-    "trl": (stage_trl, 150),
+    "trl": (stage_trl, 240),  # r1fit compiles its decode step (about a minute) in step 1
 }
 
 

@@ -257,6 +257,8 @@ def test_the_smoke_runs_every_stage_with_numbers(tmp_path, capsys):
     assert fsdp["peak_bytes"] > 0 and fsdp["plan"]["allocated"] > 0
     assert fsdp["step_seconds"]["torchrun"]["step"] > 0 and fsdp["step_seconds"]["plain"]["step"] > 0
     assert speed["3b-lora-step"]["seconds_generate"] > 0
+    timing = speed["3b-lora-step"]["time"]  # the time model's step beside the measured one
+    assert timing["predicted"]["generate"] > 0 and timing["measured"]["update"] > 0
     assert speed["3b-lora-step"]["engine_lines"][0] == "rollout.engine=static"
     for stage in SMOKED:
         assert stage in printed
