@@ -24,6 +24,7 @@ from r1fit.memory.planner.estimate import (
     head_chunk_bytes,
     layer_backward_bytes,
     lm_activations,
+    patch_embed_backward_bytes,
     persistent_states,
     update_bytes,
     vision_activations,
@@ -118,6 +119,23 @@ def test_end_of_backward_adds_the_embedding_gradient_when_it_accumulates(facts, 
     # one micro-batch: no .grad to add into yet; over FSDP the root's buffers as before
     assert backward_end_bytes(step(facts=replace(plain, tied_head=True)), one,
                               FsdpBuffers()) == embedding
+
+
+def test_the_patch_embeddings_backward_holds_its_workspace_saved_pixels_and_new_gradient(step):
+    """The tower's first op runs its backward last but for the input embedding's: its workspace,
+    the pixel values it saved in the compute dtype (float32: the pixel values themselves, already
+    counted) and, once .grad exists, its new weight gradient beside it (width 16 x 1,176)."""
+    one = Sizes(rows=4, gpus=1, micro=4, generation=4, checkpointing=True)
+    two = replace(one, micro=2)
+    patches = 2 * 16  # two rows of a micro-batch, each with its prompt's 16 patches
+    assert patch_embed_backward_bytes(step(patch_embed_workspace=500), one) == 500
+    assert patch_embed_backward_bytes(step(patch_embed_workspace=500), two) \
+        == 500 + 16 * 1176 * 4
+    bf16 = step(b=2, patch_embed_workspace=500)
+    assert patch_embed_backward_bytes(bf16, two) == 500 + patches * 1176 * 2 + 16 * 1176 * 2
+    # over FSDP the gradient is the unit's (FsdpBuffers); a frozen tower runs no backward
+    assert patch_embed_backward_bytes(bf16, replace(two, gpus=2)) == 500 + patches * 1176 * 2
+    assert patch_embed_backward_bytes(step(vision_trains=False), two) == 0
 
 
 def test_a_tied_heads_gradient_is_held_through_the_layers_backward(facts, step):
