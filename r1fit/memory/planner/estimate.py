@@ -863,6 +863,11 @@ def lm_activations(step: StepShape, rows: int, checkpointed: int | None = None) 
     mask = sequences * T * T * {"padding": 1, "additive": b, "none": 0}[step.mask]
     shared = _head_input(step, rows) + mask
     recompute = tokens * layer  # checkpointing: one layer's activations rebuilt in backward
+    if b == F32:
+        # in a float32 model the rebuilt layer's first norm saves its input as it is: the
+        # layer's checkpointed input, counted below, not a float32 copy of its own (traced on
+        # builtin:tiny: no allocation of its own at the peak)
+        recompute -= tokens * F32 * H
     c = t.layers if checkpointed is None else min(checkpointed, t.layers)
     recompute = recompute if c else 0
     return Activations(on=tokens * (c * b * H + (t.layers - c) * layer + outside) + shared

@@ -287,6 +287,23 @@ def test_micro_batches_packed_by_tokens_cut_as_the_loop_cuts_them(step):
         TokenCut(rows=1, tokens=16, images=1, count=8)
 
 
+def test_the_rebuilt_layers_first_norm_input_is_its_checkpointed_input_in_float32(step):
+    """Checkpointing rebuilds one layer in backward. In float32 its first RMSNorm saves its
+    input as it is, the layer's checkpointed input (already kept): the rebuilt layer counts it
+    no more (32 hidden x 4 bytes per token). In bfloat16 the norm saves a float32 copy of its
+    own, so the rebuilt layer counts it in full."""
+    from r1fit.memory.planner.formulas import layer_saved_per_token
+
+    t = step().facts.text
+    tokens = 2 * 16  # two rows of 10 + 6 tokens
+    for b in (4, 2):
+        act = lm_activations(step(b=b), 2)
+        layer = layer_saved_per_token(t, b, mask_len=16)
+        assert act.recompute == tokens * (layer - (4 * 32 if b == 4 else 0))
+        assert act.on - act.recompute == act.off - t.layers * tokens * layer \
+            + tokens * t.layers * b * 32  # the layers' checkpointed inputs instead of theirs
+
+
 def test_a_packed_micro_batch_carries_one_additive_mask_or_none_for_flash(step):
     """Packed rows: one [T x T] mask in the model's dtype (4 bytes here) and no per-layer copy;
     for flash attention's varlen kernels no mask at all; rows of their own: a boolean [T x T]
