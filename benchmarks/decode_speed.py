@@ -198,7 +198,7 @@ def measure(  # noqa: PLR0913 -- the benchmark's knobs, all keywords
               flush=True)
         traceback.print_exc()
         memory(dev, "after the failure")
-        engine = StaticDecoder(model, ids, dev, graphs=False)
+        engine = StaticDecoder(model, ids, dev, graphs=False, compile=compile)
         st = static_timings(engine, rows, seeds, settings, new_tokens, dev, repeats)
     st_first, st_all, warm_seconds, peak = st
     memory(dev, "after the static engine")
@@ -235,7 +235,8 @@ def measure(  # noqa: PLR0913 -- the benchmark's knobs, all keywords
             step_ms=st_step * 1e3, weight_bytes=weights)
     if turn_tokens:
         # each turn decodes TURN_NEW_TOKENS: the two differ in what they prefill
-        result["turn"] = turn_timings(engine, StaticDecoder(model, ids, dev, graphs=engine.graphs),
+        result["turn"] = turn_timings(engine, StaticDecoder(model, ids, dev, graphs=engine.graphs,
+                                                              compile=engine.compile),
                                       rows, seeds, settings(min(new_tokens, TURN_NEW_TOKENS)),
                                       turn_tokens, dev, repeats)
     return result
@@ -331,9 +332,10 @@ def profile_decode(engine: Any, rows: Sequence[Any], seeds: Sequence[int],
              if n > first_counts.get(name, 0)}
     per_step = {name: max(0.0, every[name] - first.get(name, 0.0)) / steps / 1e3
                 for name in calls}
+    kind_of = {name: kernel_kind(name) for name in per_step}
     kinds: dict[str, float] = {}
     for name, ms in per_step.items():
-        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
+        kinds[kind_of[name]] = kinds.get(kind_of[name], 0.0) + ms
     total = sum(per_step.values())
     listed = sorted(per_step, key=per_step.__getitem__, reverse=True)[:top]
     matmul = kinds.get("matmul", 0.0)
@@ -342,7 +344,7 @@ def profile_decode(engine: Any, rows: Sequence[Any], seeds: Sequence[int],
             "busy_fraction": total / step_ms if step_ms > 0 else None,
             "kinds_ms_per_step": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
             "matmul_bytes_per_s": weight_bytes / (matmul / 1e3) if matmul > 0 else None,
-            "top": [{"name": name, "kind": kernel_kind(name), "ms_per_step": per_step[name],
+            "top": [{"name": name, "kind": kind_of[name], "ms_per_step": per_step[name],
                      "calls_per_step": calls[name]} for name in listed]}
 
 

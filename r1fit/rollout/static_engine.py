@@ -255,14 +255,16 @@ class Stop:
 class StaticDecoder:
     """Generates completions of prompt rows on a static KV cache (see the module docstring).
 
-    ``graphs``: capture the decode step as CUDA graphs (default: on CUDA devices); ``compile``:
-    run the decode forward through ``torch.compile`` (fused kernels) first. The buffers
+    ``graphs``: capture the decode step as CUDA graphs; ``compile``: run the decode forward
+    through ``torch.compile`` (fused kernels) first (each by default on CUDA devices only:
+    compiling costs more than it saves on CPU, where there are no graphs). The buffers
     hold ``capacity`` rows of ``length`` columns; a chunk that needs more reallocates them (and
     recaptures), logged. ``sync_every``: decode steps between the host's looks at the finished
     flags (stopping early and compaction happen there)."""
 
     def __init__(self, model: Any, ids: TokenIds, device: torch.device, *,
-                 graphs: bool | None = None, sync_every: int = 16, compile: bool = False) -> None:
+                 graphs: bool | None = None, sync_every: int = 16,
+                 compile: bool | None = None) -> None:
         base = unwrap(model)
         config = base.config.get_text_config()
         impl = getattr(config, "_attn_implementation", None) or "eager"
@@ -277,7 +279,7 @@ class StaticDecoder:
         self.sync_every = max(1, int(sync_every))
         # torch.compile of the decode forward (fusing its ~50 small kernels per layer), captured
         # into the same graphs; compiled on a bucket's first step
-        self.compile = bool(compile)
+        self.compile = self.device.type == "cuda" if compile is None else bool(compile)
         self._compiled: Any = None
         self._compiled_rows: set[int] = set()  # batch sizes the compiled forward has run at
         self.additive = impl == "eager"

@@ -971,7 +971,7 @@ def patch_embed_backward_bytes(step: StepShape, s: Sizes) -> int:
     v = step.facts.vision
     if v is None or not step.vision_trains:
         return 0
-    saved = pixel_bytes(v, step.training_patches(s.micro)) // F32 * step.b if step.b != F32 else 0
+    saved = step.training_patches(s.micro) * v.pixels_per_patch * step.b if step.b != F32 else 0
     new_grad = v.hidden * v.pixels_per_patch * step.b if s.micro_batches > 1 and s.gpus == 1 else 0
     return step.patch_embed_workspace + saved + new_grad
 
@@ -1010,6 +1010,8 @@ def update_bytes(step: StepShape, s: Sizes, states: States, fsdp: FsdpBuffers,
         before + vision_saved + kept + layer_backward_bytes(step, s, fsdp),  # a layer's backward
         # the patch embedding's backward, the tower's first op (the input embedding's, made
         # before the tower in the forward, runs after it: autograd runs later nodes first)
+        # (over FSDP with the root's post-backward buffers, as the end of backward counted them
+        # with the workspace before the two moments were told apart: not measured apart)
         states.gradients + pixels + patch_embed_backward_bytes(step, s)
         + (backward_end_bytes(step, s, fsdp) if s.gpus > 1 else 0),
         # the end of backward
