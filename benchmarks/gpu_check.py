@@ -529,6 +529,10 @@ def stage_speed(args: argparse.Namespace, work: Path) -> StageResult:
                                                           "seconds_update"))
     step["peak_allocated_bytes"] = run.peak()
     step["engine_lines"] = run.lines("rollout.engine=") + run.lines("rollout.static.compile")
+    # whether the update ran a group's prompt once (share_prefix=auto's check, with its numbers)
+    step["share_prefix_lines"] = run.lines("memory.share_prefix=auto:")
+    for line in step["share_prefix_lines"]:
+        result.add("speed 3b-lora GRPO step (static engine)", line.strip())
     profile = work / "step" / f"profile-step-{SPEED_STEPS}.txt"
     step["profile"] = (profile.read_text().splitlines()[:PROFILE_LINES + 4]
                        if profile.is_file() else None)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -236,3 +237,23 @@ def chromium_dom(tmp_path: Path) -> Callable[[Path], str]:
         return done.stdout
 
     return dom
+
+
+@contextmanager
+def shape_rounding(model: torch.nn.Module, size: float) -> Iterator[None]:
+    """Make the model's numbers depend on the batch's shape, as a GPU kernel's rounding does
+    (another tiling for another number of rows): every last hidden state moved by ``size`` times
+    the number of rows in the batch. The per-row path batched, one row at a time, and the packed
+    path (one row per group) then all differ, by amounts in proportion to their row counts."""
+    norm = model.model.language_model.norm  # the last hidden states, which the head reads
+    hook = norm.register_forward_hook(lambda _m, _i, out: out + size * out.shape[0])
+    try:
+        yield
+    finally:
+        hook.remove()
+
+
+@pytest.fixture
+def batch_shape_rounding():
+    """:func:`shape_rounding`."""
+    return shape_rounding

@@ -404,9 +404,11 @@ class MemoryConfig:
         "auto", "Score a group's completions with its prompt (image tokens and vision tower "
         "included) run once per micro-batch, the completions attending to it, instead of once "
         "per completion (r1fit/models/prefix.py). 'auto': on when the first micro-batch's "
-        "log-probs equal the per-row path's (within 1e-4; 0.05 in a 16-bit model; true for "
-        "Qwen2-VL, Qwen2.5-VL and Qwen3-VL; not for a model with bidirectional image attention "
-        "such as Gemma 3), else off, logged once; "
+        "log-probs equal the per-row path's (within 1e-4; 0.05 in a 16-bit model; or 4x the "
+        "per-row path's own rounding between batch shapes where that is larger, as in a bigger "
+        "16-bit model; true for Qwen2-VL, Qwen2.5-VL and Qwen3-VL; not for a model with "
+        "bidirectional image attention such as Gemma 3), else off, logged once with both "
+        "numbers; "
         "`r1fit plan` plans 'auto' as the larger of the two paths.")
     logits_chunk: int | Literal["auto"] = opt(
         "auto", "Tokens per chunk of the LM head, whose float32 [chunk x vocab] logits are what "

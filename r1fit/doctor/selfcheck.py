@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,6 +45,9 @@ from r1fit.errors import R1fitError
 from r1fit.report.metrics import grpo_step_rows, read_metrics
 from r1fit.rollout.prefill import PrefillCheck
 from r1fit.units import format_bytes
+
+if TYPE_CHECKING:
+    from r1fit.models.packing import PackingCheck
 
 #: a run's settings: a config, or ``key.sub=value`` overrides of the defaults
 RunSpec = Config | Sequence[str]
@@ -246,7 +249,12 @@ def numerics_check(spec: RunSpec) -> list[Verdict]:
     from r1fit.data.batch import consecutive_groups, encode_prompts
     from r1fit.data.build import build_datasets
     from r1fit.distributed.loading import load_policy_on_ranks
-    from r1fit.models.packing import packing_distance, packing_tolerance, per_row_noise
+    from r1fit.models.packing import (
+        PackingCheck,
+        packing_distance,
+        packing_tolerance,
+        per_row_noise,
+    )
     from r1fit.processes import device_for, world
     from r1fit.rng import seed_everything
     from r1fit.rollout.generate import (
@@ -275,9 +283,12 @@ def numerics_check(spec: RunSpec) -> list[Verdict]:
             model, rows, seeds=row_seeds(cfg.train.seed, 0, 0, len(rows)),
             batch_size=len(rows), settings=settings, ids=ids, device=device)
         unique, groups = consecutive_groups(rows, completions)
-        distance = packing_distance(model, unique, groups, ids.pad, chunk_size=cfg.head_chunk())
-        noise = per_row_noise(model, unique, groups, ids.pad, chunk_size=cfg.head_chunk())
-        bound = packing_tolerance(model)
+        # the check memory.share_prefix=auto makes (r1fit.models.packing.check_packing), its
+        # noise measured whatever the distance, to be shown
+        shared = PackingCheck(
+            packing_distance(model, unique, groups, ids.pad, chunk_size=cfg.head_chunk()),
+            packing_tolerance(model),
+            per_row_noise(model, unique, groups, ids.pad, chunk_size=cfg.head_chunk()))
         prefill = prefill_check(model, rows, generation_config(settings, ids), ids.pad, device)
         _synchronize(device)
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -286,9 +297,8 @@ def numerics_check(spec: RunSpec) -> list[Verdict]:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     where = f"{device.type}, {dtype}, attention {cfg.model.attn_implementation}"
-    return [prefix_verdict(distance, bound, where, {"groups": len(groups),
-                                                    "completions": len(completions)},
-                           noise=noise),
+    return [prefix_verdict(shared, where, {"groups": len(groups),
+                                           "completions": len(completions)}),
             prefill_verdict(prefill, where)]
 
 
@@ -296,18 +306,17 @@ def numerics_check(spec: RunSpec) -> list[Verdict]:
 FALLBACK = "; auto would run it per row here (slower, still correct)"
 
 
-def prefix_verdict(distance: float, bound: float, where: str,
-                   numbers: dict[str, Any] | None = None, *, noise: float | None = None) -> Verdict:
-    """The shared-prompt verdict: ``distance`` (:func:`r1fit.models.packing.packing_distance`)
-    within ``bound``; NaN fails. ``where``: device, dtype, attention, for the line. ``noise``:
-    the per-row path's own batch-shape rounding (:func:`r1fit.models.packing.per_row_noise`),
-    shown beside the distance (it tells rounding from a broken path; not part of the verdict)."""
-    ok = distance <= bound
-    beside = "" if noise is None else f"; per row batched vs one row at a time: {noise:.3g}"
-    return Verdict("shared prompt", ok,
-                   f"completion log-probs packed after their prompt vs per row differ by at most "
-                   f"{distance:.3g} (bound {bound:g}{beside}; {where})" + ("" if ok else FALLBACK),
-                   {"distance": distance, "bound": bound, "per_row_noise": noise,
+def prefix_verdict(check: PackingCheck, where: str,
+                   numbers: dict[str, Any] | None = None) -> Verdict:
+    """The shared-prompt verdict: the distance of :func:`r1fit.models.packing.check_packing`
+    within its bound (the fixed tolerance, or ``NOISE_FACTOR`` times the per-row path's own
+    rounding between batch shapes where that is larger: the rule ``memory.share_prefix=auto``
+    follows); NaN fails. ``where``: device, dtype, attention, for the line."""
+    return Verdict("shared prompt", check.exact,
+                   f"completion log-probs packed after their prompt vs per row ({where}): "
+                   f"{check.describe()}" + ("" if check.exact else FALLBACK),
+                   {"distance": check.distance, "bound": check.bound,
+                    "tolerance": check.tolerance, "per_row_noise": check.noise,
                     **(numbers or {})})
 
 

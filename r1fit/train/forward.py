@@ -18,7 +18,7 @@ from r1fit.data.batch import Batch, Prompt, collate, consecutive_groups, micro_b
 from r1fit.errors import R1fitError
 from r1fit.models.load import compute_dtype, unwrap
 from r1fit.models.logprobs import completion_logprobs
-from r1fit.models.packing import packing_is_exact
+from r1fit.models.packing import PackingCheck, check_packing
 from r1fit.models.prefix import PackedGroups, pack_groups
 from r1fit.processes import all_sum
 from r1fit.rollout.record import Rollout
@@ -44,7 +44,8 @@ class BatchLayout:
 
     Decided once, on the first micro-batch the run scores (:meth:`decide`): ``share_prefix='auto'`` is
     on only if the shared layout's log-probs equal the per-row path's on every process (so all
-    take the same path); a packed layout is checked the same way and refused in one line when it
+    take the same path), up to rounding (:func:`r1fit.models.packing.check_packing`); a packed
+    layout is checked the same way and refused in one line when it
     differs (a model whose attention is not plain causal within a sequence). Sharing needs a
     4-D mask, which flash-attention kernels do not take: with them 'auto' is off."""
 
@@ -71,36 +72,40 @@ class BatchLayout:
         _, first, first_completions = next(micro_batches(rows, completions, micro_batch,
                                                          tokens=tokens))
         unique, groups = consecutive_groups(first, first_completions)
-        results: dict[bool, bool] = {}
+        checks: dict[bool, tuple[PackingCheck, bool]] = {}
 
-        def exact(shared: bool) -> bool:
-            if shared not in results:
+        def exact(shared: bool) -> tuple[PackingCheck, bool]:
+            """The check of this layout here, and whether it held on every process."""
+            if shared not in checks:
                 args = (unique, groups) if shared else (
                     [p for p, g in zip(unique, groups) for _ in g], [[c] for g in groups for c in g])
-                ok = packing_is_exact(model, *args, pad_id, chunk_size=chunk_size, one_row=packed)
-                results[shared] = all_sum([0.0 if ok else 1.0])[0] == 0
-            return results[shared]
+                check = check_packing(model, *args, pad_id, chunk_size=chunk_size,
+                                      one_row=packed)
+                checks[shared] = check, all_sum([0.0 if check.exact else 1.0])[0] == 0
+            return checks[shared]
 
         if self.on is None:
             if _flash_attention(model):
                 self.on = False
                 log.info("memory.share_prefix=auto: off (flash attention takes no 4-D mask)")
             else:
-                self.on = exact(True)
-                log.info("memory.share_prefix=auto: %s", "on (a group's prompt runs once per "
-                         "micro-batch)" if self.on else "off: this model's log-probs differ when "
-                         "its completions share a prompt (e.g. bidirectional image attention)")
+                check, self.on = exact(True)
+                log.info("memory.share_prefix=auto: %s; %s on this process", "on (a group's "
+                         "prompt runs once per micro-batch)" if self.on else "off: this model's "
+                         "log-probs differ when its completions share a prompt (e.g. "
+                         "bidirectional image attention)", check.describe())
         self.decided = True
         if packed and not self.checked_packing:
-            if not exact(bool(self.on)):
+            check, ok = exact(bool(self.on))
+            if not ok:
                 raise PackingError(
                     "memory.micro_batch_tokens: this model's log-probs differ when its sequences "
-                    "are packed into one row (its attention is not plain causal within a "
-                    "sequence, e.g. bidirectional image attention); unset memory.micro_batch_"
-                    "tokens and use memory.micro_batch")
+                    f"are packed into one row ({check.describe()}; its attention is not plain "
+                    "causal within a sequence, e.g. bidirectional image attention); unset "
+                    "memory.micro_batch_tokens and use memory.micro_batch")
             self.checked_packing = True
             log.info("memory.micro_batch_tokens: packed micro-batches checked equal to the "
-                     "per-row path")
+                     "per-row path (%s)", check.describe())
 
     def inputs(self, model: Any, prompts: Sequence[Prompt], completions: Sequence[torch.Tensor],
                *, pad_id: int, device: torch.device, packed: bool = False,

@@ -142,6 +142,7 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
             # the rollout figures (rewards, accuracy, zero_variance_groups...) are over every row
             # drawn, the update's over the kept ones
             drawn = draws.drawn(rollout, trainer.advantage.estimator)
+            run.settle_prediction()  # share_prefix=auto decided in the step: its path's times
             run.trackers.log_samples(drawn, run.processor)  # every report.samples_every steps
             report.save_rollout(drawn, run.processor)  # every report.rollouts_every steps
             row = metrics_row(trainer, step, draws, drawn, rollout, updates, times)

@@ -99,12 +99,27 @@ class Run(Session):
     layout: BatchLayout  # memory.share_prefix, packing: how micro-batches reach the model
     #: the time model's seconds per step, logged in each step's row (None: not predicted)
     predicted: StepPrediction | None
+    #: the config the time model read (chunk sizes aside): ``cfg`` with the checkpointing resolved
+    planned: Config
 
     @cached_property
     def meter(self) -> MfuMeter:
         """The ``flops`` and ``mfu`` meter of the run's steps (the device's peak read or measured
         once, on first use)."""
         return MfuMeter(self.model, self.device, next(self.model.parameters()).dtype)
+
+    def settle_prediction(self) -> None:
+        """``memory.share_prefix=auto``: the prediction made at start planned the path of the
+        larger memory peak (the planner cannot know which the run takes); once the run's first
+        micro-batch has chosen, predict again, once, for the path it runs."""
+        if self.predicted is None or self.planned.memory.share_prefix != "auto" \
+                or not self.layout.decided or self.layout.on is None:
+            return
+        log.info("time model: memory.share_prefix=auto chose %s; predicted again for that path",
+                 "on" if self.layout.on else "off")
+        self.planned = self.planned.with_values({"memory.share_prefix": self.layout.on})
+        self.predicted = predict_steps(self.planned, self.device.type, self.world.size,
+                                       self.kind, self.sizes)
 
     def fetch(self, sampler: PromptSampler, bad_rows: BadRowCounter, k: int) -> list[Prompt]:
         """The next ``k`` good training prompts; bad rows are skipped and counted."""
@@ -189,14 +204,16 @@ def start_run(cfg: Config, kind: str) -> Run:
                  "the config file and overrides; `r1fit config` shows each key's source", preset,
                  cfg.preset, preset)
     trackers = open_trackers(cfg, out) if w.main else Trackers([])
-    predicted = predict_steps(cfg.with_values(checkpointing), device.type, w.size, kind, sizes)
+    planned = cfg.with_values(checkpointing)
+    predicted = predict_steps(planned, device.type, w.size, kind, sizes)
     return Run(cfg=cfg, world=w, device=device, model=model, processor=processor, policy=policy,
                ids=TokenIds.of(model, processor), eval_set=eval_set, sizes=sizes,
                max_prompt_tokens=max_prompt_tokens, kind=kind, out=out, train_set=train_set,
                metrics=MetricsWriter(out / "metrics.jsonl", active=w.main, trackers=trackers),
                trackers=trackers, checkpoints=checkpoints, rss_before_load_bytes=rss_before_load,
                rss_after_load_bytes=current_rss_bytes(), started=started,
-               layout=BatchLayout(cfg.memory.share_prefix), predicted=predicted)
+               layout=BatchLayout(cfg.memory.share_prefix), predicted=predicted,
+               planned=planned)
 
 
 def prompt_limit(cfg: Config, model: Any) -> int | None:

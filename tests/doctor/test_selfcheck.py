@@ -22,6 +22,7 @@ from r1fit.doctor.selfcheck import (
     prefix_verdict,
     selfcheck_overrides,
 )
+from r1fit.models.packing import PackingCheck
 from r1fit.rollout.prefill import PrefillCheck
 
 pytestmark = pytest.mark.slow  # the self-check runs GRPO several times
@@ -146,12 +147,18 @@ def test_a_plan_far_from_the_measured_peak_fails(checked, tmp_path):
 
 
 def test_distances_over_their_bounds_fail():
-    assert prefix_verdict(0.01, 0.05, "cpu").ok
-    assert not prefix_verdict(0.06, 0.05, "cpu").ok
-    assert not prefix_verdict(float("nan"), 0.05, "cpu").ok
-    noisy = prefix_verdict(0.125, 0.05, "cuda", noise=0.1)  # shown, not part of the verdict
-    assert not noisy.ok and noisy.numbers["per_row_noise"] == 0.1
-    assert "(bound 0.05; per row batched vs one row at a time: 0.1; cuda)" in noisy.summary
+    assert prefix_verdict(PackingCheck(0.01, 0.05, 0.001), "cpu").ok
+    assert not prefix_verdict(PackingCheck(0.06, 0.05, 0.001), "cpu").ok
+    assert not prefix_verdict(PackingCheck(float("nan"), 0.05, 0.001), "cpu").ok
+    # the H100's 3B bfloat16 numbers: within 4x the per-row path's own rounding, as auto rules
+    noisy = prefix_verdict(PackingCheck(0.125, 0.05, 0.113), "cuda, bfloat16")
+    assert noisy.ok and noisy.numbers["per_row_noise"] == 0.113
+    assert noisy.numbers["bound"] == pytest.approx(0.452)
+    assert noisy.summary.endswith(
+        "per row (cuda, bfloat16): log-probs 0.125 from the per-row path's (bound 0.452: 4x the "
+        "per-row path's own rounding between batch shapes, 0.113)")
+    broken = prefix_verdict(PackingCheck(0.5, 0.05, 0.113), "cuda")
+    assert not broken.ok and "auto would run it per row here" in broken.summary
     assert prefill_verdict(PrefillCheck(0.002, 0.004, 0.25, 0.05), "cpu").ok
     keys = prefill_verdict(PrefillCheck(0.002, 1.3, 0.25, 0.05), "cpu")
     assert not keys.ok and "positions differ" in keys.summary

@@ -3,6 +3,8 @@ all of them."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -42,6 +44,25 @@ def test_packed_logprobs_equal_one_pass(float64_tiny):
                                               tokens=tokens)
             assert layout.checked_packing
             torch.testing.assert_close(parts, whole, rtol=0, atol=1e-9)
+
+
+def test_auto_shares_a_prompt_within_the_per_row_paths_own_rounding(float64_tiny,
+                                                                   batch_shape_rounding, caplog):
+    """share_prefix=auto on numbers that depend on the batch's shape (a 16-bit model on a GPU):
+    on where the shared path is as far from the per-row path as the per-row path is from itself
+    (6 rows batched vs 1; shared: 3 groups of 2), logged with the numbers; the fixed 1e-4 alone
+    would have turned it off."""
+    model, processor, rows, completions = float64_tiny()
+    pad = special_token_ids(model, processor)["pad"]
+    layout = BatchLayout("auto")
+    with batch_shape_rounding(model, 1e-3), caplog.at_level(logging.INFO, "r1fit.forward"):
+        layout.decide(model, rows, completions, pad_id=pad, chunk_size=8, micro_batch=6,
+                      tokens=None)
+    assert layout.on is True
+    line = next(r.getMessage() for r in caplog.records if "share_prefix=auto" in r.getMessage())
+    assert line.startswith("memory.share_prefix=auto: on (a group's prompt runs once per "
+                           "micro-batch); log-probs ")
+    assert "x the per-row path's own rounding between batch shapes" in line
 
 
 def test_a_shared_prefix_needs_a_mask_that_flash_attention_does_not_take(float64_tiny,
