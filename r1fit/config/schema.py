@@ -64,7 +64,10 @@ class ModelConfig:
     freeze_vision: bool = opt(False, "Keep the vision tower frozen (full fine-tuning only; LoRA never "
                               "adapts it).")
     attn_implementation: str = opt("sdpa", "Attention kernel passed to from_pretrained "
-                                   "('sdpa', 'eager', 'flash_attention_2').")
+                                   "('sdpa', 'eager', 'flash_attention_2'). With 'sdpa' the "
+                                   "vision towers of Qwen2-VL, Qwen2.5-VL and Qwen3-VL attend to "
+                                   "all their images' windows in one call a layer, not one a "
+                                   "window (r1fit/models/vision_attention.py).")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor,
 from r1fit.errors import one_line
 from r1fit.models.builtin import BUILTIN_PREFIX, ensure_builtin, shipped_config
 from r1fit.models.errors import ModelConfigError
+from r1fit.models.vision_attention import batch_vision_segments
 
 #: Linear layers of a decoder layer that LoRA may adapt (Qwen2/2.5/3-VL and Gemma 3 name them alike).
 LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -575,8 +576,10 @@ def _from_pretrained(
         # the dtype rank 0's from_pretrained loads in, or the shards would not match its tensors
         meta_dtype = checkpoint_dtype(config, folder)[0] if dtype == "auto" else _DTYPES[dtype]
         with torch.device("meta"):
-            return AutoModelForImageTextToText.from_config(
+            skeleton = AutoModelForImageTextToText.from_config(
                 config, dtype=meta_dtype, attn_implementation=attn_implementation)
+        batch_vision_segments(skeleton)
+        return skeleton
     try:
         model = AutoModelForImageTextToText.from_pretrained(
             folder, dtype=_DTYPES[dtype], attn_implementation=attn_implementation,
@@ -587,6 +590,8 @@ def _from_pretrained(
     except (OSError, ValueError, KeyError, ImportError) as err:
         raise ModelConfigError(f"cannot load model {path!r}: {one_line(err)}") from err
     check_logits_are_the_head(model, path)
+    # sdpa vision attention in one call a layer, not one per image or window
+    batch_vision_segments(model)
     return model
 
 
