@@ -46,7 +46,9 @@ ones); the whole run stops starting stages when ``--budget`` seconds are spent:
   step 2's seconds per phase and the update's MFU, step 3 profiled
   (report.profile_step: where the update's time goes), the plan with the engine against the
   run's max allocated (target as ``plan``), and the time model's step beside the measured one
-  (target ``TIME_TOLERANCE``, on calibrated rates). ``--speed-cases`` runs some of the cases.
+  (target ``TIME_TOLERANCE``, on calibrated rates). Last, the 3B vision tower over the step's 128
+  images, transformers' per-window sdpa loop against r1fit's one call a layer
+  (benchmarks/vision_segments.py; target: not slower). ``--speed-cases`` runs some of the cases.
 - ``fsdp``: the multi-GPU code paths on one card (about 2 minutes): the resume stage's run under
   ``torchrun --standalone --nproc-per-node 1`` with ``R1FIT_ONE_PROCESS_GROUP=1``, so the one
   process joins an NCCL process group (gloo in the smoke) and runs rank-0 loading from the meta
@@ -112,6 +114,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -438,10 +441,14 @@ PROFILE_LINES = 30
 #: ``step`` is the whole GRPO step with the static engine as a run has it (compiled on CUDA)
 SPEED_DECODE = (("3b-lora", True, False, 120), ("3b-lora-compiled", True, True, 150),
                 ("3b-full", False, False, 90))
-SPEED_CASES = (*(case[0] for case in SPEED_DECODE), "step")
+SPEED_CASES = (*(case[0] for case in SPEED_DECODE), "step", "vision")
+#: seconds the vision case may take on a GPU (the tower's build, 2 warm-ups, 6 timed forwards)
+VISION_CAP = 90
+#: seconds a stage keeps before its deadline to write its result (its parts end before)
+STAGE_MARGIN = 10
 #: the cases run unless --speed-cases names others: 3b-full (measured on 2026-11-27: 3.7x HF,
 #: 26% of the roofline) only when asked, to leave the stage's time to the step
-SPEED_DEFAULT = ("3b-lora", "3b-lora-compiled", "step")
+SPEED_DEFAULT = ("3b-lora", "3b-lora-compiled", "step", "vision")
 #: the 3b-lora case also times a second turn after a text tool turn of this many tokens
 TURN_TOOL_TOKENS = 256
 #: decode steps of the engine profiled in each speed case (GPU, smoke): where a step's time goes
@@ -513,15 +520,24 @@ def stage_speed(args: argparse.Namespace, work: Path) -> StageResult:
         result.add(f"speed {name} roofline", f"{roof:.0%} of the copy bandwidth's",
                    f">= {ROOFLINE_TARGET:.0%}" + ("" if gpu else " on a GPU"),
                    roof >= ROOFLINE_TARGET if gpu else None)
-    if "step" not in args.speed_cases:
-        return result
+    if "step" in args.speed_cases:
+        speed_step(args, work, result)
+    if "vision" in args.speed_cases:
+        speed_vision(args, result)
+    return result
+
+
+def speed_step(args: argparse.Namespace, work: Path, result: StageResult) -> None:
+    """The speed stage's GRPO run: 3 steps of 3B LoRA with the static engine as runs have it;
+    step 2's seconds, MFU, plan and time verdicts, step 3's profile (rows into ``result``)."""
+    gpu = not args.cpu_smoke
     values = speed_values(args)
     try:
-        run = train(values, work / "step", "speed step")
+        run = train(values, work / "step", "speed step", timeout=seconds_left(args))
     except BenchmarkError as exc:  # the decode rows above stay
         log_run_tails(work / "step")
         result.add("speed 3b-lora GRPO step (static engine)", f"FAILED: {exc}", "runs", False)
-        return result
+        return
     last = run.rows[SPEED_STEPS - 2]  # step 2: warm, not profiled
     step = {k: float(last[k]) for k in ("seconds_generate", "seconds_score", "seconds_update",
                                          "tokens_per_second", "mfu") if last.get(k) is not None}
@@ -559,7 +575,36 @@ def stage_speed(args: argparse.Namespace, work: Path) -> StageResult:
                    time_line(timing),
                    f"±{TIME_TOLERANCE:.0%} on calibrated rates" + ("" if gpu else " on a GPU"),
                    timing["met"] if gpu and timing["calibrated"] else None)
-    return result
+
+
+def speed_vision(args: argparse.Namespace, result: StageResult) -> None:
+    """The 3B vision tower over the step's 128 images (bf16, real width), transformers'
+    per-window sdpa loop against r1fit's one call a layer (benchmarks/vision_segments.py)."""
+    gpu = not args.cpu_smoke
+    images = SPEED_GPU["prompts"] * SPEED_GPU["generations"] if gpu else 2
+    command = [sys.executable, str(benchkit.FOLDER / "vision_segments.py"),
+               "--images", str(images), "--min-speedup", "1.0",
+               *(["--device", "cuda", "--dtype", "bfloat16", "--hidden", "0", "--repeats", "3"]
+                 if gpu else ["--image-px", "224", "--hidden", "16", "--intermediate", "32",
+                              "--repeats", "1"])]
+    left = seconds_left(args)
+    if left is not None and left < VISION_CAP / 2:
+        result.add("speed vision attention", f"not run: {max(left, 0):.0f} s left of the stage")
+        return
+    try:
+        stdout = run_child(command, "speed vision", "vision_segments", env=child_env(),
+                           timeout=(min(VISION_CAP, left) if left is not None else VISION_CAP)
+                           if gpu else None, log=LOG, group=True)
+    except BenchmarkError as exc:
+        result.add("speed vision attention", f"FAILED: {exc}", "runs", False)
+        return
+    r = read_result(stdout, "vision_segments", "speed vision")
+    result.data["vision"] = r
+    loop, batched = (statistics.median(r["seconds"][k]) for k in r["seconds"])
+    result.add("speed vision attention", f"{images} images: per window {loop:.3f} s a forward "
+               f"({r['calls']['sdpa']:,} calls), one call a layer {batched:.3f} s: "
+               f"{r['speedup']:.2f}x; outputs differ by {r['difference']:.3g}",
+               ">= 1.0x" + ("" if gpu else " on a GPU"), r["met"] if gpu else None)
 
 
 def cuda_facts() -> dict[str, Any]:
@@ -1189,10 +1234,21 @@ def run_stage(args: argparse.Namespace) -> int:
     return 0
 
 
-def child_command(args: argparse.Namespace, stage: str, work: Path) -> list[str]:
+def child_command(args: argparse.Namespace, stage: str, work: Path,
+                  cap: float | None = None) -> list[str]:
+    """The command of a stage's child; ``cap``: the seconds it has (passed on as a deadline, so
+    a stage of several parts can end a long one in time and keep the rows of the others)."""
     return [sys.executable, os.path.abspath(__file__), "--stage", stage, "--work", str(work),
             "--models", args.models, "--out", args.out, "--speed-cases", *args.speed_cases,
+            *(["--deadline", f"{time.time() + cap:.1f}"] if cap is not None else []),
             *(["--cpu-smoke"] if args.cpu_smoke else [])]
+
+
+def seconds_left(args: argparse.Namespace) -> float | None:
+    """Seconds before the stage's deadline, less ``STAGE_MARGIN`` for writing its result (None:
+    no deadline)."""
+    deadline = getattr(args, "deadline", None)
+    return None if deadline is None else deadline - time.time() - STAGE_MARGIN
 
 
 def stage_status(rows: list[dict[str, Any]]) -> bool | None:
@@ -1252,7 +1308,9 @@ def run_parent(args: argparse.Namespace) -> int:
         else:
             say(f"{NAME}: {name} (cap {cap:.0f} s) ...")
             try:
-                stdout = run_child(child_command(args, name, work / name), f"stage {name}",
+                stdout = run_child(child_command(args, name, work / name,
+                                                 None if args.cpu_smoke else cap),
+                                   f"stage {name}",
                                    NAME, env=child_env(), timeout=cap, log=LOG, group=True)
                 got = read_result(stdout, NAME, name)
                 stages[name] = {"status": "ok", **got, "met": stage_status(got["rows"])}
@@ -1330,6 +1388,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--keep-work", action="store_true", help="keep the runs' output folders")
     p.add_argument("--work", help=argparse.SUPPRESS)
     p.add_argument("--stage", choices=list(STAGES), help=argparse.SUPPRESS)
+    p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.models is None:
         args.models = default_models_dir(args.cpu_smoke)

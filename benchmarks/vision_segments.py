@@ -82,8 +82,9 @@ def tower(args: argparse.Namespace) -> torch.nn.Module:
     config = Qwen2_5_VLVisionConfig(**shipped)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = Qwen2_5_VisionTransformerPretrainedModel(config)
-    return model.to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
+    with torch.device(args.device):  # drawn where it runs: 670M weights at the real width
+        model = Qwen2_5_VisionTransformerPretrainedModel(config)
+    return model.to(dtype=getattr(torch, args.dtype)).eval()
 
 
 def synchronize(device: str) -> None:

@@ -209,7 +209,7 @@ def test_the_resume_and_detcost_stages_wire_the_doctors_runs(monkeypatch, tmp_pa
 def test_the_smoke_runs_every_stage_with_numbers(tmp_path, capsys):
     # the compiled speed case (torch.compile: ~25 s on CPU) is tested in tests/rollout
     status = gc.main(["--cpu-smoke", "--out", str(tmp_path), "--only", *SMOKED,
-                      "--speed-cases", "3b-lora", "3b-full", "step"])
+                      "--speed-cases", "3b-lora", "3b-full", "step", "vision"])
     printed = capsys.readouterr().out
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     # every target the smoke holds is met: OOM recovery, auto-fit (the
@@ -260,6 +260,25 @@ def test_the_smoke_runs_every_stage_with_numbers(tmp_path, capsys):
     timing = speed["3b-lora-step"]["time"]  # the time model's step beside the measured one
     assert timing["predicted"]["generate"] > 0 and timing["measured"]["update"] > 0
     assert speed["3b-lora-step"]["engine_lines"][0] == "rollout.engine=static"
+    # share_prefix=auto's decision, with its numbers, and the vision tower's two attentions
+    assert speed["3b-lora-step"]["share_prefix_lines"][0].startswith(
+        "memory.share_prefix=auto: on")
+    vision = speed["vision"]
+    assert vision["calls"]["r1fit_flash_layout_sdpa"] == 32 < vision["calls"]["sdpa"]
+    assert vision["difference"] < 1e-5
     for stage in SMOKED:
         assert stage in printed
     assert "==== r1fit" not in printed and (tmp_path / "gpu_check.log").stat().st_size > 0
+
+
+def test_a_stage_child_gets_its_deadline_and_its_parts_keep_a_margin(monkeypatch):
+    """The parent passes a stage's cap on as a deadline; the speed stage's step and vision case
+    take their timeouts from it, less the margin the stage keeps to write its rows."""
+    args = gc.parse_args(["--out", "x"])
+    monkeypatch.setattr(gc.time, "time", lambda: 1000.0)
+    command = gc.child_command(args, "speed", Path("w"), cap=420)
+    assert command[command.index("--deadline") + 1] == "1420.0"
+    assert "--deadline" not in gc.child_command(args, "speed", Path("w"))
+    child = gc.parse_args(["--out", "x", "--deadline", "1420"])
+    assert gc.seconds_left(child) == 420 - gc.STAGE_MARGIN
+    assert gc.seconds_left(args) is None
