@@ -288,12 +288,19 @@ def launch(command: str, values: list[str], *, torchrun: bool = False
              "1", "--no-python", *argv], {**child_env(), ONE_PROCESS_GROUP: "1"})
 
 
-def plan_of(values: list[str], *, gpu: bool) -> dict[str, int]:
-    """``r1fit plan`` of a config: its peak, allocated peak (less the CUDA overhead) and parts."""
+def plan_of(values: list[str], *, gpu: bool, run_dir: Path | None = None) -> dict[str, int]:
+    """``r1fit plan`` of a config: its peak, allocated peak (less the CUDA overhead) and parts.
+    ``run_dir``: a run of it, whose ``auto`` sharing decisions (its log) the plan takes, as
+    ``r1fit doctor --check`` does; without it the plan takes 'auto' as the larger path."""
     from r1fit.config import load_config
+    from r1fit.doctor.selfcheck import auto_decisions
     from r1fit.memory.planner import plan_memory
 
-    plan = plan_memory(load_config(None, values), device_type="cuda" if gpu else "cpu")
+    cfg = load_config(None, values)
+    if run_dir is not None and (run_dir / "log.txt").is_file():
+        cfg = cfg.with_values({k: v for k, v in auto_decisions(run_dir).items()
+                               if cfg.value(k) == "auto"})
+    plan = plan_memory(cfg, device_type="cuda" if gpu else "cpu")
     return {"peak": int(plan.peak_bytes), "allocated": int(plan.peak_bytes - plan.parts["overhead"]),
             "overhead": int(plan.parts["overhead"]), "max_micro_batch": int(plan.max_micro_batch)}
 
@@ -559,7 +566,7 @@ def speed_step(args: argparse.Namespace, work: Path, result: StageResult) -> Non
                f"step {last['step']}: generate {step['seconds_generate']:.2f} s, score "
                f"{step.get('seconds_score', 0):.2f} s, update {step['seconds_update']:.2f} s; "
                f"{step['tokens_per_second']:,.0f} tokens/s; peak {run.peak() / MIB:,.0f} MiB")
-    plan = plan_of(values, gpu=gpu)
+    plan = plan_of(values, gpu=gpu, run_dir=work / "step")
     error, met = plan_verdict(plan["allocated"], run.peak())
     step["plan"], step["plan_error"] = plan, error
     result.add("speed 3b-lora plan (static engine)", f"plan {plan['allocated'] / MIB:,.0f} MiB vs "
@@ -649,8 +656,9 @@ def plan_runs(args: argparse.Namespace, work: Path, result: StageResult,
     gpu = not args.cpu_smoke
     for name, role, lora in cases:
         values = overrides(args, role, lora=lora)
-        plan = plan_of(values, gpu=gpu)
         run = train(values, work / name, f"plan {name}")
+        plan = plan_of(values, gpu=gpu, run_dir=work / name)  # as the run settled 'auto'
+
         measured = run.peak()
         error, met = plan_verdict(plan["allocated"], measured)
         last = run.rows[-1]
@@ -1049,7 +1057,7 @@ def stage_fsdp(args: argparse.Namespace, work: Path) -> StageResult:
                f"uninterrupted torchrun run" + (f": {'; '.join(differences)}" if differences
                                                  else ""),
                "identical", not differences)
-    plan = plan_of(values, gpu=gpu)
+    plan = plan_of(values, gpu=gpu, run_dir=work / "torchrun")
     error = plan_verdict(plan["allocated"], straight.peak())[0]
     plain_error = plan_verdict(plan["allocated"], plain.peak())[0]
     result.data.update(plan=plan, peak_bytes=straight.peak(), plain_peak_bytes=plain.peak(),

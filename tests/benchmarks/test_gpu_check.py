@@ -282,3 +282,20 @@ def test_a_stage_child_gets_its_deadline_and_its_parts_keep_a_margin(monkeypatch
     child = gc.parse_args(["--out", "x", "--deadline", "1420"])
     assert gc.seconds_left(child) == 420 - gc.STAGE_MARGIN
     assert gc.seconds_left(args) is None
+
+
+def test_a_plan_takes_the_sharing_its_run_chose(use_tiny_cache, tmp_path):
+    """memory.share_prefix=auto: planned as the larger path before a run, and as the run's own
+    decision (its log.txt) after it, as r1fit doctor --check plans."""
+    values = ["model.path=builtin:tiny", "memory.share_prefix=auto", "algo.num_generations=4",
+              "train.prompts_per_step=2", "memory.micro_batch=4", "data.max_pixels=3136",
+              "data.shapes.image_size=56"]
+    plans = {on: gc.plan_of([*values, f"memory.share_prefix={on}"], gpu=False)["allocated"]
+             for on in ("true", "false")}
+    assert plans["true"] != plans["false"]
+    assert gc.plan_of(values, gpu=False)["allocated"] == max(plans.values())
+    assert gc.plan_of(values, gpu=False, run_dir=tmp_path)["allocated"] == max(plans.values())
+    for on, word in (("true", "on"), ("false", "off")):
+        (tmp_path / "log.txt").write_text(f"INFO r1fit.forward: memory.share_prefix=auto: {word} "
+                                          "(...)\n")
+        assert gc.plan_of(values, gpu=False, run_dir=tmp_path)["allocated"] == plans[on]
