@@ -125,7 +125,7 @@ SAMPLE_BLOCK = 1024
 
 
 def sample_rows(scores: torch.Tensor, uniforms: torch.Tensor, temperature: float,
-                top_p: float) -> torch.Tensor:
+                top_p: float, *, overwrite: bool = False) -> torch.Tensor:
     """Inverse-CDF sampling of one token per row of ``scores`` [B, V], given one uniform in [0, 1)
     per row: temperature, then top-p, then unnormalised probabilities ``exp(z - max z)`` in
     float32; the token is the first index whose cumulative probability exceeds ``u * total``.
@@ -137,12 +137,19 @@ def sample_rows(scores: torch.Tensor, uniforms: torch.Tensor, temperature: float
     only, so a row's token does not depend on the other rows of the batch. Tokens of probability 0
     (such as those suppressed to -inf) are never picked: the cumulative sums do not grow over
     them; where rounding makes ``u * total`` reach a total, the last token of positive probability
-    (of the last block with mass) is taken."""
+    (of the last block with mass) is taken.
+
+    ``overwrite``: ``scores`` may be overwritten (the static engine's logits are its own), so the
+    vocabulary-wide steps run in place, as they do on the float32 copy of 16-bit scores: no
+    [B, vocab] temporaries, the same numbers. On a CPU every new temporary of that size cost
+    page faults at every decode step (the freed blocks go back to the system)."""
     logits = scores.float()
+    overwrite = overwrite or logits is not scores  # a copy made here is ours
     if temperature != 1.0:
-        logits = logits / temperature
+        logits = logits.div_(temperature) if overwrite else logits / temperature
     logits = filter_top_p(logits, top_p)
-    weights = (logits - logits.amax(dim=-1, keepdim=True)).exp_()  # -inf -> 0
+    peak = logits.amax(dim=-1, keepdim=True)
+    weights = (logits.sub_(peak) if overwrite else logits - peak).exp_()  # -inf -> 0
     rows, vocab = weights.shape
     whole = vocab // SAMPLE_BLOCK * SAMPLE_BLOCK
     sums = weights[:, :whole].view(rows, -1, SAMPLE_BLOCK).sum(dim=-1)

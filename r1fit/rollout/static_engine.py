@@ -392,17 +392,20 @@ class StaticDecoder:
         return masks.popitem()[1] if len(masks) == 1 else masks
 
     def _pick(self, logits: torch.Tensor, rows: int, settings: SamplingSettings) -> torch.Tensor:
-        """The token of step ``self.counter`` for the first ``rows`` rows, from float32 logits."""
+        """The token of step ``self.counter`` for the first ``rows`` rows, from float32 logits,
+        which it overwrites (they are the step's own: every vocabulary-wide step runs in place,
+        with no [rows, vocab] temporary)."""
         if self.ids.blocked:
-            logits = logits.index_fill(1, self._blocked, float("-inf"))
+            logits.index_fill_(1, self._blocked, float("-inf"))
         if settings.min_new_tokens > 0:
             eos = logits.index_select(1, self._eos)
             early = self.counter < self._min_new
-            logits = logits.index_copy(1, self._eos, torch.where(early, float("-inf"), eos))
+            logits.index_copy_(1, self._eos, torch.where(early, float("-inf"), eos))
         if settings.greedy:
             return logits.argmax(dim=-1)
         uniforms = counter_uniforms(self.seeds[:rows], self.counter)
-        return sample_rows(logits, uniforms, settings.temperature, settings.top_p)
+        return sample_rows(logits, uniforms, settings.temperature, settings.top_p,
+                           overwrite=True)
 
     def _record(self, token: torch.Tensor, rows: int, out: torch.Tensor) -> None:
         """Write step ``self.counter``'s tokens: the next input, the output, the finished flags

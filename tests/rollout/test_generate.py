@@ -196,6 +196,27 @@ def test_temperature_divides_the_logits():
     assert tokens.tolist() == [0, 0, 1, 1, 2, 2]
 
 
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.3, 0.9)])
+def test_sampling_in_place_picks_the_same_tokens(temperature, top_p):
+    """overwrite=True (the static engine's own logits) runs the vocabulary-wide steps in place:
+    the same tokens, the scores overwritten; without it the caller's scores are left as they
+    were, and a 16-bit input's float32 copy is worked on in place without touching the input."""
+    generator = torch.Generator().manual_seed(3)
+    scores = torch.randn(6, 3000, generator=generator)
+    scores[:, 7] = float("-inf")
+    u = torch.rand(6, dtype=torch.float64, generator=generator)
+    kept = scores.clone()
+    expected = sample_rows(scores, u, temperature, top_p)
+    assert torch.equal(scores, kept)
+    assert torch.equal(sample_rows(scores, u, temperature, top_p, overwrite=True), expected)
+    assert not torch.equal(scores, kept)  # worked on in place
+    half = kept.to(torch.bfloat16)
+    before = half.clone()
+    assert torch.equal(sample_rows(half, u, temperature, top_p),
+                       sample_rows(half.float(), u, temperature, top_p))
+    assert torch.equal(half, before)
+
+
 def test_suppressed_tokens_are_never_picked_even_at_the_edges_of_u():
     # HF sets suppressed tokens to -inf before custom processors run; first and last are suppressed
     scores = torch.tensor([[float("-inf"), 1.0, float("-inf"), 0.5, float("-inf")]])
