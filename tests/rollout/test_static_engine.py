@@ -334,3 +334,28 @@ def test_kept_cache_sampled_and_where_the_context_differs(tiny):
     whole = StaticDecoder(model, ids, CPU).generate(contexts, seeds=seeds, batch_size=len(rows),
                                                     settings=settings)
     assert engine.appended == 1 and _same(kept, whole)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_the_plans_decode_workspace_is_what_a_decode_step_holds(builtin_folder, top_p):
+    """The planner's static-engine step workspace (static_step_bytes, per row and vocabulary
+    entry) against the live-tensor peak of a whole generate call over what was alive before it
+    (the buffers from an earlier call): on the real 151,936-entry vocabulary, where [rows x
+    vocab] tensors are most of a step, within -5%..+10%."""
+    from r1fit.memory.planner.estimate import static_step_bytes
+    from r1fit.memory.probe import TensorProbe
+
+    model, ids, rows = setup(builtin_folder("small-realvocab"), indices=(0,), copies=16)
+    blocked = replace(ids, blocked=list(ids.blocked) + list(ids.eos))  # every step runs
+    settings = SamplingSettings(max_new_tokens=6, temperature=0.7, top_p=top_p,
+                                min_new_tokens=3)
+    seeds = row_seeds(0, 1, 0, len(rows))
+    engine = StaticDecoder(model, blocked, CPU)
+    engine.generate(rows, seeds=seeds, batch_size=len(rows), settings=settings)
+    probe = TensorProbe()
+    probe.start()
+    engine.generate(rows, seeds=seeds, batch_size=len(rows), settings=settings)
+    measured = probe.peak() - probe.before_bytes
+    vocab = model.config.get_text_config().vocab_size
+    planned = len(rows) * vocab * static_step_bytes(4, top_p)
+    assert 0.95 <= planned / measured <= 1.10, (planned, measured)

@@ -531,19 +531,33 @@ def static_engine_memory(f: ModelFacts, cfg: Config, stored: int, prompt_tokens:
     it generates at once (memory.generation_batch, or eval.batch when larger) x the prompt's
     planned tokens plus the completion (with tools the trajectory: each turn's context grows to
     it) and one scratch column, rounded up to 64 columns; the decode step's
-    workspace (the model's logits, their float32 copy, the blocked-token copy and the sampler's
-    float32 tensors, [rows x vocab] each: the largest of a step's intermediates, which its CUDA
-    graph's pool keeps); with LoRA a copy of every adapted base weight (the merge is undone by
-    copying it back, bit-exact)."""
+    workspace (:func:`static_step_bytes`: [rows x vocab] tensors, the largest of a step's
+    intermediates, which its CUDA graph's pool keeps); with LoRA a copy of every adapted base
+    weight (the merge is undone by copying it back, bit-exact)."""
     t = f.text
     rows = max(generation_rows, cfg.eval.batch if cfg.data.eval else 0, 1)
     # one column more: the scratch column an appended tool turn's padding writes to
     length = -(-(prompt_tokens + completion + 1) // STATIC_LENGTH_STEP) * STATIC_LENGTH_STEP
-    sampling = sampling_logits_f32(cfg.algo.temperature, cfg.algo.top_p)
-    graphs = rows * t.vocab * (stored + (sampling + 2) * F32 + 1)
+    graphs = rows * t.vocab * static_step_bytes(stored, cfg.algo.top_p)
     backup = sum(i * o for i, o in f.lora_linears) * stored if cfg.model.lora.r > 0 else 0
     return EngineMemory(weights=backup, kv_cache=kv_cache_bytes(t, stored, rows, length),
                         graphs=graphs, static=True)
+
+
+#: bytes per [row x vocab entry] of top-p filtering in the static engine's sampler (a sort's
+#: float32 values and int64 order, the softmax, its cumulative sum, two bool masks, the filled
+#: copy): measured 21.8 on CPU (tests/rollout/test_static_engine.py)
+STATIC_TOP_P_BYTES = 22
+
+
+def static_step_bytes(stored: int, top_p: float) -> int:
+    """Bytes per [row x vocab entry] that a static-engine decode step holds at its peak: the
+    model's logits, their float32 copy (none in a float32 model) and one more float32 tensor;
+    the sampler works in place on the copy (temperature, blocked ids, min_new_tokens, its
+    weights), top-p adds its filter's tensors. Measured on CPU, float32: 2.0 float32 tensors,
+    7.5 with top_p < 1 (tests/rollout/test_static_engine.py)."""
+    return stored + (F32 if stored != F32 else 0) + F32 + (STATIC_TOP_P_BYTES if top_p < 1.0
+                                                          else 0)
 
 
 def static_prefill_bytes(step: StepShape, rows: int) -> int:
