@@ -587,6 +587,8 @@ def speed_step(args: argparse.Namespace, work: Path, result: StageResult) -> Non
 def speed_vision(args: argparse.Namespace, result: StageResult) -> None:
     """The 3B vision tower over the step's 128 images (bf16, real width), transformers'
     per-window sdpa loop against r1fit's one call a layer (benchmarks/vision_segments.py)."""
+    from r1fit.models.vision_attention import SEGMENT_ATTENTION
+
     gpu = not args.cpu_smoke
     images = SPEED_GPU["prompts"] * SPEED_GPU["generations"] if gpu else 2
     command = [sys.executable, str(benchkit.FOLDER / "vision_segments.py"),
@@ -607,7 +609,7 @@ def speed_vision(args: argparse.Namespace, result: StageResult) -> None:
         return
     r = read_result(stdout, "vision_segments", "speed vision")
     result.data["vision"] = r
-    loop, batched = (statistics.median(r["seconds"][k]) for k in r["seconds"])
+    loop, batched = (statistics.median(r["seconds"][k]) for k in ("sdpa", SEGMENT_ATTENTION))
     result.add("speed vision attention", f"{images} images: per window {loop:.3f} s a forward "
                f"({r['calls']['sdpa']:,} calls), one call a layer {batched:.3f} s: "
                f"{r['speedup']:.2f}x; outputs differ by {r['difference']:.3g}",

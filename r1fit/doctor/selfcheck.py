@@ -249,12 +249,7 @@ def numerics_check(spec: RunSpec) -> list[Verdict]:
     from r1fit.data.batch import consecutive_groups, encode_prompts
     from r1fit.data.build import build_datasets
     from r1fit.distributed.loading import load_policy_on_ranks
-    from r1fit.models.packing import (
-        PackingCheck,
-        packing_distance,
-        packing_tolerance,
-        per_row_noise,
-    )
+    from r1fit.models.packing import check_packing
     from r1fit.processes import device_for, world
     from r1fit.rng import seed_everything
     from r1fit.rollout.generate import (
@@ -283,12 +278,9 @@ def numerics_check(spec: RunSpec) -> list[Verdict]:
             model, rows, seeds=row_seeds(cfg.train.seed, 0, 0, len(rows)),
             batch_size=len(rows), settings=settings, ids=ids, device=device)
         unique, groups = consecutive_groups(rows, completions)
-        # the check memory.share_prefix=auto makes (r1fit.models.packing.check_packing), its
-        # noise measured whatever the distance, to be shown
-        shared = PackingCheck(
-            packing_distance(model, unique, groups, ids.pad, chunk_size=cfg.head_chunk()),
-            packing_tolerance(model),
-            per_row_noise(model, unique, groups, ids.pad, chunk_size=cfg.head_chunk()))
+        # the check memory.share_prefix=auto makes, its noise measured whatever the distance
+        shared = check_packing(model, unique, groups, ids.pad, chunk_size=cfg.head_chunk(),
+                               noise=True)
         prefill = prefill_check(model, rows, generation_config(settings, ids), ids.pad, device)
         _synchronize(device)
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")

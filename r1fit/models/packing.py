@@ -49,14 +49,8 @@ def packing_distance(model: nn.Module, prompts: Sequence[Prompt],
     """The largest absolute difference of a completion token's log-prob between these groups
     packed (:func:`pack_groups` with ``one_row``) and the per-row path (NaN when either gives
     NaN)."""
-    device = next(model.parameters()).device
-    _, _, per_row = _per_row_logprobs(model, prompts, groups, pad_id, chunk_size)
-    with torch.no_grad():
-        packed = pack_groups(model, prompts, groups, pad_id, compute_dtype(model),
-                             one_row=one_row).to(device)
-        shared = completion_logprobs(model, packed, chunk_size=chunk_size)
-    width = min(per_row.shape[1], shared.shape[1])
-    return float((per_row[:, :width] - shared[:, :width]).abs().max())
+    per_row = _per_row_logprobs(model, prompts, groups, pad_id, chunk_size)[2]
+    return _distance(model, prompts, groups, pad_id, chunk_size, one_row, per_row)
 
 
 def per_row_noise(model: nn.Module, prompts: Sequence[Prompt],
@@ -67,8 +61,28 @@ def per_row_noise(model: nn.Module, prompts: Sequence[Prompt],
     :func:`packing_distance`) and each row run alone (NaN when either gives NaN). Rounding between
     batch shapes only, so the scale below which no other path can be told from the per-row one in
     this dtype on this device (``r1fit doctor --check`` prints it beside the distance)."""
+    return _noise(model, pad_id, chunk_size,
+                  *_per_row_logprobs(model, prompts, groups, pad_id, chunk_size))
+
+
+def _distance(model: nn.Module, prompts: Sequence[Prompt],
+              groups: Sequence[Sequence[torch.Tensor]], pad_id: int, chunk_size: int,
+              one_row: bool, per_row: torch.Tensor) -> float:
+    """:func:`packing_distance` from the per-row path's log-probs ``per_row``."""
     device = next(model.parameters()).device
-    rows, completions, batched = _per_row_logprobs(model, prompts, groups, pad_id, chunk_size)
+    with torch.no_grad():
+        packed = pack_groups(model, prompts, groups, pad_id, compute_dtype(model),
+                             one_row=one_row).to(device)
+        shared = completion_logprobs(model, packed, chunk_size=chunk_size)
+    width = min(per_row.shape[1], shared.shape[1])
+    return float((per_row[:, :width] - shared[:, :width]).abs().max())
+
+
+def _noise(model: nn.Module, pad_id: int, chunk_size: int, rows: Sequence[Prompt],
+           completions: Sequence[torch.Tensor], batched: torch.Tensor) -> float:
+    """:func:`per_row_noise` from the per-row path's ``rows``, ``completions`` and their
+    log-probs in one batch, ``batched``."""
+    device = next(model.parameters()).device
     worst = torch.zeros(())
     with torch.no_grad():
         for i, (row, completion) in enumerate(zip(rows, completions)):
@@ -128,19 +142,20 @@ class PackingCheck:
 
 def check_packing(model: nn.Module, prompts: Sequence[Prompt],
                   groups: Sequence[Sequence[torch.Tensor]], pad_id: int, *, chunk_size: int,
-                  one_row: bool = False) -> PackingCheck:
+                  one_row: bool = False, noise: bool = False) -> PackingCheck:
     """The packed path (:func:`pack_groups` with ``one_row``) against the per-row path on these
     groups. Exact when the distance is within :func:`packing_tolerance`, or else within
     ``NOISE_FACTOR`` times the per-row path's own rounding between batch shapes (measured only
-    then: it runs each row alone). A model whose attention is not plain causal, or whose
-    positions do not follow from ``get_rope_index``, moves the log-probs far beyond both."""
+    then, or always with ``noise``: it runs each row alone). A model whose attention is not plain
+    causal, or whose positions do not follow from ``get_rope_index``, moves the log-probs far
+    beyond both. The per-row batch runs once for both numbers."""
     tolerance = packing_tolerance(model)
-    distance = packing_distance(model, prompts, groups, pad_id, chunk_size=chunk_size,
-                                one_row=one_row)
-    if distance <= tolerance or math.isnan(distance):
+    rows, completions, batched = _per_row_logprobs(model, prompts, groups, pad_id, chunk_size)
+    distance = _distance(model, prompts, groups, pad_id, chunk_size, one_row, batched)
+    if not noise and (distance <= tolerance or math.isnan(distance)):
         return PackingCheck(distance, tolerance)
     return PackingCheck(distance, tolerance,
-                        per_row_noise(model, prompts, groups, pad_id, chunk_size=chunk_size))
+                        _noise(model, pad_id, chunk_size, rows, completions, batched))
 
 
 def packing_is_exact(model: nn.Module, prompts: Sequence[Prompt],

@@ -98,6 +98,9 @@ def test_packing_within_the_per_row_paths_own_rounding_is_exact(model_dirs, setu
                                         max_pixels=3136)
     assert check_packing(model, prompts, groups, pad, chunk_size=8) == PackingCheck(
         packing_distance(model, prompts, groups, pad, chunk_size=8), TOLERANCE)  # no noise run
+    shown = check_packing(model, prompts, groups, pad, chunk_size=8, noise=True)  # the doctor's
+    assert shown.noise == per_row_noise(model, prompts, groups, pad, chunk_size=8)
+    assert shown.exact and shown.bound == TOLERANCE
     with batch_shape_rounding(model, 1e-3):
         check = check_packing(model, prompts, groups, pad, chunk_size=8)
         assert TOLERANCE < check.distance < check.noise  # 2 rows vs 6, against 6 vs 1
