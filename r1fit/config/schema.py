@@ -375,8 +375,10 @@ class SFTConfig:
 class MemoryConfig:
     micro_batch: int | Literal["auto"] = opt(
         16, "Sequences per forward/backward; peak memory is set by this, not by num_generations "
-        "or prompts_per_step. 'auto': the largest that `r1fit plan` fits in the device (CUDA: "
-        "its free memory at start-up; CPU: memory.budget).", ge=1)
+        "or prompts_per_step. 'auto': from the largest that `r1fit plan` fits in the device "
+        "(CUDA: its free memory at start-up; CPU: memory.budget), the fewest micro-batches of "
+        "the step's rows, evenly filled (128 rows with 105 fitting: 64, two micro-batches at a "
+        "lower peak than 105 and 23).", ge=1)
     micro_batch_tokens: int | Literal["auto"] | None = opt(
         None, "Packed micro-batches for GRPO's log-prob passes and updates and for SFT steps: as "
         "many consecutive rows as fit in this many tokens (each row's prompt and completion or "
@@ -386,10 +388,12 @@ class MemoryConfig:
         "layout: a block-diagonal mask with sdpa/eager, varlen kernels with flash_attention_2; "
         "with share_prefix an explicit mask). Replaces micro_batch there; a row longer than it "
         "runs alone. Checked equal to the per-row path on the first rows, refused for a model "
-        "where it is not. 'auto': the largest the planner fits (as for micro_batch). null: "
+        "where it is not. 'auto': the largest the planner fits (in the device, as for "
+        "micro_batch). null: "
         "micro-batches of micro_batch rows.", ge=1)
     generation_batch: int | Literal["auto"] = opt(
-        64, "Sequences generated together (KV cache on). 'auto': as for micro_batch.", ge=1)
+        64, "Sequences generated together (KV cache on). 'auto': as for micro_batch (the "
+        "fewest generation chunks that fit, evenly filled).", ge=1)
     gradient_checkpointing: bool | Literal["auto"] = opt(
         True, "Recompute layer activations in the backward pass (less memory, about a third more "
         "update compute). 'auto': the planner decides at start-up for the device (CUDA: its free "

@@ -124,9 +124,10 @@ def choose_checkpointing(cfg: Any, *, budget: int, device_type: str, gpus: int,
 
 
 def resolve_sizes(cfg: Any, device: torch.device, kind: str = "grpo") -> ChunkSizes:
-    """The chunk sizes the run starts with: the config's, with ``auto`` replaced by the largest
-    the planner fits for the run's ``kind`` of step ("grpo" or "sft";
-    ``memory.micro_batch_tokens=auto``: the most packed tokens). Over several processes every
+    """The chunk sizes the run starts with: the config's, with ``auto`` replaced by what the
+    planner fits for the run's ``kind`` of step ("grpo" or "sft"): the fewest micro-batches or
+    generation chunks that fit, evenly filled (:func:`r1fit.memory.planner.estimate.even_size`);
+    ``memory.micro_batch_tokens=auto``: the most packed tokens. Over several processes every
     rank must run as many micro-batches, so the smallest answer of all ranks wins."""
     memory = cfg.memory
     asked = {"micro_batch": memory.micro_batch, "generation_batch": memory.generation_batch}
@@ -140,10 +141,8 @@ def resolve_sizes(cfg: Any, device: torch.device, kind: str = "grpo") -> ChunkSi
         # over several processes: one device of the FSDP run (sharded states, 1/N of the rows)
         plan = plan_memory(cfg, device_memory_bytes=budget, device_type=device.type,
                            gpus=world().size, kind=kind)
-        answers = {"micro_batch": plan.max_micro_batch,
-                   "generation_batch": plan.max_generation_batch,
-                   "micro_batch_tokens": plan.max_micro_batch_tokens}
         picked = [key for key, value in asked.items() if value == "auto"]
+        answers = {key: plan.auto_size(key) for key in picked}
         if any(not answers[key] for key in picked):
             what = ("memory.micro_batch_tokens (one row alone)"
                     if "micro_batch_tokens" in picked and not answers["micro_batch_tokens"]
@@ -159,8 +158,15 @@ def resolve_sizes(cfg: Any, device: torch.device, kind: str = "grpo") -> ChunkSi
             keys = list(chosen)
             smallest = all_max([-float(chosen[key]) for key in keys])
             chosen = {key: int(-value) for key, value in zip(keys, smallest)}
+        rows = int(plan.details["rows_per_gpu"])
+        largest = {"micro_batch": plan.max_micro_batch,
+                   "generation_batch": plan.max_generation_batch}
         log.info("auto-fit for %s on %s: %s (planned peak %s)", format_bytes(budget), device,
-                 ", ".join(f"memory.{key}={chosen[key]}" for key in picked),
+                 ", ".join(f"memory.{key}={chosen[key]}" + (
+                     f" ({-(-rows // chosen[key])} even chunks of the {rows} rows; the largest "
+                     f"that fits is {largest[key]})"
+                     if largest.get(key, chosen[key]) != chosen[key] else "")
+                           for key in picked),
                  format_bytes(plan.peak_bytes))
     return ChunkSizes(chosen["micro_batch"], chosen["generation_batch"], asked,
                       micro_batch_tokens=chosen.get("micro_batch_tokens"))

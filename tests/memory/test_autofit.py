@@ -14,7 +14,7 @@ from r1fit.memory.autofit import (
     resolve_checkpointing,
     resolve_sizes,
 )
-from r1fit.memory.planner import SAFETY_MARGIN, model_facts, plan_memory
+from r1fit.memory.planner import SAFETY_MARGIN, even_size, model_facts, plan_memory
 from r1fit.units import format_bytes
 
 CPU = torch.device("cpu")
@@ -22,15 +22,21 @@ BASE = ["model.path=builtin:tiny", "algo.num_generations=8", "train.prompts_per_
         "data.shapes.image_size=56", "data.max_pixels=3136"]
 
 
-def test_auto_sizes_are_the_planners_largest_fit(use_tiny_cache):
+def test_auto_sizes_are_the_planners_fit_evened_out(use_tiny_cache, caplog):
     cfg = load_config(None, [*BASE, "memory.micro_batch=auto", "memory.generation_batch=auto",
                              "memory.budget=12MiB"])
     expected = plan_memory(load_config(None, [*BASE, "memory.budget=12MiB"]),
                            device_memory_bytes=12 << 20, device_type="cpu")
-    sizes = resolve_sizes(cfg, CPU)
+    with caplog.at_level("INFO", logger="r1fit"):
+        sizes = resolve_sizes(cfg, CPU)
+    # the fewest chunks of the 32 rows that the largest fitting size allows, evenly filled
     assert (sizes.micro_batch, sizes.generation_batch) == (
-        expected.max_micro_batch, expected.max_generation_batch)
+        even_size(expected.max_micro_batch, 32), even_size(expected.max_generation_batch, 32))
     assert 1 <= sizes.micro_batch < 32  # the budget binds: not every row of the step
+    assert -(-32 // sizes.micro_batch) == -(-32 // expected.max_micro_batch)
+    assert f"memory.micro_batch={sizes.micro_batch}" in caplog.text
+    if sizes.micro_batch != expected.max_micro_batch:  # the log names the largest too
+        assert f"the largest that fits is {expected.max_micro_batch}" in caplog.text
     # and the plan at the chosen size fits the budget
     chosen = cfg.with_values({"memory.micro_batch": sizes.micro_batch,
                               "memory.generation_batch": sizes.generation_batch})
@@ -172,7 +178,7 @@ def test_sft_auto_sizes_come_from_the_sft_plan(use_tiny_cache):
                              "sft.batch_size=24", "sft.max_answer_tokens=96"])
     sft = plan_memory(cfg, device_memory_bytes=12 << 20, device_type="cpu", kind="sft")
     grpo = plan_memory(cfg, device_memory_bytes=12 << 20, device_type="cpu")
-    assert resolve_sizes(cfg, CPU, "sft").micro_batch == sft.max_micro_batch
-    assert resolve_sizes(cfg, CPU).micro_batch == grpo.max_micro_batch
+    assert resolve_sizes(cfg, CPU, "sft").micro_batch == sft.auto_size("micro_batch")
+    assert resolve_sizes(cfg, CPU).micro_batch == grpo.auto_size("micro_batch")
     # longer rows: fewer fit in the same budget
     assert 1 <= sft.max_micro_batch < grpo.max_micro_batch

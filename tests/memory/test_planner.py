@@ -25,10 +25,12 @@ from r1fit.memory.planner import (
     SAFETY_MARGIN,
     TextDims,
     cublas_workspaces,
+    even_size,
     layer_saved_per_token,
     model_facts,
     plan_memory,
     render,
+    render_blocks,
     vision_block_saved_per_patch,
     vision_dims,
 )
@@ -213,7 +215,29 @@ def test_auto_sizes_are_planned_at_what_auto_picks(small_model):
     cfg = cfg.with_values({"memory.micro_batch": "auto", "memory.generation_batch": "auto"})
     plan = plan_memory(cfg, device_memory_bytes=budget, device_type="cpu")
     assert plan.details["auto"] == ["micro_batch", "generation_batch"]
-    assert plan.details["micro_batch"] == plan.max_micro_batch >= 4 and plan.fits
+    rows = plan.details["rows_per_gpu"]
+    assert plan.max_micro_batch >= 4 and plan.fits
+    # the fewest micro-batches the largest allows, evenly filled: as many, never larger
+    picked = plan.details["micro_batch"]
+    assert picked == even_size(plan.max_micro_batch, rows) <= plan.max_micro_batch
+    assert -(-rows // picked) == -(-rows // plan.max_micro_batch)
+    assert plan.details["generation_batch"] == even_size(plan.max_generation_batch, rows)
+    # and the even size's peak is no higher than the largest's
+    largest = plan_memory(cfg.with_values({"memory.micro_batch": plan.max_micro_batch}),
+                          device_memory_bytes=budget, device_type="cpu")
+    assert plan.phases["update"] <= largest.phases["update"]
+
+
+@pytest.mark.parametrize(("largest", "rows", "picked"), [
+    (105, 128, 64),  # 2 chunks: 64 + 64, not 105 + 23
+    (93, 128, 64),
+    (10, 128, 10),  # 13 chunks either way: 12 x 10 + 8
+    (128, 128, 128), (200, 128, 128),
+    (4, 7, 4), (3, 7, 3), (6, 7, 4),  # 7 rows: 2 chunks of at most 6 -> 4 + 3
+    (1, 5, 1), (0, 128, 0),
+])
+def test_even_size_is_the_fewest_chunks_evenly_filled(largest, rows, picked):
+    assert even_size(largest, rows) == picked
 
 
 def test_nothing_fits_gives_switches(small_model):
@@ -795,3 +819,64 @@ def test_an_sft_plan_that_does_not_fit_advises_switches_of_the_config_asked(smal
                                             "memory.generation_batch": 1}),
                            device_type="cpu", device_memory_bytes=1 << 20, kind="sft")
     assert f"peak {format_bytes(expected.peak_bytes)} at micro_batch" in lora
+
+
+QWEN_3B = "Qwen/Qwen2.5-VL-3B-Instruct"  # the config shipped with r1fit (no download)
+RECIPE = Path(__file__).parents[2] / "configs" / "qwen2.5-vl-3b-lora.yaml"
+
+
+def test_faster_fits_lists_predicted_faster_configurations_that_fit():
+    """`r1fit plan` (faster=True) on the 3B recipe pinned to small chunks and Hugging Face
+    generate on an 80 GiB GPU: each configuration it lists fits the same device, is predicted at
+    least 5% faster by the same time model (its numbers are a plan of that configuration), and
+    they come fastest first; the sizes are those 'auto' would pick."""
+    cfg = load_config(RECIPE, [f"model.path={QWEN_3B}", "memory.micro_batch=4",
+                               "memory.generation_batch=32", "rollout.engine=hf"])
+    budget = 80 << 30
+    plan = plan_memory(cfg, device_memory_bytes=budget, device_type="cuda", faster=True)
+    assert plan.fits and plan_memory(cfg, device_memory_bytes=budget,
+                                     device_type="cuda").faster == []  # only when asked
+    rows = plan.details["rows_per_gpu"]
+    listed = [x["values"] for x in plan.faster]
+    assert {"rollout.engine": "static"} in listed
+    assert {"memory.generation_batch": even_size(plan.max_generation_batch, rows)} in listed
+    seconds = [x["step_seconds"] for x in plan.faster]
+    assert seconds == sorted(seconds) and len(seconds) <= 4
+    for x in plan.faster:
+        other = plan_memory(cfg.with_values(x["values"]), device_memory_bytes=budget,
+                            device_type="cuda")
+        assert other.fits and other.peak_bytes == x["peak_bytes"]
+        assert other.time["step_seconds"] == pytest.approx(x["step_seconds"])
+        assert x["speedup"] == pytest.approx(plan.time["step_seconds"] / x["step_seconds"])
+        assert x["speedup"] >= 1.05
+    # printed as a table under the time lines
+    text = "\n".join(str(b) for b in render_blocks(plan, cfg))
+    assert "faster configurations that fit (predicted):" in text
+
+
+def test_faster_fits_leaves_out_what_does_not_apply():
+    """Sizes already at what 'auto' picks, the engine already static, several GPUs (the static
+    engine runs in one process): nothing of those is listed."""
+    cfg = load_config(RECIPE, [f"model.path={QWEN_3B}", "rollout.engine=static"])
+    assert (cfg.memory.micro_batch, cfg.memory.generation_batch) == ("auto", "auto")
+    plan = plan_memory(cfg, device_memory_bytes=80 << 30, device_type="cuda", faster=True)
+    assert not any(k.startswith(("memory.micro_batch", "memory.generation_batch",
+                                 "rollout.engine")) for x in plan.faster for k in x["values"])
+    eight = plan_memory(cfg.with_values({"rollout.engine": "hf", "memory.micro_batch": 1}),
+                        device_memory_bytes=80 << 30, device_type="cuda", gpus=8, faster=True)
+    assert eight.faster and not any("rollout.engine" in x["values"] for x in eight.faster)
+    # a budget only micro_batch 1 fits: no larger size is listed
+    tight = plan_memory(cfg.with_values({"memory.micro_batch": 1, "rollout.engine": "hf"}),
+                        device_memory_bytes=budget_for_one(cfg), device_type="cuda",
+                        faster=True)
+    assert tight.max_micro_batch == 1
+    assert not any("memory.micro_batch" in x["values"] for x in tight.faster)
+
+
+def budget_for_one(cfg) -> int:
+    """A device budget whose usable part holds micro_batch 1 of ``cfg`` and not 2."""
+    one, two = (plan_memory(cfg.with_values({"memory.micro_batch": m, "memory.generation_batch": 1,
+                                             "rollout.engine": "hf"}),
+                            device_memory_bytes=1 << 40, device_type="cuda").phases["update"]
+                for m in (1, 2))
+    return int((one + two) / 2 / (1 - SAFETY_MARGIN))

@@ -25,6 +25,7 @@ from r1fit.memory.planner.estimate import (
     SAFETY_MARGIN,
     Plan,
     cublas_workspaces,
+    even_size,
     plan_memory,
 )
 from r1fit.memory.planner.facts import (
@@ -58,7 +59,7 @@ __all__ = [
     "ADAPTER_BYTES", "CHARS_PER_TOKEN", "CHAT_TEMPLATE_TOKENS", "CUDA_ALLOCATOR_SLACK",
     "CUDA_CONTEXT_BYTES", "DEFAULT_DEVICE_MEMORY", "F32", "FSDP_PARTS", "GENERATION_LOGITS_F32",
     "PARTS", "QUESTION_TOKENS", "SAFETY_MARGIN", "SHAPES_SAMPLES", "ModelFacts", "Plan",
-    "PromptShape", "TextDims", "VisionDims", "cublas_workspaces", "layer_backward_temp_per_token",
+    "PromptShape", "TextDims", "VisionDims", "cublas_workspaces", "even_size", "layer_backward_temp_per_token",
     "layer_forward_temp_per_token", "layer_saved_per_token", "model_facts", "plan_memory",
     "prompt_shape", "render", "render_blocks", "shard_elements",
     "vision_block_saved_per_patch", "vision_dims", "vision_forward_temp_per_patch",

@@ -153,7 +153,8 @@ class Plan:
     allocator slack; 0 on CPU). Parts do not add up to the peak: ``phases`` gives each phase's
     peak (persistent parts + the phase's largest moment + overhead), and the largest is
     ``peak_bytes``. ``fits``: the peak is within the budget less ``SAFETY_MARGIN``; the two
-    ``max_*`` sizes are the largest that fit the same way (0: not even 1).
+    ``max_*`` sizes are the largest that fit the same way (0: not even 1); :meth:`auto_size`
+    says what ``auto`` picks from them (:func:`even_size`).
     """
 
     parts: dict[str, int]
@@ -172,10 +173,23 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     #: the time model's prediction (r1fit/memory/planner/timing.py: TimePlan.to_dict())
     time: dict[str, Any] = field(default_factory=dict)
+    #: configurations that fit and are predicted faster (:func:`faster_fits`; planned with
+    #: ``faster=True`` only)
+    faster: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def usable_bytes(self) -> int:
         return int(self.budget_bytes * (1 - SAFETY_MARGIN))
+
+    def auto_size(self, key: str) -> int:
+        """What ``memory.<key>=auto`` picks on this plan's device ("micro_batch",
+        "generation_batch": :func:`even_size` of the largest that fits over the step's rows on
+        one GPU; "micro_batch_tokens": the largest that fits)."""
+        if key == "micro_batch_tokens":
+            return self.max_micro_batch_tokens
+        largest = {"micro_batch": self.max_micro_batch,
+                   "generation_batch": self.max_generation_batch}[key]
+        return even_size(largest, int(self.details.get("rows_per_gpu", largest)))
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -236,7 +250,7 @@ def completion_tokens(cfg: Config) -> int:
 
 
 def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_type: str = "cuda",
-                gpus: int = 1, kind: str = "grpo") -> Plan:
+                gpus: int = 1, kind: str = "grpo", faster: bool = False) -> Plan:
     """Predict the peak memory per device of one step of ``cfg``: of GRPO (``kind="grpo"``,
     ``r1fit train``) or of supervised fine-tuning (``"sft"``, ``r1fit sft``: see
     :func:`sft_step`).
@@ -245,6 +259,7 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
     ``"cpu"`` drops the CUDA context and allocator slack, giving live tensor bytes (what
     r1fit.memory.probe measures). ``gpus``: the GPUs of a torchrun job; with more than one the
     model is sharded by FSDP2 and the plan is for one of them (see the module docstring).
+    ``faster``: also plan the configurations :func:`faster_fits` tries (``plan.faster``).
     """
     if device_type not in ("cuda", "cpu"):
         raise ConfigError(f"device type: got {device_type!r}, expected 'cuda' or 'cpu'")
@@ -298,9 +313,9 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
                               local * (prompt.tokens + completion_tokens(cfg)), usable)
         sizes = replace(sizes, tokens=max(1, max_tokens) if tokens == "auto" else tokens)
     if micro == "auto":  # plan the run with what 'auto' will pick
-        sizes = replace(sizes, micro=max(1, max_micro))
+        sizes = replace(sizes, micro=max(1, even_size(max_micro, local)))
     if generation == "auto":
-        sizes = replace(sizes, generation=max(1, max_gen))
+        sizes = replace(sizes, generation=max(1, even_size(max_gen, local)))
     est = _estimate(facts, cfg, prompt, sizes, device_type, device_memory_bytes)
     plan = Plan(parts=est.parts, peak_bytes=est.peak, budget_bytes=device_memory_bytes,
                 fits=est.peak <= usable, max_micro_batch=max_micro,
@@ -321,7 +336,61 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
                 notes=notes)
     plan.advice = _advice(plan, facts, asked, view, prompt, sizes, device_type, usable)
     plan.time = _time(plan, facts, cfg, prompt, device_type, kind)
+    if faster and plan.fits and plan.time:
+        plan.faster = faster_fits(plan, asked, device_type=device_type, gpus=gpus, kind=kind)
     return plan
+
+
+#: a configuration :func:`faster_fits` lists must be predicted at least this much faster
+FASTER_BY = 0.05
+#: the most configurations it lists
+FASTER_SHOWN = 4
+
+
+def faster_fits(plan: Plan, asked: Config, *, device_type: str, gpus: int, kind: str
+                ) -> list[dict[str, Any]]:
+    """Configurations of ``asked`` that fit the same device and that the time model predicts
+    at least :data:`FASTER_BY` faster than ``plan``, fastest first (at most
+    :data:`FASTER_SHOWN`): fewer generation chunks or micro-batches (each at the size ``auto``
+    would pick), both, gradient checkpointing off, the static engine where Hugging Face generate
+    runs on one GPU. Each: its config ``values``, ``step_seconds``, ``speedup`` and
+    ``peak_bytes``."""
+    d = plan.details
+    rows = int(d["rows_per_gpu"])
+    tried: list[dict[str, Any]] = []
+    sizes: dict[str, Any] = {}
+    for key, largest in (("generation_batch", plan.max_generation_batch),
+                         ("micro_batch", plan.max_micro_batch)):
+        if key == "micro_batch" and d.get("micro_batch_tokens"):
+            continue  # packed by tokens: its rows are not what is set
+        even, now = even_size(largest, rows), int(d[key])
+        if even and -(-rows // even) < -(-rows // now):
+            sizes[f"memory.{key}"] = even
+            tried.append({f"memory.{key}": even})
+    if len(sizes) > 1:
+        tried.append(dict(sizes))
+    if asked.memory.gradient_checkpointing is True:
+        tried.append({"memory.gradient_checkpointing": False})
+    static_possible = (device_type == "cuda" and gpus == 1 and kind == "grpo"
+                       and asked.model.attn_implementation in ("sdpa", "eager"))
+    if d.get("engine") == "hf" and static_possible:
+        tried.append({"rollout.engine": "static"})
+        if sizes:
+            tried.append({**sizes, "rollout.engine": "static"})
+    now_seconds = float(plan.time["step_seconds"])
+    out = []
+    for values in tried:
+        try:
+            other = plan_memory(asked.with_values(values), device_memory_bytes=plan.budget_bytes,
+                                device_type=device_type, gpus=gpus, kind=kind)
+        except ConfigError:
+            continue  # a combination the config refuses (its own validation says why)
+        seconds = float(other.time.get("step_seconds") or 0.0)
+        if other.fits and 0 < seconds <= now_seconds * (1 - FASTER_BY):
+            out.append({"values": values, "step_seconds": seconds,
+                        "speedup": now_seconds / seconds, "peak_bytes": other.peak_bytes})
+    out.sort(key=lambda x: x["step_seconds"])
+    return out[:FASTER_SHOWN]
 
 
 def _time(plan: Plan, facts: ModelFacts, cfg: Config, prompt: PromptShape, device_type: str,
@@ -338,6 +407,17 @@ def _time(plan: Plan, facts: ModelFacts, cfg: Config, prompt: PromptShape, devic
     return time_plan(shape, device_rates(device_type), cfg, processes=d["gpus"],
                      eval_rows=cfg.data.eval_size if cfg.data.eval else None,
                      training_only=kind == "sft").to_dict()
+
+
+def even_size(largest: int, rows: int) -> int:
+    """What ``memory.micro_batch=auto`` / ``generation_batch=auto`` pick when at most
+    ``largest`` rows fit: the fewest chunks that hold ``rows``, as even as they can be (of 128
+    rows with 105 fitting: 2 of 64, not 105 and 23). As many forwards as the largest size runs,
+    at a lower peak, so further from the budget. 0: not even one row fits."""
+    if largest <= 0 or rows <= 0:
+        return max(largest, 0)
+    chunks = -(-rows // largest)
+    return -(-rows // chunks)
 
 
 def _largest(peak_at: Any, rows: int, usable: int) -> int:
