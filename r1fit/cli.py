@@ -176,7 +176,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
               f"({why})", file=sys.stderr)
         cfg = cfg.with_values(chosen)
     plan = plan_memory(cfg, device_memory_bytes=budget, gpus=ns.gpus,
-                       device_type=device_type, kind=kind)
+                       device_type=device_type, kind=kind, faster=True)
     if ns.json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:

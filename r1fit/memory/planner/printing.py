@@ -113,6 +113,13 @@ def render_blocks(plan: Plan, cfg: Config) -> list[Any]:
         blocks += [f"  {a}" for a in plan.advice]
     if plan.time:
         blocks += time_blocks(plan.time, cfg)
+    if plan.faster:
+        blocks.append("faster configurations that fit (predicted):")
+        blocks.append((("set", "step", "speed-up", "peak"), [
+            (" ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}"
+                      for k, v in x["values"].items()),
+             format_seconds(x["step_seconds"]), f"{x['speedup']:.2f}x",
+             format_bytes(x["peak_bytes"])) for x in plan.faster], {1, 2, 3}))
     return blocks
 
 

@@ -307,7 +307,9 @@ def time_plan(s: TimeShape, rates: DeviceRates, cfg: Config, *, processes: int =
 
 
 def _advice(s: TimeShape, cfg: Config, phases: dict[str, float], dominant: str) -> list[str]:
-    """What would shorten the step, for its dominant phase."""
+    """What would shorten the step, for its dominant phase (larger chunk sizes are not among
+    them: ``r1fit plan`` lists those that fit, with their predicted step:
+    :func:`r1fit.memory.planner.estimate.faster_fits`)."""
     out: list[str] = []
     step = sum(phases.values()) or 1.0
     share = phases[dominant] / step
@@ -315,15 +317,9 @@ def _advice(s: TimeShape, cfg: Config, phases: dict[str, float], dominant: str) 
         if not s.graphs:
             out.append("generation is eager: rollout.engine=static (CUDA graphs, one process) or "
                        "vllm replays the decode step without per-layer launches")
-        if s.generation_batch < s.rows:
-            out.append(f"memory.generation_batch={s.generation_batch} < {s.rows} rows: larger "
-                       "chunks read the weights fewer times per token")
         if s.iterations == 1:
             out.append("algo.num_iterations > 1 reuses each rollout for more updates")
     elif dominant == "update":
-        if s.micro_batch < s.rows:
-            out.append(f"memory.micro_batch={s.micro_batch}: larger micro-batches run fewer, "
-                       "fuller forwards")
         if s.checkpointed_fraction:
             out.append("memory.gradient_checkpointing recomputes the forward in backward: "
                        "memory.checkpoint_every > 1 recomputes fewer layers where memory allows")
