@@ -30,6 +30,8 @@ MEASURED = {"grpo": {"seconds_generate": ("generate",), "seconds_score": ("score
                      "seconds_update": ("logprobs", "update")},
             "sft": {"seconds_step": ("update",)}}
 PREFIX = "predicted_"
+#: the faster configurations a run's log names (the fastest first)
+FASTER_LOGGED = 2
 
 
 @dataclass(frozen=True)
@@ -54,11 +56,15 @@ class StepPrediction:
                    calibrated=time["source"].startswith("calibrated"), source=time["source"])
 
 
-def predict_steps(cfg: Any, device_type: str, gpus: int, kind: str, sizes: ChunkSizes
-                  ) -> StepPrediction | None:
+def predict_steps(cfg: Any, device_type: str, gpus: int, kind: str, sizes: ChunkSizes,
+                  budget: int | None = None) -> StepPrediction | None:
     """The time model's prediction for a run of ``kind`` ("grpo" or "sft") starting at ``sizes``
     on ``gpus`` processes, logged; None (with a warning) where the planner cannot read the
-    model. Training goes on either way: the prediction is a diagnostic."""
+    model. Training goes on either way: the prediction is a diagnostic. ``budget``: the bytes
+    the run may use on its device (CUDA's free memory before the model loaded, or
+    ``memory.budget``); given, the log also names the configurations that fit it and are
+    predicted faster (:func:`r1fit.memory.planner.estimate.faster_fits`), as ``r1fit plan``
+    lists them."""
     from r1fit.memory.planner import plan_memory
 
     values: dict[str, Any] = {"memory.micro_batch": sizes.micro_batch,
@@ -72,7 +78,7 @@ def predict_steps(cfg: Any, device_type: str, gpus: int, kind: str, sizes: Chunk
     root.setLevel(logging.WARNING)
     try:
         plan = plan_memory(cfg.with_values(values), device_type=device_type, gpus=gpus,
-                           kind=kind)
+                           kind=kind, device_memory_bytes=budget, faster=budget is not None)
     except Exception as exc:  # noqa: BLE001 - any model the planner cannot read: no prediction
         log.warning("time model: no prediction for this run (%s: %s); the steps log their "
                     "measured seconds alone", type(exc).__name__, exc)
@@ -87,5 +93,11 @@ def predict_steps(cfg: Any, device_type: str, gpus: int, kind: str, sizes: Chunk
              "seconds_*%s", format_seconds(sum(prediction.seconds.values())), shown,
              format_seconds(plan.time["run_seconds"]), prediction.source,
              "" if prediction.calibrated else " (no slow-phase alarm without a calibration)")
+    if plan.faster:
+        log.info("time model: faster configurations fit this device (r1fit plan lists them): %s",
+                 "; ".join(" ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}"
+                                    for k, v in x["values"].items())
+                           + f": a step about {format_seconds(x['step_seconds'])} "
+                             f"({x['speedup']:.2f}x)" for x in plan.faster[:FASTER_LOGGED]))
     return prediction
 

@@ -26,7 +26,12 @@ from r1fit.data.dataset import PromptDataset, PromptSampler
 from r1fit.data.sample import Sample
 from r1fit.data.specials import row_special_token, special_tokens
 from r1fit.distributed.loading import load_policy_on_ranks
-from r1fit.memory.autofit import resolve_checkpointing, resolve_sizes
+from r1fit.memory.autofit import (
+    AutoFitError,
+    device_budget,
+    resolve_checkpointing,
+    resolve_sizes,
+)
 from r1fit.memory.flops import MfuMeter
 from r1fit.memory.guard import OOMGuard
 from r1fit.memory.prediction import StepPrediction, predict_steps
@@ -185,6 +190,7 @@ def start_run(cfg: Config, kind: str) -> Run:
     checkpointing = resolve_checkpointing(cfg, device, kind)
     # memory.*_batch=auto: the planner's answer, for the checkpointing the run will use
     sizes = resolve_sizes(cfg.with_values(checkpointing), device, kind)
+    budget = known_budget(cfg, device)  # before the model takes its share of the device
     rss_before_load = current_rss_bytes()
     checkpoints = CheckpointManager(out, cfg, kind, resume)
     model, processor, policy = load_policy_on_ranks(
@@ -205,7 +211,7 @@ def start_run(cfg: Config, kind: str) -> Run:
                  cfg.preset, preset)
     trackers = open_trackers(cfg, out) if w.main else Trackers([])
     planned = cfg.with_values(checkpointing)
-    predicted = predict_steps(planned, device.type, w.size, kind, sizes)
+    predicted = predict_steps(planned, device.type, w.size, kind, sizes, budget)
     return Run(cfg=cfg, world=w, device=device, model=model, processor=processor, policy=policy,
                ids=TokenIds.of(model, processor), eval_set=eval_set, sizes=sizes,
                max_prompt_tokens=max_prompt_tokens, kind=kind, out=out, train_set=train_set,
@@ -214,6 +220,15 @@ def start_run(cfg: Config, kind: str) -> Run:
                rss_after_load_bytes=current_rss_bytes(), started=started,
                layout=BatchLayout(cfg.memory.share_prefix), predicted=predicted,
                planned=planned)
+
+
+def known_budget(cfg: Config, device: torch.device) -> int | None:
+    """The bytes the run may use on ``device`` (``memory.budget``, else CUDA's free memory);
+    None on CPU without a budget."""
+    try:
+        return device_budget(cfg.memory, device)
+    except AutoFitError:
+        return None
 
 
 def prompt_limit(cfg: Config, model: Any) -> int | None:

@@ -39,6 +39,25 @@ def test_prediction_is_the_plan_at_the_sizes_the_run_starts_with(use_tiny_cache,
     assert "time model: a step about" in caplog.text and "predicted_seconds_*" in caplog.text
 
 
+def test_a_run_that_knows_its_budget_names_faster_configurations(use_tiny_cache, caplog):
+    """Given the device's budget, the start-up prediction also logs the fastest
+    configurations that fit it (as `r1fit plan` lists them); without one, no such line."""
+    cfg = load_config(None, [*BASE, "memory.micro_batch=1", "memory.generation_batch=1"])
+    plan = plan_memory(cfg, device_memory_bytes=1 << 30, device_type="cpu", faster=True)
+    assert plan.faster  # 8 rows one at a time: larger chunks fit 1 GiB and are faster
+    with caplog.at_level(logging.INFO, "r1fit.memory"):
+        got = predict_steps(cfg, "cpu", 1, "grpo", ChunkSizes(1, 1, {}), budget=1 << 30)
+    assert got == StepPrediction.of(plan.time, "grpo")
+    line = next(x for x in caplog.messages if "faster configurations fit this device" in x)
+    best = plan.faster[0]
+    assert " ".join(f"{k}={v}" for k, v in best["values"].items()) in line
+    assert f"({best['speedup']:.2f}x)" in line
+    caplog.clear()
+    with caplog.at_level(logging.INFO, "r1fit.memory"):
+        predict_steps(cfg, "cpu", 1, "grpo", ChunkSizes(1, 1, {}))
+    assert "time model: a step about" in caplog.text and "faster" not in caplog.text
+
+
 def test_a_model_the_planner_cannot_read_leaves_the_run_unpredicted(monkeypatch, caplog):
     def unreadable(*args, **kwargs):
         raise KeyError("vision_config")
