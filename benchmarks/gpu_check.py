@@ -41,7 +41,8 @@ ones); the whole run stops starting stages when ``--budget`` seconds are spent:
   steps (``DECODE_PROFILE_STEPS``): milliseconds per step by kind of kernel (matmul, attention,
   fused, copy/index, ...), the kernels' share of the step, the matmuls' bandwidth on the weights,
   the top kernels.
-  Targets: LoRA at least 10x HF's tokens/s, 50% of the roofline. Then 3 GRPO steps of 3B LoRA
+  Targets, judged on the compiled case (the engine as a run has it on CUDA; the graphs-only
+  case is reported beside it): LoRA at least 10x HF's tokens/s, 50% of the roofline. Then 3 GRPO steps of 3B LoRA
   with the static engine as a run has it by default (compiled; its compile falls in step 1):
   step 2's seconds per phase and the update's MFU, step 3 profiled
   (report.profile_step: where the update's time goes), the plan with the engine against the
@@ -520,13 +521,17 @@ def stage_speed(args: argparse.Namespace, work: Path) -> StageResult:
         for line in decode_speed.lines(name, r):
             result.add(f"speed {name}", line.strip())
         roof = r["static"]["roofline_fraction"]
+        # the targets hold the engine as a run has it on CUDA (rollout.static.compile: null ->
+        # compiled); the graphs-only case is reported beside it, not judged
+        judged = gpu and compiled
+        aside = "" if judged or not gpu else " (graphs only; judged on the default, compiled)"
         if lora and r["speedup_tokens_per_second"] is not None:
             result.add(f"speed {name} decode vs hf", f"{r['speedup_tokens_per_second']:.1f}x",
-                       f">= {SPEEDUP_TARGET:.0f}x" + ("" if gpu else " on a GPU"),
-                       r["speedup_tokens_per_second"] >= SPEEDUP_TARGET if gpu else None)
+                       f">= {SPEEDUP_TARGET:.0f}x" + ("" if gpu else " on a GPU") + aside,
+                       r["speedup_tokens_per_second"] >= SPEEDUP_TARGET if judged else None)
         result.add(f"speed {name} roofline", f"{roof:.0%} of the copy bandwidth's",
-                   f">= {ROOFLINE_TARGET:.0%}" + ("" if gpu else " on a GPU"),
-                   roof >= ROOFLINE_TARGET if gpu else None)
+                   f">= {ROOFLINE_TARGET:.0%}" + ("" if gpu else " on a GPU") + aside,
+                   roof >= ROOFLINE_TARGET if judged else None)
     if "step" in args.speed_cases:
         speed_step(args, work, result)
     if "vision" in args.speed_cases:
