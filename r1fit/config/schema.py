@@ -492,6 +492,15 @@ class StaticConfig:
         "whole conversation every turn. A tool turn that shows images is prefilled whole (the "
         "images' positions and attention follow the model's own rules). Same tokens either way "
         "(tests/rollout/test_turns.py).")
+    share_prompt: bool = opt(
+        False, "Hold each prompt's KV cache once for its algo.num_generations rows instead of "
+        "once per row, and attend to it and each row's own completion in two parts merged "
+        "exactly (r1fit/rollout/shared_prompts.py): a smaller cache, and a decode step reads a "
+        "group's prompt once. Single-turn rollouts and evaluation (a multi-turn call keeps each "
+        "row's own cache), models without sliding-window layers (not Gemma 3; logged). Greedy "
+        "tokens equal the plain layout's on the built-in Qwen models; sampled tokens can "
+        "differ by rounding. Off until its decode speed is measured on a GPU (benchmarks/"
+        "gpu_check.py's speed stage times it against the plain layout).")
 
 
 @dataclass(frozen=True)

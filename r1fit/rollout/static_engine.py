@@ -39,6 +39,11 @@ same column, and prefills only the rest (the policy's last token and the tool tu
 padded block whose padding writes to a scratch column; a tool turn that shows images is
 prefilled whole (the images' positions and attention are the model's own rules).
 
+**Shared prompts** (``share_prompt``, :mod:`r1fit.rollout.shared_prompts`): each distinct prompt
+of a single-turn call is held once for (up to ``prompt_places`` of) its rows, and a decode step
+attends to it and to the row's own completion columns in two parts merged by their
+log-sum-exp; the rows' buffers then hold only the completions.
+
 Left out for now: continuous batching (finished rows are compacted away, not replaced by
 waiting rows).
 """
@@ -69,6 +74,13 @@ from r1fit.rollout.prefill import (
     prefill_forward,
     token_keys,
 )
+from r1fit.rollout.shared_prompts import (
+    SHARED_KEYWORD,
+    SharedPrompts,
+    prompt_slots,
+    shared_prompt_attention,
+    supports_shared_prompts,
+)
 
 log = logging.getLogger("r1fit.rollout")
 
@@ -88,9 +100,14 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     sdpa path repeats each KV head for its group of query heads whenever a mask is given (on
     CUDA), which reads and writes the whole cache ``heads / kv heads`` times per layer per step.
     Here the group's query heads become the query length of one KV head (a one-token query has
-    no causal order within it), so the cache is read once. Anything else (prefill, no mask, no
-    grouping) goes to transformers' own sdpa function."""
+    no causal order within it), so the cache is read once. A step of the shared-prompt layout
+    (its prompts' half passed as ``r1fit_prompts``) goes to :func:`shared_prompt_attention`.
+    Anything else (prefill, no mask, no grouping) goes to transformers' own sdpa function."""
+    shared = kwargs.pop(SHARED_KEYWORD, None)
     b, heads, length, dim = query.shape
+    if shared is not None and length == 1 and attention_mask is not None:
+        return shared_prompt_attention(module, query, key, value, attention_mask, shared,
+                                       scaling=scaling), None
     kv_heads = key.shape[1]
     if length != 1 or attention_mask is None or attention_mask.ndim != 4 or kv_heads == heads:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -117,6 +134,17 @@ def decode_attention_on(config: Any) -> Iterator[None]:
         yield
     finally:
         config._attn_implementation = before
+
+
+#: the shared layout's buffer lengths are rounded up to these many columns (fewer
+#: reallocations): a prompt's width varies from step to step, a completion's budget seldom
+PROMPT_COLUMNS_STEP, COMPLETION_COLUMNS_STEP = 64, 16
+
+
+def _rounded(need: int, old: int, step: int) -> int:
+    """A buffer length that holds ``need`` columns and the ``old`` length, rounded up to
+    ``step``."""
+    return max(old, -(-need // step) * step)
 
 
 class EngineUnsupported(R1fitError, ValueError):
@@ -257,14 +285,18 @@ class StaticDecoder:
 
     ``graphs``: capture the decode step as CUDA graphs; ``compile``: run the decode forward
     through ``torch.compile`` (fused kernels) first (each by default on CUDA devices only:
-    compiling costs more than it saves on CPU, where there are no graphs). The buffers
+    compiling costs more than it saves on CPU, where there are no graphs); ``share_prompt``:
+    hold each distinct prompt once for its rows (:mod:`r1fit.rollout.shared_prompts`; single-turn
+    calls, models without sliding-window layers), a copy for each ``prompt_places`` rows of it
+    (GRPO's num_generations: one copy per group). The buffers
     hold ``capacity`` rows of ``length`` columns; a chunk that needs more reallocates them (and
     recaptures), logged. ``sync_every``: decode steps between the host's looks at the finished
     flags (stopping early and compaction happen there)."""
 
     def __init__(self, model: Any, ids: TokenIds, device: torch.device, *,
                  graphs: bool | None = None, sync_every: int = 16,
-                 compile: bool | None = None) -> None:
+                 compile: bool | None = None, share_prompt: bool = False,
+                 prompt_places: int = 8) -> None:
         base = unwrap(model)
         config = base.config.get_text_config()
         impl = getattr(config, "_attn_implementation", None) or "eager"
@@ -287,6 +319,15 @@ class StaticDecoder:
         self._cache_name, self._keep_logits = cache_argument(base), keeps_logits(base)
         self.layer_types = list(getattr(config, "layer_types", None) or [])
         self.window = getattr(config, "sliding_window", None)
+        # the shared-prompt layout (r1fit/rollout/shared_prompts.py) where the model allows it
+        why_not = supports_shared_prompts(base, config) if share_prompt else None
+        if why_not:
+            log.info("rollout.static.share_prompt: off for this model (%s); each row holds its "
+                     "prompt", why_not)
+        self.share_prompt = share_prompt and why_not is None
+        self.prompt_places = max(1, int(prompt_places))
+        self.shared: SharedPrompts | None = None  # the prompts' half, in the shared layout
+        self._share_call = False  # this call uses the shared layout
         self.capacity = self.length = 0
         self.keys: list[torch.Tensor] = []  # per layer [rows, kv heads, length, head dim]
         self.values: list[torch.Tensor] = []
@@ -305,12 +346,15 @@ class StaticDecoder:
 
     # --- buffers -------------------------------------------------------------------------------
 
-    def _allocate(self, rows: int, length: int, prefill: DynamicCache) -> None:
+    def _allocate(self, rows: int, length: int, prefill: DynamicCache,
+                  prompts: tuple[int, int, int] | None = None) -> None:
         """Static buffers for ``rows`` x ``length``, shaped like ``prefill``'s layers (the old
-        ones, and the graphs that read them, freed first)."""
+        ones, and the graphs that read them, freed first); ``prompts`` (count, width, most rows
+        of one prompt): the shared layout, whose prompts' half holds that many prompts of that
+        width, and whose row buffers hold the completions' columns only."""
         self._graphs.clear()
         self._pool = None
-        self.keys, self.values = [], []
+        self.keys, self.values, self.shared = [], [], None
         dev = self.device
         self.keys = [torch.zeros(rows, *layer.keys.shape[1:2], length, layer.keys.shape[3],
                                  dtype=layer.keys.dtype, device=dev) for layer in prefill.layers]
@@ -328,14 +372,28 @@ class StaticDecoder:
         self.done = torch.zeros(rows, dtype=torch.bool, device=dev)
         self.limits = torch.zeros(rows, dtype=torch.long, device=dev)  # each row's most tokens
         self.out = torch.zeros(rows, length, dtype=torch.long, device=dev)  # by chunk row
+        self.prompt_of = torch.zeros(rows, dtype=torch.long, device=dev)  # shared layout
+        self.place = torch.zeros(rows, dtype=torch.long, device=dev)
         self.capacity, self.length = rows, length
-        log.info("rollout.engine=static: KV cache of %d rows x %d columns (%.1f MiB)", rows,
-                 length, sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
-                 / 2**20)
+        shown = f"{rows} rows x {length} columns"
+        if prompts is not None:
+            count, width, places = prompts
+            layers = prefill.layers
+            self.shared = SharedPrompts(
+                keys=[torch.zeros(count, *x.keys.shape[1:2], width, x.keys.shape[3],
+                                  dtype=x.keys.dtype, device=dev) for x in layers],
+                values=[torch.zeros(count, *x.values.shape[1:2], width, x.values.shape[3],
+                                    dtype=x.values.dtype, device=dev) for x in layers],
+                mask=torch.zeros(count, width, dtype=torch.bool, device=dev),
+                prompt_of=self.prompt_of, place=self.place, places=places)
+            shown = f"{count} prompts x {width} columns + {shown} of completions"
+        log.info("rollout.engine=static: KV cache of %s (%.1f MiB)", shown,
+                 self.cache_bytes() / 2**20)
 
     def cache_bytes(self) -> int:
-        """Bytes of the static KV cache now allocated."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        """Bytes of the static KV cache now allocated (both halves in the shared layout)."""
+        rows = sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        return rows + (self.shared.nbytes() if self.shared is not None else 0)
 
     # --- prefill ---------------------------------------------------------------------------------
 
@@ -425,9 +483,11 @@ class StaticDecoder:
         self.mask[:rows].index_fill_(3, self.column, True)
         positions = (self.positions[:rows] + self.counter - 1).unsqueeze(-1)
         cache = StaticRows(self.keys, self.values, self.column, rows, upto)
-        kwargs = {self._cache_name: cache, "use_cache": True}
+        kwargs: dict[str, Any] = {self._cache_name: cache, "use_cache": True}
         if self._keep_logits:
             kwargs["logits_to_keep"] = 1
+        if self._share_call:
+            kwargs[SHARED_KEYWORD] = self.shared
         inputs = {"input_ids": self.current[:rows].unsqueeze(-1),
                   "attention_mask": self._masks(rows, upto), "position_ids": positions, **kwargs}
         with decode_attention_on(self._text_config):
@@ -505,7 +565,8 @@ class StaticDecoder:
                            torch.nonzero(self.done[:rows]).flatten()])
         moved = rows if keep else bucket
         for buffer in (*self.keys, *self.values, self.mask, self.positions, self.seeds,
-                       self.row_of, self.current, self.done, self.limits):
+                       self.row_of, self.current, self.done, self.limits, self.prompt_of,
+                       self.place):
             buffer[:moved] = buffer[:rows].index_select(0, order[:moved])
 
     # --- the whole generation ------------------------------------------------------------------
@@ -547,6 +608,8 @@ class StaticDecoder:
         if previous is not None and len(previous) != len(rows):
             raise ValueError(f"{len(rows)} rows, {len(previous)} previous rows")
         kept, self._kept = self._kept, None  # any call overwrites what an earlier one kept
+        # a multi-turn call keeps each row's own cache: the plain layout
+        self._share_call = self.share_prompt and not keep and previous is None
         if settings.max_new_tokens < 1 or not rows:
             return [torch.zeros(0, dtype=torch.long) for _ in rows]
         model = self.model
@@ -645,11 +708,14 @@ class StaticDecoder:
         float32."""
         n = len(rows)
         logits, prefill, batch, index, start = self._prefill(model, rows)
+        if self._share_call:
+            return self._fresh_shared(rows, batch_size, steps, logits, prefill, batch, index,
+                                      start)
         width = int(batch["attention_mask"].shape[1])
         # one column more than the rows fill: the scratch column an appended block's padding
         # writes to (:meth:`_append`)
         need = width + steps + 1
-        if n > self.capacity or need > self.length:
+        if n > self.capacity or need > self.length or self.shared is not None:
             # room for the longest prompts seen so far, rounded up: fewer reallocations
             self._allocate(max(batch_size, n, self.capacity),
                            max(self.length, -(-need // 64) * 64), prefill)
@@ -662,6 +728,51 @@ class StaticDecoder:
         self.mask[:n, 0, 0, :width] = batch["attention_mask"].index_select(0, index).bool()
         self.positions[:n] = start.index_select(0, index)
         self.base.fill_(width - 1)
+        return logits.index_select(0, index)
+
+    def _fresh_shared(self, rows: Sequence[Prompt], batch_size: int, steps: int,
+                      logits: torch.Tensor, prefill: DynamicCache, batch: dict[str, torch.Tensor],
+                      index: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """The shared layout: each distinct prompt's prefilled keys and values into the
+        prompts' half once, the rows' buffers left for their completions (decode step ``s``
+        writes column ``s - 1``): the logits of the rows' first token [rows, vocab], float32."""
+        n = len(rows)
+        width = int(batch["attention_mask"].shape[1])
+        slot_of, place, prompt_of_slot = prompt_slots(index.tolist(), self.prompt_places)
+        count, places = len(prompt_of_slot), self.prompt_places
+        have = self.shared
+        if (have is None or n > self.capacity or steps > self.length
+                or count > have.mask.shape[0] or width > have.mask.shape[1]):
+            # room for the most prompts, widest prompts and longest completions seen so far
+            self._allocate(max(batch_size, n, self.capacity if have is not None else 0),
+                           _rounded(steps, self.length if have is not None else 0,
+                                    COMPLETION_COLUMNS_STEP), prefill,
+                           (max(count, have.mask.shape[0] if have else 0),
+                            _rounded(width, have.mask.shape[1] if have else 0,
+                                     PROMPT_COLUMNS_STEP), places))
+        shared = self.shared
+        assert shared is not None
+        dev = self.device
+        source = torch.tensor(prompt_of_slot, dtype=torch.long, device=dev)
+        # each prompt's tokens from column 0 on (the prefill padded it on the left): the
+        # columns a row's attention sums over then do not move with its batch-mates' widths
+        real = batch["attention_mask"].index_select(0, source).bool()
+        lengths = real.sum(-1, keepdim=True)
+        columns = torch.arange(width, device=dev).unsqueeze(0)
+        moved = (columns + width - lengths).clamp_(max=width - 1)  # [slots, width]
+        for layer, keys, values in zip(prefill.layers, shared.keys, shared.values):
+            for buffer, source_buffer in ((keys, layer.keys), (values, layer.values)):
+                picked = source_buffer.index_select(0, source)
+                buffer[:count, :, :width] = picked.gather(2, moved[:, None, :, None].expand(
+                    -1, picked.shape[1], -1, picked.shape[3]))
+        del prefill
+        shared.mask.zero_()
+        shared.mask[:count, :width] = columns < lengths
+        self.mask.zero_()
+        self.positions[:n] = start.index_select(0, index)
+        self.prompt_of[:n] = torch.tensor(slot_of, dtype=torch.long, device=dev)
+        self.place[:n] = torch.tensor(place, dtype=torch.long, device=dev)
+        self.base.fill_(-1)  # step s writes column s - 1 of the rows' half
         return logits.index_select(0, index)
 
     def _keep(self, rows: Sequence[Prompt], cut: Sequence[torch.Tensor], width: int) -> None:

@@ -185,7 +185,9 @@ class StaticRollouts(HFRollouts):
         # null keys: the decoder's defaults (graphs and compile on CUDA only; compiled, an H200
         # decoded 1.6x as fast as with graphs alone, for a compile of about a minute per run)
         self.decoder = StaticDecoder(run.model, run.ids, run.device, graphs=static.cuda_graphs,
-                                     sync_every=static.sync_every, compile=static.compile)
+                                     sync_every=static.sync_every, compile=static.compile,
+                                     share_prompt=static.share_prompt,
+                                     prompt_places=run.cfg.algo.num_generations)
 
     def generate(self, rows: Sequence[Prompt], seeds: Sequence[int]
                  ) -> tuple[list[torch.Tensor], None]:

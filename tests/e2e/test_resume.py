@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -66,6 +67,9 @@ def straight_and_resumed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, comman
     # the static engine generates the rollouts and the evaluations (LoRA merged and restored)
     pytest.param(["rollout.engine=static", "model.lora.r=4", "algo.beta=0.05",
                   "train.learning_rate=5e-2"], id="static-engine-lora-kl"),
+    # each prompt's cache held once for its group (rollout.static.share_prompt)
+    pytest.param(["rollout.engine=static", "rollout.static.share_prompt=true", "algo.beta=0.05"],
+                 id="static-engine-shared-prompts"),
 ])
 def test_grpo_resume_is_bit_exact(use_tiny_cache, reward_plugin, same_run, tmp_path, monkeypatch,
                                   extra):
@@ -79,6 +83,8 @@ def test_grpo_resume_is_bit_exact(use_tiny_cache, reward_plugin, same_run, tmp_p
     assert "resumed grpo at step 2" in log
     if "rollout.engine=static" in extra:
         assert "rollout.engine=static: KV cache of" in log
+    if "rollout.static.share_prompt=true" in extra:  # a prompt slot per group of the step
+        assert re.search(r"KV cache of \d+ prompts x \d+ columns \+ \d+ rows", log)
 
 
 def test_resume_inside_the_warmup(use_tiny_cache, reward_plugin, same_run, tmp_path, monkeypatch):

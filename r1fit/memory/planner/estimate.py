@@ -75,6 +75,7 @@ from r1fit.memory.planner.facts import (
     prompt_shape,
     run_dtype,
     shard_elements,
+    shares_prompt_cache,
     trajectory_patches,
 )
 from r1fit.memory.planner.formulas import (
@@ -615,13 +616,34 @@ def static_engine_memory(f: ModelFacts, cfg: Config, stored: int, prompt_tokens:
     intermediates, which its CUDA graph's pool keeps); with LoRA a copy of every adapted base
     weight (the merge is undone by copying it back, bit-exact)."""
     t = f.text
-    rows = max(generation_rows, cfg.eval.batch if cfg.data.eval else 0, 1)
-    # one column more: the scratch column an appended tool turn's padding writes to
-    length = -(-(prompt_tokens + completion + 1) // STATIC_LENGTH_STEP) * STATIC_LENGTH_STEP
+    eval_rows = cfg.eval.batch if cfg.data.eval else 0
+    rows = max(generation_rows, eval_rows, 1)
     graphs = rows * t.vocab * static_step_bytes(stored, cfg.algo.top_p)
     backup = sum(i * o for i, o in f.lora_linears) * stored if cfg.model.lora.r > 0 else 0
-    return EngineMemory(weights=backup, kv_cache=kv_cache_bytes(t, stored, rows, length),
-                        graphs=graphs, static=True)
+    if shares_prompt_cache(f, cfg):
+        # rollout.static.share_prompt: a prompt slot per group of a chunk (one more where a
+        # chunk starts inside a group) or per evaluation row, the rows' own completions apart
+        g = cfg.algo.num_generations
+        slots = max(min(generation_rows, -(-generation_rows // g) + (generation_rows % g > 0)),
+                    eval_rows, 1)
+        kv = (kv_cache_bytes(t, stored, slots, _static_columns(prompt_tokens))
+              + kv_cache_bytes(t, stored, rows, _static_columns(completion,
+                                                                STATIC_COMPLETION_STEP)))
+    else:
+        # one column more: the scratch column an appended tool turn's padding writes to
+        kv = kv_cache_bytes(t, stored, rows, _static_columns(prompt_tokens + completion + 1))
+    return EngineMemory(weights=backup, kv_cache=kv, graphs=graphs, static=True)
+
+
+#: the shared-prompt layout's completion half is rounded up to this many columns
+#: (static_engine.COMPLETION_COLUMNS_STEP)
+STATIC_COMPLETION_STEP = 16
+
+
+def _static_columns(tokens: int, step: int = STATIC_LENGTH_STEP) -> int:
+    """The static engine's buffer length for ``tokens`` columns (rounded up to ``step``)."""
+    return -(-tokens // step) * step
+
 
 
 #: bytes per [row x vocab entry] of top-p filtering in the static engine's sampler (a sort's

@@ -43,6 +43,9 @@ class TextDims:
     hidden_norms: int = 2  # norms of the hidden state per decoder layer (Gemma 3: 4)
     head_norms: bool = False  # per-head q and k norms (Qwen3, Gemma 3)
     rotary_sets: int = 1  # rotary cos/sin tables (Gemma 3: one for sliding, one for global layers)
+    #: some layers attend within a sliding window (Gemma 3): the static engine's shared-prompt
+    #: layout does not apply
+    sliding: bool = False
     #: a norm multiplies its weight in float32 (Gemma 3: ``(1 + weight.float())``), so the
     #: normalised value it saves for the weight's gradient is float32, not the model's dtype
     norm_weight_f32: bool = False
@@ -160,6 +163,12 @@ def model_facts(path: str, lora_target: str = "all-linear") -> ModelFacts:
     return _facts(config_folder(path), resolve_model_path(path), path, lora_target)
 
 
+def shares_prompt_cache(f: ModelFacts, cfg: Config) -> bool:
+    """The static engine holds each prompt once for its group (rollout.static.share_prompt on,
+    a model without sliding-window layers, single-turn rollouts)."""
+    return bool(cfg.rollout.static.share_prompt) and not f.text.sliding and not cfg.tools
+
+
 def run_dtype(cfg: Config, facts: ModelFacts) -> str:
     """The dtype the run holds the weights in: ``model.dtype``, or for 'auto' the checkpoint's."""
     return facts.config_dtype if cfg.model.dtype == "auto" else cfg.model.dtype
@@ -205,8 +214,9 @@ def _facts(source: str, checkpoint: str, path: str, lora_target: str) -> ModelFa
                     vocab=text_cfg.vocab_size)
     layers, blocks = _fsdp_units(model, visual := vision_tower(model))
     order = _checkpoint_order(model, layers, visual)
+    kinds = set(getattr(text_cfg, "layer_types", None) or [])
     text = replace(text, **_layer_norms(layers[0] if layers else None, text),
-                   rotary_sets=len(set(getattr(text_cfg, "layer_types", None) or [None])))
+                   rotary_sets=len(kinds or {None}), sliding=bool(kinds - {"full_attention"}))
     params = list(model.parameters())  # unique: a tied head is counted once
     vision_params = list(visual.parameters()) if visual is not None else []
     in_layer_0 = {id(m) for m in layers[0].modules()} if layers else set()

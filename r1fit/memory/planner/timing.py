@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from r1fit.config import Config
-from r1fit.memory.planner.facts import ModelFacts, PromptShape
+from r1fit.memory.planner.facts import ModelFacts, PromptShape, shares_prompt_cache
 
 if TYPE_CHECKING:  # torch's modules: imported where a plan is timed, not with the planner
     from r1fit.memory.flops import GroupShape, ModelShape
@@ -119,6 +119,9 @@ class TimeShape:
     trainable: int  # elements
     checkpoint_every: int
     trainable_tensors: int = 0  # parameter tensors the optimizer steps
+    #: the static engine holds a group's prompt once (rollout.static.share_prompt): a decode
+    #: step reads each prompt's keys and values once, not once per row
+    prompt_cache_shared: bool = False
 
 
 def run_shape(facts: ModelFacts, cfg: Config, prompt: PromptShape, *, rows: int,
@@ -154,6 +157,7 @@ def run_shape(facts: ModelFacts, cfg: Config, prompt: PromptShape, *, rows: int,
         checkpointed_fraction=(layers_ckpt / t.layers if cfg.memory.gradient_checkpointing
                                and t.layers else 0.0),
         trainable=trainable, checkpoint_every=cfg.checkpoint.every,
+        prompt_cache_shared=engine == "static" and shares_prompt_cache(facts, cfg),
         trainable_tensors=2 * facts.lora_layers if lora else facts.param_tensors - (
             0 if vision_trains else facts.vision_param_tensors))
 
@@ -218,7 +222,9 @@ def generation_seconds(s: TimeShape, rates: DeviceRates, rows: int, completion: 
         matrices = s.shape.text_matrix + s.shape.head + (s.shape.lora_matrix
                                                          if s.unmerged_lora else 0)
         flops = 2 * chunk * matrices + 4 * s.shape.attention_width * chunk * context
-        nbytes = s.weight_bytes + chunk * context * s.kv_bytes_per_token
+        cached = (n * s.prompt + chunk * completion / 2 if s.prompt_cache_shared
+                  else chunk * context)  # tokens whose keys and values a step reads
+        nbytes = s.weight_bytes + cached * s.kv_bytes_per_token
         if s.graphs:
             fixed = s.layers * rates.launch_s  # one replay: about a launch per layer
         else:
