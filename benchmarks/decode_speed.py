@@ -140,7 +140,8 @@ def measure(  # noqa: PLR0913 -- the benchmark's knobs, all keywords
         folder: str, *, lora_r: int, lora_alpha: int, prompts: int, generations: int,
             image_size: int, new_tokens: int, hf_tokens: int, device: str, dtype: str,
             repeats: int = 3, bandwidth: float | None = None, compile: bool = False,
-            turn_tokens: int = 0, profile_steps: int = 0) -> dict[str, Any]:
+            turn_tokens: int = 0, profile_steps: int = 0, share_prompt: bool = False
+            ) -> dict[str, Any]:
     """Both engines on one model and batch; the numbers as a dict (see the module docstring)."""
     import torch
 
@@ -233,6 +234,12 @@ def measure(  # noqa: PLR0913 -- the benchmark's knobs, all keywords
         result["static"]["profile"] = profile_decode(
             engine, rows, seeds, settings, min(profile_steps, new_tokens - 1), dev,
             step_ms=st_step * 1e3, weight_bytes=weights)
+    if share_prompt:
+        shared = StaticDecoder(model, ids, dev, graphs=engine.graphs, compile=engine.compile,
+                               share_prompt=True)
+        result["shared"] = shared_timings(engine, shared, rows, seeds, settings, new_tokens, dev,
+                                          repeats, must_read=weights, kv_token=kv_token,
+                                          bandwidth=bw)
     if turn_tokens:
         # each turn decodes TURN_NEW_TOKENS: the two differ in what they prefill
         result["turn"] = turn_timings(engine, StaticDecoder(model, ids, dev, graphs=engine.graphs,
@@ -240,6 +247,59 @@ def measure(  # noqa: PLR0913 -- the benchmark's knobs, all keywords
                                       rows, seeds, settings(min(new_tokens, TURN_NEW_TOKENS)),
                                       turn_tokens, dev, repeats)
     return result
+
+
+def shared_timings(  # noqa: PLR0913 -- two engines, the rows and the roofline's facts
+        plain: Any, shared: Any, rows: Sequence[Any], seeds: Sequence[int],
+                   settings: Callable[[int], Any], new_tokens: int, dev: Any, repeats: int, *,
+                   must_read: float, kv_token: int, bandwidth: float) -> dict[str, Any]:
+    """The engine with each prompt held once for its rows (``share_prompt``) against the plain
+    layout, calls interleaved (medians of ``repeats`` each, after a warm-up call of the shared
+    one): ms per decode step (the whole call less a 1-token call, over the steps), the
+    caches' bytes, whether the tokens are the same, and the fraction of the roofline of what a
+    step must read in this layout (``must_read``, the weights, plus each distinct prompt's KV
+    once and the rows' completions')."""
+    n = len(rows)
+    distinct = {tuple(p.input_ids.tolist()): p.length for p in rows}
+    must_read += (sum(distinct.values()) + n * new_tokens / 2) * kv_token
+
+    def call(engine: Any, tokens: int) -> Any:
+        return engine.generate(rows, seeds=seeds, batch_size=n, settings=settings(tokens))
+
+    started = time.perf_counter()
+    call(shared, new_tokens)
+    sync(dev)
+    warm = time.perf_counter() - started
+    times: dict[str, dict[int, list[float]]] = {"plain": {1: [], new_tokens: []},
+                                                "shared": {1: [], new_tokens: []}}
+    outs: dict[str, Any] = {}
+    for _ in range(repeats):
+        for tokens in (1, new_tokens):
+            for name, engine in (("plain", plain), ("shared", shared)):
+                sync(dev)
+                begun = time.perf_counter()
+                outs[name] = call(engine, tokens)
+                sync(dev)
+                times[name][tokens].append(time.perf_counter() - begun)
+    step = {name: (statistics.median(t[new_tokens]) - statistics.median(t[1]))
+            / max(new_tokens - 1, 1) for name, t in times.items()}
+    same = all(torch_equal(a, b) for a, b in zip(outs["plain"], outs["shared"], strict=True))
+    return {"warmup_seconds": warm, "plain_ms_per_step": step["plain"] * 1e3,
+            "shared_ms_per_step": step["shared"] * 1e3,
+            "speedup": step["plain"] / step["shared"] if step["shared"] > 0 else float("nan"),
+            "plain_cache_bytes": plain.cache_bytes(), "shared_cache_bytes": shared.cache_bytes(),
+            "active": shared.share_prompt, "same_tokens": same,
+            "shared_tokens_per_second": n * new_tokens / statistics.median(
+                times["shared"][new_tokens]),
+            "bytes_per_decode_step": must_read,
+            "roofline_fraction": (must_read / bandwidth / step["shared"] if step["shared"] > 0
+                                  else float("nan"))}
+
+
+def torch_equal(a: Any, b: Any) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))
 
 
 def turn_timings(engine: Any, whole: Any, rows: Sequence[Any], seeds: Sequence[int],
@@ -394,8 +454,20 @@ def lines(name: str, r: dict[str, Any]) -> list[str]:
             f"{r['turn']['context_tokens_mean']:.0f}): kept cache {r['turn']['kept_seconds']:.2f} "
             f"s, whole prefill {r['turn']['whole_seconds']:.2f} s ({r['turn']['speedup']:.2f}x; "
             f"same tokens: {r['turn']['same_tokens']})"]),
+        *([] if not r.get("shared") else [shared_line(r["shared"])]),
         *profile_lines(st.get("profile")),
     ]
+
+
+def shared_line(s: dict[str, Any]) -> str:
+    """The shared-prompt timing (:func:`shared_timings`) as a table line."""
+    if not s["active"]:
+        return "  shared prompts: not applicable to this model (the plain layout ran)"
+    return (f"  shared prompts (interleaved with the plain layout): {s['shared_ms_per_step']:.2f} "
+            f"vs {s['plain_ms_per_step']:.2f} ms/step ({s['speedup']:.2f}x), KV cache "
+            f"{s['shared_cache_bytes'] / 2**20:,.0f} vs {s['plain_cache_bytes'] / 2**20:,.0f} MiB, "
+            f"roofline {s['roofline_fraction']:.0%} of its own "
+            f"{s['bytes_per_decode_step'] / 2**30:.2f} GiB; same tokens: {s['same_tokens']}")
 
 
 def profile_lines(profile: dict[str, Any] | None) -> list[str]:
@@ -435,6 +507,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--turn-tokens", type=int, default=0,
                    help="also time a second turn after this many tool-turn tokens: the kept "
                         "cache against a whole prefill of the grown contexts (0: not run)")
+    p.add_argument("--share-prompt", action="store_true",
+                   help="also time the engine holding each prompt once for its rows "
+                        "(rollout.static.share_prompt), interleaved with the plain layout")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="then profile this many decode steps of the engine: milliseconds per step "
                         "by kind of kernel, and the top kernels (0: not run)")
@@ -444,7 +519,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 generations=a.generations, image_size=a.image_size, new_tokens=a.new_tokens,
                 hf_tokens=a.new_tokens if a.hf_tokens is None else a.hf_tokens, device=a.device, dtype=a.dtype,
                 repeats=a.repeats, bandwidth=a.bandwidth, compile=a.compile,
-                turn_tokens=a.turn_tokens, profile_steps=a.profile_steps)
+                turn_tokens=a.turn_tokens, profile_steps=a.profile_steps,
+                share_prompt=a.share_prompt)
     print("\n".join(lines("decode", r)), file=sys.stderr, flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(r))

@@ -37,7 +37,9 @@ ones); the whole run stops starting stages when ``--budget`` seconds are spent:
   it, 3B full. Completion tokens/s, ms per decode step, the fraction of the memory
   roofline (weights + the rows' live KV over a device copy's bandwidth measured in the stage);
   the 3B LoRA case also times a second turn after a 256-token text tool turn, the kept cache
-  against a whole prefill (``TURN_TOOL_TOKENS``); each case profiles 16 of the engine's decode
+  against a whole prefill (``TURN_TOOL_TOKENS``), and the shared-prompt layout
+  (rollout.static.share_prompt) against the plain one, interleaved, with its own roofline (no
+  target: it decides that key's default); each case profiles 16 of the engine's decode
   steps (``DECODE_PROFILE_STEPS``): milliseconds per step by kind of kernel (matmul, attention,
   fused, copy/index, ...), the kernels' share of the step, the matmuls' bandwidth on the weights,
   the top kernels.
@@ -447,7 +449,7 @@ SPEED_STEPS = 3
 PROFILE_LINES = 30
 #: the speed stage's decode cases, in order: (name, LoRA, torch.compile, time cap on a GPU);
 #: ``step`` is the whole GRPO step with the static engine as a run has it (compiled on CUDA)
-SPEED_DECODE = (("3b-lora", True, False, 120), ("3b-lora-compiled", True, True, 150),
+SPEED_DECODE = (("3b-lora", True, False, 150), ("3b-lora-compiled", True, True, 150),
                 ("3b-full", False, False, 90))
 SPEED_CASES = (*(case[0] for case in SPEED_DECODE), "step", "vision")
 #: seconds the vision case may take on a GPU (the tower's build, 2 warm-ups, 6 timed forwards)
@@ -502,8 +504,10 @@ def stage_speed(args: argparse.Namespace, work: Path) -> StageResult:
                      if not (compiled and k == "hf_tokens")],
                    *(["--hf-tokens=0"] if compiled else []),
                    f"--profile-steps={DECODE_PROFILE_STEPS[0 if gpu else 1]}",
-                   # the second turn after a tool turn: kept cache against a whole prefill
-                   *([f"--turn-tokens={TURN_TOOL_TOKENS}"] if name == "3b-lora" else [])]
+                   # the second turn after a tool turn: kept cache against a whole prefill;
+                   # each prompt's cache held once for its rows against the plain layout
+                   *([f"--turn-tokens={TURN_TOOL_TOKENS}", "--share-prompt"]
+                     if name == "3b-lora" else [])]
         try:
             stdout = run_child(command, f"speed {name}", "decode_speed", env=child_env(),
                                timeout=cap if gpu else None, log=LOG, group=True)
@@ -1221,7 +1225,7 @@ def stage_trl(args: argparse.Namespace, work: Path) -> StageResult:
 STAGES: dict[str, tuple[Callable[[argparse.Namespace, Path], StageResult], float]] = {
     # name: (function, time cap in seconds on a GPU; the smoke gives each its whole budget)
     "build": (stage_build, 180),
-    "speed": (stage_speed, 420),
+    "speed": (stage_speed, 450),
     "fsdp": (stage_fsdp, 240),
     "plan": (stage_plan, 170),
     "memtrace": (stage_memtrace, 120),

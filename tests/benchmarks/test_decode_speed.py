@@ -40,19 +40,27 @@ def test_kernel_kinds(name, kind):
     assert decode_speed.kernel_kind(name) == kind
 
 
-def test_the_profile_counts_a_decode_steps_operators(tiny_dir):
-    model, processor = load_policy(str(tiny_dir), lora_r=0, lora_alpha=16, lora_dropout=0.0,
+def tiny_rows(folder, copies):
+    """The tiny model, its token ids and 2 image prompts x ``copies`` rows."""
+    model, processor = load_policy(str(folder), lora_r=0, lora_alpha=16, lora_dropout=0.0,
                                    lora_target="all-linear", freeze_vision=True, dtype="float32",
                                    device=CPU, gradient_checkpointing=False)
     data = load_dataset("builtin:shapes", split="train", min_pixels=784, max_pixels=3136,
                         max_images=1, max_bad_fraction=0.0, seed=0, size=4)
     rows = [p for p in encode_prompts(processor, [data[i] for i in range(2)], "Answer.")
-            for _ in range(2)]
-    engine = StaticDecoder(model, TokenIds.of(model, processor), CPU)
+            for _ in range(copies)]
+    return model, TokenIds.of(model, processor), rows
 
-    def settings(tokens):
-        return SamplingSettings(max_new_tokens=tokens, temperature=1.0, top_p=1.0,
-                                min_new_tokens=tokens)
+
+def settings(tokens):
+    """decode_speed's settings: sampled, forced to ``tokens`` tokens."""
+    return SamplingSettings(max_new_tokens=tokens, temperature=1.0, top_p=1.0,
+                            min_new_tokens=tokens)
+
+
+def test_the_profile_counts_a_decode_steps_operators(tiny_dir):
+    model, ids, rows = tiny_rows(tiny_dir, 2)
+    engine = StaticDecoder(model, ids, CPU)
 
     got = decode_speed.profile_decode(engine, rows, row_seeds(0, 1, 0, len(rows)), settings, 3,
                                       CPU, step_ms=10.0, weight_bytes=1000, top=1000)
@@ -69,3 +77,23 @@ def test_the_profile_counts_a_decode_steps_operators(tiny_dir):
     shown = [k["ms_per_step"] for k in got["top"]]
     assert shown == sorted(shown, reverse=True) and all(c > 0 for c in calls.values())
     assert any(line.startswith("    ") for line in decode_speed.profile_lines(got))
+
+
+def test_shared_timings_compare_the_two_layouts_on_the_same_rows(tiny_dir):
+    """decode_speed --share-prompt: both layouts timed on the same rows, the same tokens, the
+    shared cache smaller, and a roofline of what the shared layout must read (the weights, each
+    distinct prompt's KV once, the rows' completions')."""
+    model, ids, rows = tiny_rows(tiny_dir, 4)
+    plain = StaticDecoder(model, ids, CPU)
+    shared = StaticDecoder(model, ids, CPU, share_prompt=True, prompt_places=4)
+    kv_token = 1000
+    got = decode_speed.shared_timings(plain, shared, rows, row_seeds(0, 1, 0, len(rows)),
+                                      settings, 6, CPU, 1, must_read=5e6, kv_token=kv_token,
+                                      bandwidth=1e9)
+    assert got["active"] and got["same_tokens"]
+    assert got["shared_cache_bytes"] < got["plain_cache_bytes"]
+    assert got["plain_ms_per_step"] > 0 and got["shared_ms_per_step"] > 0
+    # 2 distinct prompts read once, 8 rows' completions at half the 6 tokens on average
+    prompts = sum({tuple(r.input_ids.tolist()): r.length for r in rows}.values())
+    assert got["bytes_per_decode_step"] == 5e6 + (prompts + 8 * 3) * kv_token
+    assert "shared prompts (interleaved" in decode_speed.shared_line(got)

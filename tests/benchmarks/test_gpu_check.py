@@ -249,6 +249,9 @@ def test_the_smoke_runs_every_stage_with_numbers(tmp_path, capsys):
     turn = speed["3b-lora"]["turn"]
     assert turn["same_tokens"] is True and turn["appended"] > 0
     assert turn["kept_seconds"] > 0 and turn["whole_seconds"] > 0
+    # the shared-prompt layout against the plain one, on the same rows: the same tokens
+    shared = speed["3b-lora"]["shared"]
+    assert shared["active"] and shared["same_tokens"] and shared["shared_ms_per_step"] > 0
     # the multi-GPU paths in one torchrun process (gloo here): FSDP2 on, kill and resume exact
     fsdp = stages["fsdp"]["data"]
     assert stages["fsdp"]["met"] and fsdp["backend"] == "gloo" and fsdp["resume_differences"] == []
