@@ -54,8 +54,13 @@ def test_plan_json_has_the_breakdown(capsys, tmp_path):
                  "--device-memory", "2GiB"]) == 0
     plan = json.loads(capsys.readouterr().out)
     for key in ("parts", "peak_bytes", "budget_bytes", "fits", "max_micro_batch",
-                "max_generation_batch", "advice", "phases", "activations_by_checkpointing"):
+                "max_generation_batch", "advice", "phases", "activations_by_checkpointing",
+                "faster"):
         assert key in plan
+    # the faster configurations that fit: each its values, predicted step, speed-up and peak
+    # (here 128 rows at the defaults' micro_batch 16 and generation_batch 64 on 2 GiB)
+    assert plan["faster"] and all(x["speedup"] >= 1.05 and x["peak_bytes"] <= plan["usable_bytes"]
+               and x["step_seconds"] > 0 and x["values"] for x in plan["faster"])
     assert set(plan["parts"]) >= {"weights", "gradients", "optimizer", "reference", "activations",
                                   "logits_chunk", "generation", "vision", "overhead"}
     assert plan["budget_bytes"] == 2 << 30 and plan["fits"] is True
