@@ -164,6 +164,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         raise ConfigError(f"--device-memory: {exc}") from None
     cfg = _config(_model_first(ns.args))
     device_type = "cpu" if cfg.train.device == "cpu" else "cuda"
+    if budget is None and not cfg.memory.budget and device_type == "cuda":
+        budget = this_gpus_free_memory(cfg.train.device)
     kind = "sft" if ns.sft else "grpo"
     if cfg.memory.gradient_checkpointing == "auto":  # plan what the run would choose
         from r1fit.memory.autofit import choose_checkpointing, describe_checkpointing
@@ -182,6 +184,25 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     else:
         render(plan, cfg, rich=sys.stdout.isatty())
     return 0
+
+
+def this_gpus_free_memory(name: str) -> int | None:
+    """On a machine with CUDA, the free memory of the GPU ``train.device`` names ('auto' and
+    'cuda': the first), which a run's ``auto`` sizes take at start-up (said on stderr); None
+    without CUDA."""
+    import torch
+
+    from r1fit.units import format_bytes
+
+    if not torch.cuda.is_available():
+        return None
+    device = torch.device("cuda" if name == "auto" else name)
+    index = device.index or 0
+    free, total = torch.cuda.mem_get_info(index)
+    print(f"r1fit plan: for the free memory of this machine's {torch.cuda.get_device_name(index)} "
+          f"(cuda:{index}): {format_bytes(free)} of {format_bytes(total)}, as a run's auto sizes "
+          f"take it (--device-memory plans another)", file=sys.stderr)
+    return int(free)  # what memory.budget's absence gives a run (r1fit.memory.autofit)
 
 
 def cmd_config(ns: argparse.Namespace) -> int:
@@ -269,7 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "Qwen/Qwen2.5-VL-7B-Instruct) planned with the default config; then "
                         "overrides")
     p.add_argument("--device-memory", metavar="SIZE",
-                   help="memory of one device, e.g. 80GiB (default: memory.budget, else 80GiB)")
+                   help="memory of one device, e.g. 80GiB (default: memory.budget, else the "
+                        "free memory of this machine's GPU, else 80GiB)")
     p.add_argument("--gpus", type=int, default=1, metavar="N",
                    help="GPUs of the torchrun job; with N > 1 the plan is per GPU with FSDP2 "
                         "over N (sharded weights, gradients, AdamW states and reference; 1/N of "

@@ -148,3 +148,35 @@ def test_train_into_a_folder_below_a_file_is_one_line(capsys, tmp_path):
         (f"r1fit: error: train.output_dir={blocker / 'run'}: cannot create or use the output "
          f"folder: {blocker} is a file, not a folder; choose another train.output_dir")]
     assert "Traceback" not in err
+
+
+def test_plan_on_a_gpu_machine_plans_its_gpus_free_memory(capsys, tmp_path, monkeypatch):
+    """Without --device-memory or memory.budget, on a machine with CUDA the plan is for the
+    free memory of the GPU train.device names, as a run's auto sizes take it (said on stderr);
+    --device-memory and memory.budget still win; without CUDA, no GPU is asked."""
+    import torch
+
+    from r1fit import cli
+
+    asked = []
+
+    def mem_get_info(index):
+        asked.append(index)
+        return 40 << 30, 141 << 30
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.this_gpus_free_memory("auto") is None and asked == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cli.this_gpus_free_memory("cuda:1") == 40 << 30 and asked == [1]
+    assert "free memory of this machine's NVIDIA H200 (cuda:1): 40.00 GiB of 141.00 GiB" \
+        in capsys.readouterr().err
+    assert cli.this_gpus_free_memory("auto") == 40 << 30 and asked == [1, 0]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the plan's own rates
+    monkeypatch.setattr(cli, "this_gpus_free_memory", lambda name: 40 << 30)
+    folder = _config_only_model(tmp_path / "model")
+    for extra, budget in (([], 40 << 30), (["--device-memory", "2GiB"], 2 << 30),
+                          (["memory.budget=3GiB"], 3 << 30), (["train.device=cpu"], 80 << 30)):
+        assert main(["plan", f"model.path={folder}", "--json", *extra]) == 0
+        assert json.loads(capsys.readouterr().out)["budget_bytes"] == budget, extra
