@@ -377,8 +377,9 @@ class MemoryConfig:
         16, "Sequences per forward/backward; peak memory is set by this, not by num_generations "
         "or prompts_per_step. 'auto': from the largest that `r1fit plan` fits in the device "
         "(CUDA: its free memory at start-up; CPU: memory.budget), the fewest micro-batches of "
-        "the step's rows, evenly filled (128 rows with 105 fitting: 64, two micro-batches at a "
-        "lower peak than 105 and 23).", ge=1)
+        "the step's rows, evenly filled, in whole groups of algo.num_generations rows where "
+        "they fit (128 rows with 105 fitting: 64, two micro-batches at a lower peak than 105 "
+        "and 23).", ge=1)
     micro_batch_tokens: int | Literal["auto"] | None = opt(
         None, "Packed micro-batches for GRPO's log-prob passes and updates and for SFT steps: as "
         "many consecutive rows as fit in this many tokens (each row's prompt and completion or "

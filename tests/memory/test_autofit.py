@@ -31,7 +31,7 @@ def test_auto_sizes_are_the_planners_fit_evened_out(use_tiny_cache, caplog):
         sizes = resolve_sizes(cfg, CPU)
     # the fewest chunks of the 32 rows that the largest fitting size allows, evenly filled
     assert (sizes.micro_batch, sizes.generation_batch) == (
-        even_size(expected.max_micro_batch, 32), even_size(expected.max_generation_batch, 32))
+        even_size(expected.max_micro_batch, 32, 8), even_size(expected.max_generation_batch, 32, 8))
     assert 1 <= sizes.micro_batch < 32  # the budget binds: not every row of the step
     assert -(-32 // sizes.micro_batch) == -(-32 // expected.max_micro_batch)
     assert f"memory.micro_batch={sizes.micro_batch}" in caplog.text

@@ -218,10 +218,11 @@ def test_auto_sizes_are_planned_at_what_auto_picks(small_model):
     rows = plan.details["rows_per_gpu"]
     assert plan.max_micro_batch >= 4 and plan.fits
     # the fewest micro-batches the largest allows, evenly filled: as many, never larger
-    picked = plan.details["micro_batch"]
-    assert picked == even_size(plan.max_micro_batch, rows) <= plan.max_micro_batch
+    picked, group = plan.details["micro_batch"], plan.details["group"]
+    assert group == 8  # algo.num_generations
+    assert picked == even_size(plan.max_micro_batch, rows, group) <= plan.max_micro_batch
     assert -(-rows // picked) == -(-rows // plan.max_micro_batch)
-    assert plan.details["generation_batch"] == even_size(plan.max_generation_batch, rows)
+    assert plan.details["generation_batch"] == even_size(plan.max_generation_batch, rows, group)
     # and the even size's peak is no higher than the largest's
     largest = plan_memory(cfg.with_values({"memory.micro_batch": plan.max_micro_batch}),
                           device_memory_bytes=budget, device_type="cpu")
@@ -238,6 +239,18 @@ def test_auto_sizes_are_planned_at_what_auto_picks(small_model):
 ])
 def test_even_size_is_the_fewest_chunks_evenly_filled(largest, rows, picked):
     assert even_size(largest, rows) == picked
+
+
+@pytest.mark.parametrize(("largest", "rows", "group", "picked"), [
+    (50, 128, 8, 48),  # 3 chunks: 48, 48, 32 in whole groups, not 43, 43, 42
+    (105, 128, 8, 64), (93, 128, 8, 64),  # already whole groups
+    (10, 128, 8, 10),  # a group does not fit: as without groups
+    (44, 128, 8, 43),  # 48 would not fit: 43
+    (128, 128, 8, 128), (7, 16, 4, 6),  # 3 chunks of at most 7: 6 (not 8: too large)
+])
+def test_even_size_takes_whole_groups_where_they_fit(largest, rows, group, picked):
+    assert even_size(largest, rows, group) == picked
+    assert -(-rows // picked) == -(-rows // largest)  # never more chunks
 
 
 def test_nothing_fits_gives_switches(small_model):

@@ -190,7 +190,8 @@ class Plan:
             return self.max_micro_batch_tokens
         largest = {"micro_batch": self.max_micro_batch,
                    "generation_batch": self.max_generation_batch}[key]
-        return even_size(largest, int(self.details.get("rows_per_gpu", largest)))
+        return even_size(largest, int(self.details.get("rows_per_gpu", largest)),
+                         int(self.details.get("group", 1)))
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -313,10 +314,11 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
                                                   device_type, device_memory_bytes).update_peak,
                               local * (prompt.tokens + completion_tokens(cfg)), usable)
         sizes = replace(sizes, tokens=max(1, max_tokens) if tokens == "auto" else tokens)
+    group = 1 if kind == "sft" else cfg.algo.num_generations  # rows sharing a prompt
     if micro == "auto":  # plan the run with what 'auto' will pick
-        sizes = replace(sizes, micro=max(1, even_size(max_micro, local)))
+        sizes = replace(sizes, micro=max(1, even_size(max_micro, local, group)))
     if generation == "auto":
-        sizes = replace(sizes, generation=max(1, even_size(max_gen, local)))
+        sizes = replace(sizes, generation=max(1, even_size(max_gen, local, group)))
     est = _estimate(facts, cfg, prompt, sizes, device_type, device_memory_bytes)
     plan = Plan(parts=est.parts, peak_bytes=est.peak, budget_bytes=device_memory_bytes,
                 fits=est.peak <= usable, max_micro_batch=max_micro,
@@ -327,7 +329,7 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
                 details={**est.details, "kind": kind, "device_type": device_type, "gpus": gpus,
                          "prompt_tokens": prompt.tokens, "image_tokens": prompt.image_tokens,
                          "vision_patches": prompt.patches, "prompt_estimate": prompt.how,
-                         "rows_per_step": rows, "rows_per_gpu": local,
+                         "rows_per_step": rows, "rows_per_gpu": local, "group": group,
                          "micro_batch": est.details.get("micro_rows", sizes.micro),
                          "micro_batch_tokens": sizes.tokens,
                          "generation_batch": sizes.generation,
@@ -364,7 +366,7 @@ def faster_fits(plan: Plan, asked: Config, *, device_type: str, gpus: int, kind:
                          ("micro_batch", plan.max_micro_batch)):
         if key == "micro_batch" and d.get("micro_batch_tokens"):
             continue  # packed by tokens: its rows are not what is set
-        even, now = even_size(largest, rows), int(d[key])
+        even, now = even_size(largest, rows, int(d.get("group", 1))), int(d[key])
         if even and -(-rows // even) < -(-rows // now):
             sizes[f"memory.{key}"] = even
             tried.append({f"memory.{key}": even})
@@ -410,15 +412,20 @@ def _time(plan: Plan, facts: ModelFacts, cfg: Config, prompt: PromptShape, devic
                      training_only=kind == "sft").to_dict()
 
 
-def even_size(largest: int, rows: int) -> int:
+def even_size(largest: int, rows: int, group: int = 1) -> int:
     """What ``memory.micro_batch=auto`` / ``generation_batch=auto`` pick when at most
     ``largest`` rows fit: the fewest chunks that hold ``rows``, as even as they can be (of 128
-    rows with 105 fitting: 2 of 64, not 105 and 23). As many forwards as the largest size runs,
-    at a lower peak, so further from the budget. 0: not even one row fits."""
+    rows with 105 fitting: 2 of 64, not 105 and 23), rounded up to whole groups of ``group``
+    rows (a prompt's completions) where that still fits (50 fitting, groups of 8: 48, 48, 32,
+    not 43, 43, 42), so that no group's prompt is split over two chunks. As many forwards as
+    the largest size runs, at a lower peak, so further from the budget. 0: not even one row
+    fits."""
     if largest <= 0 or rows <= 0:
         return max(largest, 0)
     chunks = -(-rows // largest)
-    return -(-rows // chunks)
+    size = -(-rows // chunks)
+    whole = -(-size // group) * group if group > 1 else size
+    return whole if whole <= largest else size
 
 
 def _largest(peak_at: Any, rows: int, usable: int) -> int:
