@@ -54,6 +54,13 @@ class SharedPrompts:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
+    def first(self, count: int) -> SharedPrompts:
+        """Views of the first ``count`` slots (a call's): a step reads only those, not every
+        slot an earlier, larger call needed (an evaluation's rows are each their own prompt)."""
+        return SharedPrompts(keys=[k[:count] for k in self.keys],
+                             values=[v[:count] for v in self.values], mask=self.mask[:count],
+                             prompt_of=self.prompt_of, place=self.place, places=self.places)
+
 
 def _softmax_parts(scores: torch.Tensor, values: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -136,17 +143,15 @@ def prompt_slots(index: list[int], places: int) -> tuple[list[int], list[int], l
     batch, so a row's numbers (and its sampled tokens) do not depend on its batch-mates."""
     slot_of, place, prompt_of_slot = [], [], []
     open_slot: dict[int, int] = {}  # prompt -> its slot still taking rows
+    taken: list[int] = []  # rows placed in each slot so far
     for p in index:
         slot = open_slot.get(p)
-        if slot is None or place_count(place, slot_of, slot) >= places:
+        if slot is None or taken[slot] >= places:
             slot = len(prompt_of_slot)
             prompt_of_slot.append(p)
+            taken.append(0)
             open_slot[p] = slot
-        place.append(place_count(place, slot_of, slot))
+        place.append(taken[slot])
+        taken[slot] += 1
         slot_of.append(slot)
     return slot_of, place, prompt_of_slot
-
-
-def place_count(place: list[int], slot_of: list[int], slot: int) -> int:
-    """Rows placed in ``slot`` so far."""
-    return sum(1 for s in slot_of if s == slot)

@@ -328,10 +328,12 @@ class StaticDecoder:
         self.prompt_places = max(1, int(prompt_places))
         self.shared: SharedPrompts | None = None  # the prompts' half, in the shared layout
         self._share_call = False  # this call uses the shared layout
+        self._slots: SharedPrompts | None = None  # the slots this call reads (shared layout)
         self.capacity = self.length = 0
         self.keys: list[torch.Tensor] = []  # per layer [rows, kv heads, length, head dim]
         self.values: list[torch.Tensor] = []
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # by (rows, prompt slots read: 0 in the plain layout)
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
         self._fingerprint: tuple[int, ...] = ()
         self._settings: tuple[Any, ...] | None = None
@@ -487,7 +489,7 @@ class StaticDecoder:
         if self._keep_logits:
             kwargs["logits_to_keep"] = 1
         if self._share_call:
-            kwargs[SHARED_KEYWORD] = self.shared
+            kwargs[SHARED_KEYWORD] = self._slots
         inputs = {"input_ids": self.current[:rows].unsqueeze(-1),
                   "attention_mask": self._masks(rows, upto), "position_ids": positions, **kwargs}
         with decode_attention_on(self._text_config):
@@ -532,7 +534,8 @@ class StaticDecoder:
     def _replay(self, model: Any, rows: int, settings: SamplingSettings, out: torch.Tensor) -> None:
         """Step on the graph of bucket ``rows``, captured on first use (one eager warm-up step
         first, whose effects are undone: the step's state is restored before capture)."""
-        graph = self._graphs.get(rows)
+        key = (rows, 0 if self._slots is None else int(self._slots.mask.shape[0]))
+        graph = self._graphs.get(key)
         if graph is None:
             saved = [t.clone() for t in (self.counter, self.current, self.done, self.mask)]
             stream = torch.cuda.Stream(self.device)
@@ -547,7 +550,7 @@ class StaticDecoder:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 self._step(model, rows, settings, out)
-            self._graphs[rows] = graph
+            self._graphs[key] = graph
             self.captures += 1
         graph.replay()
 
@@ -610,6 +613,7 @@ class StaticDecoder:
         kept, self._kept = self._kept, None  # any call overwrites what an earlier one kept
         # a multi-turn call keeps each row's own cache: the plain layout
         self._share_call = self.share_prompt and not keep and previous is None
+        self._slots = None
         if settings.max_new_tokens < 1 or not rows:
             return [torch.zeros(0, dtype=torch.long) for _ in rows]
         model = self.model
@@ -773,6 +777,7 @@ class StaticDecoder:
         self.prompt_of[:n] = torch.tensor(slot_of, dtype=torch.long, device=dev)
         self.place[:n] = torch.tensor(place, dtype=torch.long, device=dev)
         self.base.fill_(-1)  # step s writes column s - 1 of the rows' half
+        self._slots = shared.first(count)
         return logits.index_select(0, index)
 
     def _keep(self, rows: Sequence[Prompt], cut: Sequence[torch.Tensor], width: int) -> None:

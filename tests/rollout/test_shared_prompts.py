@@ -214,3 +214,19 @@ def test_the_plan_counts_the_cache_the_engine_allocates(tiny, tiny_dir):
         engine.generate(rows, seeds=None, batch_size=len(rows), settings=settings)
         planned = static_engine_memory(facts, cfg, 4, width, len(rows), steps)
         assert planned.kv_cache == engine.cache_bytes(), share
+
+
+def test_a_call_reads_only_its_own_prompt_slots(tiny):
+    """After a call that needed more slots (here 8: each prompt's 4 rows in 2), a call of 4
+    slots reads 4 (a view of the allocation), with the plain layout's tokens."""
+    model, ids, rows = tiny
+    settings = SamplingSettings(max_new_tokens=8, greedy=True)
+    engine = _shared(model, ids)
+    engine.generate([r for r in rows for _ in range(2)], seeds=None, batch_size=16,
+                    settings=settings)
+    assert engine.shared.mask.shape[0] == 8 and engine._slots.mask.shape[0] == 8
+    got = engine.generate(rows, seeds=None, batch_size=len(rows), settings=settings)
+    assert engine.shared.mask.shape[0] == 8 and engine._slots.mask.shape[0] == 4
+    assert _same(got, StaticDecoder(model, ids, CPU).generate(rows, seeds=None,
+                                                              batch_size=len(rows),
+                                                              settings=settings))
