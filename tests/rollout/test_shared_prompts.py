@@ -230,3 +230,19 @@ def test_a_call_reads_only_its_own_prompt_slots(tiny):
     assert _same(got, StaticDecoder(model, ids, CPU).generate(rows, seeds=None,
                                                               batch_size=len(rows),
                                                               settings=settings))
+
+
+@pytest.mark.slow
+def test_the_compiled_step_reads_the_shared_prompts(tiny):
+    """rollout.static.compile with share_prompt (torch.compile on CPU, the prompts' half passed
+    through the forward as a keyword): the eager plain layout's greedy tokens, at the first
+    batch size and at the dynamic ones after it, and no fallback to the uncompiled step."""
+    model, ids, rows = tiny
+    settings = SamplingSettings(max_new_tokens=6, greedy=True)
+    eager = StaticDecoder(model, ids, CPU).generate(rows[:4], seeds=None, batch_size=4,
+                                                    settings=settings)
+    compiled = _shared(model, ids, compile=True)
+    for n in (4, 2, 3):
+        assert _same(compiled.generate(rows[:n], seeds=None, batch_size=n, settings=settings),
+                     eager[:n])
+    assert compiled.compile and compiled._compiled is not None and compiled.shared is not None
