@@ -50,6 +50,10 @@ class SharedPrompts:
     prompt_of: torch.Tensor
     place: torch.Tensor
     places: int
+    #: 16-bit products written in float32 (``torch.bmm``'s ``out_dtype``, CUDA): the scores and
+    #: weighted values keep float32 as sdpa's kernels do, instead of rounding to the model's
+    #: dtype before the softmax (:func:`float32_products`)
+    wide: bool = False
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
@@ -59,10 +63,36 @@ class SharedPrompts:
         slot an earlier, larger call needed (an evaluation's rows are each their own prompt)."""
         return SharedPrompts(keys=[k[:count] for k in self.keys],
                              values=[v[:count] for v in self.values], mask=self.mask[:count],
-                             prompt_of=self.prompt_of, place=self.place, places=self.places)
+                             prompt_of=self.prompt_of, place=self.place, places=self.places,
+                             wide=self.wide)
 
 
-def _softmax_parts(scores: torch.Tensor, values: torch.Tensor
+def float32_products(device: torch.device) -> bool:
+    """Whether 16-bit batched products on ``device`` can be written in float32
+    (``torch.bmm(a, b, out_dtype=torch.float32)``: CUDA, recent torch); asked once per engine,
+    before anything is captured or compiled."""
+    if device.type != "cuda":
+        return False
+    try:
+        a = torch.zeros(1, 1, 1, dtype=torch.bfloat16, device=device)
+        return torch.bmm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def _product(a: torch.Tensor, b: torch.Tensor, out: torch.dtype, wide: bool) -> torch.Tensor:
+    """``a @ b`` over matching leading dims, in ``out`` (float32 or wider); ``wide``: 16-bit
+    inputs written straight to float32 by one batched product, else in the inputs' dtype and
+    converted."""
+    if wide and a.dtype in (torch.bfloat16, torch.float16):
+        lead = a.shape[:-2]
+        product = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]),
+                            out_dtype=torch.float32)
+        return product.view(*lead, a.shape[-2], b.shape[-1])
+    return torch.matmul(a, b).to(out)
+
+
+def _softmax_parts(scores: torch.Tensor, values: torch.Tensor, wide: bool
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weighted values in the scores' dtype, the scores' max, the sum of their exponentials
     after it) of ``scores`` [..., columns] (float32 or wider) over ``values`` [..., columns,
@@ -70,7 +100,7 @@ def _softmax_parts(scores: torch.Tensor, values: torch.Tensor
     top = scores.amax(-1, keepdim=True)
     weights = torch.exp(scores - top)
     total = weights.sum(-1, keepdim=True)
-    return torch.matmul(weights.to(values.dtype), values).to(scores.dtype), top, total
+    return _product(weights.to(values.dtype), values, scores.dtype, wide), top, total
 
 
 def shared_prompt_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -87,12 +117,12 @@ def shared_prompt_attention(module: torch.nn.Module, query: torch.Tensor, key: t
     scale = dim ** -0.5 if scaling is None else scaling
     # query head h reads KV head h // group (transformers' repeat_kv order)
     q = query.reshape(rows, kv, group, dim)
-    wide = torch.promote_types(query.dtype, torch.float32)  # the softmax's dtype
+    acc = torch.promote_types(query.dtype, torch.float32)  # the softmax's dtype
     # the rows' own columns
-    own = torch.matmul(q, key.transpose(-1, -2)).to(wide) * scale  # [rows, kv, group, columns]
+    own = _product(q, key.transpose(-1, -2), acc, shared.wide) * scale  # [rows, kv, group, cols]
     mask = attention_mask[:, :, :, :key.shape[-2]]
     own = own.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else own + mask
-    own_out, own_top, own_total = _softmax_parts(own, value)
+    own_out, own_top, own_total = _softmax_parts(own, value, shared.wide)
     # the prompts' columns: each prompt's rows side by side in its slots
     layer = module.layer_idx
     keys, values = shared.keys[layer], shared.values[layer]
@@ -101,9 +131,9 @@ def shared_prompt_attention(module: torch.nn.Module, query: torch.Tensor, key: t
     placed = q.new_zeros(prompts * places, kv, group, dim).index_copy_(0, slots, q)
     placed = placed.view(prompts, places, kv, group, dim).transpose(1, 2).reshape(
         prompts, kv, places * group, dim)
-    scores = torch.matmul(placed, keys.transpose(-1, -2)).to(wide) * scale
+    scores = _product(placed, keys.transpose(-1, -2), acc, shared.wide) * scale
     scores = scores.masked_fill(~shared.mask[:, None, None, :], float("-inf"))
-    parts = _softmax_parts(scores, values)
+    parts = _softmax_parts(scores, values, shared.wide)
 
     def by_row(t: torch.Tensor) -> torch.Tensor:  # [prompts, kv, places x group, n] -> rows
         n = t.shape[-1]

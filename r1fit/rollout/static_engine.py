@@ -77,6 +77,7 @@ from r1fit.rollout.prefill import (
 from r1fit.rollout.shared_prompts import (
     SHARED_KEYWORD,
     SharedPrompts,
+    float32_products,
     prompt_slots,
     shared_prompt_attention,
     supports_shared_prompts,
@@ -326,6 +327,7 @@ class StaticDecoder:
                      "prompt", why_not)
         self.share_prompt = share_prompt and why_not is None
         self.prompt_places = max(1, int(prompt_places))
+        self._wide = self.share_prompt and float32_products(self.device)
         self.shared: SharedPrompts | None = None  # the prompts' half, in the shared layout
         self._share_call = False  # this call uses the shared layout
         self._slots: SharedPrompts | None = None  # the slots this call reads (shared layout)
@@ -387,7 +389,7 @@ class StaticDecoder:
                 values=[torch.zeros(count, *x.values.shape[1:2], width, x.values.shape[3],
                                     dtype=x.values.dtype, device=dev) for x in layers],
                 mask=torch.zeros(count, width, dtype=torch.bool, device=dev),
-                prompt_of=self.prompt_of, place=self.place, places=places)
+                prompt_of=self.prompt_of, place=self.place, places=places, wide=self._wide)
             shown = f"{count} prompts x {width} columns + {shown} of completions"
         log.info("rollout.engine=static: KV cache of %s (%.1f MiB)", shown,
                  self.cache_bytes() / 2**20)

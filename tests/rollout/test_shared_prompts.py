@@ -16,6 +16,7 @@ import torch
 from r1fit.rollout.generate import SamplingSettings, TokenIds, row_seeds
 from r1fit.rollout.shared_prompts import (
     SharedPrompts,
+    float32_products,
     prompt_slots,
     shared_prompt_attention,
 )
@@ -246,3 +247,37 @@ def test_the_compiled_step_reads_the_shared_prompts(tiny):
         assert _same(compiled.generate(rows[:n], seeds=None, batch_size=n, settings=settings),
                      eager[:n])
     assert compiled.compile and compiled._compiled is not None and compiled.shared is not None
+
+
+def test_sixteen_bit_products_written_in_float32(monkeypatch):
+    """``wide`` (CUDA: torch.bmm's out_dtype): bfloat16 scores and weighted values kept in
+    float32, as sdpa's kernels keep them, come closer to the float64 attention than products
+    rounded to bfloat16. On CPU torch.bmm has no out_dtype: stood in for by a float32 product
+    of the same bfloat16 inputs. Without CUDA the engine does not ask for it."""
+    original = torch.bmm
+
+    def bmm(a, b, out_dtype=None):
+        return original(a.float(), b.float()) if out_dtype is not None else original(a, b)
+
+    torch.manual_seed(1)
+    rows, heads, kv, dim, width, own = 4, 4, 2, 16, 96, 5
+    slot_of, place, prompt_of_slot = prompt_slots([0, 0, 1, 1], 2)
+    q, k, v = (torch.randn(rows, *shape) * 3 for shape in ((heads, 1, dim), (kv, own, dim),
+                                                           (kv, own, dim)))
+    pk, pv = torch.randn(2, kv, width, dim) * 3, torch.randn(2, kv, width, dim)
+    mask = torch.ones(rows, 1, 1, own, dtype=torch.bool)
+
+    def run(dtype, wide):
+        shared = SharedPrompts(keys=[pk.to(dtype)], values=[pv.to(dtype)],
+                               mask=torch.ones(2, width, dtype=torch.bool),
+                               prompt_of=torch.tensor(slot_of), place=torch.tensor(place),
+                               places=2, wide=wide)
+        return shared_prompt_attention(SimpleNamespace(layer_idx=0), q.to(dtype), k.to(dtype),
+                                       v.to(dtype), mask, shared).double()
+
+    exact = run(torch.float64, False)
+    rounded = (run(torch.bfloat16, False) - exact).abs().max()
+    monkeypatch.setattr(torch, "bmm", bmm)
+    kept = (run(torch.bfloat16, True) - exact).abs().max()
+    assert kept < rounded / 2, (kept, rounded)
+    assert float32_products(torch.device("cpu")) is False
