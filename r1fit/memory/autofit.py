@@ -159,13 +159,11 @@ def resolve_sizes(cfg: Any, device: torch.device, kind: str = "grpo") -> ChunkSi
             smallest = all_max([-float(chosen[key]) for key in keys])
             chosen = {key: int(-value) for key, value in zip(keys, smallest)}
         rows = int(plan.details["rows_per_gpu"])
-        largest = {"micro_batch": plan.max_micro_batch,
-                   "generation_batch": plan.max_generation_batch}
         log.info("auto-fit for %s on %s: %s (planned peak %s)", format_bytes(budget), device,
                  ", ".join(f"memory.{key}={chosen[key]}" + (
                      f" ({-(-rows // chosen[key])} even chunks of the {rows} rows; the largest "
-                     f"that fits is {largest[key]})"
-                     if largest.get(key, chosen[key]) != chosen[key] else "")
+                     f"that fits is {plan.largest(key)})"
+                     if key != "micro_batch_tokens" and plan.largest(key) != chosen[key] else "")
                            for key in picked),
                  format_bytes(plan.peak_bytes))
     return ChunkSizes(chosen["micro_batch"], chosen["generation_batch"], asked,

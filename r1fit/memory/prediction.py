@@ -66,6 +66,7 @@ def predict_steps(cfg: Any, device_type: str, gpus: int, kind: str, sizes: Chunk
     predicted faster (:func:`r1fit.memory.planner.estimate.faster_fits`), as ``r1fit plan``
     lists them."""
     from r1fit.memory.planner import plan_memory
+    from r1fit.memory.planner.estimate import shown_values
 
     values: dict[str, Any] = {"memory.micro_batch": sizes.micro_batch,
                               "memory.generation_batch": sizes.generation_batch}
@@ -95,9 +96,7 @@ def predict_steps(cfg: Any, device_type: str, gpus: int, kind: str, sizes: Chunk
              "" if prediction.calibrated else " (no slow-phase alarm without a calibration)")
     if plan.faster:
         log.info("time model: faster configurations fit this device (r1fit plan lists them): %s",
-                 "; ".join(" ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}"
-                                    for k, v in x["values"].items())
-                           + f": a step about {format_seconds(x['step_seconds'])} "
+                 "; ".join(shown_values(x["values"]) + f": a step about {format_seconds(x['step_seconds'])} "
                              f"({x['speedup']:.2f}x)" for x in plan.faster[:FASTER_LOGGED]))
     return prediction
 

@@ -64,6 +64,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from r1fit.data.batch import Prompt, collate, cut_after_eos, image_inputs
 from r1fit.errors import R1fitError
+from r1fit.memory.planner.estimate import STATIC_COMPLETION_STEP, STATIC_LENGTH_STEP
 from r1fit.models.load import unwrap
 from r1fit.rollout.generate import SamplingSettings, TokenIds, counter_uniforms, sample_rows
 from r1fit.rollout.prefill import (
@@ -135,11 +136,6 @@ def decode_attention_on(config: Any) -> Iterator[None]:
         yield
     finally:
         config._attn_implementation = before
-
-
-#: the shared layout's buffer lengths are rounded up to these many columns (fewer
-#: reallocations): a prompt's width varies from step to step, a completion's budget seldom
-PROMPT_COLUMNS_STEP, COMPLETION_COLUMNS_STEP = 64, 16
 
 
 def _rounded(need: int, old: int, step: int) -> int:
@@ -724,7 +720,7 @@ class StaticDecoder:
         if n > self.capacity or need > self.length or self.shared is not None:
             # room for the longest prompts seen so far, rounded up: fewer reallocations
             self._allocate(max(batch_size, n, self.capacity),
-                           max(self.length, -(-need // 64) * 64), prefill)
+                           _rounded(need, self.length, STATIC_LENGTH_STEP), prefill)
         for layer, keys, values in zip(prefill.layers, self.keys, self.values):
             kept = int(layer.keys.shape[2])  # a sliding layer keeps its window's last columns
             keys[:n, :, width - kept:width] = layer.keys.index_select(0, index)
@@ -752,10 +748,10 @@ class StaticDecoder:
             # room for the most prompts, widest prompts and longest completions seen so far
             self._allocate(max(batch_size, n, self.capacity if have is not None else 0),
                            _rounded(steps, self.length if have is not None else 0,
-                                    COMPLETION_COLUMNS_STEP), prefill,
+                                    STATIC_COMPLETION_STEP), prefill,
                            (max(count, have.mask.shape[0] if have else 0),
                             _rounded(width, have.mask.shape[1] if have else 0,
-                                     PROMPT_COLUMNS_STEP), places))
+                                     STATIC_LENGTH_STEP), places))
         shared = self.shared
         assert shared is not None
         dev = self.device

@@ -73,6 +73,7 @@ from r1fit.memory.planner.facts import (
     PromptShape,
     model_facts,
     prompt_shape,
+    prompts_in_rows,
     run_dtype,
     shard_elements,
     shares_prompt_cache,
@@ -182,14 +183,19 @@ class Plan:
     def usable_bytes(self) -> int:
         return int(self.budget_bytes * (1 - SAFETY_MARGIN))
 
+    def largest(self, key: str) -> int:
+        """The largest ``memory.<key>`` that fits ("micro_batch", "generation_batch",
+        "micro_batch_tokens")."""
+        return {"micro_batch": self.max_micro_batch, "generation_batch": self.max_generation_batch,
+                "micro_batch_tokens": self.max_micro_batch_tokens}[key]
+
     def auto_size(self, key: str) -> int:
         """What ``memory.<key>=auto`` picks on this plan's device ("micro_batch",
         "generation_batch": :func:`even_size` of the largest that fits over the step's rows on
         one GPU; "micro_batch_tokens": the largest that fits)."""
+        largest = self.largest(key)
         if key == "micro_batch_tokens":
-            return self.max_micro_batch_tokens
-        largest = {"micro_batch": self.max_micro_batch,
-                   "generation_batch": self.max_generation_batch}[key]
+            return largest
         return even_size(largest, int(self.details.get("rows_per_gpu", largest)),
                          int(self.details.get("group", 1)))
 
@@ -362,11 +368,10 @@ def faster_fits(plan: Plan, asked: Config, *, device_type: str, gpus: int, kind:
     rows = int(d["rows_per_gpu"])
     tried: list[dict[str, Any]] = []
     sizes: dict[str, Any] = {}
-    for key, largest in (("generation_batch", plan.max_generation_batch),
-                         ("micro_batch", plan.max_micro_batch)):
+    for key in ("generation_batch", "micro_batch"):
         if key == "micro_batch" and d.get("micro_batch_tokens"):
             continue  # packed by tokens: its rows are not what is set
-        even, now = even_size(largest, rows, int(d.get("group", 1))), int(d[key])
+        even, now = plan.auto_size(key), int(d[key])
         if even and -(-rows // even) < -(-rows // now):
             sizes[f"memory.{key}"] = even
             tried.append({f"memory.{key}": even})
@@ -609,8 +614,12 @@ def engine_memory(f: ModelFacts, cfg: Config, stored: int, cuda: bool, budget: i
     return EngineMemory(weights, kv, sleeps=cuda and v.sleep_level > 0)
 
 
-#: the static engine's cache length is rounded up to this many columns (static_engine._fresh)
+#: the static engine's cache length is rounded up to this many columns, in the shared-prompt
+#: layout its prompts' width (r1fit/rollout/static_engine.py reads these; fewer reallocations)
 STATIC_LENGTH_STEP = 64
+#: the shared-prompt layout's completion columns are rounded up to this many (a completion's
+#: budget seldom changes between calls)
+STATIC_COMPLETION_STEP = 16
 
 
 def static_engine_memory(f: ModelFacts, cfg: Config, stored: int, prompt_tokens: int,
@@ -630,9 +639,7 @@ def static_engine_memory(f: ModelFacts, cfg: Config, stored: int, prompt_tokens:
     if shares_prompt_cache(f, cfg):
         # rollout.static.share_prompt: a prompt slot per group of a chunk (one more where a
         # chunk starts inside a group) or per evaluation row, the rows' own completions apart
-        g = cfg.algo.num_generations
-        slots = max(min(generation_rows, -(-generation_rows // g) + (generation_rows % g > 0)),
-                    eval_rows, 1)
+        slots = max(prompts_in_rows(generation_rows, cfg.algo.num_generations), eval_rows, 1)
         kv = (kv_cache_bytes(t, stored, slots, _static_columns(prompt_tokens))
               + kv_cache_bytes(t, stored, rows, _static_columns(completion,
                                                                 STATIC_COMPLETION_STEP)))
@@ -640,11 +647,6 @@ def static_engine_memory(f: ModelFacts, cfg: Config, stored: int, prompt_tokens:
         # one column more: the scratch column an appended tool turn's padding writes to
         kv = kv_cache_bytes(t, stored, rows, _static_columns(prompt_tokens + completion + 1))
     return EngineMemory(weights=backup, kv_cache=kv, graphs=graphs, static=True)
-
-
-#: the shared-prompt layout's completion half is rounded up to this many columns
-#: (static_engine.COMPLETION_COLUMNS_STEP)
-STATIC_COMPLETION_STEP = 16
 
 
 def _static_columns(tokens: int, step: int = STATIC_LENGTH_STEP) -> int:
@@ -1216,12 +1218,17 @@ def _advice(plan: Plan, facts: ModelFacts, asked: Config, view: Callable[[Config
         if switch is head_switch and peak >= smallest_peak({}):
             continue
         verdict = "fits" if peak <= usable else "still does not fit"
-        keys = " ".join(f"{key}={_shown(value)}" for key, value in switch.items())
+        keys = shown_values(switch)
         out.append(f"{keys}: peak {format_bytes(peak)} at micro_batch = "
                    f"generation_batch = 1 ({verdict})")
     if len(out) == listed:
         out.append("nothing left to switch: use a device with more memory or a smaller model")
     return out
+
+
+def shown_values(values: dict[str, Any]) -> str:
+    """Config values as ``key=value`` words, as overrides are written."""
+    return " ".join(f"{key}={_shown(value)}" for key, value in values.items())
 
 
 def _shown(value: Any) -> str:

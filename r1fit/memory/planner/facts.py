@@ -163,6 +163,12 @@ def model_facts(path: str, lora_target: str = "all-linear") -> ModelFacts:
     return _facts(config_folder(path), resolve_model_path(path), path, lora_target)
 
 
+def prompts_in_rows(rows: int, group: int) -> int:
+    """Distinct prompts among ``rows`` consecutive rows of a step whose rows come in groups of
+    ``group`` (one more where the rows start inside a group)."""
+    return min(rows, math.ceil(rows / group) + (1 if rows % group else 0))
+
+
 def shares_prompt_cache(f: ModelFacts, cfg: Config) -> bool:
     """The static engine holds each prompt once for its group (rollout.static.share_prompt on,
     a model without sliding-window layers, single-turn rollouts)."""

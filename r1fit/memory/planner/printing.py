@@ -13,6 +13,7 @@ from r1fit.memory.planner.estimate import (
     PARTS,
     SAFETY_MARGIN,
     Plan,
+    shown_values,
 )
 from r1fit.units import format_bytes, format_seconds
 
@@ -116,9 +117,7 @@ def render_blocks(plan: Plan, cfg: Config) -> list[Any]:
     if plan.faster:
         blocks.append("faster configurations that fit (predicted):")
         blocks.append((("set", "step", "speed-up", "peak"), [
-            (" ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}"
-                      for k, v in x["values"].items()),
-             format_seconds(x["step_seconds"]), f"{x['speedup']:.2f}x",
+            (shown_values(x["values"]), format_seconds(x["step_seconds"]), f"{x['speedup']:.2f}x",
              format_bytes(x["peak_bytes"])) for x in plan.faster], {1, 2, 3}))
     return blocks
 

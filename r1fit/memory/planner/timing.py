@@ -47,7 +47,12 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from r1fit.config import Config
-from r1fit.memory.planner.facts import ModelFacts, PromptShape, shares_prompt_cache
+from r1fit.memory.planner.facts import (
+    ModelFacts,
+    PromptShape,
+    prompts_in_rows,
+    shares_prompt_cache,
+)
 
 if TYPE_CHECKING:  # torch's modules: imported where a plan is timed, not with the planner
     from r1fit.memory.flops import GroupShape, ModelShape
@@ -198,7 +203,7 @@ def prompts_in_chunk(s: TimeShape, rows: int) -> int:
     every row."""
     if not s.shares_prompts:
         return rows
-    return min(rows, math.ceil(rows / s.group) + (1 if rows % s.group else 0))
+    return prompts_in_rows(rows, s.group)
 
 
 def generation_seconds(s: TimeShape, rates: DeviceRates, rows: int, completion: int
