@@ -64,7 +64,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from r1fit.data.batch import Prompt, collate, cut_after_eos, image_inputs
 from r1fit.errors import R1fitError
-from r1fit.memory.planner.estimate import STATIC_COMPLETION_STEP, STATIC_LENGTH_STEP
 from r1fit.models.load import unwrap
 from r1fit.rollout.generate import SamplingSettings, TokenIds, counter_uniforms, sample_rows
 from r1fit.rollout.prefill import (
@@ -136,6 +135,13 @@ def decode_attention_on(config: Any) -> Iterator[None]:
         yield
     finally:
         config._attn_implementation = before
+
+
+#: buffer lengths are rounded up to these many columns (fewer reallocations): the cache, and in
+#: the shared-prompt layout its prompts' width; the shared layout's completion columns (a
+#: completion's budget seldom changes). The planner counts the same (STATIC_LENGTH_STEP,
+#: STATIC_COMPLETION_STEP in r1fit/memory/planner/estimate.py; rollout does not import memory)
+LENGTH_STEP, COMPLETION_STEP = 64, 16
 
 
 def _rounded(need: int, old: int, step: int) -> int:
@@ -720,7 +726,7 @@ class StaticDecoder:
         if n > self.capacity or need > self.length or self.shared is not None:
             # room for the longest prompts seen so far, rounded up: fewer reallocations
             self._allocate(max(batch_size, n, self.capacity),
-                           _rounded(need, self.length, STATIC_LENGTH_STEP), prefill)
+                           _rounded(need, self.length, LENGTH_STEP), prefill)
         for layer, keys, values in zip(prefill.layers, self.keys, self.values):
             kept = int(layer.keys.shape[2])  # a sliding layer keeps its window's last columns
             keys[:n, :, width - kept:width] = layer.keys.index_select(0, index)
@@ -748,10 +754,10 @@ class StaticDecoder:
             # room for the most prompts, widest prompts and longest completions seen so far
             self._allocate(max(batch_size, n, self.capacity if have is not None else 0),
                            _rounded(steps, self.length if have is not None else 0,
-                                    STATIC_COMPLETION_STEP), prefill,
+                                    COMPLETION_STEP), prefill,
                            (max(count, have.mask.shape[0] if have else 0),
                             _rounded(width, have.mask.shape[1] if have else 0,
-                                     STATIC_LENGTH_STEP), places))
+                                     LENGTH_STEP), places))
         shared = self.shared
         assert shared is not None
         dev = self.device

@@ -615,7 +615,7 @@ def engine_memory(f: ModelFacts, cfg: Config, stored: int, cuda: bool, budget: i
 
 
 #: the static engine's cache length is rounded up to this many columns, in the shared-prompt
-#: layout its prompts' width (r1fit/rollout/static_engine.py reads these; fewer reallocations)
+#: layout its prompts' width (r1fit/rollout/static_engine.py's LENGTH_STEP, COMPLETION_STEP)
 STATIC_LENGTH_STEP = 64
 #: the shared-prompt layout's completion columns are rounded up to this many (a completion's
 #: budget seldom changes between calls)
