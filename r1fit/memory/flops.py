@@ -33,26 +33,28 @@ from r1fit.rollout.record import Rollout
 
 # Dense (no sparsity) peak tensor throughput per GPU in TFLOP/s, from the vendors' data sheets:
 # (name fragment as torch.cuda.get_device_name reports it, bf16/fp16, tf32 or fp32 without
-# tensor cores). The first fragment found in the device name wins, so longer names come first.
-GPU_PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
-    ("GB200", 2500.0, 1250.0),
-    ("B200", 2250.0, 1100.0),
-    ("H200", 989.0, 494.0),
-    ("H100 PCIe", 756.0, 378.0),
-    ("H100", 989.0, 494.0),  # SXM
-    ("H800", 989.0, 494.0),
-    ("H20", 148.0, 74.0),
-    ("A100", 312.0, 156.0),
-    ("A800", 312.0, 156.0),
-    ("L40S", 362.0, 183.0),
-    ("L40", 181.0, 90.5),
-    ("L4", 121.0, 60.0),
-    ("A10G", 70.0, 35.0),
-    ("A10", 125.0, 62.5),
-    ("RTX 4090", 165.0, 82.6),
-    ("RTX 3090", 71.0, 35.6),
-    ("V100", 125.0, 15.7),
-    ("T4", 65.0, 8.1),
+# tensor cores, fp32 on the CUDA cores: what torch's float32 products run at while
+# torch.backends.cuda.matmul.allow_tf32 is off, its default). The first fragment found in the
+# device name wins, so longer names come first.
+GPU_PEAK_TFLOPS: tuple[tuple[str, float, float, float], ...] = (
+    ("GB200", 2500.0, 1250.0, 80.0),
+    ("B200", 2250.0, 1100.0, 75.0),
+    ("H200", 989.0, 494.0, 67.0),
+    ("H100 PCIe", 756.0, 378.0, 51.0),
+    ("H100", 989.0, 494.0, 67.0),  # SXM
+    ("H800", 989.0, 494.0, 67.0),
+    ("H20", 148.0, 74.0, 44.0),
+    ("A100", 312.0, 156.0, 19.5),
+    ("A800", 312.0, 156.0, 19.5),
+    ("L40S", 362.0, 183.0, 91.6),
+    ("L40", 181.0, 90.5, 90.5),
+    ("L4", 121.0, 60.0, 30.3),
+    ("A10G", 70.0, 35.0, 31.2),
+    ("A10", 125.0, 62.5, 31.2),
+    ("RTX 4090", 165.0, 82.6, 82.6),
+    ("RTX 3090", 71.0, 35.6, 35.6),
+    ("V100", 125.0, 15.7, 15.7),
+    ("T4", 65.0, 8.1, 8.1),
 )
 
 
@@ -230,12 +232,18 @@ def step_flops(shape: ModelShape, rows: Sequence[RowShape], groups: Sequence[Gro
             "update": updates * sum(update_flops(shape, g) for g in groups)}
 
 
-def gpu_peak_flops(device_name: str, dtype: torch.dtype) -> float | None:
-    """A GPU's dense peak FLOP/s for ``dtype`` (bf16/fp16 on tensor cores, float32 as TF32), or
-    None for a GPU not in ``GPU_PEAK_TFLOPS``."""
-    for fragment, half, single in GPU_PEAK_TFLOPS:
+def gpu_peak_flops(device_name: str, dtype: torch.dtype, *, tf32: bool | None = None
+                   ) -> float | None:
+    """A GPU's dense peak FLOP/s for ``dtype`` (bf16/fp16 on tensor cores; float32 as TF32 where
+    ``tf32``, else on the CUDA cores; None: as torch's ``allow_tf32`` now says), or None for a
+    GPU not in ``GPU_PEAK_TFLOPS``."""
+    if tf32 is None:
+        tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
+    for fragment, half, tensor_single, single in GPU_PEAK_TFLOPS:
         if fragment in device_name:
-            return 1e12 * (half if dtype in (torch.bfloat16, torch.float16) else single)
+            if dtype in (torch.bfloat16, torch.float16):
+                return 1e12 * half
+            return 1e12 * (tensor_single if tf32 else single)
     return None
 
 
@@ -265,7 +273,10 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, 
         name = torch.cuda.get_device_name(device)
         peak = gpu_peak_flops(name, dtype)
         if peak is not None:
-            return peak, f"{name} data sheet"
+            if dtype in (torch.bfloat16, torch.float16):
+                return peak, f"{name} data sheet"
+            tf32 = torch.backends.cuda.matmul.allow_tf32
+            return peak, f"{name} data sheet, {'TF32' if tf32 else 'without TF32 (torch default)'}"
         return measured_peak_flops(device, dtype, size=4096), f"{name}: measured matmul"
     return measured_peak_flops(device, dtype), "measured CPU matmul"
 

@@ -101,7 +101,12 @@ def test_gpus_and_their_data_sheet_peak(monkeypatch):
     assert half_dtype(torch.device("cuda:1")) == torch.float16  # a V100 emulates bfloat16
     peak = peak_flops(torch.device("cuda:0"))
     assert peak["bfloat16"] == {"flops": 989e12, "source": "NVIDIA H100 80GB HBM3 data sheet"}
-    assert peak["float32"]["flops"] == 494e12
+    # float32 on the CUDA cores: TF32 is off, torch's default
+    assert peak["float32"] == {"flops": 67e12, "source": "NVIDIA H100 80GB HBM3 data sheet, "
+                                                         "without TF32 (torch default)"}
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    assert peak_flops(torch.device("cuda:0"))["float32"]["flops"] == 494e12
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     env = collect_env()  # the whole report under the faked CUDA
     assert env["gpus"] == gpus and env["cuda_available"] is True
     text = render_text(env_blocks(env))

@@ -121,7 +121,11 @@ def test_image_patches_from_the_grid_or_the_pixels():
 def test_peaks():
     assert gpu_peak_flops("NVIDIA H100 80GB HBM3", torch.bfloat16) == pytest.approx(989e12)
     assert gpu_peak_flops("NVIDIA H100 PCIe", torch.bfloat16) == pytest.approx(756e12)
-    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", torch.float32) == pytest.approx(156e12)
+    # float32: TF32's tensor-core peak where torch allows it, else the CUDA cores' (its default)
+    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", torch.float32, tf32=True) == pytest.approx(156e12)
+    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", torch.float32, tf32=False) == pytest.approx(19.5e12)
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3", torch.float32) == pytest.approx(
+        494e12 if torch.backends.cuda.matmul.allow_tf32 else 67e12)
     assert gpu_peak_flops("Some New GPU", torch.bfloat16) is None
     assert measured_peak_flops(torch.device("cpu"), torch.float32, size=256, repeats=2) > 1e8
 
