@@ -49,7 +49,10 @@ ones); the whole run stops starting stages when ``--budget`` seconds are spent:
   step 2's seconds per phase and the update's MFU, step 3 profiled
   (report.profile_step: where the update's time goes), the plan with the engine against the
   run's max allocated (target as ``plan``), and the time model's step beside the measured one
-  (target ``TIME_TOLERANCE``, on calibrated rates). Last, the 3B vision tower over the step's 128
+  (target ``TIME_TOLERANCE``, on calibrated rates). Then one micro-batch of that step (8 rows)
+  forward and backward with peft's float32 adapters against bf16 products under autocast
+  (model.lora.compute_dtype=model; benchmarks/adapter_compute.py; target: not slower; it decides
+  that key's default). Last, the 3B vision tower over the step's 128
   images, transformers' per-window sdpa loop against r1fit's one call a layer
   (benchmarks/vision_segments.py; target: not slower). ``--speed-cases`` runs some of the cases.
 - ``fsdp``: the multi-GPU code paths on one card (about 2 minutes): the resume stage's run under
@@ -451,14 +454,17 @@ PROFILE_LINES = 30
 #: ``step`` is the whole GRPO step with the static engine as a run has it (compiled on CUDA)
 SPEED_DECODE = (("3b-lora", True, False, 150), ("3b-lora-compiled", True, True, 150),
                 ("3b-full", False, False, 90))
-SPEED_CASES = (*(case[0] for case in SPEED_DECODE), "step", "vision")
+SPEED_CASES = (*(case[0] for case in SPEED_DECODE), "step", "adapters", "vision")
 #: seconds the vision case may take on a GPU (the tower's build, 2 warm-ups, 6 timed forwards)
 VISION_CAP = 90
 #: seconds a stage keeps before its deadline to write its result (its parts end before)
 STAGE_MARGIN = 10
 #: the cases run unless --speed-cases names others: 3b-full (measured on 2026-11-27: 3.7x HF,
 #: 26% of the roofline) only when asked, to leave the stage's time to the step
-SPEED_DEFAULT = ("3b-lora", "3b-lora-compiled", "step", "vision")
+SPEED_DEFAULT = ("3b-lora", "3b-lora-compiled", "step", "adapters", "vision")
+#: seconds the adapters case may take on a GPU (the 3B model's load, 2 untimed and 6 timed
+#: micro-batches of the speed step's shape)
+ADAPTERS_CAP = 120
 #: the 3b-lora case also times a second turn after a text tool turn of this many tokens
 TURN_TOOL_TOKENS = 256
 #: decode steps of the engine profiled in each speed case (GPU, smoke): where a step's time goes
@@ -538,6 +544,8 @@ def stage_speed(args: argparse.Namespace, work: Path) -> StageResult:
                    roof >= ROOFLINE_TARGET if judged else None)
     if "step" in args.speed_cases:
         speed_step(args, work, result)
+    if "adapters" in args.speed_cases:
+        speed_adapters(args, result)
     if "vision" in args.speed_cases:
         speed_vision(args, result)
     return result
@@ -593,6 +601,52 @@ def speed_step(args: argparse.Namespace, work: Path, result: StageResult) -> Non
                    timing["met"] if gpu and timing["calibrated"] else None)
 
 
+def speed_child(args: argparse.Namespace, result: StageResult, item: str, command: list[str],
+                script: str, cap: int) -> Any:
+    """A speed case's benchmark script in its own process, capped at ``cap`` seconds on a GPU
+    and at what the stage has left (not run under half the cap): its result, or None with a row
+    in ``result`` saying why."""
+    left = seconds_left(args)
+    if left is not None and left < cap / 2:
+        result.add(item, f"not run: {max(left, 0):.0f} s left of the stage")
+        return None
+    try:
+        stdout = run_child(command, item, script, env=child_env(),
+                           timeout=(min(cap, left) if left is not None else cap)
+                           if not args.cpu_smoke else None, log=LOG, group=True)
+    except BenchmarkError as exc:
+        result.add(item, f"FAILED: {exc}", "runs", False)
+        return None
+    return read_result(stdout, script, item)
+
+
+def speed_adapters(args: argparse.Namespace, result: StageResult) -> None:
+    """One micro-batch of the speed step (8 rows of its prompt and 512 tokens, 3B LoRA r=64,
+    bf16) forward and backward with peft's float32 adapters against the model's dtype under
+    autocast (model.lora.compute_dtype; benchmarks/adapter_compute.py): the update's next
+    lever, and the row that decides that key's default."""
+    gpu = not args.cpu_smoke
+    shape = (["--rows", "8", "--prompt-tokens", "446", "--completion-tokens",
+              str(SPEED_GPU["new_tokens"]), "--repeats", "3", "--device", "cuda",
+              "--min-speedup", "1.0"] if gpu else
+             ["--rows", "2", "--prompt-tokens", "16", "--completion-tokens", "8", "--lora-r", "8",
+              "--lora-alpha", "16", "--repeats", "1"])
+    command = [sys.executable, str(benchkit.FOLDER / "adapter_compute.py"),
+               model_path(args, "3b"), *shape]
+    r = speed_child(args, result, "speed adapters", command, "adapter_compute", ADAPTERS_CAP)
+    if r is None:
+        return
+    result.data["adapters"] = r
+    peft_path, autocast = (statistics.median(r["seconds"][k]) for k in ("float32", "model"))
+    peaks = r["peak_bytes"]
+    result.add("speed adapters", f"a micro-batch's forward and backward: float32 adapters "
+               f"{peft_path:.3f} s, bf16 under autocast {autocast:.3f} s: {r['speedup']:.2f}x; "
+               f"peak over the model {peaks['float32'] / MIB:,.0f} vs {peaks['model'] / MIB:,.0f}"
+               f" MiB; log-probs differ by {r['difference']:.3g}, gradients' cosine "
+               f"{r['cosine']:.4f}", ">= 1.0x" + ("" if gpu else " on a GPU"),
+               r["met"] if gpu else None)
+
+
 def speed_vision(args: argparse.Namespace, result: StageResult) -> None:
     """The 3B vision tower over the step's 128 images (bf16, real width), transformers'
     per-window sdpa loop against r1fit's one call a layer (benchmarks/vision_segments.py)."""
@@ -605,18 +659,10 @@ def speed_vision(args: argparse.Namespace, result: StageResult) -> None:
                *(["--device", "cuda", "--dtype", "bfloat16", "--hidden", "0", "--repeats", "3"]
                  if gpu else ["--image-px", "224", "--hidden", "16", "--intermediate", "32",
                               "--repeats", "1"])]
-    left = seconds_left(args)
-    if left is not None and left < VISION_CAP / 2:
-        result.add("speed vision attention", f"not run: {max(left, 0):.0f} s left of the stage")
+    r = speed_child(args, result, "speed vision attention", command, "vision_segments",
+                    VISION_CAP)
+    if r is None:
         return
-    try:
-        stdout = run_child(command, "speed vision", "vision_segments", env=child_env(),
-                           timeout=(min(VISION_CAP, left) if left is not None else VISION_CAP)
-                           if gpu else None, log=LOG, group=True)
-    except BenchmarkError as exc:
-        result.add("speed vision attention", f"FAILED: {exc}", "runs", False)
-        return
-    r = read_result(stdout, "vision_segments", "speed vision")
     result.data["vision"] = r
     loop, batched = (statistics.median(r["seconds"][k]) for k in ("sdpa", SEGMENT_ATTENTION))
     result.add("speed vision attention", f"{images} images: per window {loop:.3f} s a forward "

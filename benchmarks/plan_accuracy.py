@@ -126,6 +126,18 @@ GRID: dict[str, list[str]] = {
     "3b-cut-bf16-lora-kl": [CUT3B, "model.dtype=bfloat16", "model.lora.r=16",
                             "algo.num_generations=8", "memory.micro_batch=4",
                             "algo.max_new_tokens=32", "algo.beta=0.04"],
+    # LoRA whose peak is the update (no checkpointing), with peft's float32 adapters and with
+    # model.lora.compute_dtype=model (bf16 under autocast: its weight copies, the layers' own
+    # inputs saved instead of float32 copies)
+    "3b-cut-bf16-lora-no-ckpt": [CUT3B, "model.dtype=bfloat16", "model.lora.r=16",
+                                 "algo.num_generations=8", "memory.micro_batch=8",
+                                 "algo.max_new_tokens=32", "algo.beta=0",
+                                 "memory.gradient_checkpointing=false"],
+    "3b-cut-bf16-lora-no-ckpt-autocast": [CUT3B, "model.dtype=bfloat16", "model.lora.r=16",
+                                          "model.lora.compute_dtype=model",
+                                          "algo.num_generations=8", "memory.micro_batch=8",
+                                          "algo.max_new_tokens=32", "algo.beta=0",
+                                          "memory.gradient_checkpointing=false"],
     "3b-cut-bf16-112px-mu2": [CUT3B, "model.dtype=bfloat16", "algo.num_generations=4",
                               "memory.micro_batch=2", "algo.max_new_tokens=16", "algo.beta=0",
                               "algo.num_iterations=2", "data.shapes.image_size=112",

@@ -49,6 +49,13 @@ class LoraConfig:
     dropout: float = opt(0.0, "Dropout on the LoRA input.", ge=0, le=1)
     target: str = opt("all-linear", "Language-model linear layers to adapt: 'all-linear' or a "
                       "comma-separated list of module names such as 'q_proj,v_proj'.")
+    compute_dtype: Literal["float32", "model"] = opt(
+        "float32", "What the adapters compute in during training forwards (log-prob passes and "
+        "updates). Their weights, gradients and AdamW states stay float32 either way. 'float32' "
+        "(peft's own): each adapted Linear casts its input to float32 and adds its product in "
+        "float32. 'model': bfloat16 (float16) products under torch.autocast, as mixed-precision "
+        "trainers run them; less memory traffic and tensor-core products on a 16-bit model, "
+        "not yet measured on a GPU. Changes nothing on a float32 model.")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from r1fit.config import ModelConfig
 from r1fit.distributed.parallelize import materialize, parallelize
-from r1fit.models.load import load_frozen, load_policy
+from r1fit.models.load import adapter_autocast_dtype, load_frozen, load_policy
 from r1fit.models.logprobs import CompletionLogProbs
 from r1fit.processes import world
 
@@ -38,8 +38,9 @@ def load_on_ranks(build: Callable[[Any], tuple[Any, Any]], device: torch.device,
 def load_policy_on_ranks(m: ModelConfig, device: torch.device, *,
                          activation_checkpointing: bool, checkpoint_every: int = 1
                          ) -> tuple[Any, Any, Any]:
-    """The trainable policy of ``model.*`` (LoRA or full), its processor and its log-prob root."""
-    return load_on_ranks(
+    """The trainable policy of ``model.*`` (LoRA or full), its processor and its log-prob root
+    (whose adapters compute as ``model.lora.compute_dtype`` says)."""
+    model, processor, root = load_on_ranks(
         lambda where: load_policy(m.path, device=where, lora_r=m.lora.r, lora_alpha=m.lora.alpha,
                                   lora_dropout=m.lora.dropout, lora_target=m.lora.target,
                                   freeze_vision=m.freeze_vision, dtype=m.dtype,
@@ -47,6 +48,8 @@ def load_policy_on_ranks(m: ModelConfig, device: torch.device, *,
                                   attn_implementation=m.attn_implementation),
         device, activation_checkpointing=activation_checkpointing,
         checkpoint_every=checkpoint_every)
+    root.adapter_dtype = adapter_autocast_dtype(model, m.lora.compute_dtype)
+    return model, processor, root
 
 
 def load_frozen_copy(m: ModelConfig, device: torch.device,

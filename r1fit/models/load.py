@@ -340,6 +340,17 @@ def compute_dtype(model: nn.Module) -> torch.dtype:
     return next(p for p in model.parameters() if p.is_floating_point()).dtype
 
 
+def adapter_autocast_dtype(model: nn.Module, compute: str) -> torch.dtype | None:
+    """The dtype LoRA's adapters compute in under ``torch.autocast`` (``model.lora.compute_dtype``
+    'model' on a bfloat16 or float16 peft model: its own dtype), or None where peft's path stands
+    (its float32 adapters cast their input to float32: 'float32', full fine-tuning, a float32
+    model)."""
+    if compute != "model" or not isinstance(model, PeftModel):
+        return None
+    dtype = compute_dtype(model)
+    return dtype if dtype in (torch.bfloat16, torch.float16) else None
+
+
 def is_16_bit(model: nn.Module) -> bool:
     """Whether the model computes in bfloat16 or float16, where rounding between batch shapes is
     far larger than in float32 (the exactness checks of shared prompts take wider bounds)."""

@@ -9,10 +9,11 @@ of the policy comes from the same chunks when asked for (:func:`completion_logpr
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
+from peft.helpers import disable_input_dtype_casting
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
@@ -34,11 +35,15 @@ class CompletionLogProbs(nn.Module):
     A module rather than a function so that it can be the FSDP root (see
     :mod:`r1fit.distributed.parallelize`): its forward is the one call the loops make, so FSDP
     gathers the root's parameters (LM head, embeddings) around it, and the LM head's weight is used
-    directly in chunks without ever building the [tokens x vocab] logits."""
+    directly in chunks without ever building the [tokens x vocab] logits.
 
-    def __init__(self, model: nn.Module) -> None:
+    ``adapter_dtype``: LoRA's adapters compute in it under ``torch.autocast`` in the backbone's
+    forward (``model.lora.compute_dtype=model``; :func:`adapters_in`); None: as peft has them."""
+
+    def __init__(self, model: nn.Module, adapter_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.model = model
+        self.adapter_dtype = adapter_dtype
 
     def forward(self, batch: Batch | PackedGroups, chunk_size: int, temperature: float = 1.0,
                 entropy: bool = False, into_grad: bool = False, token_loss: TokenLoss | None = None
@@ -56,8 +61,9 @@ class CompletionLogProbs(nn.Module):
         the log-probs and entropies detached)."""
         backbone, head = lm_backbone_and_head(self.model)
         into_grad = into_grad and not isinstance(self, FSDPModule)  # FSDP owns sharded .grads
-        with _embedding_into_grad(self.model, into_grad):
-            hidden = backbone(**batch.inputs)
+        with _embedding_into_grad(self.model, into_grad), adapters_in(self.model,
+                                                                       self.adapter_dtype):
+            hidden = backbone(**batch.inputs)  # the head's float32 work stays out of autocast
         if isinstance(batch, PackedGroups):
             predicting = batch.predicting(hidden)
         else:
@@ -120,6 +126,34 @@ def completion_loss(model: Any, batch: Batch | PackedGroups, token_loss: TokenLo
     :meth:`CompletionLogProbs.forward`."""
     module = model if isinstance(model, CompletionLogProbs) else CompletionLogProbs(model)
     return module(batch, chunk_size, temperature, entropy, into_grad, token_loss)
+
+
+@contextmanager
+def adapters_in(model: nn.Module, dtype: torch.dtype | None, *, forward: bool = True
+                ) -> Iterator[None]:
+    """peft's LoRA adapters computing in ``dtype`` (None: nothing changes): their cast of the
+    input to their own float32 off and, in a ``forward``, ``torch.autocast`` to ``dtype``, so
+    their products run in it from float32 weights whose gradients stay float32. A backward
+    (``forward=False``) takes the cast off too: gradient checkpointing recomputes a layer's
+    forward there, under the autocast state it saved (:func:`adapter_backward`)."""
+    if dtype is None:
+        yield
+        return
+    device = next(model.parameters()).device.type
+    with disable_input_dtype_casting(model):
+        if not forward:
+            yield
+            return
+        with torch.autocast(device, dtype=dtype):
+            yield
+
+
+def adapter_backward(model: Any) -> Any:
+    """The context a backward through ``model`` (a :class:`CompletionLogProbs` root) runs in:
+    :func:`adapters_in` for its ``adapter_dtype``; nothing for any other model."""
+    if not isinstance(model, CompletionLogProbs):
+        return nullcontext()
+    return adapters_in(model.model, model.adapter_dtype, forward=False)
 
 
 @contextmanager

@@ -45,7 +45,11 @@ from r1fit.memory.flops import flops_metrics
 from r1fit.memory.guard import OOMGuard
 from r1fit.memory.telemetry import reset_peak, step_memory, tensor_probe_on, warn_if_fragmented
 from r1fit.models.load import Reference
-from r1fit.models.logprobs import completion_logprobs_and_entropy, completion_loss
+from r1fit.models.logprobs import (
+    adapter_backward,
+    completion_logprobs_and_entropy,
+    completion_loss,
+)
 from r1fit.processes import all_sum
 from r1fit.progress import progress_bar
 from r1fit.report.html import LiveReport
@@ -408,7 +412,8 @@ def accumulate_policy_gradients(run: Run, rollout: Rollout, *, loss: LossSetting
                 entropy=entropy if loss.entropy_coef else None, generator=generator)
         if fused_loss is not None:
             value = fused_loss
-        value.backward()
+        with adapter_backward(run.policy):
+            value.backward()
         if capture_old:
             captured.extend(logp.detach().cpu())
         if sums.get("engine_logp_abs_diff") is not None:

@@ -205,6 +205,11 @@ def start_run(cfg: Config, kind: str) -> Run:
     log.info("%s run: model %s (%.2fM params, %.2fM trainable) on %s -> %s", kind,
              cfg.model.path + (f" resumed from {resume.path}" if resume else ""), total / 1e6,
              trainable / 1e6, device, out)
+    if cfg.model.lora.r and cfg.model.lora.compute_dtype == "model":
+        log.info("model.lora.compute_dtype=model: %s", f"the adapters' products in "
+                 f"{str(policy.adapter_dtype).removeprefix('torch.')} under torch.autocast "
+                 f"(float32 weights, gradients and AdamW states)" if policy.adapter_dtype else
+                 "changes nothing on a float32 model (the adapters compute in float32)")
     if preset := cfg.applied_preset():
         log.info("preset %s (config key preset=%s): its values (r1fit/presets/%s.yaml) stand under "
                  "the config file and overrides; `r1fit config` shows each key's source", preset,

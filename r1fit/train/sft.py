@@ -29,7 +29,7 @@ from r1fit.data.errors import BadRowError, DataError
 from r1fit.data.sample import Sample
 from r1fit.memory.telemetry import reset_peak, step_memory
 from r1fit.models.load import special_token_ids
-from r1fit.models.logprobs import completion_logprobs, completion_loss
+from r1fit.models.logprobs import adapter_backward, completion_logprobs, completion_loss
 from r1fit.models.prefix import PackedGroups
 from r1fit.processes import all_sum
 from r1fit.progress import progress_bar
@@ -265,7 +265,8 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool,
                         loss = micro_batch_loss(run.policy, batch, total_tokens,
                                                 fused=cfg.fuses_loss(sft=True),
                                                 chunk_size=cfg.head_chunk(sft=True))
-                        loss.backward()
+                        with adapter_backward(run.policy):
+                            loss.backward()
                         loss_sum += loss.item()
                 return loss_sum
 

@@ -209,7 +209,7 @@ def test_the_resume_and_detcost_stages_wire_the_doctors_runs(monkeypatch, tmp_pa
 def test_the_smoke_runs_every_stage_with_numbers(tmp_path, capsys):
     # the compiled speed case (torch.compile: ~25 s on CPU) is tested in tests/rollout
     status = gc.main(["--cpu-smoke", "--out", str(tmp_path), "--only", *SMOKED,
-                      "--speed-cases", "3b-lora", "3b-full", "step", "vision"])
+                      "--speed-cases", "3b-lora", "3b-full", "step", "adapters", "vision"])
     printed = capsys.readouterr().out
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     # every target the smoke holds is met: OOM recovery, auto-fit (the
@@ -266,6 +266,10 @@ def test_the_smoke_runs_every_stage_with_numbers(tmp_path, capsys):
     # share_prefix=auto's decision, with its numbers, and the vision tower's two attentions
     assert speed["3b-lora-step"]["share_prefix_lines"][0].startswith(
         "memory.share_prefix=auto: on")
+    # a micro-batch with the adapters in float32 and in bfloat16 under autocast, both timed
+    adapters = speed["adapters"]
+    assert all(s > 0 for k in ("float32", "model") for s in adapters["seconds"][k])
+    assert adapters["cosine"] > 0.99 and adapters["difference"] < 0.1
     vision = speed["vision"]
     assert vision["calls"]["r1fit_flash_layout_sdpa"] == 32 < vision["calls"]["sdpa"]
     assert vision["difference"] < 1e-5
@@ -285,6 +289,18 @@ def test_a_stage_child_gets_its_deadline_and_its_parts_keep_a_margin(monkeypatch
     child = gc.parse_args(["--out", "x", "--deadline", "1420"])
     assert gc.seconds_left(child) == 420 - gc.STAGE_MARGIN
     assert gc.seconds_left(args) is None
+
+
+def test_a_speed_case_without_the_time_for_it_is_not_run(monkeypatch):
+    """A speed case with under half its cap left of the stage says so and starts nothing."""
+    monkeypatch.setattr(gc.time, "time", lambda: 1000.0)
+    args = gc.parse_args(["--out", "x", "--deadline", str(1000.0 + gc.STAGE_MARGIN + 40)])
+    monkeypatch.setattr(gc, "run_child", lambda *a, **k: pytest.fail("a child was started"))
+    result = gc.StageResult()
+    gc.speed_adapters(args, result)
+    assert [(r.item, r.value) for r in result.rows] == [("speed adapters",
+                                                         "not run: 40 s left of the stage")]
+    assert "adapters" not in result.data
 
 
 def test_a_plan_takes_the_sharing_its_run_chose(use_tiny_cache, tmp_path):

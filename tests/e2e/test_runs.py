@@ -73,6 +73,30 @@ def test_grpo_lora_with_kl_and_reused_rollouts(use_tiny_cache, tmp_path):
     assert (out / "final" / "adapter_model.safetensors").is_file()
 
 
+def test_lora_adapters_in_bfloat16_train_in_grpo_and_sft(use_tiny_cache, tmp_path, caplog):
+    """model.lora.compute_dtype=model on a bfloat16 model: GRPO (with reused rollouts and KL) and
+    SFT run, say what the adapters compute in, and train them (lora_B starts at 0)."""
+    from safetensors.torch import load_file
+
+    caplog.set_level("INFO", logger="r1fit")
+    lora = ["model.dtype=bfloat16", "model.lora.r=4", "model.lora.compute_dtype=model",
+            "train.learning_rate=5e-2"]
+    out = tmp_path / "grpo"
+    assert run_cli("train", f"train.output_dir={out}", *SMALL, *lora, "algo.beta=0.05",
+                   "algo.num_iterations=2", "train.max_steps=2") == 0
+    assert all(math.isfinite(r["loss"]) for r in step_rows(out))
+    assert "the adapters' products in bfloat16 under torch.autocast" in caplog.text
+    sft = tmp_path / "sft"
+    assert run_cli("sft", f"train.output_dir={sft}", *lora, "sft.steps=2", "sft.batch_size=4",
+                   "data.eval_size=4", "data.shapes.train_size=50", "data.max_pixels=3136",
+                   "data.shapes.image_size=56") == 0
+    for folder in (out, sft):
+        weights = load_file(folder / "final" / "adapter_model.safetensors")
+        b = [w for name, w in weights.items() if "lora_B" in name]
+        assert b and any(w.abs().sum() > 0 for w in b)
+        assert all(w.dtype == torch.float32 for w in weights.values())
+
+
 def test_full_finetuning_kl_reference_is_the_warmed_up_policy(use_tiny_cache, tmp_path):
     out = tmp_path / "run"
     assert run_cli("train", f"train.output_dir={out}", *SMALL, "algo.beta=0.1") == 0

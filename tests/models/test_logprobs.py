@@ -54,3 +54,125 @@ def test_entropy_equals_full_logits_with_exact_gradients(float64_tiny):
             continue
         torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-10)
     assert any(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+# --- model.lora.compute_dtype: the adapters' products in the model's dtype under autocast
+
+
+def bf16_lora(tiny_dir, checkpointing: bool = True):
+    """builtin:tiny in bfloat16 with LoRA r=8 whose B matrices are not zero (the adapters count),
+    3 builtin:shapes prompts x 2 rows with completions of different lengths, collated."""
+    from r1fit.data.batch import encode_prompts
+    from r1fit.data.dataset import load_dataset
+    from r1fit.models.load import load_policy
+
+    from ..conftest import random_completions
+
+    torch.manual_seed(0)
+    model, processor = load_policy(str(tiny_dir), lora_r=8, lora_alpha=16, lora_dropout=0.0,
+                                   lora_target="all-linear", freeze_vision=False,
+                                   dtype="bfloat16", device="cpu",
+                                   gradient_checkpointing=checkpointing)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    data = load_dataset("builtin:shapes", split="train", min_pixels=784, max_pixels=3136,
+                        max_images=1, max_bad_fraction=0.0, seed=0, size=16)
+    prompts = encode_prompts(processor, [data[i] for i in (0, 1, 2)], "Think, then answer.")
+    rows = [p for p in prompts for _ in range(2)]
+    completions = random_completions(len(processor.tokenizer), [3 + (i * 5) % 7 for i in range(6)])
+    return model, collate(rows, completions, special_token_ids(model, processor)["pad"])
+
+
+def adapter_dtypes(model) -> tuple[list, object]:
+    """Hooks recording (input dtype, output dtype) of every lora_A call; (the list, remover)."""
+    seen: list = []
+    handles = [m.register_forward_hook(lambda m, a, o: seen.append((a[0].dtype, o.dtype)))
+               for name, m in model.named_modules() if name.endswith("lora_A.default")]
+    return seen, lambda: [h.remove() for h in handles]
+
+
+def test_which_models_compute_adapters_in_their_dtype(tiny_dir):
+    from r1fit.models.load import adapter_autocast_dtype, load_policy
+
+    model, _ = bf16_lora(tiny_dir)
+    assert adapter_autocast_dtype(model, "model") == torch.bfloat16
+    assert adapter_autocast_dtype(model, "float32") is None
+    full, _ = load_policy(str(tiny_dir), lora_r=0, lora_alpha=16, lora_dropout=0.0,
+                          lora_target="all-linear", freeze_vision=False, dtype="bfloat16",
+                          device="cpu", gradient_checkpointing=False)
+    assert adapter_autocast_dtype(full, "model") is None  # no adapters
+    fp32, _ = load_policy(str(tiny_dir), lora_r=8, lora_alpha=16, lora_dropout=0.0,
+                          lora_target="all-linear", freeze_vision=False, dtype="float32",
+                          device="cpu", gradient_checkpointing=False)
+    assert adapter_autocast_dtype(fp32, "model") is None  # float32 already: nothing to change
+
+
+def test_adapters_compute_in_bfloat16_from_float32_weights(tiny_dir):
+    """compute_dtype=model: every adapter's product takes and gives bfloat16 (peft's own path
+    float32); its weights and gradients stay float32; the log-probs move by bfloat16 rounding
+    only, and the gradients point the same way."""
+    from r1fit.models.logprobs import CompletionLogProbs, adapter_backward
+
+    model, batch = bf16_lora(tiny_dir)
+    adapters = [p for n, p in model.named_parameters() if "lora_" in n]
+    assert adapters and all(p.dtype == torch.float32 for p in adapters)
+    results = {}
+    for dtype in (None, torch.bfloat16):
+        root = CompletionLogProbs(model, adapter_dtype=dtype)
+        seen, remove = adapter_dtypes(model)
+        model.zero_grad(set_to_none=True)
+        logp = completion_logprobs(root, batch, chunk_size=5)
+        with adapter_backward(root):
+            logp.sum().backward()
+        remove()
+        want = torch.float32 if dtype is None else torch.bfloat16
+        assert seen and all(pair == (want, want) for pair in seen), seen[:3]
+        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in adapters)
+        assert logp.dtype == torch.float32  # the head computes in float32 either way
+        results[dtype] = logp.detach(), torch.cat([p.grad.flatten() for p in adapters])
+    (logp32, grad32), (logp16, grad16) = results[None], results[torch.bfloat16]
+    mask = batch.completion_mask.bool()
+    assert not torch.equal(logp32[mask], logp16[mask])  # the products did change
+    torch.testing.assert_close(logp16, logp32, rtol=0, atol=0.05)
+    assert torch.nn.functional.cosine_similarity(grad16.double(), grad32.double(), dim=0) > 0.99
+    # the cast is peft's again after the context
+    assert all(m.cast_input_dtype_enabled for n, m in model.named_modules() if hasattr(
+        m, "cast_input_dtype_enabled"))
+
+
+def test_an_adapted_linear_is_the_hand_computed_bfloat16_sum(tiny_dir):
+    """Under the context an adapted Linear gives exactly base(x) + B(A(x)) * scale, every product
+    and the sum in bfloat16 from the float32 weights rounded to bfloat16."""
+    from r1fit.models.logprobs import adapters_in
+
+    model, _ = bf16_lora(tiny_dir)
+    layer = next(m for n, m in model.named_modules() if n.endswith("q_proj")
+                 and hasattr(m, "lora_A"))
+    x = torch.randn(5, layer.in_features, dtype=torch.bfloat16)
+    with adapters_in(model, torch.bfloat16):
+        got = layer(x)
+    a = layer.lora_A["default"].weight.to(torch.bfloat16)
+    b = layer.lora_B["default"].weight.to(torch.bfloat16)
+    want = layer.base_layer(x) + torch.nn.functional.linear(
+        torch.nn.functional.linear(x, a), b) * layer.scaling["default"]
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+
+
+def test_checkpointing_recomputes_the_adapters_exactly(tiny_dir):
+    """Gradient checkpointing recomputes each layer in backward under the forward's autocast and
+    without peft's cast: the adapters' gradients equal those of a run that keeps activations."""
+    from r1fit.models.logprobs import CompletionLogProbs, adapter_backward
+
+    grads = []
+    for checkpointing in (False, True):
+        model, batch = bf16_lora(tiny_dir, checkpointing=checkpointing)
+        root = CompletionLogProbs(model, adapter_dtype=torch.bfloat16)
+        logp = completion_logprobs(root, batch, chunk_size=5)
+        with adapter_backward(root):
+            logp.sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for n, p in model.named_parameters()
+                                if "lora_" in n]))
+    assert grads[0].abs().sum() > 0
+    assert torch.equal(grads[0], grads[1])

@@ -123,7 +123,8 @@ CUBLAS_THREADS = 2
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 PARTS = ("weights", "gradients", "optimizer", "reference", "all_gather", "reduce_scatter",
-         "activations", "logits_chunk", "vision", "unsharded_weights", "generation",
+         "activations", "adapter_copies", "logits_chunk", "vision", "unsharded_weights",
+         "generation",
          "engine_weights", "engine_kv_cache", "engine_graphs", "inputs", "workspaces", "overhead")
 #: Parts that exist only under FSDP (--gpus > 1); 0, and not printed, on one GPU.
 FSDP_PARTS = ("all_gather", "reduce_scatter", "unsharded_weights")
@@ -361,7 +362,8 @@ def faster_fits(plan: Plan, asked: Config, *, device_type: str, gpus: int, kind:
     """Configurations of ``asked`` that fit the same device and that the time model predicts
     at least :data:`FASTER_BY` faster than ``plan``, fastest first (at most
     :data:`FASTER_SHOWN`): fewer generation chunks or micro-batches (each at the size ``auto``
-    would pick), both, gradient checkpointing off, the static engine where Hugging Face generate
+    would pick), both, gradient checkpointing off, LoRA's adapters computing in a 16-bit
+    model's dtype (alone and with those sizes), the static engine where Hugging Face generate
     runs on one GPU. Each: its config ``values``, ``step_seconds``, ``speedup`` and
     ``peak_bytes``."""
     d = plan.details
@@ -379,6 +381,12 @@ def faster_fits(plan: Plan, asked: Config, *, device_type: str, gpus: int, kind:
         tried.append(dict(sizes))
     if asked.memory.gradient_checkpointing is True:
         tried.append({"memory.gradient_checkpointing": False})
+    if (asked.model.lora.r and asked.model.lora.compute_dtype == "float32"
+            and d.get("dtype") in ("bfloat16", "float16")):
+        # peft's float32 adapters on a 16-bit model: their products in the model's dtype
+        tried.append({"model.lora.compute_dtype": "model"})
+        if sizes:
+            tried.append({**sizes, "model.lora.compute_dtype": "model"})
     static_possible = (device_type == "cuda" and gpus == 1 and kind == "grpo"
                        and asked.model.attn_implementation in ("sdpa", "eager"))
     if d.get("engine") == "hf" and static_possible:
@@ -488,7 +496,9 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
                      rows_per_gpu=s.rows, gpus=s.gpus, packed_tokens=s.tokens,
                      flash=cfg.model.attn_implementation.startswith("flash"),
                      fused_loss=cfg.fuses_loss(),
-                     share_prefill=cfg.rollout.engine == "hf" and cfg.rollout.share_prefill is True)
+                     share_prefill=cfg.rollout.engine == "hf" and cfg.rollout.share_prefill is True,
+                     adapters_in_dtype=(lora and stored < F32
+                                        and cfg.model.lora.compute_dtype == "model"))
     engine_name, engine_why = resolve_engine(cfg.rollout.engine, device_type=device_type,
                                              distributed=s.gpus > 1,
                                              attention=cfg.model.attn_implementation)
@@ -536,13 +546,16 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
     # rollout's old log-probs come from the first update's own forwards)
     if cfg.algo.beta > 0 or cfg.algo.kl_in_reward:
         phases["log-probs"] = (persistent + training + buffers.all_gather
-                               + logprobs_bytes(step, s.micro, chunk))
+                               + logprobs_bytes(step, s.micro, chunk)
+                               # the policy's pass (kl_in_reward) runs its adapters
+                               + (step.adapter_copies if cfg.algo.kl_in_reward else 0))
     allocated = max(phases.values())
     phases = {k: x + cuda_overhead(x, cuda) for k, x in phases.items()}
     parts = {"weights": states.weights, "gradients": states.gradients,
              "optimizer": states.optimizer, "reference": states.reference,
              "all_gather": buffers.all_gather, "reduce_scatter": buffers.reduce_scatter,
              "activations": update.activations.kept(s.checkpointing),
+             "adapter_copies": step.adapter_copies,
              "logits_chunk": update.logits_chunk, "vision": update.vision,
              "unsharded_weights": buffers.unsharded_weights, "generation": generation,
              "engine_weights": engine.weights, "engine_kv_cache": engine.kv_cache,
@@ -804,6 +817,9 @@ class StepShape:
     #: rollout.share_prefill=true: a generation chunk prefills each prompt it touches once
     #: (r1fit/rollout/prefill.py)
     share_prefill: bool = False
+    #: model.lora.compute_dtype=model on a 16-bit model: the adapters compute in ``b`` bytes
+    #: under torch.autocast, from its copies of their float32 weights
+    adapters_in_dtype: bool = False
     #: with tools: the vision patches of one trajectory's images (:func:`trajectory_patches`),
     #: which every row of a micro-batch runs through the tower on its own; None: a row's images
     #: are its prompt's
@@ -821,6 +837,19 @@ class StepShape:
     @property
     def lora(self) -> bool:
         return self.lora_r > 0
+
+    @property
+    def adapter_bytes(self) -> int:
+        """Bytes of the element the adapters compute in: float32 as peft has them (their input
+        cast up), the model's with ``model.lora.compute_dtype=model``."""
+        return self.b if self.adapters_in_dtype else ADAPTER_BYTES
+
+    @property
+    def adapter_copies(self) -> int:
+        """Bytes of autocast's copies of the adapter weights in the model's dtype, held from an
+        adapter's first product in a forward to its end (and, kept for backward, beyond)."""
+        return (self.b * self.lora_r * self.facts.lora_in_plus_out
+                if self.lora and self.adapters_in_dtype else 0)
 
     @property
     def length(self) -> int:
@@ -981,7 +1010,8 @@ def lm_activations(step: StepShape, rows: int, checkpointed: int | None = None) 
     layer = layer_saved_per_token(t, b, lora_targets=f.lora_targets if step.lora else None,
                                   lora_r=step.lora_r, mask_len=0 if step.mask == "none" else T,
                                   eager_len=T if step.eager else 0,
-                                  mask_copy=step.mask == "padding")
+                                  mask_copy=step.mask == "padding",
+                                  adapter_bytes=step.adapter_bytes)
     outside = (2 * b * t.head_dim * t.rotary_sets  # rotary cos/sin, alive for every layer
                + F32 * H + F32 + (t.norm_product_bytes(b) * H if not step.lora else 0))  # final norm
     # the mask shared by the layers: boolean padding, or the packing's additive [T x T] per row
@@ -1125,7 +1155,9 @@ def update_bytes(step: StepShape, s: Sizes, states: States, fsdp: FsdpBuffers,
     # from the second micro-batch on, every .grad exists
     grads_before = states.gradients if s.micro_batches > 1 else 0
     pixels = pixel_bytes(step.facts.vision, step.training_patches(m))
-    before = grads_before + pixels + fsdp.all_gather
+    # autocast's copies of the adapters (compute_dtype=model): made in the forward, kept for
+    # its backward (all of them without checkpointing; with it, until the forward ends)
+    before = grads_before + pixels + fsdp.all_gather + step.adapter_copies
     vision_saved = vision if step.vision_trains else 0  # kept for the tower's backward
     peak = max(
         # the vision tower (its backward, or no-grad forward)

@@ -32,7 +32,7 @@ F32 = 4
 
 def layer_saved_per_token(t: TextDims, b: int, *, lora_targets: tuple[str, ...] | None = None,
                           lora_r: int = 0, mask_len: int = 0, eager_len: int = 0,
-                          mask_copy: bool = True) -> int:
+                          mask_copy: bool = True, adapter_bytes: int = ADAPTER_BYTES) -> int:
     """Bytes one decoder layer saves for backward per token (no checkpointing).
 
     ``b``: bytes of the model dtype. ``lora_targets``: None for full fine-tuning, else the adapted
@@ -40,7 +40,9 @@ def layer_saved_per_token(t: TextDims, b: int, *, lora_targets: tuple[str, ...] 
     the KV heads repeated to all query heads (transformers' repeat_kv) and saves its own float
     copy of the boolean mask, one row of ``mask_len`` per token (``mask_copy`` False: the mask
     is additive in the model's dtype already, and SDPA saves it without a copy). ``eager_len``:
-    the sequence length under eager attention. Checked against saved-tensor hooks (tests/memory).
+    the sequence length under eager attention. ``adapter_bytes``: of the element the adapters
+    compute in (float32 as peft has them; ``b`` with ``model.lora.compute_dtype=model``).
+    Checked against saved-tensor hooks (tests/memory).
     """
     H, inter = t.hidden, t.intermediate
     kv = t.q_dim if mask_len and t.kv_heads < t.heads else t.kv_dim
@@ -70,13 +72,13 @@ def layer_saved_per_token(t: TextDims, b: int, *, lora_targets: tuple[str, ...] 
         hits = sum(name in lora_targets for name in names)
         if not hits:
             continue  # a frozen Linear saves nothing for its weight
-        if ADAPTER_BYTES == b:
+        if adapter_bytes == b:
             # lora_A saves the input itself, shared by the layers reading it; o_proj's input is
             # SDPA's output, counted above
             saved += 0 if names == ("o_proj",) else b * width
         else:
-            saved += ADAPTER_BYTES * width * hits  # peft casts the input to float32, per layer
-    return saved + ADAPTER_BYTES * lora_r * len(lora_targets)  # lora_A outputs
+            saved += adapter_bytes * width * hits  # peft casts the input to float32, per layer
+    return saved + adapter_bytes * lora_r * len(lora_targets)  # lora_A outputs
 
 
 def layer_forward_temp_per_token(t: TextDims, b: int) -> int:

@@ -21,7 +21,9 @@ _LABELS = {"weights": "weights", "gradients": "gradients", "optimizer": "optimiz
            "reference": "reference model",
            "all_gather": "FSDP all-gather buffers (root + 2 units)",
            "reduce_scatter": "FSDP reduce-scatter buffer (one unit's gradients)",
-           "activations": "activations (one micro-batch)", "logits_chunk": "LM head chunk",
+           "activations": "activations (one micro-batch)",
+           "adapter_copies": "LoRA adapters in the model's dtype (autocast's copies)",
+           "logits_chunk": "LM head chunk",
            "vision": "vision encoder (one micro-batch)",
            "unsharded_weights": "FSDP unsharded weights (the whole policy)",
            "generation": "generation (KV cache + logits)",
@@ -36,7 +38,8 @@ _STATIC_LABELS = {"engine_weights": "static engine: base weights kept while LoRA
 _STATIC_WHEN = {"engine_weights": "generation", "generation": "generation"}
 _WHEN = {"weights": "always", "gradients": "update", "optimizer": "always", "reference": "always",
          "all_gather": "log-probs, update", "reduce_scatter": "update",
-         "activations": "update", "logits_chunk": "update", "vision": "update",
+         "activations": "update", "adapter_copies": "update", "logits_chunk": "update",
+         "vision": "update",
          "unsharded_weights": "generation", "generation": "generation",
          "engine_weights": "always", "engine_kv_cache": "always", "engine_graphs": "always",
          "inputs": "step",
@@ -165,6 +168,8 @@ def _part_rows(plan: Plan, cfg: Config, engine: str) -> list[tuple[str, str, str
             continue  # no LoRA: nothing is merged
         if name == "engine_graphs" and not static:
             continue  # the static engine's alone (vLLM's graphs are in its own pool)
+        if name == "adapter_copies" and not plan.parts[name]:
+            continue  # model.lora.compute_dtype=model on a 16-bit model alone
         size = plan.parts[name]
         label = _STATIC_LABELS.get(name, _LABELS[name]) if static else _LABELS[name]
         if gpus > 1 and name in ("weights", "gradients", "optimizer", "reference"):

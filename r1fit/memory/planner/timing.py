@@ -51,6 +51,7 @@ from r1fit.memory.planner.facts import (
     ModelFacts,
     PromptShape,
     prompts_in_rows,
+    run_dtype,
     shares_prompt_cache,
 )
 
@@ -65,6 +66,12 @@ SCORE_SECONDS_PER_ROW = 1e-4
 ADAM_MOMENT_BYTES = 16
 #: kernels peft adds per adapted Linear in an unmerged forward (dropout, A, B, scaled add)
 LORA_KERNELS = 4
+#: bytes peft's float32 adapters on a 16-bit model move per token beyond adapters computing in
+#: the model's dtype, as (per input, per output element) of an adapted Linear, in a forward and
+#: in a backward: the input's float32 copy, the float32 product, scaling and sum, the cast back
+#: and their gradients. Counted op by op over peft's Linear (tests/memory/planner/test_timing.py)
+CAST_FORWARD_BYTES = (8, 16)
+CAST_BACKWARD_BYTES = (10, 20)
 #: phases in the order a step runs them
 PHASES = ("generate", "score", "logprobs", "update", "checkpoint")
 
@@ -127,6 +134,12 @@ class TimeShape:
     #: the static engine holds a group's prompt once (rollout.static.share_prompt): a decode
     #: step reads each prompt's keys and values once, not once per row
     prompt_cache_shared: bool = False
+    #: LoRA's float32 adapters on a 16-bit model as peft runs them (model.lora.compute_dtype
+    #: float32): their products in float32, their input cast up; over ``lora_in`` input and
+    #: ``lora_out`` output elements per token (every adapted Linear's, all layers)
+    adapter_cast: bool = False
+    lora_in: int = 0
+    lora_out: int = 0
 
 
 def run_shape(facts: ModelFacts, cfg: Config, prompt: PromptShape, *, rows: int,
@@ -163,6 +176,12 @@ def run_shape(facts: ModelFacts, cfg: Config, prompt: PromptShape, *, rows: int,
                                and t.layers else 0.0),
         trainable=trainable, checkpoint_every=cfg.checkpoint.every,
         prompt_cache_shared=engine == "static" and shares_prompt_cache(facts, cfg),
+        # peft's float32 adapters on a 16-bit model (not float32 weights that FSDP gathers in
+        # bfloat16, adapters too)
+        adapter_cast=(lora and b < 4 and cfg.model.lora.compute_dtype == "float32"
+                      and run_dtype(cfg, facts) == dtype),
+        lora_in=sum(i for i, _ in facts.lora_linears) if lora else 0,
+        lora_out=sum(o for _, o in facts.lora_linears) if lora else 0,
         trainable_tensors=2 * facts.lora_layers if lora else facts.param_tensors - (
             0 if vision_trains else facts.vision_param_tensors))
 
@@ -187,6 +206,22 @@ def _adapters(s: TimeShape, rates: DeviceRates) -> float:
     calibrated cost per adapted Linear, else ``LORA_KERNELS`` launches each)."""
     per_linear = rates.lora_s_per_linear or LORA_KERNELS * rates.launch_s
     return s.layers * s.lora_linears_per_layer * per_linear
+
+
+def _adapter_cast(s: TimeShape, rates: DeviceRates, tokens: float, forwards: float) -> float:
+    """Seconds peft's float32 adapters on a 16-bit model add to ``forwards`` forwards (a
+    recomputed one counts) and one backward over ``tokens`` tokens, beyond adapters computing in
+    the model's dtype: their products at the float32 rate (on a GPU torch runs them without
+    tensor cores unless TF32 is allowed), and the bytes of ``CAST_*_BYTES``."""
+    if not s.adapter_cast:
+        return 0.0
+    per_token = (forwards * (CAST_FORWARD_BYTES[0] * s.lora_in + CAST_FORWARD_BYTES[1] * s.lora_out)
+                 + CAST_BACKWARD_BYTES[0] * s.lora_in + CAST_BACKWARD_BYTES[1] * s.lora_out)
+    # a forward's products and the backward's two, 2 FLOPs per multiply-add
+    flops = 2 * s.shape.lora_matrix * tokens * (forwards + 2)
+    slower = max(1 / rates.matmul_rate("float32", s.hidden) - 1 / rates.matmul_rate(
+        s.dtype, s.hidden), 0.0)
+    return flops * slower + tokens * per_token / rates.copy_bytes_per_s
 
 
 def _elementwise(s: TimeShape, rates: DeviceRates, tokens: float, *, train: bool = False
@@ -288,6 +323,7 @@ def time_plan(s: TimeShape, rates: DeviceRates, cfg: Config, *, processes: int =
         + rates.update_s
         + _elementwise(s, rates, tokens, train=True)
         + s.checkpointed_fraction * _elementwise(s, rates, tokens)
+        + _adapter_cast(s, rates, tokens, 1 + s.checkpointed_fraction)
         + head + optimizer)
     saved = s.trainable * (s.bytes_per_element + 8)
     checkpoint = saved / rates.disk_bytes_per_s / s.checkpoint_every if s.checkpoint_every else 0

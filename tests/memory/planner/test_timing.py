@@ -143,3 +143,126 @@ def test_the_run_shape_of_a_plan(use_tiny_cache):
     assert set(plan.time["phases"]) == {"generate", "score", "logprobs", "update",
                                         "checkpoint"}
     assert plan.time["step_seconds"] == pytest.approx(sum(plan.time["phases"].values()))
+
+
+# --- peft's float32 adapters on a 16-bit model (model.lora.compute_dtype=float32)
+
+LORA_RATES = replace(RATES, matmul={"float32": [(512, 4e9)], "bfloat16": [(512, 8e9)]})
+
+
+@pytest.mark.parametrize("recomputed,seconds", [
+    # 120 tokens (8 rows x 15); a forward and a backward: products 2 x 100 x 120 x 3 = 72,000
+    # FLOPs at 4e9 instead of 8e9; bytes per token 8 x 300 + 16 x 400 + 10 x 300 + 20 x 400 =
+    # 19,800 at 1e10
+    (0.0, 72_000 * (1 / 4e9 - 1 / 8e9) + 120 * 19_800 / 1e10),
+    # every layer recomputed: a second forward, 96,000 FLOPs and 28,600 bytes per token
+    (1.0, 96_000 * (1 / 4e9 - 1 / 8e9) + 120 * 28_600 / 1e10),
+])
+def test_the_float32_adapters_cost_by_hand(recomputed, seconds):
+    step = replace(STEP, shape=replace(SHAPE, lora_matrix=100), dtype="bfloat16",
+                   bytes_per_element=2, lora_in=300, lora_out=400,
+                   checkpointed_fraction=recomputed)
+    cfg = load_config(None, [])
+    cast = time_plan(replace(step, adapter_cast=True), LORA_RATES, cfg)
+    plain = time_plan(step, LORA_RATES, cfg)
+    assert cast.phases["update"] - plain.phases["update"] == pytest.approx(seconds)
+    assert cast.phases["generate"] == plain.phases["generate"]  # the engine merges LoRA
+
+
+def count_bytes(fn) -> int:
+    """Bytes every aten op that ``fn`` runs reads and writes (its tensor inputs and outputs;
+    views and detaches move nothing)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    free = {"view", "t", "detach", "expand", "alias", "_unsafe_view"}
+
+    class Count(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ not in free:
+                Count.total += sum(t.numel() * t.element_size()
+                                   for t in tree_flatten((args, kwargs, out))[0]
+                                   if isinstance(t, torch.Tensor))
+            return out
+
+    with Count():
+        fn()
+    return Count.total
+
+
+def adapter_bytes(autocast: bool, d_in: int, d_out: int, r: int, tokens: int) -> tuple[int, int]:
+    """(forward, backward) bytes one peft LoRA Linear on a bfloat16 base adds to it over
+    ``tokens`` tokens: peft's float32 path, or the adapters under r1fit's autocast."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from r1fit.models.logprobs import adapters_in
+
+    class One(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(d_in, d_out, bias=False)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    model = get_peft_model(One().to(torch.bfloat16), LoraConfig(r=r, target_modules=["lin"]))
+    x = torch.randn(tokens, d_in, dtype=torch.bfloat16, requires_grad=True)
+    sums = []
+    for adapters in (True, False):
+        with (model.disable_adapter() if not adapters else adapters_in(
+                model, torch.bfloat16 if autocast else None, forward=False)):
+            with adapters_in(model, torch.bfloat16 if autocast and adapters else None):
+                y = []
+                forward = count_bytes(lambda: y.append(model(x)))
+            backward = count_bytes(lambda: y[0].backward(torch.ones_like(y[0])))
+        sums.append((forward, backward))
+    return sums[0][0] - sums[1][0], sums[0][1] - sums[1][1]
+
+
+def test_the_cast_bytes_are_peft_s_ops_counted():
+    """CAST_FORWARD_BYTES and CAST_BACKWARD_BYTES: what peft's float32 path moves per token beyond
+    the autocast path, per input and output element, read off every op both run (a token's
+    share: the difference between 64 and 128 tokens, over three shapes for in, out and r)."""
+    import numpy as np
+
+    from r1fit.memory.planner.timing import CAST_BACKWARD_BYTES, CAST_FORWARD_BYTES
+
+    shapes = [(64, 128, 4), (128, 64, 4), (64, 64, 8)]
+    per_token = []
+    for d_in, d_out, r in shapes:
+        extra = []
+        for tokens in (64, 128):
+            cast = adapter_bytes(False, d_in, d_out, r, tokens)
+            autocast = adapter_bytes(True, d_in, d_out, r, tokens)
+            extra.append(np.subtract(cast, autocast))
+        per_token.append((extra[1] - extra[0]) / 64)
+    coefficients = np.linalg.solve(np.array(shapes, dtype=float), np.array(per_token))
+    # rows: per input element, per output element, per rank element; columns: forward, backward
+    assert coefficients[:2, 0] == pytest.approx(CAST_FORWARD_BYTES)
+    assert coefficients[:2, 1] == pytest.approx(CAST_BACKWARD_BYTES)
+
+
+def test_the_run_shape_says_when_peft_casts(use_tiny_cache):
+    """A bfloat16 LoRA run with compute_dtype float32 has the cast path and its widths (every
+    adapted Linear's in and out); compute_dtype=model, a float32 model, full fine-tuning and
+    float32 weights that FSDP computes in bfloat16 have not."""
+    def shape(*values, dtype="bfloat16"):
+        cfg = load_config(None, ["algo.num_generations=4", "train.prompts_per_step=2", *values])
+        facts = model_facts(cfg.model.path, cfg.model.lora.target)
+        return run_shape(facts, cfg, prompt_shape(cfg, facts), rows=8, generation_batch=8,
+                         micro_batch=4, completion=16, engine="static", device_type="cuda",
+                         dtype=dtype), facts
+
+    cast, facts = shape("model.lora.r=8", "model.dtype=bfloat16")
+    assert cast.adapter_cast
+    assert cast.lora_in + cast.lora_out == facts.lora_in_plus_out
+    assert not shape("model.lora.r=8", "model.dtype=bfloat16",
+                     "model.lora.compute_dtype=model")[0].adapter_cast
+    assert not shape("model.lora.r=8", dtype="float32")[0].adapter_cast
+    assert not shape("model.lora.r=8")[0].adapter_cast  # float32 weights gathered in bf16
+    assert not shape("model.dtype=bfloat16")[0].adapter_cast
