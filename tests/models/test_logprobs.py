@@ -170,8 +170,13 @@ def test_checkpointing_recomputes_the_adapters_exactly(tiny_dir):
         model, batch = bf16_lora(tiny_dir, checkpointing=checkpointing)
         root = CompletionLogProbs(model, adapter_dtype=torch.bfloat16)
         logp = completion_logprobs(root, batch, chunk_size=5)
+        seen, remove = adapter_dtypes(model)
         with adapter_backward(root):
             logp.sum().backward()
+        remove()
+        # the recomputed adapters (checkpointing only) take their input uncast, in bfloat16
+        assert bool(seen) == checkpointing
+        assert all(pair == (torch.bfloat16, torch.bfloat16) for pair in seen)
         grads.append(torch.cat([p.grad.flatten() for n, p in model.named_parameters()
                                 if "lora_" in n]))
     assert grads[0].abs().sum() > 0
