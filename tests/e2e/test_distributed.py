@@ -9,6 +9,7 @@ gradients), hence tolerances here, and bit-exact comparisons where the process c
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -223,6 +224,21 @@ def test_lora_on_two_processes_equals_one(tiny_cache, reward_plugin, monkeypatch
     moved = sum(float(a[k].pow(2).sum()) for k in a if "lora_B" in k) ** 0.5
     apart = sum(float((a[k] - b[k]).pow(2).sum()) for k in a) ** 0.5
     assert moved > 0 and apart / moved < 1e-3, (apart, moved)
+
+
+def test_lora_adapters_in_bfloat16_on_two_processes(tiny_cache, reward_plugin, monkeypatch,
+                                                    tmp_path):
+    """model.lora.compute_dtype=model under FSDP2 (gloo): the sharded float32 adapters, gathered
+    and multiplied in bfloat16 under autocast, train; a step's loss is finite on both ranks."""
+    monkeypatch.setenv("R1FIT_CACHE", str(tiny_cache))
+    out = tmp_path / "two"
+    launch(2, "train", out, reward_plugin, *GRPO, "model.dtype=bfloat16", "model.lora.r=4",
+           "model.lora.compute_dtype=model", "train.max_steps=2", "checkpoint.every=0")
+    steps = [r for r in rows(out) if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(math.isfinite(r["loss"]) for r in steps)
+    weights = load_file(out / "final" / "adapter_model.safetensors")
+    assert all(w.dtype == torch.float32 for w in weights.values())
+    assert any(float(w.abs().sum()) > 0 for k, w in weights.items() if "lora_B" in k)
 
 
 def test_sigterm_to_torchrun_saves_once_and_resumes(tiny_cache, reward_plugin, monkeypatch,
