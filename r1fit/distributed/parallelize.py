@@ -78,8 +78,12 @@ def parallelize(root: nn.Module, *, activation_checkpointing: bool, world: World
 
 
 def _dtype_name(dtype: torch.dtype | None, root: nn.Module) -> str:
-    """A mixed-precision policy's dtype by name; None (not cast) is the stored one."""
-    return str(dtype or next(root.parameters()).dtype).removeprefix("torch.")
+    """A mixed-precision policy's dtype by name; None (not cast): the stored ones (a bf16 model's
+    float32 LoRA adapters among them)."""
+    if dtype is not None:
+        return str(dtype).removeprefix("torch.")
+    stored = sorted({str(p.dtype).removeprefix("torch.") for p in root.parameters()})
+    return " and ".join(stored) + " as stored"
 
 
 def fsdp_modules(root: nn.Module) -> list[FSDPModule]:

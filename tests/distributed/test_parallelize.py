@@ -42,3 +42,14 @@ def test_meta_skeleton_matches_the_loaded_model(use_tiny_cache):
     b = {k: (v.shape, v.dtype) for k, v in meta.state_dict().items()}
     assert a == b
     assert all(p.is_meta for p in meta.parameters())
+
+
+def test_the_log_names_the_dtypes_gathered():
+    """FSDP2's log line: the policy's dtype, else every stored one (a bf16 model's float32 LoRA
+    adapters are gathered in float32)."""
+    from r1fit.distributed.parallelize import _dtype_name
+
+    mixed = torch.nn.Sequential(torch.nn.Linear(2, 2).to(torch.bfloat16), torch.nn.Linear(2, 2))
+    assert _dtype_name(None, mixed) == "bfloat16 and float32 as stored"
+    assert _dtype_name(torch.bfloat16, mixed) == "bfloat16"
+    assert _dtype_name(None, torch.nn.Linear(2, 2)) == "float32 as stored"
