@@ -3,6 +3,7 @@ model's own logits, and a row's log-probs do not depend on the rest of its batch
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from r1fit.data.batch import collate
@@ -181,3 +182,38 @@ def test_checkpointing_recomputes_the_adapters_exactly(tiny_dir):
                                 if "lora_" in n]))
     assert grads[0].abs().sum() > 0
     assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2vl", "tiny-qwen3vl", "tiny-gemma3"])
+def test_every_family_runs_its_adapters_in_bfloat16(builtin_folder, name):
+    """The same on the other built-in families' transformers classes (text rows): bf16 products,
+    log-probs within bf16 rounding of the float32 path, float32 gradients."""
+    from r1fit.data.batch import Batch
+    from r1fit.models.load import load_policy
+    from r1fit.models.logprobs import CompletionLogProbs, adapter_backward
+
+    torch.manual_seed(0)
+    model, _ = load_policy(str(builtin_folder(name)), lora_r=4, lora_alpha=8, lora_dropout=0.0,
+                           lora_target="all-linear", freeze_vision=False, dtype="bfloat16",
+                           device="cpu", gradient_checkpointing=True)
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.05)
+    ids = torch.randint(10, 90, (2, 12))
+    batch = Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, 6, ids[:, 6:],
+                  torch.ones(2, 6))
+    out = {}
+    for dtype in (None, torch.bfloat16):
+        root = CompletionLogProbs(model, adapter_dtype=dtype)
+        seen, remove = adapter_dtypes(model)
+        model.zero_grad(set_to_none=True)
+        logp = completion_logprobs(root, batch, chunk_size=4)
+        with adapter_backward(root):
+            logp.sum().backward()
+        remove()
+        want = torch.float32 if dtype is None else torch.bfloat16
+        assert seen and all(pair == (want, want) for pair in seen)
+        grads = [p.grad for n, p in model.named_parameters() if "lora_" in n]
+        assert all(g is not None and g.dtype == torch.float32 for g in grads)
+        out[dtype] = logp.detach()
+    torch.testing.assert_close(out[torch.bfloat16], out[None], rtol=0, atol=0.05)
