@@ -60,29 +60,61 @@ def test_entropy_equals_full_logits_with_exact_gradients(float64_tiny):
 # --- model.lora.compute_dtype: the adapters' products in the model's dtype under autocast
 
 
-def bf16_lora(tiny_dir, checkpointing: bool = True):
-    """builtin:tiny in bfloat16 with LoRA r=8 whose B matrices are not zero (the adapters count),
-    3 builtin:shapes prompts x 2 rows with completions of different lengths, collated."""
-    from r1fit.data.batch import encode_prompts
-    from r1fit.data.dataset import load_dataset
+def lora_model(folder, *, r: int = 8, checkpointing: bool = True, dtype: str = "bfloat16"):
+    """The model in ``folder`` with LoRA r (alpha 2r) whose B matrices are not zero (the adapters
+    count), and its processor."""
     from r1fit.models.load import load_policy
 
-    from ..conftest import random_completions
-
     torch.manual_seed(0)
-    model, processor = load_policy(str(tiny_dir), lora_r=8, lora_alpha=16, lora_dropout=0.0,
-                                   lora_target="all-linear", freeze_vision=False,
-                                   dtype="bfloat16", device="cpu",
-                                   gradient_checkpointing=checkpointing)
+    model, processor = load_policy(str(folder), lora_r=r, lora_alpha=2 * r, lora_dropout=0.0,
+                                   lora_target="all-linear", freeze_vision=False, dtype=dtype,
+                                   device="cpu", gradient_checkpointing=checkpointing)
     for name, p in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.05)
+    return model, processor
+
+
+def bf16_lora(tiny_dir, checkpointing: bool = True):
+    """builtin:tiny in bfloat16 with LoRA r=8 (:func:`lora_model`), 3 builtin:shapes prompts x 2
+    rows with completions of different lengths, collated."""
+    from r1fit.data.batch import encode_prompts
+    from r1fit.data.dataset import load_dataset
+
+    from ..conftest import random_completions
+
+    model, processor = lora_model(tiny_dir, checkpointing=checkpointing)
     data = load_dataset("builtin:shapes", split="train", min_pixels=784, max_pixels=3136,
                         max_images=1, max_bad_fraction=0.0, seed=0, size=16)
     prompts = encode_prompts(processor, [data[i] for i in (0, 1, 2)], "Think, then answer.")
     rows = [p for p in prompts for _ in range(2)]
     completions = random_completions(len(processor.tokenizer), [3 + (i * 5) % 7 for i in range(6)])
     return model, collate(rows, completions, special_token_ids(model, processor)["pad"])
+
+
+def both_paths(model, batch, chunk_size: int) -> dict:
+    """{None: peft's float32 path, bfloat16: under autocast}: each path's log-probs and the
+    adapters' gradients (flattened) of their sum, every adapter's product checked to take and
+    give that path's dtype, and every gradient float32."""
+    from r1fit.models.logprobs import CompletionLogProbs, adapter_backward
+
+    adapters = [p for n, p in model.named_parameters() if "lora_" in n]
+    assert adapters and all(p.dtype == torch.float32 for p in adapters)
+    out = {}
+    for dtype in (None, torch.bfloat16):
+        root = CompletionLogProbs(model, adapter_dtype=dtype)
+        seen, remove = adapter_dtypes(model)
+        model.zero_grad(set_to_none=True)
+        logp = completion_logprobs(root, batch, chunk_size=chunk_size)
+        with adapter_backward(root):
+            logp.sum().backward()
+        remove()
+        want = torch.float32 if dtype is None else torch.bfloat16
+        assert seen and all(pair == (want, want) for pair in seen), seen[:3]
+        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in adapters)
+        assert logp.dtype == torch.float32  # the head computes in float32 either way
+        out[dtype] = logp.detach(), torch.cat([p.grad.flatten() for p in adapters])
+    return out
 
 
 def adapter_dtypes(model) -> tuple[list, object]:
@@ -103,9 +135,7 @@ def test_which_models_compute_adapters_in_their_dtype(tiny_dir):
                           lora_target="all-linear", freeze_vision=False, dtype="bfloat16",
                           device="cpu", gradient_checkpointing=False)
     assert adapter_autocast_dtype(full, "model") is None  # no adapters
-    fp32, _ = load_policy(str(tiny_dir), lora_r=8, lora_alpha=16, lora_dropout=0.0,
-                          lora_target="all-linear", freeze_vision=False, dtype="float32",
-                          device="cpu", gradient_checkpointing=False)
+    fp32, _ = lora_model(tiny_dir, dtype="float32")
     assert adapter_autocast_dtype(fp32, "model") is None  # float32 already: nothing to change
 
 
@@ -113,25 +143,8 @@ def test_adapters_compute_in_bfloat16_from_float32_weights(tiny_dir):
     """compute_dtype=model: every adapter's product takes and gives bfloat16 (peft's own path
     float32); its weights and gradients stay float32; the log-probs move by bfloat16 rounding
     only, and the gradients point the same way."""
-    from r1fit.models.logprobs import CompletionLogProbs, adapter_backward
-
     model, batch = bf16_lora(tiny_dir)
-    adapters = [p for n, p in model.named_parameters() if "lora_" in n]
-    assert adapters and all(p.dtype == torch.float32 for p in adapters)
-    results = {}
-    for dtype in (None, torch.bfloat16):
-        root = CompletionLogProbs(model, adapter_dtype=dtype)
-        seen, remove = adapter_dtypes(model)
-        model.zero_grad(set_to_none=True)
-        logp = completion_logprobs(root, batch, chunk_size=5)
-        with adapter_backward(root):
-            logp.sum().backward()
-        remove()
-        want = torch.float32 if dtype is None else torch.bfloat16
-        assert seen and all(pair == (want, want) for pair in seen), seen[:3]
-        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in adapters)
-        assert logp.dtype == torch.float32  # the head computes in float32 either way
-        results[dtype] = logp.detach(), torch.cat([p.grad.flatten() for p in adapters])
+    results = both_paths(model, batch, chunk_size=5)
     (logp32, grad32), (logp16, grad16) = results[None], results[torch.bfloat16]
     mask = batch.completion_mask.bool()
     assert not torch.equal(logp32[mask], logp16[mask])  # the products did change
@@ -189,31 +202,10 @@ def test_every_family_runs_its_adapters_in_bfloat16(builtin_folder, name):
     """The same on the other built-in families' transformers classes (text rows): bf16 products,
     log-probs within bf16 rounding of the float32 path, float32 gradients."""
     from r1fit.data.batch import Batch
-    from r1fit.models.load import load_policy
-    from r1fit.models.logprobs import CompletionLogProbs, adapter_backward
 
-    torch.manual_seed(0)
-    model, _ = load_policy(str(builtin_folder(name)), lora_r=4, lora_alpha=8, lora_dropout=0.0,
-                           lora_target="all-linear", freeze_vision=False, dtype="bfloat16",
-                           device="cpu", gradient_checkpointing=True)
-    for n, p in model.named_parameters():
-        if "lora_B" in n:
-            torch.nn.init.normal_(p, std=0.05)
+    model, _ = lora_model(builtin_folder(name), r=4)
     ids = torch.randint(10, 90, (2, 12))
     batch = Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, 6, ids[:, 6:],
                   torch.ones(2, 6))
-    out = {}
-    for dtype in (None, torch.bfloat16):
-        root = CompletionLogProbs(model, adapter_dtype=dtype)
-        seen, remove = adapter_dtypes(model)
-        model.zero_grad(set_to_none=True)
-        logp = completion_logprobs(root, batch, chunk_size=4)
-        with adapter_backward(root):
-            logp.sum().backward()
-        remove()
-        want = torch.float32 if dtype is None else torch.bfloat16
-        assert seen and all(pair == (want, want) for pair in seen)
-        grads = [p.grad for n, p in model.named_parameters() if "lora_" in n]
-        assert all(g is not None and g.dtype == torch.float32 for g in grads)
-        out[dtype] = logp.detach()
+    out = {dtype: logp for dtype, (logp, _) in both_paths(model, batch, chunk_size=4).items()}
     torch.testing.assert_close(out[torch.bfloat16], out[None], rtol=0, atol=0.05)
