@@ -271,12 +271,12 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, 
     peak (the CPU, or a GPU missing from the table)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        peak = gpu_peak_flops(name, dtype)
+        tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
+        peak = gpu_peak_flops(name, dtype, tf32=tf32)
         if peak is not None:
-            if dtype in (torch.bfloat16, torch.float16):
-                return peak, f"{name} data sheet"
-            tf32 = torch.backends.cuda.matmul.allow_tf32
-            return peak, f"{name} data sheet, {'TF32' if tf32 else 'without TF32 (torch default)'}"
+            how = "" if dtype in (torch.bfloat16, torch.float16) else (
+                ", TF32" if tf32 else ", without TF32 (torch default)")
+            return peak, f"{name} data sheet{how}"
         return measured_peak_flops(device, dtype, size=4096), f"{name}: measured matmul"
     return measured_peak_flops(device, dtype), "measured CPU matmul"
 

@@ -345,10 +345,9 @@ def adapter_autocast_dtype(model: nn.Module, compute: str) -> torch.dtype | None
     'model' on a bfloat16 or float16 peft model: its own dtype), or None where peft's path stands
     (its float32 adapters cast their input to float32: 'float32', full fine-tuning, a float32
     model)."""
-    if compute != "model" or not isinstance(model, PeftModel):
+    if compute != "model" or not isinstance(model, PeftModel) or not is_16_bit(model):
         return None
-    dtype = compute_dtype(model)
-    return dtype if dtype in (torch.bfloat16, torch.float16) else None
+    return compute_dtype(model)
 
 
 def is_16_bit(model: nn.Module) -> bool:
