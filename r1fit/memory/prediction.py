@@ -89,10 +89,13 @@ def predict_steps(cfg: Any, device_type: str, gpus: int, kind: str, sizes: Chunk
     prediction = StepPrediction.of(plan.time, kind)
     shown = ", ".join(f"{key.removeprefix('seconds_')} {format_seconds(value)}"
                       for key, value in prediction.seconds.items())
+    warmup = plan.time.get("warmup_steps")
     log.info("time model: a step about %s (%s; every completion at its token budget), the "
-             "run about %s; rates: %s. Each step's row logs predicted_seconds_* beside its "
-             "seconds_*%s", format_seconds(sum(prediction.seconds.values())), shown,
-             format_seconds(plan.time["run_seconds"]), prediction.source,
+             "run about %s (%d steps%s); rates: %s. Each step's row logs predicted_seconds_* "
+             "beside its seconds_*%s", format_seconds(sum(prediction.seconds.values())), shown,
+             format_seconds(plan.time["run_seconds"]), plan.time["steps"],
+             f", the {warmup}-step format warm-up not counted" if warmup else "",
+             prediction.source,
              "" if prediction.calibrated else " (no slow-phase alarm without a calibration)")
     if plan.faster:
         log.info("time model: faster configurations fit this device (r1fit plan lists them): %s",

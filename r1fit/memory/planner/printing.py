@@ -139,9 +139,11 @@ def time_blocks(t: dict[str, Any], cfg: Config) -> list[Any]:
             label += (f" (prefill {format_seconds(d['prefill_seconds'])}, decode "
                       f"{format_seconds(d['decode_step_seconds'])} per token step)")
         rows.append((label, format_seconds(seconds), f"{seconds / step:.0%}"))
-    run = (f"{cfg.train.max_steps} steps"
+    run = (f"{t['steps']} steps"
            + (f" + {t['evaluations']} evaluations of {format_seconds(t['eval_seconds'])}"
-              if t["evaluations"] and t["eval_seconds"] is not None else ""))
+              if t["evaluations"] and t["eval_seconds"] is not None else "")
+           + (f"; the {t['warmup_steps']}-step format warm-up before them not counted"
+              if t.get("warmup_steps") else ""))
     blocks: list[Any] = [
         f"time (predicted; rates: {t['source']}):",
         (("phase", "per step", "share"), rows, {1, 2}),

@@ -81,20 +81,24 @@ class TimePlan:
     """Predicted seconds of one step by phase (``PHASES``), the step, the run.
 
     ``tokens_per_second``: the step's completion tokens (every process's) over its seconds;
-    ``run_seconds``: ``train.max_steps`` steps, plus the evaluations when their size is known
-    (``eval_seconds`` each, ``evaluations`` of them); ``dominant``: the phase that takes longest;
-    ``source``: where the device's rates came from; ``advice``: what would shorten the step."""
+    ``run_seconds``: the run's ``steps`` (``train.max_steps``; ``r1fit sft``: ``sft.steps``),
+    plus the evaluations when their size is known (``eval_seconds`` each, ``evaluations`` of
+    them), not ``warmup_steps`` (``r1fit train``'s format warm-up, SFT steps of another
+    shape); ``dominant``: the phase that takes longest; ``source``: where the device's rates
+    came from; ``advice``: what would shorten the step."""
 
     phases: dict[str, float]
     step_seconds: float
     tokens_per_second: float
     run_seconds: float
+    steps: int
     evaluations: int
     eval_seconds: float | None
     dominant: str
     source: str
     advice: list[str] = field(default_factory=list)
     details: dict[str, float] = field(default_factory=dict)
+    warmup_steps: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -286,6 +290,23 @@ def _row_group(s: TimeShape) -> GroupShape:
     return GroupShape(s.prompt, (s.completion,), (s.patches,) if s.patches else ())
 
 
+def run_steps(cfg: Config, training_only: bool) -> tuple[int, int]:
+    """The run's steps and its evaluation period (0: none between the first and the last):
+    ``sft.steps`` and ``sft.eval_every`` for ``r1fit sft`` (``training_only``), else
+    ``train.max_steps`` and ``eval.every``."""
+    if training_only:
+        return cfg.sft.steps, cfg.sft.eval_every
+    return cfg.train.max_steps, cfg.eval.every
+
+
+def evaluation_count(steps: int, every: int, before: bool) -> int:
+    """Evaluations of a run of ``steps`` steps, as the loops hold them (r1fit/train/grpo.py,
+    r1fit/train/sft.py): one before training (``before``), one at every ``every``-th step, and
+    the last step's when ``every`` does not reach it (none without steps)."""
+    periodic = steps // every if every else 0
+    return int(before) + periodic + (1 if steps and (not every or steps % every) else 0)
+
+
 def time_plan(s: TimeShape, rates: DeviceRates, cfg: Config, *, processes: int = 1,
               eval_rows: int | None = None, training_only: bool = False) -> TimePlan:
     """One step's predicted seconds by phase, and the run's (``eval_rows``: rows of the eval
@@ -331,20 +352,19 @@ def time_plan(s: TimeShape, rates: DeviceRates, cfg: Config, *, processes: int =
               "score": 0.0 if training_only else s.rows * SCORE_SECONDS_PER_ROW,
               "logprobs": logprobs, "update": update, "checkpoint": checkpoint}
     step = sum(phases.values())
+    steps, every = run_steps(cfg, training_only)
     evaluations, eval_seconds = 0, None
     if eval_rows is not None and cfg.data.eval:
         eval_shape = replace(s, generation_batch=cfg.eval.batch, group=1, shares_prompts=False)
         eval_seconds = sum(generation_seconds(eval_shape, rates,
                                               math.ceil(eval_rows / processes), s.completion))
-        every = cfg.eval.every
-        evaluations = int(cfg.eval.before_train) + (
-            cfg.train.max_steps // every if every else 0) + (
-            1 if not every or cfg.train.max_steps % every else 0)  # the last step evaluates
-    run = cfg.train.max_steps * step + evaluations * (eval_seconds or 0.0)
+        evaluations = evaluation_count(steps, every, cfg.eval.before_train)
+    run = steps * step + evaluations * (eval_seconds or 0.0)
     dominant = max(phases, key=phases.__getitem__)
     tokens = s.rows * processes * s.completion
     return TimePlan(phases=phases, step_seconds=step, tokens_per_second=tokens / max(step, 1e-9),
-                    run_seconds=run, evaluations=evaluations, eval_seconds=eval_seconds,
+                    run_seconds=run, steps=steps, evaluations=evaluations,
+                    warmup_steps=0 if training_only else cfg.sft.format_warmup_steps, eval_seconds=eval_seconds,
                     dominant=dominant, source=rates.source,
                     advice=_advice(s, cfg, phases, dominant),
                     details={"prefill_seconds": prefill, "decode_seconds": decode,

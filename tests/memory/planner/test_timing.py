@@ -14,8 +14,10 @@ from r1fit.config import load_config
 from r1fit.memory.flops import ModelShape
 from r1fit.memory.planner import plan_memory
 from r1fit.memory.planner.facts import model_facts, prompt_shape
+from r1fit.memory.planner.printing import time_blocks
 from r1fit.memory.planner.timing import (
     TimeShape,
+    evaluation_count,
     generation_seconds,
     prompts_in_chunk,
     run_shape,
@@ -122,6 +124,38 @@ def test_a_step_by_hand():
     sft = time_plan(STEP, RATES, cfg, training_only=True)
     assert sft.phases["generate"] == sft.phases["score"] == 0
     assert sft.phases["update"] == pytest.approx(update)
+
+
+@pytest.mark.parametrize("steps,every,before,count", [
+    (10, 4, True, 4),   # before, 4, 8, and the last step (10)
+    (10, 5, True, 3),   # before, 5, 10 (the last step is one of them)
+    (10, 0, False, 1),  # the last step only
+    (0, 4, True, 1),    # no steps: the evaluation before them only
+    (0, 0, False, 0),
+])
+def test_evaluations_as_the_loops_hold_them(steps, every, before, count):
+    assert evaluation_count(steps, every, before) == count
+
+
+def test_an_sft_run_is_its_own_steps_and_evaluations():
+    """``r1fit sft``'s run: sft.steps steps and sft.eval_every's evaluations, not the GRPO
+    run's train.max_steps and eval.every."""
+    cfg = load_config(None, ["train.max_steps=1000", "eval.every=4", "sft.steps=30",
+                             "sft.eval_every=10", "data.eval=builtin:shapes"])
+    sft = time_plan(STEP, RATES, cfg, eval_rows=16, training_only=True)
+    assert (sft.steps, sft.evaluations) == (30, 4)  # before, 10, 20, 30
+    assert sft.run_seconds == pytest.approx(30 * sft.step_seconds + 4 * sft.eval_seconds)
+    grpo = time_plan(STEP, RATES, cfg.with_values({"sft.format_warmup_steps": 60}),
+                     eval_rows=16)
+    assert (grpo.steps, grpo.evaluations) == (1000, 251)  # before, every 4th of 1000
+    # r1fit train's format warm-up: SFT steps of another shape, said not to be counted
+    assert grpo.warmup_steps == 60 and sft.warmup_steps == 0
+    assert grpo.run_seconds == pytest.approx(1000 * grpo.step_seconds + 251 * grpo.eval_seconds)
+    assert any("the 60-step format warm-up before them not counted" in str(line)
+               for line in time_blocks(grpo.to_dict(), cfg))
+    # r1fit plan prints the run's own steps
+    assert any("run (30 steps + 4 evaluations of" in str(line)
+               for line in time_blocks(sft.to_dict(), cfg))
 
 
 def test_the_run_shape_of_a_plan(use_tiny_cache):
