@@ -52,3 +52,25 @@ def refuse_static(*, distributed: bool, attention: str = "sdpa") -> None:
         raise ConfigError("rollout.engine=static runs in one process only (FSDP moves the "
                           "gathered weights every step): set rollout.engine=hf (or vllm) under "
                           "torchrun")
+
+
+def sft_engine(setting: str, *, device_type: str, distributed: bool,
+               attention: str = "sdpa") -> tuple[str, str]:
+    """``(engine, why)`` for ``r1fit sft``'s evaluations: 'static' or 'hf' as
+    :func:`resolve_engine` decides them, never vLLM. An in-process vLLM engine would hold its
+    weights and KV pool through every SFT update for the sake of an evaluation or two (and the
+    SFT plan does not count them): ``vllm``, like ``auto``, takes the static engine where it
+    runs (CUDA, one process, sdpa or eager attention), else Hugging Face generate."""
+    if setting in ("hf", "static"):
+        return resolve_engine(setting, device_type=device_type, distributed=distributed,
+                              attention=attention)
+    if setting not in ("auto", "vllm"):
+        raise ConfigError(f"rollout.engine must be auto, {', '.join(ENGINES)}; got {setting!r}")
+    why = "r1fit sft evaluates without vLLM; " if setting == "vllm" else ""
+    if device_type != "cuda":
+        return "hf", f"{why}on {device_type} (CUDA graphs need a CUDA device)"
+    if distributed:
+        return "hf", f"{why}the static engine runs in one process only"
+    if attention not in STATIC_ATTENTION:
+        return "hf", f"{why}the static engine takes sdpa or eager attention, not {attention}"
+    return "static", f"{why}CUDA: the static-cache engine with CUDA graphs"

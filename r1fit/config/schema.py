@@ -523,7 +523,8 @@ class RolloutConfig:
         "vLLM engine per training process, its weights synced from the policy before each "
         "rollout; pip install -e '.[vllm]'), or 'auto': vllm where it is installed and the device "
         "is CUDA, else static on CUDA (hf under torchrun or with flash attention), else hf; the run log "
-        "says which and why.")
+        "says which and why. `r1fit sft` evaluates on static or hf, never vllm: auto and vllm "
+        "take static where it runs (CUDA, one process), else hf.")
     share_prefill: bool | Literal["auto"] = opt(
         "auto", "rollout.engine=hf: prefill each distinct prompt of a generation batch once (its "
         "image tokens and vision tower included) and copy its KV cache to the rows that share "

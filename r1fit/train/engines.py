@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
-from r1fit.config.engines import resolve_engine
+from r1fit.config.engines import resolve_engine, sft_engine
 from r1fit.data.batch import Prompt
 from r1fit.distributed.parallelize import gathered
 from r1fit.models.load import context_length, resolve_model_path, special_token_ids, unwrap
@@ -312,3 +312,18 @@ def rollout_engine(run: Run, settings: SamplingSettings,
     if name == "static":
         return StaticRollouts(run, settings, tools)
     return HFRollouts(run, settings, tools)
+
+
+def evaluation_engine(run: Run) -> RolloutEngine:
+    """``r1fit sft``'s evaluations: greedy answers of ``algo.max_new_tokens`` on the static
+    engine where it runs (CUDA, one process; the decode step replayed as CUDA graphs), else on
+    Hugging Face generate; never vLLM (:func:`r1fit.config.engines.sft_engine`)."""
+    cfg = run.cfg
+    name, why = sft_engine(cfg.rollout.engine, device_type=run.device.type,
+                           distributed=run.world.distributed,
+                           attention=cfg.model.attn_implementation)
+    log.info("evaluations on rollout.engine=%s%s", name,
+             "" if why == "set" else f" ({cfg.rollout.engine}: {why})")
+    settings = SamplingSettings(max_new_tokens=cfg.algo.max_new_tokens)
+    tools = ToolTurns.of(run, settings.max_new_tokens)
+    return (StaticRollouts if name == "static" else HFRollouts)(run, settings, tools)

@@ -37,6 +37,7 @@ from r1fit.report.html import LiveReport
 from r1fit.rewards.answer import extract_answer
 from r1fit.rng import RngState
 from r1fit.tools.demonstrations import ToolDemonstrations
+from r1fit.train.engines import RolloutEngine, evaluation_engine
 from r1fit.train.evaluate import evaluate
 from r1fit.train.forward import BatchLayout, longest_row, micro_batches
 from r1fit.train.optim import build_optimizer, build_scheduler, clip_and_step
@@ -182,13 +183,14 @@ def micro_batch_loss(policy: Any, batch: Batch | PackedGroups, total_tokens: int
 
 
 def supervised_steps(run: Run, steps: int, *, format_only: bool,
-                     report: LiveReport | None = None) -> list[dict[str, Any]]:
+                     report: LiveReport | None = None,
+                     engine: RolloutEngine | None = None) -> list[dict[str, Any]]:
     """``steps`` SFT updates on the training set with their own AdamW and schedule; one metrics
     row per step. ``format_only`` learns the answer format with random answers (the warm-up before
     GRPO, logged with a ``warmup/`` prefix); otherwise each row's solution, and the last step's row
     (and every ``sft.eval_every``-th) holds an evaluation. ``report`` (``r1fit sft``'s; the
     warm-up has none, its rows go on GRPO's page) sees each row: the page every ``report.every``
-    steps."""
+    steps. ``engine``: what the evaluations generate with (default Hugging Face generate)."""
     cfg, processor = run.cfg, run.processor
     phase, prefix = ("warmup", "warmup/") if format_only else ("sft", "")
     sampler = PromptSampler(len(run.train_set), seed=cfg.train.seed + 1)
@@ -293,7 +295,7 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool,
                    **(run.predicted.row() if run.predicted and run.kind == "sft" else {})}
             if not format_only and run.eval_set is not None and (
                     step == steps or (cfg.sft.eval_every and step % cfg.sft.eval_every == 0)):
-                row.update(evaluate(run))
+                row.update(evaluate(run, engine))
             run.metrics.write(row)
             if report is not None:
                 report.after_step(row)
@@ -306,10 +308,15 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool,
 def train_sft(cfg: Config) -> dict[str, Any]:
     """``r1fit sft``: supervised fine-tuning for ``sft.steps`` steps, evaluated before and after."""
     run = start_run(cfg, "sft")
-    if run.eval_set is not None and cfg.eval.before_train and run.checkpoints.resume is None:
-        run.metrics.write({"step": 0, **evaluate(run)})
-    report = LiveReport(cfg.report, run.out, main=run.world.main)  # rank 0: the page
-    supervised_steps(run, cfg.sft.steps, format_only=False, report=report)
+    engine = evaluation_engine(run) if run.eval_set is not None else None
+    try:
+        if engine is not None and cfg.eval.before_train and run.checkpoints.resume is None:
+            run.metrics.write({"step": 0, **evaluate(run, engine)})
+        report = LiveReport(cfg.report, run.out, main=run.world.main)  # rank 0: the page
+        supervised_steps(run, cfg.sft.steps, format_only=False, report=report, engine=engine)
+    finally:
+        if engine is not None:
+            engine.close()
     summary = run.finish(steps=cfg.sft.steps)
     report.finish()  # after the summary, which the page shows
     return summary

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 
 from r1fit.config import engines
-from r1fit.config.engines import resolve_engine
+from r1fit.config.engines import resolve_engine, sft_engine
 from r1fit.config.engines import vllm_installed as real_vllm_installed  # before any patching
 from r1fit.config.values import ConfigError
 
@@ -50,3 +50,24 @@ def test_static_refuses_several_processes_and_a_bad_name_is_an_error():
                        attention="flash_attention_2")
     with pytest.raises(ConfigError, match="rollout.engine must be auto"):
         resolve_engine("fast", device_type="cuda", distributed=False)
+
+
+def test_sft_evaluates_on_the_static_engine_where_it_runs_and_never_on_vllm(monkeypatch):
+    monkeypatch.setattr(engines, "vllm_installed", lambda: True)  # installed: still not taken
+    for setting in ("auto", "vllm"):
+        name, why = sft_engine(setting, device_type="cuda", distributed=False)
+        assert name == "static" and "CUDA graphs" in why
+        assert ("without vLLM" in why) is (setting == "vllm")
+        assert sft_engine(setting, device_type="cpu", distributed=False)[0] == "hf"
+        name, why = sft_engine(setting, device_type="cuda", distributed=True)
+        assert name == "hf" and "one process" in why
+        name, why = sft_engine(setting, device_type="cuda", distributed=False,
+                               attention="flash_attention_2")
+        assert name == "hf" and "not flash_attention_2" in why
+    # named ones as GRPO takes them, static's refusals included
+    assert sft_engine("hf", device_type="cuda", distributed=False) == ("hf", "set")
+    assert sft_engine("static", device_type="cpu", distributed=False) == ("static", "set")
+    with pytest.raises(ConfigError, match="one process only"):
+        sft_engine("static", device_type="cuda", distributed=True)
+    with pytest.raises(ConfigError, match="rollout.engine must be auto"):
+        sft_engine("fast", device_type="cuda", distributed=False)

@@ -861,6 +861,29 @@ def test_an_sft_plan_is_its_rows_update_with_no_kl_no_sharing(small_model):
     assert longer.parts["activations"] > sft.parts["activations"]
 
 
+def test_an_sft_plan_holds_the_engine_its_evaluations_run_on(small_model, monkeypatch):
+    """r1fit sft evaluates on the static engine on one CUDA device (auto and vllm alike: never
+    vLLM, installed or not), which keeps its cache through the updates from the first
+    evaluation on: the plan holds it then, and nothing without data.eval, on CPU or on two
+    GPUs (generate on the policy)."""
+    from r1fit.config import engines
+
+    monkeypatch.setattr(engines, "vllm_installed", lambda: True)
+    cfg = cfg_for(small_model, "sft.batch_size=8", "sft.max_answer_tokens=48",
+                  "memory.micro_batch=4", "data.eval=builtin:shapes", "eval.batch=16")
+    for setting in ("auto", "vllm", "static"):
+        plan = plan_memory(cfg.with_values({"rollout.engine": setting}), kind="sft")
+        assert plan.details["engine"] == "static"
+        kv = plan.parts["engine_kv_cache"]
+        assert kv > 0 and plan.phases["update"] >= kv  # held while training too
+    no_eval = plan_memory(cfg.with_values({"data.eval": None}), kind="sft")
+    cpu = plan_memory(cfg, device_type="cpu", kind="sft")
+    two = plan_memory(cfg, gpus=2, kind="sft")
+    hf = plan_memory(cfg.with_values({"rollout.engine": "hf"}), kind="sft")
+    for other in (no_eval, cpu, two, hf):
+        assert other.details["engine"] == "hf" and not other.parts.get("engine_kv_cache")
+
+
 def test_an_unknown_plan_kind_is_refused(small_model):
     with pytest.raises(ConfigError, match="plan kind: got 'dpo'"):
         plan_memory(cfg_for(small_model), kind="dpo")

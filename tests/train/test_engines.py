@@ -49,3 +49,40 @@ def test_a_compiled_engine_compiles_once_over_a_runs_steps(use_tiny_cache, tmp_p
     steps = [r for r in read_metrics(out / "metrics.jsonl") if "seconds_generate" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert counters["frames"]["ok"] == 1 and not counters["recompiles"]
+
+
+def test_sft_evaluates_on_the_engine_its_config_resolves(use_tiny_cache, tmp_path, monkeypatch):
+    """``r1fit sft``'s evaluations run on the static engine when rollout.engine=static (on CUDA,
+    auto's choice) and give the greedy answers Hugging Face generate gives (float32), after 30
+    steps that teach the tiny model the format; with auto on CPU they run on generate."""
+    from r1fit.cli import main
+    from r1fit.report.metrics import read_metrics
+    from r1fit.train import engines, evaluate
+
+    answers: list[str] = []
+    score = evaluate.answer_scores
+    monkeypatch.setattr(evaluate, "answer_scores",
+                        lambda text, sample: answers.append(text) or score(text, sample))
+    static_calls = []
+    greedy = engines.StaticRollouts.greedy
+    monkeypatch.setattr(engines.StaticRollouts, "greedy",
+                        lambda self, prompts: static_calls.append(len(prompts))
+                        or greedy(self, prompts))
+    runs = {}
+    for engine in ("static", "auto"):
+        answers.clear()
+        out = tmp_path / engine
+        assert main(["sft", f"train.output_dir={out}", "sft.steps=30", "sft.eval_every=15",
+                     "data.eval_size=12", "eval.batch=8", "data.shapes.train_size=50",
+                     "data.max_pixels=3136", "checkpoint.every=0", "report.to=[]",
+                     f"rollout.engine={engine}"]) == 0
+        evals = [{k: v for k, v in r.items() if k.startswith("eval/") and "memory" not in k}
+                 for r in read_metrics(out / "metrics.jsonl") if "eval/accuracy" in r]
+        runs[engine] = (evals, list(answers))
+        if engine == "static":  # before, at 15 and at 30: 12 rows in batches of 8 and 4 each
+            assert static_calls == [8, 4] * 3
+    assert static_calls == [8, 4] * 3  # auto on CPU: generate, not the static engine
+    (static_evals, static_answers), (hf_evals, hf_answers) = runs["static"], runs["auto"]
+    assert len(static_evals) == 3 and static_evals == hf_evals
+    assert static_evals[-1]["eval/format"] == 1.0  # the answers compared are formatted ones
+    assert len(static_answers) == 36 and static_answers == hf_answers

@@ -64,10 +64,11 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from r1fit.config import Config, ConfigError
-from r1fit.config.engines import resolve_engine
+from r1fit.config.engines import resolve_engine, sft_engine
 from r1fit.memory.planner.facts import (
     ModelFacts,
     PromptShape,
@@ -231,13 +232,18 @@ class Sizes:
 KINDS = ("grpo", "sft")
 
 
-def sft_step(cfg: Config) -> Config:
+def sft_step(cfg: Config, *, device_type: str = "cuda", gpus: int = 1) -> Config:
     """``cfg`` as the planner reads it for one step of ``r1fit sft`` (r1fit/train/sft.py):
     ``sft.batch_size`` rows, each its own prompt (nothing shared) and an answer of
     ``sft.max_answer_tokens`` tokens, one update with no old-policy or reference log-probs,
-    generation (the evaluation's) on the policy itself, the LM head's gradient made in its
-    forward unless memory.fused_loss is false. Internal: not a config a run accepts (one
+    generation (the evaluation's) on the engine r1fit sft evaluates with on ``device_type`` and
+    ``gpus`` (:func:`r1fit.config.engines.sft_engine`: the static engine, kept from the first
+    evaluation on, sized for the larger of ``sft.batch_size`` and ``eval.batch`` rows, or
+    generate on the policy itself; none without ``data.eval``), the LM head's gradient made in
+    its forward unless memory.fused_loss is false. Internal: not a config a run accepts (one
     completion per prompt)."""
+    engine = sft_engine(cfg.rollout.engine, device_type=device_type, distributed=gpus > 1,
+                        attention=cfg.model.attn_implementation)[0] if cfg.data.eval else "hf"
     return replace(
         cfg, train=replace(cfg.train, prompts_per_step=cfg.sft.batch_size),
         # a cross-entropy of per-token terms, fused as memory.fused_loss says
@@ -245,7 +251,7 @@ def sft_step(cfg: Config) -> Config:
                      beta=0.0, kl_in_reward=False, num_iterations=1,
                      importance_sampling_level="token", cov_restriction="none"),
         memory=replace(cfg.memory, share_prefix=False),
-        rollout=replace(cfg.rollout, engine="hf"), tools=())  # an answer, not a trajectory
+        rollout=replace(cfg.rollout, engine=engine), tools=())  # an answer, not a trajectory
 
 
 def completion_tokens(cfg: Config) -> int:
@@ -276,7 +282,8 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
         raise ConfigError(f"plan kind: got {kind!r}, expected one of {', '.join(KINDS)}")
     # how the plan reads a config; the advice changes the one asked (sft_step's view is no
     # config a run accepts)
-    view: Callable[[Config], Config] = sft_step if kind == "sft" else (lambda c: c)
+    view: Callable[[Config], Config] = partial(sft_step, device_type=device_type, gpus=gpus) \
+        if kind == "sft" else (lambda c: c)
     asked, cfg = cfg, view(cfg)
     if gpus < 1:
         raise ConfigError(f"--gpus: got {gpus}, expected a number >= 1")
