@@ -111,6 +111,14 @@ def cache_argument(model: Any) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def output_cache(output: Any) -> Any:
+    """A transformers output's KV cache: ``cache`` from transformers 5.24 on (where
+    ``past_key_values`` still reads it, with a deprecation warning), before it
+    ``past_key_values``."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
 def keeps_logits(model: Any) -> bool:
     """Whether the transformers ``model``'s forward takes ``logits_to_keep``."""
     return "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -265,7 +273,7 @@ def prefill_check(model: Any, rows: Sequence[Prompt], config: GenerationConfig, 
     mask = inputs["attention_mask"]
     mask = torch.cat([mask, mask.new_ones(mask.shape[0], max(len(plain.logits) - 1, 0))], dim=1)
     return PrefillCheck(logits_differ(plain.logits, shared.logits),
-                        keys_differ(shared.past_key_values, plain.past_key_values, mask), *bounds)
+                        keys_differ(output_cache(shared), output_cache(plain), mask), *bounds)
 
 
 def prefill_is_exact(model: Any, rows: Sequence[Prompt], config: GenerationConfig, pad_id: int,

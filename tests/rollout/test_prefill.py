@@ -29,6 +29,7 @@ from r1fit.rollout.prefill import (
     distinct_prompts,
     keys_differ,
     logits_differ,
+    output_cache,
     prefill_check,
     prefill_is_exact,
     prefilled_inputs,
@@ -258,3 +259,14 @@ def test_the_check_catches_positions_that_are_off_in_bfloat16(tiny_dir, float64_
     step_logits(model, ids, rows[:3], shared=False)  # leaves one image prompt's offset behind
     exact, why = prefill_is_exact(model, rows, config, ids.pad, CPU)
     assert not exact and "cached keys differ" in why, why
+
+
+def test_an_outputs_cache_is_read_by_its_current_name():
+    """transformers 5.24 names a generate output's KV cache ``cache`` (``past_key_values`` still
+    reads it, with a deprecation warning per process); before it, ``past_key_values``."""
+    from types import SimpleNamespace
+
+    new, old = object(), object()
+    assert output_cache(SimpleNamespace(cache=new, past_key_values=old)) is new
+    assert output_cache(SimpleNamespace(past_key_values=old)) is old
+    assert output_cache(SimpleNamespace(cache=None, past_key_values=old)) is old
