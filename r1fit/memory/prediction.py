@@ -56,15 +56,29 @@ class StepPrediction:
                    calibrated=time["source"].startswith("calibrated"), source=time["source"])
 
 
+def seconds_left(time: dict[str, Any], cfg: Any, kind: str, done: int) -> float:
+    """A plan's ``time`` for a run of ``kind`` whose first ``done`` steps are done (resumed):
+    the seconds of its other steps and of the evaluations still ahead (those at every
+    ``eval.every``-th step after ``done``, and the last step's)."""
+    from r1fit.memory.planner.timing import evaluation_count, run_steps
+
+    steps, every = run_steps(cfg, kind == "sft")
+    left = max(steps - done, 0)
+    if not left:
+        return 0.0
+    evaluations = evaluation_count(steps, every, False) - (done // every if every else 0)
+    return left * time["step_seconds"] + evaluations * (time["eval_seconds"] or 0.0)
+
+
 def predict_steps(cfg: Any, device_type: str, gpus: int, kind: str, sizes: ChunkSizes,
-                  budget: int | None = None) -> StepPrediction | None:
+                  budget: int | None = None, done: int = 0) -> StepPrediction | None:
     """The time model's prediction for a run of ``kind`` ("grpo" or "sft") starting at ``sizes``
     on ``gpus`` processes, logged; None (with a warning) where the planner cannot read the
     model. Training goes on either way: the prediction is a diagnostic. ``budget``: the bytes
     the run may use on its device (CUDA's free memory before the model loaded, or
     ``memory.budget``); given, the log also names the configurations that fit it and are
     predicted faster (:func:`r1fit.memory.planner.estimate.faster_fits`), as ``r1fit plan``
-    lists them."""
+    lists them. ``done``: the steps a resumed run has done (the log says what is left)."""
     from r1fit.memory.planner import plan_memory
     from r1fit.memory.planner.estimate import shown_values
 
@@ -94,7 +108,9 @@ def predict_steps(cfg: Any, device_type: str, gpus: int, kind: str, sizes: Chunk
              "run about %s (%d steps%s); rates: %s. Each step's row logs predicted_seconds_* "
              "beside its seconds_*%s", format_seconds(sum(prediction.seconds.values())), shown,
              format_seconds(plan.time["run_seconds"]), plan.time["steps"],
-             f", the {warmup}-step format warm-up not counted" if warmup else "",
+             (f", {done} done: about {format_seconds(seconds_left(plan.time, cfg, kind, done))} "
+              "left" if done else "")
+             + (f", the {warmup}-step format warm-up not counted" if warmup else ""),
              prediction.source,
              "" if prediction.calibrated else " (no slow-phase alarm without a calibration)")
     if plan.faster:

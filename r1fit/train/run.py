@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from r1fit.checkpoint.export import save_hf_folder
-from r1fit.checkpoint.manager import CheckpointManager
+from r1fit.checkpoint.manager import CheckpointManager, ResumePoint
 from r1fit.checkpoint.resume import open_output_dir
 from r1fit.config import Config
 from r1fit.data.batch import Prompt, encode_prompts, split_too_long
@@ -124,7 +124,8 @@ class Run(Session):
                  "on" if self.layout.on else "off")
         self.planned = self.planned.with_values({"memory.share_prefix": self.layout.on})
         self.predicted = predict_steps(self.planned, self.device.type, self.world.size,
-                                       self.kind, self.sizes)
+                                       self.kind, self.sizes,
+                                       done=steps_done(self.checkpoints.resume, self.kind))
 
     def fetch(self, sampler: PromptSampler, bad_rows: BadRowCounter, k: int) -> list[Prompt]:
         """The next ``k`` good training prompts; bad rows are skipped and counted."""
@@ -216,7 +217,8 @@ def start_run(cfg: Config, kind: str) -> Run:
                  cfg.preset, preset)
     trackers = open_trackers(cfg, out) if w.main else Trackers([])
     planned = cfg.with_values(checkpointing)
-    predicted = predict_steps(planned, device.type, w.size, kind, sizes, budget)
+    predicted = predict_steps(planned, device.type, w.size, kind, sizes, budget,
+                              done=steps_done(resume, kind))
     return Run(cfg=cfg, world=w, device=device, model=model, processor=processor, policy=policy,
                ids=TokenIds.of(model, processor), eval_set=eval_set, sizes=sizes,
                max_prompt_tokens=max_prompt_tokens, kind=kind, out=out, train_set=train_set,
@@ -225,6 +227,12 @@ def start_run(cfg: Config, kind: str) -> Run:
                rss_after_load_bytes=current_rss_bytes(), started=started,
                layout=BatchLayout(cfg.memory.share_prefix), predicted=predicted,
                planned=planned)
+
+
+def steps_done(resume: ResumePoint | None, kind: str) -> int:
+    """The steps of a run of ``kind`` that its resume point has done (0 for a fresh run, and for
+    a GRPO run resumed within its format warm-up)."""
+    return resume.step if resume is not None and resume.phase == kind else 0
 
 
 def known_budget(cfg: Config, device: torch.device) -> int | None:

@@ -8,7 +8,7 @@ import logging
 import r1fit.memory.planner as planner
 from r1fit.config import load_config
 from r1fit.memory.planner import plan_memory
-from r1fit.memory.prediction import StepPrediction, predict_steps
+from r1fit.memory.prediction import StepPrediction, predict_steps, seconds_left
 from r1fit.memory.sizes import ChunkSizes
 
 BASE = ["model.path=builtin:tiny", "algo.num_generations=4", "train.prompts_per_step=2",
@@ -68,3 +68,21 @@ def test_a_model_the_planner_cannot_read_leaves_the_run_unpredicted(monkeypatch,
                              ) is None
     assert "time model: no prediction for this run (KeyError: 'vision_config')" in caplog.text
 
+
+
+def test_a_resumed_run_is_told_what_is_left(use_tiny_cache, caplog):
+    """Steps of 2 s and evaluations of 10 s, eval.every=4 over 10 steps (before, 4, 8, 10):
+    done 5, the steps 6-10 and the evaluations at 8 and 10 are left, 5 x 2 + 2 x 10 = 30 s;
+    done 8, 2 steps and the last evaluation; done 10, nothing. r1fit sft counts sft.steps."""
+    cfg = load_config(None, [*BASE, "train.max_steps=10", "eval.every=4", "sft.steps=6",
+                             "sft.eval_every=0"])
+    time = {"step_seconds": 2.0, "eval_seconds": 10.0}
+    assert seconds_left(time, cfg, "grpo", 0) == 10 * 2 + 3 * 10  # not the one before training
+    assert seconds_left(time, cfg, "grpo", 5) == 5 * 2 + 2 * 10
+    assert seconds_left(time, cfg, "grpo", 8) == 2 * 2 + 10
+    assert seconds_left(time, cfg, "grpo", 10) == 0
+    assert seconds_left(time, cfg, "sft", 2) == 4 * 2 + 10  # the last step's evaluation
+    assert seconds_left({**time, "eval_seconds": None}, cfg, "grpo", 5) == 10
+    with caplog.at_level(logging.INFO, "r1fit.memory"):
+        predict_steps(cfg, "cpu", 1, "grpo", ChunkSizes(2, 3, {}), done=5)
+    assert "(10 steps, 5 done: about" in caplog.text and " left" in caplog.text
