@@ -364,13 +364,13 @@ def time_plan(s: TimeShape, rates: DeviceRates, cfg: Config, *, processes: int =
     tokens = s.rows * processes * s.completion
     return TimePlan(phases=phases, step_seconds=step, tokens_per_second=tokens / max(step, 1e-9),
                     run_seconds=run, steps=steps, evaluations=evaluations,
-                    warmup_steps=0 if training_only else cfg.sft.format_warmup_steps, eval_seconds=eval_seconds,
-                    dominant=dominant, source=rates.source,
+                    eval_seconds=eval_seconds, dominant=dominant, source=rates.source,
                     advice=_advice(s, cfg, phases, dominant),
                     details={"prefill_seconds": prefill, "decode_seconds": decode,
                              "decode_step_seconds": decode / max(
                                  math.ceil(s.rows / s.generation_batch)
-                                 * max(s.completion - 1, 1), 1)})
+                                 * max(s.completion - 1, 1), 1)},
+                    warmup_steps=0 if training_only else cfg.sft.format_warmup_steps)
 
 
 def _advice(s: TimeShape, cfg: Config, phases: dict[str, float], dominant: str) -> list[str]:
