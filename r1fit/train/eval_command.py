@@ -60,7 +60,7 @@ from r1fit.data.build import build_eval_set
 from r1fit.distributed.loading import load_on_ranks
 from r1fit.memory.autofit import resolve_checkpointing, resolve_sizes
 from r1fit.memory.telemetry import reset_peak, step_memory
-from r1fit.models.load import load_adapter, load_policy
+from r1fit.models.load import load_adapter, load_policy, resolve_model_path
 from r1fit.processes import DistributedError, pick_device, world
 from r1fit.progress import progress_bar
 from r1fit.report.eval_page import answer_record, save_row_images, write_page, write_rows
@@ -104,7 +104,9 @@ def model_source(cfg: Config, path: str | None) -> ModelSource:
     if path is None:
         return ModelSource("model", cfg.model.path, {"model.lora.r": 0})
     folder = Path(path).expanduser()
-    if not folder.is_dir():  # a hub id; a missing local folder is load_policy's one-line error
+    if not folder.is_dir():
+        # a hub id; a missing local folder, a file, fail here, before the data is read
+        resolve_model_path(path)
         return ModelSource("folder", path, {"model.path": path, "model.lora.r": 0})
     if (folder / ADAPTER_CONFIG).is_file():
         rank = read_json_object(folder / ADAPTER_CONFIG).get("r")

@@ -163,12 +163,17 @@ def test_what_model_and_out_refuse_is_one_line(use_tiny_cache, tmp_path, capsys)
         (["--model", str(tmp_path / "empty")], "not a model folder (config.json), a LoRA adapter "
                                                "folder"),
         (["--out", str(tmp_path / "full")], "not a new or empty folder"),
+        (["--model", str(tmp_path / "missing")], f"model folder '{tmp_path / 'missing'}' does "
+                                                 "not exist"),
+        (["--model", str(tmp_path / "full" / "x")], "is a file; expected a model folder"),
         (["data.eval=null"], "data.eval is null")]
     for i, (args, message) in enumerate(cases):
         out = [] if "--out" in args else ["--out", str(tmp_path / f"out{i}")]
         assert main(["eval", *args, *out]) == 2, args
         err = capsys.readouterr().err.strip()
         assert err.startswith("r1fit: error: ") and message in err and "\n" not in err, err
+        if "--model" in args:  # refused before the eval set is read
+            assert not (tmp_path / f"out{i}").exists()
 
 
 def test_the_page_of_an_evaluation_with_tools_opens_in_chromium(use_tiny_cache, tmp_path,
