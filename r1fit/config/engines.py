@@ -18,11 +18,12 @@ def vllm_installed() -> bool:
 
 
 def resolve_engine(setting: str, *, device_type: str, distributed: bool,
-                   attention: str = "sdpa") -> tuple[str, str]:
+                   attention: str = "sdpa", vllm: bool = True) -> tuple[str, str]:
     """``(engine, why)``: ``setting`` itself, or for ``auto`` the fastest engine that runs here:
-    vLLM where it is installed and the device is CUDA, else the static-cache engine on CUDA
-    (in one process, sdpa or eager attention: what it runs), else Hugging Face generate.
-    ``attention``: model.attn_implementation."""
+    vLLM where it is installed and the device is CUDA (unless ``vllm`` is False: not an engine
+    this caller takes), else the static-cache engine on CUDA (in one process, sdpa or eager
+    attention: what it runs), else Hugging Face generate. ``attention``:
+    model.attn_implementation."""
     if setting in ENGINES:
         if setting == "static":
             refuse_static(distributed=distributed, attention=attention)
@@ -30,16 +31,18 @@ def resolve_engine(setting: str, *, device_type: str, distributed: bool,
     if setting != "auto":
         raise ConfigError(f"rollout.engine must be auto, {', '.join(ENGINES)}; got {setting!r}")
     if device_type != "cuda":
-        return "hf", f"on {device_type} (CUDA graphs and vLLM need a CUDA device)"
-    if vllm_installed():
+        return "hf", f"on {device_type} (CUDA graphs{' and vLLM' if vllm else ''} need a CUDA device)"
+    if vllm and vllm_installed():
         return "vllm", "vLLM is installed and the device is CUDA"
+    without = "vLLM is not installed and " if vllm else ""
     if distributed:
-        return "hf", ("vLLM is not installed and the static engine runs in one process only "
+        return "hf", (f"{without}the static engine runs in one process only "
                       "(FSDP's gathered weights move every step)")
     if attention not in STATIC_ATTENTION:
-        return "hf", (f"vLLM is not installed and the static engine takes sdpa or eager "
+        return "hf", (f"{without}the static engine takes sdpa or eager "
                       f"attention, not {attention}")
-    return "static", "CUDA, vLLM not installed: the static-cache engine with CUDA graphs"
+    return "static", ("CUDA, vLLM not installed: " if vllm else "CUDA: ") + \
+        "the static-cache engine with CUDA graphs"
 
 
 def refuse_static(*, distributed: bool, attention: str = "sdpa") -> None:
@@ -61,16 +64,9 @@ def sft_engine(setting: str, *, device_type: str, distributed: bool,
     weights and KV pool through every SFT update for the sake of an evaluation or two (and the
     SFT plan does not count them): ``vllm``, like ``auto``, takes the static engine where it
     runs (CUDA, one process, sdpa or eager attention), else Hugging Face generate."""
-    if setting in ("hf", "static"):
-        return resolve_engine(setting, device_type=device_type, distributed=distributed,
-                              attention=attention)
-    if setting not in ("auto", "vllm"):
-        raise ConfigError(f"rollout.engine must be auto, {', '.join(ENGINES)}; got {setting!r}")
-    why = "r1fit sft evaluates without vLLM; " if setting == "vllm" else ""
-    if device_type != "cuda":
-        return "hf", f"{why}on {device_type} (CUDA graphs need a CUDA device)"
-    if distributed:
-        return "hf", f"{why}the static engine runs in one process only"
-    if attention not in STATIC_ATTENTION:
-        return "hf", f"{why}the static engine takes sdpa or eager attention, not {attention}"
-    return "static", f"{why}CUDA: the static-cache engine with CUDA graphs"
+    if setting == "vllm":
+        name, why = resolve_engine("auto", device_type=device_type, distributed=distributed,
+                                   attention=attention, vllm=False)
+        return name, f"r1fit sft evaluates without vLLM; {why}"
+    return resolve_engine(setting, device_type=device_type, distributed=distributed,
+                          attention=attention, vllm=False)

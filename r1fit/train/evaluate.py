@@ -18,12 +18,11 @@ from r1fit.memory.telemetry import reset_peak, step_memory
 from r1fit.processes import all_sum
 from r1fit.rewards.accuracy import accuracy
 from r1fit.rewards.format import format_reward
-from r1fit.rollout.generate import SamplingSettings, row_seeds
+from r1fit.rollout.generate import row_seeds
 from r1fit.rollout.record import Trajectory
 from r1fit.rollout.turns import answer_text
-from r1fit.train.engines import HFRollouts, RolloutEngine
+from r1fit.train.engines import RolloutEngine
 from r1fit.train.run import Run, Session
-from r1fit.train.tool_rollouts import ToolTurns
 
 log = logging.getLogger("r1fit")
 
@@ -116,10 +115,10 @@ def _answers(session: Session, engine: RolloutEngine, prompts: list[Prompt], row
 
 
 @torch.no_grad()
-def evaluate(run: Run, engine: RolloutEngine | None = None) -> dict[str, Any]:
-    """Greedy decoding on ``run.eval_set``: accuracy and format rate, on the run's rollout
-    ``engine`` when given (a vLLM engine is synced with the policy first), else with
-    ``generate`` on the policy. When some rows are scored by the ``iou`` accuracy method (box
+def evaluate(run: Run, engine: RolloutEngine) -> dict[str, Any]:
+    """Greedy decoding on ``run.eval_set``: accuracy and format rate, on ``engine`` (GRPO's
+    rollout engine, a vLLM one synced with the policy first; ``r1fit sft``'s
+    :func:`r1fit.train.engines.evaluation_engine`). When some rows are scored by the ``iou`` accuracy method (box
     answers, e.g. ``builtin:shapes`` box questions), ``eval/iou`` is their mean IoU (their
     accuracy is their IoU: on an eval set of box rows only, it equals ``eval/accuracy``).
 
@@ -131,9 +130,6 @@ def evaluate(run: Run, engine: RolloutEngine | None = None) -> dict[str, Any]:
     dataset, cfg = run.eval_set, run.cfg
     assert dataset is not None, "evaluate() needs data.eval"
     reset_peak(run.device)  # eval/peak_memory_bytes is the evaluation's own peak
-    if engine is None:
-        settings = SamplingSettings(max_new_tokens=cfg.algo.max_new_tokens)
-        engine = HFRollouts(run, settings, ToolTurns.of(run, settings.max_new_tokens))
     correct = formatted = iou_sum = 0.0
     scored = bad = iou_rows = tool_rows = 0
     # each rank its share of the batches, as eval.batch rows apiece
