@@ -124,7 +124,7 @@ class DataConfig:
     answer_key: str | None = opt(None, "Column of the reference answer ('columns' rows; null: "
                                  "'solution', else 'answer').")
     image_key: str | None = opt(None, "Column of the image(s): paths, bytes or {bytes, path} "
-                                "records ('columns' rows; null: 'image', else 'images').")
+                                "records (null: each row's 'image', else its 'images').")
     conversations_key: str | None = opt(None, "Column of the turns ('conversations' rows; null: "
                                         "'conversations', else 'messages').")
     reward_method: str | tuple[str, ...] = opt(
@@ -135,9 +135,10 @@ class DataConfig:
                                  "method in (VLM-R1's); it wins over data.reward_method.")
     focus_key: str = opt("focus", "Column of a row's focus box [x1, y1, x2, y2] on its first "
                          "image: fractions of its width and height when every number is at most "
-                         "1, else pixels of the image as stored. `r1fit sft` with the crop or "
-                         "zoom tool learns a row that has one as a tool demonstration (a call on "
-                         "the box, the tool's image, the answer); training ignores it.")
+                         "1, else pixels of the image at its source resolution, upright. `r1fit sft` "
+                         "with the crop or zoom tool learns a row that has one as a tool "
+                         "demonstration (a call on the box, the tool's image, the answer); "
+                         "training ignores it. A box outside its image is dropped, warned once.")
     eval_size: int = opt(200, "Evaluate on at most this many held-out questions.", ge=1)
     max_pixels: int = opt(4194304, "Images are resized (aspect kept) to at most this many "
                           "pixels (4,194,304 = 2048 x 2048: EasyR1's examples/config.yaml; up to "

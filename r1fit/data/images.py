@@ -15,7 +15,8 @@ import math
 import os
 from pathlib import Path
 
-from PIL import Image
+import numpy as np
+from PIL import ExifTags, Image, ImageOps
 
 from r1fit.data.errors import BadRowError, DataError
 from r1fit.errors import one_line
@@ -74,9 +75,40 @@ def _fitted_size(width: int, height: int, min_pixels: int, max_pixels: int) -> t
     return (short_side, long_side) if transpose else (long_side, short_side)
 
 
+# Pillow's modes of more than 8 bits a channel, which convert("RGB") clips at 255
+_WIDE_MODES = ("I", "I;16", "I;16L", "I;16B", "I;16N", "F")
+
+
 def as_rgb(img: Image.Image) -> Image.Image:
-    """``img`` in RGB mode: itself when it already is, else a converted copy."""
-    return img if img.mode == "RGB" else img.convert("RGB")
+    """``img`` in RGB mode: itself when it already is, else a converted copy.
+
+    As transformers' ``convert_to_rgb`` does, transparent pixels are laid on white (not on the
+    black ``convert("RGB")`` leaves). Greyscale of more than 8 bits is scaled to 8 bits, not
+    clipped: 16-bit values (``I;16``) divided by 257; 32-bit integers (``I``) likewise when any
+    exceeds 255, else taken as 8-bit; floats (``F``) read as 0..1 when none exceeds 1, else as
+    0..255; beyond 16 bits (or 255 for floats) the image's maximum is white.
+    """
+    if img.mode == "RGB":
+        return img
+    if img.mode in _WIDE_MODES:
+        return _eight_bit(img).convert("RGB")
+    if {"A", "a"} & set(img.getbands()) or "transparency" in img.info:
+        white = Image.new("RGBA", img.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, img.convert("RGBA")).convert("RGB")
+    return img.convert("RGB")
+
+
+def _eight_bit(img: Image.Image) -> Image.Image:
+    """A greyscale image of more than 8 bits as mode ``L`` (the scaling ``as_rgb`` states)."""
+    values = np.nan_to_num(np.asarray(img, dtype=np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+    top = float(values.max(initial=0.0))
+    if img.mode.startswith("I;16"):
+        scale = 257.0
+    elif img.mode == "F":
+        scale = 1 / 255 if top <= 1.0 else max(top, 255.0) / 255
+    else:
+        scale = 1.0 if top <= 255 else 257.0 if top <= 65535 else top / 255
+    return Image.fromarray(np.clip(np.rint(values / scale), 0, 255).astype(np.uint8))
 
 
 def fit_pixel_budget(img: Image.Image, min_pixels: int, max_pixels: int) -> Image.Image:
@@ -115,7 +147,9 @@ def load_image(image: str | os.PathLike[str] | bytes | Image.Image) -> Image.Ima
     ``BadRowError``; an already decoded image is returned as it is.
 
     Decoding eagerly surfaces truncated/corrupt files here, with the path in the message, instead of
-    deep inside the processor. The returned image is in its file mode; ``fit_pixel_budget`` makes it RGB.
+    deep inside the processor. The image is turned upright by its EXIF orientation, as transformers'
+    ``load_image`` and datasets' ``Image`` feature do (a phone photo is stored sideways); it is in
+    its file mode, ``fit_pixel_budget`` makes it RGB.
     """
     if isinstance(image, Image.Image):
         return image
@@ -134,6 +168,8 @@ def _open(image: str | os.PathLike[str] | bytes, how: str, failure: str) -> Imag
     try:
         with Image.open(source) as img:
             getattr(img, how)()
+            if how == "load" and img.getexif().get(ExifTags.Base.Orientation, 1) != 1:
+                return ImageOps.exif_transpose(img)
             # the context manager closes the file; loaded pixels stay in memory
             return img
     # PIL plugins raise many types on corrupt input (OSError, SyntaxError, struct.error, IndexError,

@@ -1,6 +1,7 @@
 """Rows in the formats people already have, turned into one shape: a conversation and its images.
 
-Two row formats (``data.format``), detected from a source's first row unless configured:
+Two row formats (``data.format``), detected from a source's first row unless configured (the
+image column is looked up in each row: ``image``, else ``images``, unless ``data.image_key`` names it):
 
 ``columns``: a question, an answer and an image column::
 
@@ -38,6 +39,8 @@ from PIL import Image
 from r1fit.data.errors import BadRowError
 
 IMAGE_TOKEN = "<image>"
+#: where a row's images are looked for when ``data.image_key`` is not set, in this order
+IMAGE_KEYS = ("image", "images")
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
          "bot": "assistant", "model": "assistant", "system": "system"}
 # MiniCPM-V's named placeholders: "<image_00>", "<image_01>", ...
@@ -85,14 +88,15 @@ class RowFormat:
     problem_key: str | None  # columns
     answer_key: str | None  # columns
     conversations_key: str | None  # conversations
-    image_key: str | None  # None: the rows carry no images
+    image_key: str | None  # None: each row's 'image', else its 'images' (image_column)
     reward_method_key: str
     focus_key: str = "focus"
 
     def describe(self) -> str:
         parts = ([f"question '{self.problem_key}'", f"answer '{self.answer_key}'"]
                  if self.kind == "columns" else [f"turns '{self.conversations_key}'"])
-        parts.append(f"images '{self.image_key}'" if self.image_key else "no image column")
+        parts.append(f"images '{self.image_key}'" if self.image_key else
+                     " or ".join(f"'{key}'" for key in IMAGE_KEYS) + " for images")
         return f"{self.kind} rows ({', '.join(parts)})"
 
 
@@ -123,7 +127,7 @@ def detect_format(row: Mapping[str, Any], options: FormatOptions) -> RowFormat:
     conversations = _first_present(row, options.conversations_key, ("conversations", "messages"))
     if kind == "auto":
         kind = "conversations" if conversations in row else "columns"
-    image = _first_present(row, options.image_key, ("image", "images"))
+    image = options.image_key  # None: looked up in each row (image_column)
     if kind == "conversations":
         if conversations is None:
             raise BadRowError(f"no 'conversations' or 'messages' list in the row (keys: "
@@ -139,6 +143,20 @@ def detect_format(row: Mapping[str, Any], options: FormatOptions) -> RowFormat:
                           "data.format and data.problem_key / data.answer_key")
     return RowFormat("columns", problem, answer, None, image, options.reward_method_key,
                      options.focus_key)
+
+
+def image_column(raw: Mapping[str, Any], fmt: RowFormat) -> str | None:
+    """The key of ``raw``'s images: ``fmt.image_key`` when configured, else the one of
+    :data:`IMAGE_KEYS` the row fills (None: it has no images; ``BadRowError`` when it fills both,
+    which cannot be told apart). Each row is asked, as a source may leave images out of some rows
+    (its first one included) or mix the two names."""
+    if fmt.image_key is not None:
+        return fmt.image_key
+    filled = [key for key in IMAGE_KEYS if raw.get(key) not in (None, [], {})]
+    if len(filled) > 1:
+        raise BadRowError(f"has both {' and '.join(repr(k) for k in filled)}; set data.image_key "
+                          "to the column that holds its images")
+    return filled[0] if filled else None
 
 
 def _focus(raw: Any, key: str) -> tuple[float, float, float, float]:
@@ -180,6 +198,17 @@ def _text(value: Any, what: str) -> str:
     text = value if isinstance(value, str) else str(value)
     if not text.strip():
         raise BadRowError(f"{what} is empty")
+    return _unicode(text, what)
+
+
+def _unicode(text: str, what: str) -> str:
+    """``text`` when it is valid Unicode; JSON's ``\\ud800`` escapes can give a lone surrogate,
+    which tokenizers and file systems refuse deep inside a run."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadRowError(f"{what} has a lone surrogate {text[exc.start]!r} at character "
+                          f"{exc.start} (not valid Unicode)") from None
     return text
 
 
@@ -228,11 +257,15 @@ def _image_ref(value: Any, folder: Path | None, what: str) -> ImageRef:
     if isinstance(value, bytes | bytearray):
         return bytes(value)
     if isinstance(value, Mapping) and ("bytes" in value or "path" in value):
-        if value.get("bytes"):
-            return bytes(value["bytes"])
+        data = value.get("bytes")
+        if data:
+            if not isinstance(data, bytes | bytearray | memoryview):
+                raise BadRowError(f"{what}'s 'bytes' must be encoded image bytes, got "
+                                  f"{type(data).__name__}")
+            return bytes(data)
         value = value.get("path")
     if isinstance(value, str) and value.strip():
-        path = Path(value).expanduser()
+        path = Path(_unicode(value, what)).expanduser()
         if path.is_absolute():
             return path
         if folder is None:
@@ -297,8 +330,8 @@ def parse_row(raw: Any, fmt: RowFormat, *, folder: Path | None, reward_method: s
                 raise BadRowError(f"missing '{key}'")
         turns = [("user", _text(raw[fmt.problem_key], f"'{fmt.problem_key}'")),
                  ("assistant", _text(raw[fmt.answer_key], f"'{fmt.answer_key}'"))]
-    images, named = (_images(raw.get(fmt.image_key), fmt.image_key, folder) if fmt.image_key
-                     else ([], {}))
+    key = image_column(raw, fmt)
+    images, named = _images(raw.get(key), key, folder) if key is not None else ([], {})
     if len(images) > max_images:
         raise BadRowError(f"has {len(images)} images, more than data.max_images={max_images}")
     turns, images = _place_images(turns, images, named)

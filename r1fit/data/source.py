@@ -101,6 +101,7 @@ class RowSource:
         self.total_rows = self.bad_rows = 0
         self.first_error: str | None = None
         self.skipped: list[str] = []
+        self.bad_focus: set[str] = set()  # rows whose focus box left their image (warned once)
         self._max_images = max_images
         self._folders: list[Path | None] = []
         self._methods: list[str] = []
@@ -111,11 +112,12 @@ class RowSource:
             self.tables.append(table)
             self._folders.append(folder)
             self._methods.append(spec.reward_method)
-            fmt, good = self._read(table, len(self.tables) - 1, options, size, checked_methods,
-                                   check_method)
+            fmt, good, pictured = self._read(table, len(self.tables) - 1, options, size,
+                                             checked_methods, check_method)
             self.formats.append(fmt)
-            logger.info("data: %s: %s; %d good rows%s", table.name, fmt.describe(), good,
-                        f", images under {folder}" if folder is not None and fmt.image_key else "")
+            logger.info("data: %s: %s; %d good rows, %d with images%s", table.name,
+                        fmt.describe(), good, pictured,
+                        f" (under {folder})" if folder is not None and pictured else "")
             if size is not None and len(self.rows) >= size:
                 break
         if self.bad_rows > MAX_ROW_WARNINGS:
@@ -129,11 +131,11 @@ class RowSource:
 
     def _read(self, table: Table, number: int, options: FormatOptions, size: int | None,
               checked_methods: dict[str, str | None], check_method: Callable[[str], None] | None
-              ) -> tuple[RowFormat, int]:
-        """Check every row of ``table``; the format (from its first parseable row) and how many
-        good rows it gave."""
+              ) -> tuple[RowFormat, int, int]:
+        """Check every row of ``table``; the format (from its first parseable row), how many
+        good rows it gave and how many of those have images."""
         fmt: RowFormat | None = None
-        good = 0
+        good = pictured = 0
         verified: dict[Path, str | None] = {}
         long = len(table) >= PROGRESS_ROWS
         bar = progress_bar(f"checking {table.name}", len(table)) if long else nullcontext(None)
@@ -169,12 +171,13 @@ class RowSource:
                                              replace(row, images=()) if embedded else row,
                                              embedded))
                     good += 1
+                    pictured += bool(row.images)
                 if advance is not None:
                     advance()
         if fmt is None:  # no row could even be parsed: the format of an empty table
             fmt = RowFormat("columns", "problem", "solution", None, None,
                             options.reward_method_key)
-        return fmt, good
+        return fmt, good, pictured
 
     def _skip(self, where: str, reason: str) -> None:
         """Count a bad row and warn about it (the first ``MAX_ROW_WARNINGS`` only)."""
@@ -202,8 +205,15 @@ class RowSource:
                             reward_method=self._methods[good.table], max_images=self._max_images)
         try:
             images = [load_image(image) for image in row.images]
-            focus = None if row.focus is None else focus_fractions(row.focus, images[0].size)
         except BadRowError as exc:
             raise BadRowError(f"{where}: {exc}") from exc
+        focus = None
+        if row.focus is not None:
+            try:
+                focus = focus_fractions(row.focus, images[0].size)
+            except BadRowError as exc:  # the row still trains; only its focus is unusable
+                if where not in self.bad_focus:
+                    self.bad_focus.add(where)
+                    logger.warning("%s: %s; its focus is ignored", where, exc)
         return Sample(images=images, problem=row.problem, solution=row.solution, source=where,
                       turns=row.turns, reward_method=row.reward_method, focus=focus)

@@ -63,6 +63,8 @@ class JsonlTable(Table):
                                                   f"{exc.start})"))
                 except json.JSONDecodeError as exc:
                     self._rows.append(BadRowError(f"bad JSON: {exc.msg} at column {exc.colno}"))
+                except (ValueError, RecursionError) as exc:  # e.g. a 5,000-digit number
+                    self._rows.append(BadRowError(f"bad JSON: {_json_limit(exc)}"))
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -95,11 +97,20 @@ class ListTable(Table):
         return f"{self.name} row {index + 1}"
 
 
+def _json_limit(exc: ValueError | RecursionError) -> str:
+    """Why valid-looking JSON could not be read: Python's limits on integer digits and nesting."""
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return one_line(exc).split(";")[0]  # not Python's advice on raising its digit limit
+
+
 def _json_list(path: Path, name: str) -> ListTable:
     try:
         rows = json.loads(path.read_text(encoding="utf-8-sig"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise DataError(f"{name}: not a JSON file ({one_line(exc)})") from None
+    except (ValueError, RecursionError) as exc:
+        raise DataError(f"{name}: not a JSON file ({_json_limit(exc)})") from None
     if not isinstance(rows, list):
         raise DataError(f"{name}: a .json source must hold a list of rows, got "
                         f"{type(rows).__name__} (one object per line is .jsonl)")
@@ -141,8 +152,9 @@ def _load_hf(spec: str, path: Path, split: str | None, default_split: str) -> Li
                         "package: pip install datasets") from None
     datasets.disable_progress_bars()
     try:
-        if path.is_file() and path.suffix in (".parquet", ".arrow"):
-            kind = "parquet" if path.suffix == ".parquet" else "arrow"
+        suffix = path.suffix.lower()
+        if path.is_file() and suffix in (".parquet", ".arrow"):
+            kind = "parquet" if suffix == ".parquet" else "arrow"
             found = datasets.load_dataset(kind, data_files=str(path), split="train")
             return ListTable(_undecoded_images(found), spec, path.parent)
         if path.is_dir() and ((path / "dataset_info.json").is_file() or
@@ -168,15 +180,16 @@ def open_table(spec: str, *, default_split: str) -> Table:
     ``save_to_disk`` folder, a folder of data files or a hub id; ``SPEC@split`` picks a split."""
     text, _, split = spec.partition("@") if "@" in spec and not Path(spec).exists() else (spec, "", "")
     path = Path(text).expanduser()
-    if path.suffix in (".jsonl", ".json"):
+    suffix = path.suffix.lower()  # DATA.JSONL is a JSONL file too
+    if suffix in (".jsonl", ".json"):
         if not path.exists():
             raise DataError(f"{spec}: file not found")
         if not path.is_file():
             raise DataError(f"{spec}: not a file")
         if split:
             raise DataError(f"{spec}: a {path.suffix} file has no splits")
-        return JsonlTable(path, text) if path.suffix == ".jsonl" else _json_list(path, text)
-    if path.suffix in (".parquet", ".arrow") and not path.exists():
+        return JsonlTable(path, text) if suffix == ".jsonl" else _json_list(path, text)
+    if suffix in (".parquet", ".arrow") and not path.exists():
         raise DataError(f"{spec}: file not found")
     if not path.exists() and (text.startswith((".", "/", "~")) or text.count("/") != 1):
         raise DataError(f"{spec}: not found (neither a file or folder here nor a hub id "

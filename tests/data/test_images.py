@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import io
+
+import numpy as np
 import pytest
 from PIL import Image
 
 from r1fit.data.errors import BadRowError, DataError
-from r1fit.data.images import MIN_SIDE, fit_pixel_budget, load_image, verify_image
+from r1fit.data.images import MIN_SIDE, as_rgb, fit_pixel_budget, load_image, verify_image
 
 TOKEN = 28 * 28  # pixels per merged Qwen vision token
 
@@ -70,6 +73,64 @@ def test_budget_invariants(size: tuple[int, int], budget: tuple[int, int]) -> No
 @pytest.mark.parametrize("mode", ["L", "RGBA", "P", "CMYK"])
 def test_converts_to_rgb(mode: str) -> None:
     assert fit_pixel_budget(Image.new(mode, (64, 64)), TOKEN, TOKEN * 16).mode == "RGB"
+
+
+def _grey(image: Image.Image) -> list[int]:
+    """The first row of ``as_rgb(image)``, one number a pixel (its three channels agree)."""
+    pixels = np.asarray(as_rgb(image))
+    assert (pixels[..., 0] == pixels[..., 1]).all() and (pixels[..., 1] == pixels[..., 2]).all()
+    return pixels[0, :, 0].tolist()
+
+
+def test_wide_greyscale_is_scaled_to_8_bits_not_clipped() -> None:
+    """convert("RGB") clips 16-bit values at 255: a 16-bit scan came out white but for black."""
+    sixteen = Image.new("I;16", (4, 1))
+    for x, value in enumerate((0, 257, 32768, 65535)):
+        sixteen.putpixel((x, 0), value)
+    out = io.BytesIO()
+    sixteen.save(out, format="PNG")  # and as a file holds it
+    assert _grey(load_image(out.getvalue())) == [0, 1, 128, 255]  # 32768 / 257 = 127.5
+    assert _grey(Image.fromarray(np.array([[0, 7, 255]], dtype=np.int32))) == [0, 7, 255]
+    assert _grey(Image.fromarray(np.array([[0, 514, 65535]], dtype=np.int32))) == [0, 2, 255]
+    assert _grey(Image.fromarray(np.array([[-5, 1200, 2000]], dtype=np.int32) * 100)) == [
+        0, 153, 255]  # beyond 16 bits: the maximum (200,000) is white; 120,000 * 255 / 200,000
+    floats = np.array([[0.0, 0.25, 1.0, np.nan]], dtype=np.float32)
+    assert _grey(Image.fromarray(floats)) == [0, 64, 255, 0]  # 0..1: 0.25 * 255 = 63.75
+    assert _grey(Image.fromarray(floats * 100)) == [0, 25, 100, 0]  # 0..255 as it is
+
+
+def test_transparency_is_laid_on_white() -> None:
+    """As transformers' convert_to_rgb: a transparent pixel is white, a half-covered one between
+    (convert("RGB") leaves whatever colour the transparent pixel holds, mostly black)."""
+    rgba = Image.new("RGBA", (3, 1), (0, 0, 0, 0))
+    rgba.putpixel((1, 0), (0, 0, 0, 255))
+    rgba.putpixel((2, 0), (200, 0, 0, 128))
+    assert np.asarray(as_rgb(rgba))[0].tolist() == [[255, 255, 255], [0, 0, 0], [227, 127, 127]]
+    assert _grey(Image.new("LA", (2, 1), (0, 0))) == [255, 255]
+    palette = Image.new("P", (2, 1), 0)
+    palette.putpixel((1, 0), 1)
+    palette.putpalette([0, 0, 0, 9, 9, 9])
+    palette.info["transparency"] = 0  # colour 0 is transparent
+    assert _grey(palette) == [255, 9]
+    assert as_rgb(rgb := Image.new("RGB", (2, 2))) is rgb  # RGB is not copied
+
+
+def test_exif_orientation_turns_the_image_upright() -> None:
+    """A phone photo stored landscape with orientation 6 (turn 90 degrees clockwise) is portrait,
+    as transformers' load_image and datasets' Image feature show it."""
+    stored = Image.new("RGB", (40, 20), (0, 0, 0))
+    stored.paste((255, 255, 255), (0, 0, 10, 10))  # top left as stored
+    exif = stored.getexif()
+    exif[0x0112] = 6
+    out = io.BytesIO()
+    stored.save(out, format="PNG", exif=exif)
+    upright = load_image(out.getvalue())
+    assert upright.size == (20, 40)
+    assert upright.getpixel((19, 0)) == (255, 255, 255)  # now top right
+    assert upright.getpixel((0, 0)) == (0, 0, 0)
+    plain = io.BytesIO()
+    stored.save(plain, format="PNG")
+    assert load_image(plain.getvalue()).size == (40, 20)
 
 
 @pytest.mark.parametrize("budget", [(0, TOKEN), (TOKEN * 2, TOKEN), (1, 100)])

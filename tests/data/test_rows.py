@@ -39,7 +39,7 @@ def png_bytes() -> bytes:
 def test_r1fit_columns() -> None:
     raw = {"image": "a.png", "problem": "colour?", "solution": "red", "id": 3}
     fmt = detect_format(raw, FormatOptions())
-    assert fmt == RowFormat("columns", "problem", "solution", None, "image", "accu_reward_method")
+    assert fmt == RowFormat("columns", "problem", "solution", None, None, "accu_reward_method")
     row = parse(raw)
     assert row.turns == (("user", "<image>colour?"), ("assistant", "red"))
     assert row.images == (FOLDER / "a.png",)
@@ -50,7 +50,7 @@ def test_easyr1_columns_with_embedded_bytes_and_placeholder() -> None:
     data = png_bytes()
     raw = {"images": [{"bytes": data, "path": None}], "problem": "<image>Find x.", "answer": 12}
     fmt = detect_format(raw, FormatOptions())
-    assert (fmt.problem_key, fmt.answer_key, fmt.image_key) == ("problem", "answer", "images")
+    assert (fmt.problem_key, fmt.answer_key, fmt.image_key) == ("problem", "answer", None)
     row = parse(raw)
     assert row.turns == (("user", "<image>Find x."), ("assistant", "12"))  # numbers become text
     assert row.images == (data,)
@@ -118,6 +118,34 @@ def test_explicit_keys_and_format_override_detection() -> None:
     assert row.turns == (("user", "<image>q?"), ("assistant", "a"))
 
 
+def test_each_row_is_asked_for_its_image_column() -> None:
+    """data.image_key null: a row's images are its 'image', else its 'images', whatever the
+    first row had (a text-only first row once made every later row text-only); a configured key
+    is the only one read."""
+    fmt = detect_format({"problem": "no picture", "solution": "a"}, DETECT)
+    assert fmt.image_key is None
+
+    def images(raw: dict, row_format: RowFormat = fmt) -> tuple:
+        return parse_row(raw, row_format, folder=FOLDER, reward_method="default",
+                         max_images=4).images
+
+    assert images({"problem": "q", "solution": "a", "image": "a.png"}) == (FOLDER / "a.png",)
+    assert images({"problem": "q", "solution": "a", "images": ["b.png", "c.png"]}) == (
+        FOLDER / "b.png", FOLDER / "c.png")
+    assert images({"problem": "q", "solution": "a", "image": None, "images": ["b.png"]}) == (
+        FOLDER / "b.png",)
+    assert images({"problem": "q", "solution": "a", "image": [], "images": None}) == ()
+    with pytest.raises(BadRowError, match="has both 'image' and 'images'; set data.image_key"):
+        images({"problem": "q", "solution": "a", "image": "a.png", "images": ["b.png"]})
+    configured = detect_format({"problem": "q", "solution": "a"}, FormatOptions(image_key="img"))
+    assert images({"problem": "q", "solution": "a", "image": "a.png", "img": "d.png"},
+                  configured) == (FOLDER / "d.png",)
+    assert images({"problem": "q", "solution": "a", "image": "a.png"}, configured) == ()
+    assert fmt.describe() == ("columns rows (question 'problem', answer 'solution', 'image' or "
+                              "'images' for images)")
+    assert configured.describe().endswith("images 'img')")
+
+
 @pytest.mark.parametrize("raw, reason", [
     ({"problem": "q"}, "missing 'solution'"),
     ({"problem": "q", "solution": " "}, "'solution' is empty"),
@@ -128,6 +156,14 @@ def test_explicit_keys_and_format_override_detection() -> None:
      "has 2 '<image>' placeholders for 1 images"),
     ({"problem": "q", "solution": "a", "image": 7}, "'image'[0] must be a path, image bytes or a "
                                                     "{bytes, path} record"),
+    ({"problem": "q", "solution": "a", "image": {"bytes": "iVBORw0KGgo=", "path": None}},
+     "'image'[0]'s 'bytes' must be encoded image bytes, got str"),
+    ({"problem": "q\ud800?", "solution": "a"},
+     "'problem' has a lone surrogate '\\ud800' at character 1 (not valid Unicode)"),
+    ({"problem": "q", "solution": "a", "image": "a\udfff.png"},
+     "'image'[0] has a lone surrogate '\\udfff' at character 1"),
+    ({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "\ud800"}]},
+     "'conversations'[1] has a lone surrogate"),
     ({"conversations": [{"from": "human", "value": "q"}]},
      "the last turn of 'conversations' is not the assistant's answer"),
     ({"conversations": [{"from": "gpt", "value": "a"}]}, "'conversations' has no user turn"),

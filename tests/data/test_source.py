@@ -150,9 +150,12 @@ def test_decode_failure_after_load_names_file_and_line(tmp_path) -> None:
         src.sample(0)
 
 
-def test_a_focus_box_reaches_the_sample_in_fractions_of_the_first_image(tmp_path) -> None:
+def test_a_focus_box_reaches_the_sample_in_fractions_of_the_first_image(tmp_path, caplog
+                                                                        ) -> None:
     """data.focus_key rows: pixels of the stored image or fractions become Sample.focus in
-    fractions; a pixel box outside the image fails when the row is decoded, naming file:line."""
+    fractions; a pixel box outside the image is dropped when the row is decoded (the row still
+    trains, as training ignores its focus), with one warning naming file:line however often the
+    row is drawn."""
     _png(tmp_path / "a.png", size=(40, 30))
     rows = [{"image": "a.png", "problem": "q", "solution": "a", "focus": [4, 3, 20, 15]},
             {"image": "a.png", "problem": "q", "solution": "a", "focus": [0.1, 0.1, 0.5, 0.5]},
@@ -163,9 +166,28 @@ def test_a_focus_box_reaches_the_sample_in_fractions_of_the_first_image(tmp_path
     assert src.sample(0).focus == (0.1, 0.1, 0.5, 0.5)
     assert src.sample(1).focus == (0.1, 0.1, 0.5, 0.5)
     assert src.sample(2).focus is None
-    with pytest.raises(BadRowError, match=re.escape(
-            f"{path}:4: focus box [4.0, 3.0, 50.0, 15.0] (pixels) reaches outside the 40 x 30 image")):
-        src.sample(3)
+    with caplog.at_level(logging.WARNING, logger="r1fit.data"):
+        drawn = [src.sample(3) for _ in range(3)]
+    assert [(s.focus, s.problem, len(s.images)) for s in drawn] == [(None, "q", 1)] * 3
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        f"{path}:4: focus box [4.0, 3.0, 50.0, 15.0] (pixels) reaches outside the 40 x 30 image; "
+        "its focus is ignored"]
+
+
+def test_images_are_found_in_rows_after_a_text_only_first_row(tmp_path, caplog) -> None:
+    """The image column is each row's: a source opening with a text-only row keeps the images
+    of the rows after it, under either name, and its log line counts the rows with images."""
+    _png(tmp_path / "a.png")
+    rows = [{"problem": "2+2?", "solution": "4"},
+            {"image": "a.png", "problem": "colour?", "solution": "red"},
+            {"images": ["a.png", "a.png"], "problem": "two?", "solution": "2"}]
+    path = _write_lines(tmp_path / "d.jsonl", [json.dumps(r) for r in rows])
+    with caplog.at_level(logging.INFO, logger="r1fit.data"):
+        src = JsonlSource(path, max_images=2, max_bad_fraction=0.0)
+    assert [len(src.sample(i).images) for i in range(3)] == [0, 1, 2]
+    assert caplog.records[-1].getMessage() == (
+        f"data: {path}: columns rows (question 'problem', answer 'solution', 'image' or 'images' "
+        f"for images); 3 good rows, 2 with images (under {tmp_path})")
 
 
 def test_warnings_are_capped_but_counts_exact(tmp_path, caplog) -> None:

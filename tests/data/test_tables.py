@@ -58,8 +58,8 @@ def test_parquet_with_embedded_images_decodes_each_sample(tmp_path, caplog) -> N
         src = source(str(path))
     assert (len(src), src.total_rows, src.bad_rows) == (2, 3, 1)
     assert src.first_error.startswith(f"{path} row 3: corrupt image (embedded, 40 bytes): ")
-    assert f"data: {path}: columns rows (question 'problem', answer 'answer', images " \
-           "'images'); 2 good rows" in caplog.text
+    assert f"data: {path}: columns rows (question 'problem', answer 'answer', 'image' or " \
+           "'images' for images); 2 good rows, 2 with images" in caplog.text
     first, second = src.sample(0), src.sample(1)
     assert first.images[0].getpixel((0, 0)) == (255, 0, 0)
     assert second.images[0].getpixel((0, 0)) == (0, 0, 255)
@@ -83,6 +83,27 @@ def test_save_to_disk_folder_with_splits(tmp_path) -> None:
     with pytest.raises(DataError, match=re.escape("no split 'dev' (has ['train', 'test']); name "
                                                   "one as")):
         open_table(f"{tmp_path / 'ds'}@dev", default_split="train")
+
+
+def test_json_python_cannot_read_is_a_bad_row_and_suffixes_ignore_case(tmp_path) -> None:
+    """Valid JSON past Python's limits (a 5,000-digit number, 100,000 nested lists) is a bad
+    row, named, not a traceback; DATA.JSONL and LIST.JSON are the local files they look like,
+    not hub ids."""
+    good = json.dumps({"problem": "q", "solution": "a"})
+    path = tmp_path / "DATA.JSONL"
+    path.write_text("\n".join([good, '{"problem": "q", "solution": ' + "9" * 5000 + "}",
+                               '{"problem": ' + "[" * 100_000 + "]" * 100_000 + "}", good]))
+    src = source(str(path), max_bad_fraction=0.5)
+    assert (len(src), src.bad_rows) == (2, 2)
+    assert src.skipped == [
+        f"{path}:2: bad JSON: Exceeds the limit (4300 digits) for integer string conversion: "
+        "value has 5000 digits",
+        f"{path}:3: bad JSON: nested too deeply"]
+    listed = tmp_path / "LIST.JSON"
+    listed.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(DataError, match=re.escape(f"{listed}: not a JSON file (nested too "
+                                                  "deeply)")):
+        source(str(listed))
 
 
 def test_json_list_of_llava_rows(tmp_path) -> None:
