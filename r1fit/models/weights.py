@@ -48,6 +48,14 @@ def _merged_lora_weight(layer: Any, base_weight: torch.Tensor) -> torch.Tensor:
     return merged
 
 
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s weights as a copy loaded from its folder holds them: every parameter
+    but LoRA's adapters (a tied one once), whole under FSDP."""
+    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return sum(param.numel() * param.element_size() for name, param in hf_model.named_parameters()
+               if not any(part in name for part in LORA_PARTS))
+
+
 def full_named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` of every parameter of ``model`` (a transformers model, or a peft model
     around one) whole and detached, named as the transformers model names them

@@ -126,6 +126,25 @@ class EngineSpec:
     max_images: int
     image_token_id: int
     distributed: bool      # several training processes, each with its own engine
+    weight_bytes: int = 0  # the engine's copy of the weights (models.weights.weight_bytes)
+
+
+def check_share(spec: EngineSpec, kv_per_token: int, total: int) -> None:
+    """``RolloutEngineError`` unless ``spec.gpu_memory_utilization`` of a GPU of ``total`` bytes
+    holds the engine's weights and one sequence's KV cache: vLLM itself finds out only after
+    loading the weights, minutes into a large model's start."""
+    share = int(spec.gpu_memory_utilization * total)
+    needs = spec.weight_bytes + kv_per_token * spec.max_model_len
+    if share >= needs:
+        return
+    least = -(-needs * 100 // total) / 100
+    others = "rollout.engine=hf" if spec.distributed else "rollout.engine=static or hf"
+    raise RolloutEngineError(
+        f"rollout.vllm.gpu_memory_utilization={spec.gpu_memory_utilization} gives vLLM "
+        f"{format_bytes(share)} of the GPU's {format_bytes(total)}, less than its copy of the "
+        f"weights and one sequence of {spec.max_model_len} tokens' KV cache "
+        f"({format_bytes(needs)}): " + (f"raise it to {least:.2f}, or use {others}" if least <= 1
+                                         else f"no share of this GPU holds them: use {others}"))
 
 
 class VllmEngine:
@@ -149,6 +168,9 @@ class VllmEngine:
                     f"{kv_bytes // per_token} tokens, fewer than one sequence of "
                     f"data.max_prompt_tokens + algo.max_new_tokens = {spec.max_model_len}: set "
                     f"rollout.vllm.kv_cache_memory >= {need} or lower data.max_prompt_tokens")
+        elif on_cuda:
+            check_share(spec, kv_bytes_per_token(text_config, spec.dtype),
+                        torch.cuda.get_device_properties(spec.device).total_memory)
         self.sleeps = on_cuda and spec.sleep_level > 0
         if spec.sleep_level > 0 and not on_cuda:
             log.info("vLLM has no sleep mode on %s (\"Sleep mode is not supported on current "

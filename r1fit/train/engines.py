@@ -28,7 +28,7 @@ from r1fit.config.engines import resolve_engine, sft_engine
 from r1fit.data.batch import Prompt
 from r1fit.distributed.parallelize import gathered
 from r1fit.models.load import context_length, resolve_model_path, special_token_ids, unwrap
-from r1fit.models.weights import full_named_weights
+from r1fit.models.weights import full_named_weights, weight_bytes
 from r1fit.report.metrics import timed
 from r1fit.rollout.generate import SamplingSettings, generate_completions, generate_rollout
 from r1fit.rollout.prefill import PrefillSharing
@@ -233,7 +233,7 @@ class VllmRollouts(Rollouts):
             sleep_level=cfg.rollout.vllm.sleep_level, enforce_eager=cfg.rollout.vllm.enforce_eager,
             max_images=cfg.data.max_images,
             image_token_id=special_token_ids(run.model, run.processor)["image_pad"],
-            distributed=run.world.distributed)
+            distributed=run.world.distributed, weight_bytes=weight_bytes(run.model))
         self.spec, self.text_config = spec, model.config.get_text_config()
         self._engine: VllmEngine | None = None
         self.stale = True  # the engine holds the checkpoint's weights, not the policy's

@@ -835,6 +835,48 @@ def test_vllm_engine_parts_and_when_the_engine_sleeps(small_model, capsys):
     assert "vLLM engine" not in capsys.readouterr().out
 
 
+def test_a_vllm_share_that_cannot_hold_its_weights_is_a_problem_the_plan_names(small_model,
+                                                                              capsys):
+    """vLLM sized by rollout.vllm.gpu_memory_utilization on CUDA needs its share to hold its copy
+    of the weights and one sequence's KV cache: short of that the plan does not fit whatever the
+    peak says, names the least utilisation that holds them, and its advice tries that and
+    rollout.engine=hf."""
+    budget = 8 << 30
+    asked = cfg_for(small_model, "rollout.engine=vllm")
+    fine = plan_memory(asked, device_type="cuda", device_memory_bytes=budget)
+    d = fine.details
+    weights = fine.parts["engine_weights"]
+    one_sequence = d["kv_cache"] // d["generation_batch"]  # the step's rows of one length each
+    assert d["engine_needs"] == weights + one_sequence
+    assert d["engine_share"] == int(0.3 * budget) > d["engine_needs"]
+    assert fine.problems == [] and fine.fits
+    # a share of half the weights: the peak fits, the engine would not start
+    utilization = weights / budget / 2
+    short = plan_memory(cfg_for(small_model, "rollout.engine=vllm",
+                                f"rollout.vllm.gpu_memory_utilization={utilization}"),
+                        device_type="cuda", device_memory_bytes=budget)
+    assert short.peak_bytes <= short.usable_bytes and not short.fits
+    least = math.ceil(d["engine_needs"] / budget * 100) / 100
+    assert short.problems == [
+        f"rollout.vllm.gpu_memory_utilization={utilization} gives vLLM "
+        f"{format_bytes(int(utilization * budget))} of 8.00 GiB, less than its copy of the "
+        f"weights and one sequence's KV cache ({format_bytes(d['engine_needs'])}): raise it to "
+        f"{least:.2f}, or use rollout.engine=static or hf"]
+    assert [a.split(":")[0] for a in short.advice[:2]] == [
+        f"rollout.vllm.gpu_memory_utilization={least}", "rollout.engine=hf"]
+    assert all(a.endswith("(fits)") for a in short.advice[:2])
+    render(short, asked)
+    out = capsys.readouterr().out
+    assert "does NOT fit (the peak would, but see the problem below)" in out
+    assert f"problem: {short.problems[0]}" in out
+    # kv_cache_memory set, or CPU: vLLM is not sized by a share, nothing to check
+    for cfg, device in ((cfg_for(small_model, "rollout.engine=vllm",
+                                 "rollout.vllm.gpu_memory_utilization=0.01",
+                                 "rollout.vllm.kv_cache_memory=1000000"), "cuda"),
+                        (asked, "cpu")):
+        assert plan_memory(cfg, device_type=device, device_memory_bytes=budget).problems == []
+
+
 def test_an_sft_plan_is_its_rows_update_with_no_kl_no_sharing(small_model):
     """kind="sft" plans sft.batch_size rows with answers of sft.max_answer_tokens, each its own
     prompt: a GRPO step of as many rows, completions that long, no reference and no sharing,

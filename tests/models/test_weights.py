@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from r1fit.distributed.loading import load_on_ranks
 from r1fit.models.load import load_policy, unwrap
-from r1fit.models.weights import full_named_weights
+from r1fit.models.weights import full_named_weights, weight_bytes
 from r1fit.processes import close_distributed, init_distributed
 
 LOAD = dict(lora_alpha=16, lora_dropout=0.0, lora_target="all-linear", freeze_vision=False,
@@ -94,6 +94,20 @@ def test_full_weights_are_the_state_dict(tiny_dir):
     for name, tensor in pairs:
         assert torch.equal(tensor, state[name]) and tensor.dtype == state[name].dtype, name
         assert not tensor.requires_grad, name
+
+
+def test_weight_bytes_are_the_models_own_without_adapters(tiny_dir):
+    """What a copy loaded from the folder holds (the vLLM engine's): every weight once, the tied
+    LM head once, LoRA's adapters not at all; the safetensors file's tensors sum the same."""
+    from safetensors import safe_open
+
+    plain, _ = build(tiny_dir, 0, "cpu")
+    lora, _ = build(tiny_dir, 4, "cpu")
+    with safe_open(str(tiny_dir / "model.safetensors"), "pt") as handle:
+        stored = sum(handle.get_tensor(k).numel() * 4 for k in handle.keys()
+                     if k != TIED[1])  # a file may hold the tied head too
+    assert weight_bytes(plain) == weight_bytes(lora) == stored
+    assert weight_bytes(plain) == 4 * sum(p.numel() for p in plain.parameters())
 
 
 def on_two_ranks(folder: Path, out: Path) -> None:

@@ -60,6 +60,7 @@ makes SDPA repeat the KV heads).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable
@@ -175,6 +176,8 @@ class Plan:
     activations_by_checkpointing: dict[str, int] = field(default_factory=dict)
     details: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: what keeps the run from starting at any size (:func:`engine_problems`); any: no fit
+    problems: list[str] = field(default_factory=list)
     #: the time model's prediction (r1fit/memory/planner/timing.py: TimePlan.to_dict())
     time: dict[str, Any] = field(default_factory=dict)
     #: configurations that fit and are predicted faster (:func:`faster_fits`; planned with
@@ -334,8 +337,10 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
     if generation == "auto":
         sizes = replace(sizes, generation=max(1, even_size(max_gen, local, group)))
     est = _estimate(facts, cfg, prompt, sizes, device_type, device_memory_bytes)
+    problems = engine_problems(est.details, device_memory_bytes, gpus)
     plan = Plan(parts=est.parts, peak_bytes=est.peak, budget_bytes=device_memory_bytes,
-                fits=est.peak <= usable, max_micro_batch=max_micro,
+                fits=est.peak <= usable and not problems, problems=problems,
+                max_micro_batch=max_micro,
                 max_generation_batch=max_gen, advice=[], phases=est.phases,
                 max_micro_batch_tokens=max_tokens,
                 peak_phase=max(est.phases, key=est.phases.__getitem__),
@@ -576,6 +581,8 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
         activations_by_checkpointing={"on": update.activations.on,
                                       "off": update.activations.off},
         details={"dtype": dtype, "engine": engine_name, "engine_why": engine_why,
+                 "engine_share": engine.share, "engine_needs": engine.needs,
+                 "engine_utilization": cfg.rollout.vllm.gpu_memory_utilization,
                  # what the step computes in: FSDP on CUDA gathers float32 weights in bfloat16
                  "compute_dtype": "bfloat16" if b != stored else dtype,
                  "share_prefix": "on" if step.share_prefix else "off",
@@ -608,6 +615,10 @@ class EngineMemory:
     graphs: int = 0
     sleeps: bool = False
     static: bool = False
+    #: vLLM on CUDA sized by gpu_memory_utilization: the share it gets and the least it must hold
+    #: (its weights and one whole sequence's KV cache); 0: not sized that way
+    share: int = 0
+    needs: int = 0
 
 
 def engine_memory(f: ModelFacts, cfg: Config, stored: int, cuda: bool, budget: int,
@@ -625,13 +636,33 @@ def engine_memory(f: ModelFacts, cfg: Config, stored: int, cuda: bool, budget: i
         return EngineMemory()
     v = cfg.rollout.vllm
     weights = f.params * stored
+    share = needs = 0
     if v.kv_cache_memory is not None:
         kv = v.kv_cache_memory
     elif cuda:
-        kv = max(0, int(v.gpu_memory_utilization * budget) - weights)
+        share = int(v.gpu_memory_utilization * budget)
+        needs = weights + kv_cache_bytes(f.text, stored, 1, prompt_tokens + (
+            cfg.algo.max_new_tokens if completion is None else completion))
+        kv = max(0, share - weights)
     else:
         kv = CPU_ENGINE_KV_BYTES
-    return EngineMemory(weights, kv, sleeps=cuda and v.sleep_level > 0)
+    return EngineMemory(weights, kv, sleeps=cuda and v.sleep_level > 0, share=share, needs=needs)
+
+
+def engine_problems(details: dict[str, Any], budget: int, gpus: int) -> list[str]:
+    """What stops the planned engine from starting, whatever the sizes: vLLM's share of the GPU
+    (rollout.vllm.gpu_memory_utilization of it) below its copy of the weights and one sequence's
+    KV cache, which vLLM finds only after loading the weights."""
+    share, needs = details.get("engine_share", 0), details.get("engine_needs", 0)
+    if not needs or share >= needs:
+        return []
+    least = math.ceil(needs / budget * 100) / 100
+    others = "rollout.engine=static or hf" if gpus == 1 else "rollout.engine=hf"
+    fix = (f"raise it to {least:.2f}, or use {others}" if least <= 1 else
+           f"no share of this GPU holds them: use {others}")
+    return [f"rollout.vllm.gpu_memory_utilization={details['engine_utilization']} gives vLLM "
+            f"{format_bytes(share)} of {format_bytes(budget)}, less than its copy of the weights "
+            f"and one sequence's KV cache ({format_bytes(needs)}): {fix}"]
 
 
 #: the static engine's cache length is rounded up to this many columns, in the shared-prompt
@@ -1211,9 +1242,16 @@ def _advice(plan: Plan, facts: ModelFacts, asked: Config, view: Callable[[Config
     if 0 < plan.max_generation_batch < sizes.generation:
         out.append(f"memory.generation_batch={plan.max_generation_batch} "
                    f"(now {sizes.generation})")
-    if plan.max_micro_batch and plan.max_generation_batch:
+    if plan.max_micro_batch and plan.max_generation_batch and not plan.problems:
         return out
     switches: list[dict[str, Any]] = []  # each tried alone: one or two keys set together
+    d = plan.details
+    if d["engine_needs"] and d["engine_needs"] <= plan.budget_bytes:  # vLLM's share, enough
+        least = math.ceil(d["engine_needs"] / plan.budget_bytes * 100) / 100
+        if least > cfg.rollout.vllm.gpu_memory_utilization:
+            switches.append({"rollout.vllm.gpu_memory_utilization": least})
+    if d["engine"] != "hf":  # generation on the policy itself: no copy, cache or graph pool
+        switches.append({"rollout.engine": "hf"})
     if not cfg.memory.gradient_checkpointing:
         switches.append({"memory.gradient_checkpointing": True})
     if cfg.model.lora.r == 0:

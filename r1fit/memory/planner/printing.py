@@ -99,9 +99,12 @@ def render_blocks(plan: Plan, cfg: Config) -> list[Any]:
                   for name, size in plan.phases.items()]
     blocks.append((("phase (whole device)", "peak"), phase_rows, {1}))
     verdict = "fits" if plan.fits else "does NOT fit"
+    if plan.problems and plan.peak_bytes <= plan.usable_bytes:
+        verdict += " (the peak would, but see the problem below)"
     blocks.append(f"peak {format_bytes(plan.peak_bytes)} of {format_bytes(plan.budget_bytes)} "
                   f"(usable with a {SAFETY_MARGIN:.0%} margin: {format_bytes(plan.usable_bytes)}): "
                   f"{verdict}")
+    blocks += [f"problem: {p}" for p in plan.problems]
     rows = d["rows_per_gpu"]  # of a step, on one GPU
     of = " on a GPU" if gpus > 1 else ""
     blocks.append(f"largest memory.micro_batch that fits: "
