@@ -326,6 +326,12 @@ class TrainConfig:
     weight_decay: float = opt(0.0, "AdamW weight decay.", ge=0)
     max_grad_norm: float = opt(1.0, "Clip the global gradient norm to this value (0 = no clipping).",
                                ge=0)
+    max_skipped_updates: int = opt(
+        5, "An update whose gradient norm is not finite (NaN or inf: a loss that overflowed, a "
+        "diverging learning rate) is skipped: no optimizer or schedule step, so the weights "
+        "stay those of the last finite update; a warning and the step's skipped_updates say "
+        "so. After this many in a row the run stops with an error (0: never; a resumed run "
+        "counts afresh).", ge=0)
     device: str = opt("auto", "'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'. "
                       "Under torchrun each process uses cuda:<local rank> (or the CPU).")
     overwrite: bool = opt(False, "Replace an earlier run found in output_dir instead of stopping.")

@@ -65,7 +65,7 @@ from r1fit.rollout.score import AdvantageSettings, finished_rows, kl_in_reward, 
 from r1fit.train.engines import RolloutEngine, rollout_engine
 from r1fit.train.evaluate import evaluate
 from r1fit.train.forward import add_logprobs, longest_row, micro_batches, run_logprobs
-from r1fit.train.optim import build_optimizer, build_scheduler, clip_and_step
+from r1fit.train.optim import SkippedUpdates, build_optimizer, build_scheduler, clip_and_step
 from r1fit.train.run import Run, start_run
 from r1fit.train.sft import supervised_steps
 from r1fit.train.tool_rollouts import ToolTurns
@@ -91,6 +91,7 @@ class Trainer:
     guard: OOMGuard
     advantage: AdvantageSettings
     loss: LossSettings
+    skipped: SkippedUpdates  # updates skipped for gradients that are not finite
 
 
 def train_grpo(cfg: Any) -> dict[str, Any]:
@@ -120,7 +121,8 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
              **engine.state()}
     start = run.checkpoints.restore("grpo", state)
     trainer = Trainer(run, engine, reference, optimizer, scheduler, sampler, bad_rows, scorer,
-                      run.guard(optimizer), AdvantageSettings.of(algo), LossSettings.of(algo))
+                      run.guard(optimizer), AdvantageSettings.of(algo), LossSettings.of(algo),
+                      SkippedUpdates(cfg.train.max_skipped_updates))
     if run.eval_set is not None and cfg.eval.before_train and start == 0:
         row = {"step": 0, **evaluate(run, engine)}
         run.metrics.write(row)
@@ -211,7 +213,7 @@ def grpo_step(trainer: Trainer, step: int, times: dict[str, float]
         updates = []
         for i in range(algo.num_iterations):  # the first adds what the others read
             rollout, update = policy_update(run, rollout, trainer.optimizer, trainer.scheduler,
-                                            guard, trainer.loss, iteration=i)
+                                            guard, trainer.loss, trainer.skipped, iteration=i)
             updates.append(update)
         engine.updated()
     return draws, rollout, updates
@@ -230,6 +232,8 @@ def metrics_row(trainer: Trainer, step: int, draws: StepDraws, drawn: Rollout,
             "bad_rows": trainer.bad_rows.count, "reward_errors": trainer.scorer.total_errors,
             **trainer.engine.step_counts(),
             **(run.predicted.row() if run.predicted else {}),
+            # a count, not step_metrics' mean over the updates
+            "skipped_updates": int(sum(u.get("skipped_updates") or 0 for u in updates)),
             "oom_retries": trainer.guard.retries, "micro_batch": run.sizes.micro_batch,
             "micro_batch_tokens": run.sizes.micro_batch_tokens,
             "generation_batch": run.sizes.generation_batch,
@@ -267,8 +271,8 @@ def build_reference(run: Run) -> Reference | None:
 
 
 def policy_update(run: Run, rollout: Rollout, optimizer: torch.optim.Optimizer, scheduler: Any,
-                  guard: OOMGuard, loss: LossSettings, *, iteration: int = 0
-                  ) -> tuple[Rollout, dict[str, float | None]]:
+                  guard: OOMGuard, loss: LossSettings, skipped: SkippedUpdates, *,
+                  iteration: int = 0) -> tuple[Rollout, dict[str, float | None]]:
     """One optimizer update over this process's rows: accumulate (under the OOM guard) the
     gradient of the ``loss``, clip, step. Returns the rollout the later updates read and this
     update's statistics, whose sums are over every process (each one's are its shares of the
@@ -307,7 +311,11 @@ def policy_update(run: Run, rollout: Rollout, optimizer: torch.optim.Optimizer, 
     if kl_reward is not None:
         sums["kl_in_reward"] = kl_reward  # already over every process
     engine_diff = sums.pop("engine_logp_abs_diff", None)
-    sums["grad_norm"] = clip_and_step(optimizer, scheduler, run.cfg.train.max_grad_norm)
+    where = f"step {rollout.step}" + (f", update {iteration + 1}" if run.cfg.algo.num_iterations > 1
+                                      else "")
+    sums["grad_norm"], skip = clip_and_step(optimizer, scheduler, run.cfg.train.max_grad_norm,
+                                            skipped, where)
+    sums["skipped_updates"] = float(skip)
     guard.updates_done += 1
     if made.old_logp is not None:
         rollout = replace(rollout, old_logp=made.old_logp)

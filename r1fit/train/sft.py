@@ -40,7 +40,7 @@ from r1fit.tools.demonstrations import ToolDemonstrations
 from r1fit.train.engines import RolloutEngine, evaluation_engine
 from r1fit.train.evaluate import evaluate
 from r1fit.train.forward import BatchLayout, longest_row, micro_batches
-from r1fit.train.optim import build_optimizer, build_scheduler, clip_and_step
+from r1fit.train.optim import SkippedUpdates, build_optimizer, build_scheduler, clip_and_step
 from r1fit.train.run import Run, start_run
 from r1fit.train.tool_rollouts import tool_runner
 
@@ -208,6 +208,7 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool,
         state["targets_rng"] = PythonRandomState(rng)
     start = run.checkpoints.restore(phase, state)
     guard = run.guard(optimizer)
+    skipped = SkippedUpdates(cfg.train.max_skipped_updates)
     end_of_turn = special_token_ids(run.model, processor)["end_of_turn"]  # from the chat template
     # memory.micro_batch_tokens packs the rows (checked equal to the per-row path on the first
     # micro-batch); every row is its own prompt, so there is no prefix to share
@@ -279,10 +280,11 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool,
                 prompts, targets, log_prob_passes=0, updates=1, micro_batch=run.sizes.micro_batch,
                 shared=False, tokens=run.sizes.micro_batch_tokens))
             loss_sum, flops = all_sum([local_loss, local_flops])
-            grad_norm = clip_and_step(optimizer, scheduler, cfg.train.max_grad_norm)
+            grad_norm, skip = clip_and_step(optimizer, scheduler, cfg.train.max_grad_norm,
+                                            skipped, f"{prefix}step {step}")
             seconds = time.perf_counter() - started
             row = {f"{prefix}step": step, f"{prefix}loss": loss_sum,
-                   f"{prefix}grad_norm": grad_norm,
+                   f"{prefix}grad_norm": grad_norm, f"{prefix}skipped_updates": int(skip),
                    f"{prefix}tokens_per_second": total_tokens / seconds,
                    f"{prefix}seconds_step": seconds,
                    f"{prefix}flops": flops,

@@ -136,3 +136,26 @@ def test_a_system_prompt_with_a_special_token_is_a_one_line_error(use_tiny_cache
     assert err[-1].startswith("r1fit: error: data.system_prompt holds the model's special token "
                               "'<|im_start|>'") or err[-1].startswith(
         "r1fit: error: data.system_prompt holds the model's special token '<|im_end|>'")
+
+
+def test_a_diverging_run_skips_updates_that_are_not_finite_then_stops_in_one_line(
+        use_tiny_cache, tmp_path, capsys):
+    """A learning rate of 1e30: the first update is finite and blows the weights up, every later
+    one's gradient norm is NaN. Each is skipped (no optimizer step: the weights stay as the
+    first update left them), counted in skipped_updates, and the second in a row stops the run
+    with one line (train.max_skipped_updates=2)."""
+    out = tmp_path / "run"
+    code = main(["sft", f"train.output_dir={out}", *ARGS, "sft.steps=6", "sft.batch_size=2",
+                 "sft.learning_rate=1e30", "train.warmup_steps=0", "data.eval=null",
+                 "train.max_skipped_updates=2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith("r1fit: error: step 3: 2 updates in a row had a gradient norm that "
+                              "is not finite (nan), each skipped; the run stops "
+                              "(train.max_skipped_updates=2)")
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [(r["step"], r["skipped_updates"], r["grad_norm"] is None) for r in rows] == [
+        (1, 0, False), (2, 1, True)]  # the stopping step writes no row
+    log = (out / "log.txt").read_text()
+    assert "WARNING r1fit: step 2: gradient norm nan (not finite): update skipped, no optimizer " \
+           "or schedule step (1 in a row; the run stops at train.max_skipped_updates=2)" in log

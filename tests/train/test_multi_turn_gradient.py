@@ -32,7 +32,7 @@ from r1fit.rollout.score import AdvantageSettings, score_rollout
 from r1fit.tools import ToolCall, ToolResult
 from r1fit.train import grpo
 from r1fit.train.forward import BatchLayout, add_logprobs
-from r1fit.train.optim import build_scheduler
+from r1fit.train.optim import SkippedUpdates, build_scheduler
 
 CPU = torch.device("cpu")
 ZOOM = ToolCall("zoom", {"x": 0.5, "y": 0.5, "factor": 2}, "<tool_call>...</tool_call>")
@@ -171,7 +171,7 @@ def test_a_two_turn_steps_gradient_equals_the_hand_computed_one(float64_tiny, mo
 
     seen = {"trained": [], "expected": [], "token_grads": []}
 
-    def checked_step(optimizer, scheduler, max_grad_norm):
+    def checked_step(optimizer, scheduler, max_grad_norm, skipped, where):
         """The trainer's clip_and_step, after recording the update's gradient and the hand one
         at the same weights."""
         seen["trained"].append([p.grad.clone() for p in params])
@@ -180,7 +180,7 @@ def test_a_two_turn_steps_gradient_equals_the_hand_computed_one(float64_tiny, mo
                          eps_low, eps_high, beta)
         seen["expected"].append(torch.autograd.grad(loss, params))
         seen["logp"] = logp.detach()
-        return clip_and_step(optimizer, scheduler, max_grad_norm)
+        return clip_and_step(optimizer, scheduler, max_grad_norm, skipped, where)
 
     def spied_logprobs(*args, **kwargs):
         """The trainer's log-probs, each micro-batch's gradient (dloss/dlogp per token) kept."""
@@ -199,7 +199,7 @@ def test_a_two_turn_steps_gradient_equals_the_hand_computed_one(float64_tiny, mo
     updates = []
     for i in range(cfg.algo.num_iterations):  # as grpo_step runs them
         rollout, update = grpo.policy_update(run, rollout, optimizer, scheduler, guard, loss,
-                                             iteration=i)
+                                             SkippedUpdates(5), iteration=i)
         updates.append(update)
         logp = seen["logp"]
         ratio = torch.exp(logp - logp0)
