@@ -37,6 +37,7 @@ from typing import Any, Literal
 from PIL import Image
 
 from r1fit.data.errors import BadRowError
+from r1fit.rewards.answer import extract_answer
 
 IMAGE_TOKEN = "<image>"
 #: where a row's images are looked for when ``data.image_key`` is not set, in this order
@@ -335,6 +336,9 @@ def parse_row(raw: Any, fmt: RowFormat, *, folder: Path | None, reward_method: s
     if len(images) > max_images:
         raise BadRowError(f"has {len(images)} images, more than data.max_images={max_images}")
     turns, images = _place_images(turns, images, named)
+    if extract_answer(turns[-1][1]) == "":  # tagged, but nothing to score a completion against
+        raise BadRowError(f"'{fmt.answer_key or fmt.conversations_key}' has an empty "
+                          "<answer></answer>")
     assistant_images = [t for r, t in turns if r == "assistant" and IMAGE_TOKEN in t]
     if assistant_images:
         raise BadRowError("has an image in an assistant turn")

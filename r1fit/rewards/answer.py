@@ -11,10 +11,9 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 
-__all__ = ["ANSWER_PATTERN", "extract_answer", "normalize"]
+__all__ = ["extract_answer", "normalize"]
 
-ANSWER_PATTERN = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-"""Non-greedy match of one tagged answer; DOTALL because answers may span lines."""
+_OPEN, _CLOSE = "<answer>", "</answer>"
 
 _NUMBER_WORDS: dict[str, str] = {
     word: str(value)
@@ -44,9 +43,17 @@ def extract_answer(text: str, *, untagged_is_answer: bool = False) -> str | None
     ``untagged_is_answer`` is set (use it for dataset solutions, which are often a bare answer),
     the whole text stripped.
     """
-    matches = ANSWER_PATTERN.findall(text)
-    if matches:
-        return matches[-1].strip()
+    # the pairs a non-greedy <answer>(.*?)</answer> finds, left to right, in one pass: the regex
+    # rescans to the end from every unclosed <answer> (quadratic: 25 s for a completion of
+    # 20,000 of them)
+    last, position = None, 0
+    while (start := text.find(_OPEN, position)) != -1:
+        end = text.find(_CLOSE, start + len(_OPEN))
+        if end == -1:
+            break
+        last, position = text[start + len(_OPEN):end], end + len(_CLOSE)
+    if last is not None:
+        return last.strip()
     if untagged_is_answer:
         return text.strip()
     return None

@@ -43,10 +43,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import re
 import threading
 from collections.abc import Callable
+from decimal import Decimal, InvalidOperation
 from types import ModuleType
 from typing import Any
 
@@ -109,8 +109,40 @@ def _as_latex(answer: str) -> str:
     return f"${answer}$"
 
 
+# LaTeX commands (\frac, \sqrt, \pi, \text...): their names are not words of the answer
+_LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
+_WORD = re.compile(r"[^\W\d_]+")  # a run of letters (any script)
+# what marks an answer as LaTeX rather than a plain list of items
+_LATEX_MARKS = frozenset("\\${}[]()")
+
+
+def _words(answer: str) -> set[str]:
+    """The words of an answer outside LaTeX command names, lowercased: its units ("10 cm": cm),
+    variables ("x = 3": x) and text (a ``\text{...}``'s content counts)."""
+    return {w.lower() for w in _WORD.findall(_LATEX_COMMAND.sub(" ", answer))}
+
+
+def _plain_items(answer: str) -> list[str] | None:
+    r"""A plain answer's items in order, when it is a list: separated by commas or semicolons
+    ("1, 2", "x+1; 3"), or by spaces when every item is a number ("1 2"); None for one item or
+    for LaTeX (``$``, backslashes, brackets: "\{1, 2\}" is a set, "(1, 2)" a tuple), which
+    math-verify reads. Thousands separators are not list commas ("1,000": normalize reads it)."""
+    if _LATEX_MARKS.intersection(answer):
+        return None
+    text = normalize(answer)
+    items = [item for item in re.split(r"\s*[,;]\s*", text)]
+    if len(items) > 1:
+        return items if all(items) else None
+    items = text.split(" ")
+    return items if len(items) > 1 and all(_NUMBER.fullmatch(i) for i in items) else None
+
+
 def math_equivalent(gold: str, prediction: str) -> bool:
-    """Return True when math-verify judges ``prediction`` equivalent to ``gold``.
+    """Return True when math-verify judges ``prediction`` equivalent to ``gold``, within two
+    rules of r1fit's where math-verify is lenient by design: when both answers have words
+    (units, variables), they must be the same words ("10 cm" is not "10 m", where math-verify
+    drops units; "10" matches either); a plain list ("1, 2", "3 4") matches only a list of as
+    many items, each equal in order (wrapped in ``$...$`` math-verify reads "1, 2" as a set).
 
     False when math-verify is missing, when either answer is plain words, when parsing finds
     nothing, or when math-verify fails or times out.
@@ -120,6 +152,15 @@ def math_equivalent(gold: str, prediction: str) -> bool:
         return False
     if not (_MATH_LIKE.search(gold) and _MATH_LIKE.search(prediction)):
         return False
+    gold_words, prediction_words = _words(gold), _words(prediction)
+    if gold_words and prediction_words and gold_words != prediction_words:
+        return False
+    gold_items, prediction_items = _plain_items(gold), _plain_items(prediction)
+    if gold_items is not None or prediction_items is not None:
+        if gold_items is None or prediction_items is None \
+                or len(gold_items) != len(prediction_items):
+            return False
+        return all(p == g or math_equivalent(g, p) for g, p in zip(gold_items, prediction_items))
     # math-verify times out with signal.alarm, which only works in the main thread; elsewhere
     # (e.g. a reward worker thread) it raises ValueError. Off the main thread we disable its
     # timeout instead, accepting that a pathological expression could be slow.
@@ -192,14 +233,18 @@ def read_yes_no(answer: str) -> str | None:
     return match.group(1).lower() if match else None
 
 
-def read_number(answer: str) -> float | None:
-    """The answer as a finite float after :func:`normalize` ("1,000" -> 1000.0, "$3.50" -> 3.5,
-    "three" -> 3.0), or None when it is anything but one number ("3 apples", "1,5", "50%")."""
+def read_number(answer: str) -> Decimal | None:
+    """The answer as an exact decimal after :func:`normalize` ("1,000" -> 1000, "$3.50" -> 3.5,
+    "three" -> 3, "1e3" -> 1000), or None when it is anything but one number ("3 apples", "1,5",
+    "50%"). Exact, not a float: 20-digit numbers that differ in their last digit differ, and a
+    5,000-digit one equals itself."""
     text = normalize(answer)
     if not _NUMBER.fullmatch(text):
         return None
-    value = float(text)
-    return value if math.isfinite(value) else None
+    try:
+        return Decimal(text)
+    except InvalidOperation:  # defensive: the pattern admits decimals only
+        return None
 
 
 # --- the methods: (prediction, gold) -> score, both non-empty extracted answers -----------------

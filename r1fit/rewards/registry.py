@@ -107,8 +107,13 @@ class RewardResult:
     """Reward name -> number of failed calls in this batch (every name present, 0 if clean)."""
 
 
+#: the largest score a reward may return: scores are float32 tensors, where 1e39 is inf
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
 def _as_float(value: Any) -> float | None:
-    """Return ``value`` as a finite float, or None if it is not a finite real number."""
+    """Return ``value`` as a finite float, or None if it is not a real number that is finite
+    in float32."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.is_complex():
             return None
@@ -116,7 +121,7 @@ def _as_float(value: Any) -> float | None:
     if not isinstance(value, numbers.Real):
         return None
     result = float(value)
-    return result if math.isfinite(result) else None
+    return result if math.isfinite(result) and abs(result) <= FLOAT32_MAX else None
 
 
 class RewardScorer:
@@ -170,9 +175,22 @@ class RewardScorer:
         if score is None:
             return 0.0, (
                 f"reward {name!r} returned {value!r} ({type(value).__name__}) on sample {index}; "
-                "expected a finite float"
+                "expected a finite float (within float32's range)"
             )
         return score, None
+
+    def _weighted_total(self, components: dict[str, torch.Tensor], n: int
+                        ) -> tuple[torch.Tensor, list[int]]:
+        """The weighted sum of the ``components`` (summed in float64, kept in float32) and the
+        samples where it overflows float32 (scores near its limit): those total 0, a reward error
+        of the sum (counted once, beside no single reward's)."""
+        total = torch.zeros(n, dtype=torch.float64)
+        for name, weight in self.weights.items():
+            total += weight * components[name].double()
+        total = total.float()
+        overflows = (~torch.isfinite(total)).nonzero().flatten().tolist()
+        total[overflows] = 0.0
+        return total, overflows
 
     def score(
         self,
@@ -234,9 +252,12 @@ class RewardScorer:
             errors_by_reward[name] = errors
             self.errors_by_reward[name] += errors
 
-        total = torch.zeros(n, dtype=torch.float32)
-        for name, weight in self.weights.items():
-            total += weight * components[name]
+        total, overflows = self._weighted_total(components, n)
+        if overflows:
+            errors_by_reward["total"] = len(overflows)
+            self.errors_by_reward["total"] = self.errors_by_reward.get("total", 0) + len(overflows)
+            first_error = first_error or (f"the weighted sum of the rewards overflows float32 "
+                                          f"on sample {overflows[0]}: it scores 0")
         batch_errors = sum(errors_by_reward.values())
         self.total_errors += batch_errors
         return RewardResult(

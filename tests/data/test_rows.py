@@ -149,6 +149,10 @@ def test_each_row_is_asked_for_its_image_column() -> None:
 @pytest.mark.parametrize("raw, reason", [
     ({"problem": "q"}, "missing 'solution'"),
     ({"problem": "q", "solution": " "}, "'solution' is empty"),
+    ({"problem": "q", "solution": "<think>x</think><answer> </answer>"},
+     "'solution' has an empty <answer></answer>"),
+    ({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value":
+                        "<answer></answer>"}]}, "'conversations' has an empty <answer></answer>"),
     ({"problem": "q", "solution": True}, "'solution' must be a string, got bool"),
     ({"problem": "q", "solution": "a", "image": ["a.png"] * 5}, "has 5 images, more than "
                                                                  "data.max_images=4"),

@@ -101,6 +101,27 @@ class TestMathEquivalence:
         assert not math_equivalent("(x+1)^2", "x^2+1")
         assert accuracy("<answer>\\frac{1}{3}</answer>", "0.5", problem="") == 0.0
 
+    @pytest.mark.parametrize(("prediction", "gold", "expected"), [
+        ("10 cm", "10 m", 0.0),  # math-verify drops units: both read 10
+        ("10\\text{ kg}", "10\\text{ cm}", 0.0),
+        ("10", "10 m", 1.0),  # a unit left out is still the number
+        ("10 m", "10", 1.0),
+        ("x = 3", "3", 1.0),
+        ("y = 3", "x = 3", 0.0),
+        ("2, 1", "1, 2", 0.0),  # wrapped in $..$, math-verify read both as the set {1, 2}
+        ("1,2", "1, 2", 1.0),
+        ("1, 2, 3", "1, 2", 0.0),
+        ("0.50, 3", "1/2; 3", 1.0),  # each item by math-verify, in order
+        ("2 1", "1 2", 0.0),
+        ("1,000", "1000", 1.0),  # a thousands separator is no list
+        ("\\{2, 1\\}", "\\{1, 2\\}", 1.0),  # a set written as one stays one
+        ("(2, 1)", "(1, 2)", 0.0),
+    ])
+    def test_units_and_plain_lists_must_match(self, prediction: str, gold: str,
+                                              expected: float) -> None:
+        pytest.importorskip("math_verify")
+        assert accuracy(f"<answer>{prediction}</answer>", gold, problem="") == expected
+
     def test_plain_words_never_reach_the_symbolic_check(self) -> None:
         # As symbols, r*e*d == d*e*r; words must be compared as text only.
         pytest.importorskip("math_verify")

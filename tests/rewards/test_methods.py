@@ -1,6 +1,7 @@
 """Accuracy methods (r1fit/rewards/methods.py) and their dispatch through ``accuracy`` and the
 scorer; the ``default`` method's own cases are in test_accuracy.py."""
 
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -105,12 +106,20 @@ class TestReadYesNoAndNumber:
             ("3 apples", None),
             ("1,5", None),  # not a thousands group
             ("50%", None),
-            ("1e999", None),  # not finite
+            ("1e999", Decimal("1e999")),  # exact: no float to overflow
             ("nan", None),
         ],
     )
     def test_number(self, answer: str, number: float | None) -> None:
         assert read_number(answer) == number
+
+    def test_numbers_compare_exactly_not_through_a_float(self) -> None:
+        twenty = "12345678901234567890"  # as floats these two are the same number
+        assert float(twenty) == float("12345678901234567891")
+        assert score_by_method("numeric", "<answer>12345678901234567891</answer>", twenty) == 0.0
+        assert score_by_method("numeric", f"<answer>{twenty}</answer>", twenty) == 1.0
+        long = "7" * 5000  # beyond a float: it read as inf and was refused
+        assert score_by_method("numeric", f"<answer>{long}</answer>", long) == 1.0
 
 
 class TestScoreByMethod:

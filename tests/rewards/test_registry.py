@@ -37,6 +37,9 @@ PLUGIN_SOURCE = textwrap.dedent(
     def returns_text(completion, solution, **info):
         return "high"
 
+    def huge(completion, solution, **info):
+        return {"a": 1e39, "b": 3e38, "c": 1.0}[completion]  # inf in float32, finite, fine
+
     def no_kwargs(completion, solution):
         return 1.0
 
@@ -188,6 +191,22 @@ class TestScore:
         messages = [r.getMessage() for r in caplog.records if r.name == LOGGER]
         assert len(messages) == 2  # once per failing reward
         assert any("returned 'high'" in m for m in messages)
+
+    def test_scores_beyond_float32_are_errors_and_so_is_a_sum_that_overflows(
+        self, plugin: str
+    ) -> None:
+        """1e39 is finite in Python and inf in the float32 tensors: an error scoring 0, as NaN
+        is. 3e38 fits, twice it does not: that sample's total is 0 and counted as an error of
+        the sum, never an inf that would turn the group's advantages into NaN."""
+        name = f"{plugin}:huge"
+        scorer = RewardScorer({name: 2.0})
+        result = scorer.score(["a", "b", "c"], [""] * 3, infos(3))
+        torch.testing.assert_close(result.components[name], torch.tensor([0.0, 3e38, 1.0]))
+        torch.testing.assert_close(result.total, torch.tensor([0.0, 0.0, 2.0]))
+        assert result.errors_by_reward == {name: 1, "total": 1} and result.errors == 2
+        assert "returned 1e+39 (float) on sample 0; expected a finite float (within float32's " \
+               "range)" in result.first_error
+        assert scorer.errors_by_reward == {name: 1, "total": 1} and scorer.total_errors == 2
 
     def test_accepts_int_and_tensor_returns(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
