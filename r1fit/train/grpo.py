@@ -96,6 +96,9 @@ class Trainer:
 
 def train_grpo(cfg: Any) -> dict[str, Any]:
     """Run GRPO as configured; returns the summary (also written to ``summary.json``)."""
+    # the rewards first: a misspelt reward or a broken plugin fails in seconds, not after the
+    # model loads and the format warm-up runs
+    scorer = RewardScorer(cfg.rewards)
     run = start_run(cfg, "grpo")
     algo = cfg.algo
     if cfg.sft.format_warmup_steps and not run.checkpoints.phase_done("warmup"):
@@ -107,7 +110,6 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
                                 cfg.train.max_steps * algo.num_iterations)
     sampler = PromptSampler(len(run.train_set), seed=cfg.train.seed)
     bad_rows = BadRowCounter(run.train_set.bad_rows)
-    scorer = RewardScorer(cfg.rewards)
     loop = Counters(best=-1.0, since_best=0)
     rng = RngState(cfg.train.seed, run.world.rank)
     settings = SamplingSettings(algo.max_new_tokens, algo.temperature, algo.top_p,

@@ -159,3 +159,15 @@ def test_a_diverging_run_skips_updates_that_are_not_finite_then_stops_in_one_lin
     log = (out / "log.txt").read_text()
     assert "WARNING r1fit: step 2: gradient norm nan (not finite): update skipped, no optimizer " \
            "or schedule step (1 in a row; the run stops at train.max_skipped_updates=2)" in log
+
+
+def test_a_misspelt_reward_stops_r1fit_train_before_the_model_loads(use_tiny_cache, tmp_path,
+                                                                    capsys):
+    """Before, the model loaded and the whole format warm-up ran (a checkpoint saved) before the
+    reward was resolved; now nothing is written."""
+    out = tmp_path / "run"
+    assert main(["train", f"train.output_dir={out}", *ARGS, "sft.format_warmup_steps=5",
+                 "rewards.accurcy=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("r1fit: error: unknown reward 'accurcy': use a built-in")
+    assert not out.exists()
