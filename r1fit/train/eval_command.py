@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,13 +58,20 @@ from r1fit.checkpoint.manager import (
 from r1fit.checkpoint.sharded import load_model_weights
 from r1fit.config import Config, ConfigError
 from r1fit.data.build import build_eval_set
+from r1fit.data.errors import DataError
 from r1fit.distributed.loading import load_on_ranks
 from r1fit.memory.autofit import resolve_checkpointing, resolve_sizes
 from r1fit.memory.telemetry import reset_peak, step_memory
 from r1fit.models.load import load_adapter, load_policy, resolve_model_path
 from r1fit.processes import DistributedError, pick_device, world
 from r1fit.progress import progress_bar
-from r1fit.report.eval_page import answer_record, save_row_images, write_page, write_rows
+from r1fit.report.eval_page import (
+    IMAGES,
+    answer_record,
+    save_row_images,
+    write_page,
+    write_rows,
+)
 from r1fit.report.logs import setup_logging
 from r1fit.rewards.registry import RewardScorer
 from r1fit.rng import seed_everything, use_deterministic_kernels
@@ -131,11 +139,23 @@ def model_source(cfg: Config, path: str | None) -> ModelSource:
                       f"({ADAPTER_CONFIG}) or an r1fit checkpoint (manifest.json)")
 
 
+#: what an evaluation writes before its summary: an unfinished one's folder holds no more
+UNFINISHED = frozenset({"config.json", "log.txt", IMAGES})
+
+
 def output_folder(cfg: Config, source: ModelSource, out: Path | None) -> Path:
-    """``out`` (it must be new or empty), else a new ``<train.output_dir>/eval/<model>-<time>``."""
+    """``out`` (it must be new, empty, or an unfinished evaluation's: what a failed or stopped
+    ``r1fit eval --out`` left, its images cleared), else a new
+    ``<train.output_dir>/eval/<model>-<time>``."""
     if out is not None:
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if out.exists() and not out.is_dir():
             raise ConfigError(f"--out {out}: not a new or empty folder")
+        names = {p.name for p in out.iterdir()} if out.exists() else set()
+        if not names <= UNFINISHED:
+            raise ConfigError(f"--out {out}: not a new or empty folder (nor an unfinished "
+                              "evaluation's)")
+        if (out / IMAGES).is_dir():
+            shutil.rmtree(out / IMAGES)
         return out
     given = Path(source.path).expanduser()
     name = given.name if given.is_dir() else source.path
@@ -195,6 +215,9 @@ def evaluate_model(cfg: Config, model: str | None = None, out: Path | None = Non
     folder = output_folder(cfg, source, out)
     folder.mkdir(parents=True, exist_ok=True)
     setup_logging(folder)
+    if (folder / "config.json").exists():
+        log.info("eval: --out %s held an unfinished evaluation (no summary.json): written over",
+                 folder)
     (folder / "config.json").write_text(json.dumps(run_config(cfg, "eval"), indent=2))
     session = start_session(cfg, source)
     algo = cfg.algo
@@ -208,6 +231,9 @@ def evaluate_model(cfg: Config, model: str | None = None, out: Path | None = Non
         rows, bad = score_rows(session, engine, scorer, folder)
     finally:
         engine.close()
+    if not rows:  # no accuracy to report: 0 would read as a model that got everything wrong
+        raise DataError(f"data.eval: no row could be answered and scored: all {len(bad)} "
+                            f"were bad; first: {bad[0] if bad else 'none'}")
     summary = {"model": source.path, "model_kind": KINDS[source.kind],
                "model_path": cfg.model.path, "data": _sources(cfg.data.eval),
                "samples": cfg.eval.samples,

@@ -150,6 +150,33 @@ def test_bad_rows_are_counted_and_listed_not_fatal(use_tiny_cache, tmp_path, scr
     assert "broken.png" in (out / "eval.html").read_text()
 
 
+def test_no_row_scored_is_an_error_and_its_out_folder_can_be_used_again(
+        use_tiny_cache, tmp_path, capsys, scripted_answers):
+    """Every row too long for data.max_prompt_tokens (found while answering): an error, not an
+    accuracy of 0.000 over no rows. The folder it left (config.json, log.txt) is an unfinished
+    evaluation's, which the same --out takes again once the data is fixed."""
+    Image.new("RGB", (56, 56), "red").save(tmp_path / "red.png")
+    data = tmp_path / "eval.jsonl"
+    data.write_text(json.dumps({"image": "red.png", "problem": "Colour?", "solution": "red"})
+                    + "\n")
+    scripted_answers(lambda sample, seed: "<think>x</think><answer>red</answer>")
+    out = tmp_path / "out"
+    assert main(["eval", f"data.eval={data}", "data.max_prompt_tokens=5", *FAST,
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("r1fit: error: data.eval: no row could be answered and scored: all 1 "
+                          f"were bad; first: {data}:1")
+    assert {p.name for p in out.iterdir()} <= {"config.json", "log.txt", "images"}
+    assert not (out / "summary.json").exists()
+    assert main(["eval", f"data.eval={data}", *FAST, "--out", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["accuracy"] == 1.0
+    assert "held an unfinished evaluation (no summary.json): written over" in \
+        (out / "log.txt").read_text()
+    # a finished evaluation's folder is not taken
+    assert main(["eval", f"data.eval={data}", *FAST, "--out", str(out)]) == 2
+    assert "not a new or empty folder" in capsys.readouterr().err
+
+
 def test_what_model_and_out_refuse_is_one_line(use_tiny_cache, tmp_path, capsys):
     run = tmp_path / "run"
     (run / "checkpoint-2").mkdir(parents=True)
