@@ -646,9 +646,15 @@ def _hub_snapshot(repo_id: str) -> Path | None:
 
 def _load_processor(folder: str, path: str) -> ProcessorMixin:
     try:
-        return AutoProcessor.from_pretrained(folder)
+        processor = AutoProcessor.from_pretrained(folder)
     except (OSError, ValueError, KeyError, ImportError) as err:
         raise ModelConfigError(f"cannot load processor for {path!r}: {one_line(err)}") from err
+    if not getattr(processor, "chat_template", None):  # every prompt goes through it
+        raise ModelConfigError(
+            f"the processor of {path!r} has no chat template (chat_template.jinja, or "
+            "chat_template in processor_config.json): r1fit writes every prompt with it; copy "
+            "the base model's chat_template.jinja into the folder")
+    return processor
 
 
 def vision_tower(model: nn.Module) -> nn.Module | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -337,6 +338,20 @@ def test_a_config_image_token_id_the_processor_does_not_use_is_one_line(tiny_dir
     assert "\n" not in message
     assert f"config image_token_id=5 but the processor's image token '<|image_pad|>' is id {pad}" in message
     assert f'set "image_token_id": {pad} in the model\'s config.json' in message
+
+
+def test_a_folder_without_a_chat_template_is_one_line(tiny_dir: Path, tmp_path: Path) -> None:
+    """Before, the model loaded and the first prompt raised transformers' ValueError."""
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_dir, bare)
+    removed = [p for p in bare.iterdir() if p.name.startswith("chat_template")]
+    assert removed  # the built model keeps its template beside the processor's files
+    for path in removed:
+        path.unlink()
+    with pytest.raises(ModelConfigError, match=re.escape(
+            f"the processor of '{bare}' has no chat template (chat_template.jinja, or "
+            "chat_template in processor_config.json)")):
+        _load(bare)
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-qwen3vl", "tiny-gemma3"])
