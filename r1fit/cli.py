@@ -321,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help=text, description=text)
     p.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="a run's output folder")
     p.add_argument("--out", metavar="FILE", type=Path,
-                   help="where to write it (default: RUN_DIR/report.html)")
+                   help="where to write it: a file, or a folder to write report.html into "
+                        "(default: RUN_DIR/report.html)")
     text = "versions, GPUs, attention kernels, TF32, peak FLOP/s, CPU: the facts for a bug report"
     p = sub.add_parser("doctor", help=text, description=text)
     p.add_argument("--json", action="store_true", help="print the facts as one JSON object")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import html
 import json
 import logging
+import math
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -23,7 +24,7 @@ from typing import Any
 
 from r1fit.errors import R1fitError
 from r1fit.report.alarms import AlarmWatch, check_alarms, grpo_rows
-from r1fit.report.metrics import plain, read_json_lines
+from r1fit.report.metrics import counters, plain, read_json_lines
 from r1fit.report.rollouts import read_rollouts, save_rollout
 from r1fit.rollout.record import Rollout
 from r1fit.units import format_bytes, parse_bytes
@@ -90,10 +91,13 @@ def svg_plot(lines: dict[str, Points], fmt: Callable[[float], str] = number,
 
 
 def points(rows: Sequence[dict[str, Any]], key: str, axis: str = "step") -> Points:
-    """(step, value) of every row with a number under ``key``."""
+    """(step, value) of every row with a finite number under ``key`` (and ``axis``)."""
+    def number(value: Any) -> bool:  # JSON's NaN and Infinity literals are floats too
+        return isinstance(value, int | float) and not isinstance(value, bool) \
+            and math.isfinite(value)
+
     return [(float(r[axis]), float(r[key])) for r in rows
-            if r.get(axis) is not None and isinstance(r.get(key), (int, float))
-            and not isinstance(r.get(key), bool)]
+            if number(r.get(axis)) and number(r.get(key))]
 
 
 def planned_peak(run_dir: Path) -> int | None:
@@ -343,7 +347,8 @@ def build_report(run_dir: Path, out: Path | None = None) -> str:
     if not metrics.is_file():
         raise NotARun(f"{run_dir} has no metrics.jsonl: not a run's output folder")
     out = Path(out) if out is not None else run_dir / "report.html"
-    rows, skipped = read_json_lines(metrics)  # a run killed mid-write: its whole lines, warned
+    # a run killed mid-write: its whole lines, warned; a row with a step that is no number too
+    rows, skipped = read_json_lines(metrics, check=counters("step"))
     alarms = check_alarms(rows)
     alarm_html = ("".join(f'<div class="alarm"><b>{html.escape(name)}</b>: '
                           f'{html.escape(message)}</div>' for name, message in alarms.items())
@@ -384,6 +389,8 @@ rows{html.escape(skipped_note(skipped))}.</p>
 def write_report(run_dir: Path, out: Path | None = None) -> Path:
     """Write the report page (atomically: a browser reloading it never sees half a page)."""
     out = Path(out) if out is not None else Path(run_dir) / "report.html"
+    if out.is_dir():  # a folder to write it into, as cp takes one
+        out = out / "report.html"
     page = build_report(run_dir, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")

@@ -8,7 +8,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -85,12 +85,29 @@ class JsonLines(NamedTuple):
     skipped: list[str]
 
 
-def read_json_lines(path: Path) -> JsonLines:
+def counters(*keys: str) -> Callable[[dict[str, Any]], str | None]:
+    """A row check for :func:`read_json_lines`: the ``keys`` a row holds (a metrics row's
+    ``step``, an SFT warm-up row's ``warmup/step``: a key or ``<prefix>/key``) are whole
+    numbers; the reason when one is not. Pages and plots place rows by them."""
+    prefixed = tuple(f"/{key}" for key in keys)
+
+    def check(row: dict[str, Any]) -> str | None:
+        for key, value in row.items():
+            counter = key in keys or key.endswith(prefixed)
+            if counter and (isinstance(value, bool) or not isinstance(value, int)):
+                return f"its {key!r} is {value!r}, not a whole number"
+        return None
+    return check
+
+
+def read_json_lines(path: Path, required: Sequence[str] = (),
+                    check: Callable[[dict[str, Any]], str | None] | None = None) -> JsonLines:
     """The JSON object of each whole line of a JSON-lines file (``metrics.jsonl``, saved
     rollouts), blank lines ignored. A line that is not one is skipped, named and warned about once
     per file: a half-written last line (the run was killed while writing it; a resume drops it
-    too) or a corrupt line further up. Reads bytes, so a line cut inside a UTF-8 character spoils
-    that line only."""
+    too) or a corrupt line further up; so is an object without the ``required`` keys, or one that
+    ``check`` gives a reason against (see :func:`counters`). Reads bytes, so a line cut inside a
+    UTF-8 character spoils that line only."""
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
     data = Path(path).read_bytes()
@@ -109,6 +126,11 @@ def read_json_lines(path: Path) -> JsonLines:
         if not isinstance(row, dict):
             skipped.append(f"{path}:{number}: not a JSON object but {type(row).__name__}")
             continue
+        missing = [key for key in required if key not in row]
+        why = f"no {', '.join(map(repr, missing))}" if missing else check(row) if check else None
+        if why:
+            skipped.append(f"{path}:{number}: {why}")
+            continue
         rows.append(row)
     if skipped:
         shown = "; ".join(skipped[:3]) + (f"; and {len(skipped) - 3} more" if len(skipped) > 3 else "")
@@ -119,8 +141,8 @@ def read_json_lines(path: Path) -> JsonLines:
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The rows of a metrics.jsonl file, skipping (with a warning) lines that are not whole JSON
-    objects (:func:`read_json_lines`)."""
-    return read_json_lines(path).rows
+    objects or whose step is not a whole number (:func:`read_json_lines`)."""
+    return read_json_lines(path, check=counters("step")).rows
 
 
 #: a key that only GRPO step rows of metrics.jsonl hold (not SFT, eval-only or summary rows)

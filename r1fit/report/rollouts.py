@@ -19,7 +19,7 @@ from typing import Any
 
 from PIL import Image
 
-from r1fit.report.metrics import plain, read_metrics
+from r1fit.report.metrics import counters, plain, read_json_lines
 from r1fit.report.sinks import sample_rows
 from r1fit.rollout.record import Rollout, Trajectory, Turn
 from r1fit.tools import MalformedCall, ToolCall
@@ -101,7 +101,8 @@ def read_rollouts(folder: Path) -> dict[int, list[dict[str, Any]]]:
     """Step -> its saved rows, oldest step first (empty when nothing was saved)."""
     steps = {}
     for path in sorted(folder.glob("step_*.jsonl")):
-        rows = read_metrics(path)  # JSON lines, as metrics.jsonl
+        # JSON lines, as metrics.jsonl; the page places each row by its step and group
+        rows = read_json_lines(path, ("step", "group"), counters("step", "group")).rows
         if rows:
             steps[int(rows[0]["step"])] = rows
     return steps

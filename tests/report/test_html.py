@@ -4,6 +4,7 @@ error), multi-turn rows on it."""
 
 from __future__ import annotations
 
+import html
 import json
 import logging
 import re
@@ -255,3 +256,29 @@ def test_report_of_a_run_killed_while_writing_metrics_reads_the_whole_lines(tmp_
     page = (run / "report.html").read_text()
     assert f"{whole} metrics\nrows (1 unreadable line skipped: {warned})." in page
     assert "12 GRPO steps (last step 12)" in page
+
+
+def test_rows_the_page_cannot_place_are_skipped_and_named_and_out_may_be_a_folder(tmp_path):
+    """Valid JSON that is no usable row: a metrics row whose step is no whole number, a saved
+    rollout without its step or group (each once a traceback), NaN and Infinity values (JSON
+    literals Python reads), which leave their points out of the plots; --out naming a folder
+    writes report.html into it (it raised IsADirectoryError and left a .partial file)."""
+    run = synthetic_run(tmp_path / "run")
+    metrics = run / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    lines[5] = lines[5].replace('"step": 3,', '"step": "three",')
+    lines[6] = lines[6].replace('"loss": 0.1', '"loss": NaN').replace(
+        '"reward_std": 0.3', '"reward_std": Infinity')
+    metrics.write_text("\n".join(lines) + "\n")
+    saved = run / "rollouts" / "step_000010.jsonl"
+    with saved.open("a") as f:
+        f.write('{"a": 1}\n{"step": 10, "group": "g"}\n')
+    folder = tmp_path / "pages"
+    folder.mkdir()
+    assert main(["report", str(run), "--out", str(folder)]) == 0
+    assert [p.name for p in folder.iterdir()] == ["report.html"]
+    page = (folder / "report.html").read_text()
+    assert html.escape(f"{metrics}:6: its 'step' is 'three', not a whole number") in page
+    assert "11 GRPO steps (last step 12)" in page
+    assert "nan" not in re.sub(r"[a-z]nan|nan[a-z]", "", page.lower())  # no NaN coordinate
+    assert "step 10: 2 prompts, 6 completions" in page  # the two bad rollout rows left out
