@@ -116,7 +116,8 @@ def format_without_accuracy(rows: Rows) -> str | None:
 def reward_errors(rows: Rows) -> str | None:
     errors = series(grpo_rows(rows), "reward_errors")
     if errors and errors[-1] > 0:
-        return (f"{errors[-1]:.0f} reward calls raised (scored 0): see the warnings in log.txt")
+        return (f"{errors[-1]:.0f} reward calls raised or returned no finite number (scored 0): "
+                "see the warnings in log.txt")
     return None
 
 

@@ -79,12 +79,14 @@ def _canonical_number(token: str) -> str | None:
 def normalize(text: str) -> str:
     """Normalise an answer for exact comparison.
 
-    Lowercases, removes ``$`` (LaTeX math delimiters and currency signs), collapses whitespace,
+    Lowercases, removes ``$`` (LaTeX math delimiters and currency signs, ``\\$`` too), reads
+    the minus sign U+2212 as "-", collapses whitespace,
     strips surrounding quotes and punctuation (including a trailing period), and canonicalises
     every whitespace-separated number: "3.0" -> "3", "1,000" -> "1000", "-0.50" -> "-0.5", and
     the words "zero".."twenty" -> "0".."20".
     """
-    text = text.lower().replace("$", "")
+    # LaTeX's escaped dollar (a currency sign) and Unicode's minus sign read as their plain forms
+    text = text.lower().replace("\\$", "").replace("$", "").replace("\u2212", "-")
     text = " ".join(text.split())
     # Alternate whitespace and punctuation stripping until stable: '"Red." ' needs both.
     previous = None

@@ -198,8 +198,11 @@ _CHOICE_NAMED = re.compile(
     r"\b(?i:answer|option|choice)(?:\s+is)?\s*:?\s*"
     r"(?:[(\[]([A-Za-z])[)\]]|([A-Z])(?=\s*(?:$|[.,;:!?)\]])))"
 )
-# Characters around an answer that carry no meaning: markdown emphasis, code ticks, quotes.
-_DECORATION = "*`\"' \t\n"
+# LaTeX that only frames a letter: "\boxed{B}", "\text{(B)}" (a letter in math mode)
+_LATEX_WRAPPER = re.compile(r"\\(?:boxed|text|textbf|mathrm|mathbf)\{([^{}]*)\}")
+# Characters around an answer that carry no meaning: markdown emphasis, code ticks, quotes,
+# math-mode dollars.
+_DECORATION = "*`\"'$ \t\n"
 
 _YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
 
@@ -216,7 +219,7 @@ def read_choice(answer: str) -> str | None:
     a capital ending its clause, and two different letters named make it ambiguous (None). Any
     other text ("I think C", "A or B") names no letter.
     """
-    text = answer.strip(_DECORATION)
+    text = _LATEX_WRAPPER.sub(r"\1", answer).strip(_DECORATION)
     match = _CHOICE_ALONE.fullmatch(text) or _CHOICE_LEADS.match(text)
     if match:
         return match.group(1).upper()

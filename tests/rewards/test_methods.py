@@ -57,6 +57,9 @@ class TestReadChoice:
             ("the answer is (c) because", "C"),
             ("The correct option is B, since", "B"),
             ("Answer: D", "D"),
+            ("\\boxed{B}", "B"),  # LaTeX that only frames the letter
+            ("$\\boxed{C}$", "C"),
+            ("\\text{(B)}", "B"),
         ],
     )
     def test_names_a_letter(self, answer: str, letter: str) -> None:
@@ -100,6 +103,8 @@ class TestReadYesNoAndNumber:
             ("3.0", 3.0),
             ("1,000", 1000.0),
             ("$3.50", 3.5),
+            ("\\$1,000", 1000),  # LaTeX's escaped dollar
+            ("\u22125", -5),  # the minus sign U+2212
             ("-0.25", -0.25),
             ("1E3", 1000.0),
             ("three", 3.0),
