@@ -17,7 +17,7 @@ def eval_history(metrics: MetricsWriter) -> list[dict[str, Any]]:
     """The evaluations of the run so far (from metrics.jsonl, so a resumed run has them all)."""
     metrics.flush()
     return [{"step": row.get("step"), **{k: v for k, v in row.items() if k.startswith("eval/")}}
-            for row in read_metrics(metrics.path) if "eval/accuracy" in row]
+            for row in read_metrics(metrics.path) if row.get("eval/accuracy") is not None]
 
 
 def write_summary(out: Path, metrics: MetricsWriter, *, steps: int, seconds: float,

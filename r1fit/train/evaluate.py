@@ -124,9 +124,9 @@ def evaluate(run: Run, engine: RolloutEngine) -> dict[str, Any]:
 
     Rows whose image fails to decode, or whose prompt is longer than ``data.max_prompt_tokens``,
     are skipped with a warning, counted in ``eval/bad_rows`` and left out of the averages
-    (``eval/size`` is the number actually scored). Over several processes each rank decodes its
-    share of the batches with whole parameters (the FSDP root is gathered once) and the counts are
-    summed."""
+    (``eval/size`` is the number actually scored; with none, the averages are None, warned).
+    Over several processes each rank decodes its share of the batches with whole parameters (the
+    FSDP root is gathered once) and the counts are summed."""
     dataset, cfg = run.eval_set, run.cfg
     assert dataset is not None, "evaluate() needs data.eval"
     reset_peak(run.device)  # eval/peak_memory_bytes is the evaluation's own peak
@@ -152,9 +152,16 @@ def evaluate(run: Run, engine: RolloutEngine) -> dict[str, Any]:
             scored += len(answered.prompts)
     correct, formatted, scored, bad, iou_sum, iou_rows, tool_rows = all_sum(
         [correct, formatted, scored, bad, iou_sum, iou_rows, tool_rows])
+    if not scored:  # no accuracy to give: 0 would read as a model that got every row wrong
+        log.warning("eval: no row of data.eval could be answered and scored (%d bad): "
+                    "eval/accuracy and eval/format are null", int(bad))
     n = max(1, scored)
-    return {"eval/accuracy": correct / n, "eval/format": formatted / n,
+
+    def mean(total: float) -> float | None:
+        return total / n if scored else None
+
+    return {"eval/accuracy": mean(correct), "eval/format": mean(formatted),
             **({"eval/iou": iou_sum / iou_rows} if iou_rows else {}),
-            **({"eval/tool_use": tool_rows / n} if engine.tools is not None else {}),
+            **({"eval/tool_use": mean(tool_rows)} if engine.tools is not None else {}),
             "eval/size": int(scored),
             "eval/bad_rows": int(bad), **step_memory(run.device, "eval/")}

@@ -159,9 +159,10 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
             if run.eval_set is not None and (step == cfg.train.max_steps or
                                              (cfg.eval.every and step % cfg.eval.every == 0)):
                 row.update(evaluate(run, engine))
-                if row["eval/accuracy"] > loop.best:
-                    loop.best, loop.since_best = row["eval/accuracy"], 0
-                else:
+                accuracy = row["eval/accuracy"]  # None: no row could be scored
+                if accuracy is not None and accuracy > loop.best:
+                    loop.best, loop.since_best = accuracy, 0
+                elif accuracy is not None:
                     loop.since_best += 1
             run.metrics.write(row)
             report.after_step(row)  # alarms (each warned once); the page every report.every steps

@@ -171,3 +171,23 @@ def test_a_misspelt_reward_stops_r1fit_train_before_the_model_loads(use_tiny_cac
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("r1fit: error: unknown reward 'accurcy': use a built-in")
     assert not out.exists()
+
+
+def test_an_evaluation_with_no_row_it_could_score_logs_null_not_zero(use_tiny_cache, tmp_path):
+    """Every eval row longer than data.max_prompt_tokens (found while answering): eval/accuracy
+    is null with a warning, not 0 (a model wrong on every row), and early stopping and the
+    summary pass it over."""
+    data = _data(tmp_path, 200)
+    only_long = tmp_path / "eval.jsonl"
+    only_long.write_text(data.read_text().splitlines()[-1] + "\n")
+    out = tmp_path / "run"
+    assert main(["train", f"train.output_dir={out}", *ARGS, f"data.train={data}",
+                 f"data.eval={only_long}", "data.max_prompt_tokens=100",
+                 "train.early_stop_patience=1"]) == 0
+    evals = [r for r in read_metrics(out / "metrics.jsonl") if "eval/accuracy" in r]
+    assert [(r["step"], r["eval/accuracy"], r["eval/size"], r["eval/bad_rows"]) for r in evals] \
+        == [(0, None, 0, 1), (3, None, 0, 1)]
+    assert "eval: no row of data.eval could be answered and scored (1 bad): eval/accuracy and " \
+           "eval/format are null" in (out / "log.txt").read_text()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3 and "eval_accuracy_end" not in summary
