@@ -176,8 +176,10 @@ def load_policy(
     target_regex = language_model_lora_regex(lora_target) if lora_r > 0 else None
 
     folder = resolve_model_path(path)
-    model = _from_pretrained(folder, path, dtype=dtype, device=device, attn_implementation=attn_implementation)
+    # the processor first: a folder without its tokenizer or chat template fails in a second,
+    # not after the weights load
     processor = _load_processor(folder, path)
+    model = _from_pretrained(folder, path, dtype=dtype, device=device, attn_implementation=attn_implementation)
     check_placeholder_tokens(model.config, processor, path)
     model.train()
 
@@ -644,7 +646,17 @@ def _hub_snapshot(repo_id: str) -> Path | None:
     return Path(config).parent if isinstance(config, str) else None
 
 
+#: the files a tokenizer is read from: one of them is enough (fast, BPE, sentencepiece)
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "spiece.model")
+
+
 def _load_processor(folder: str, path: str) -> ProcessorMixin:
+    if os.path.isdir(folder) and not any(os.path.isfile(os.path.join(folder, name))
+                                         for name in TOKENIZER_FILES):
+        # transformers would build a tokenizer of the added tokens alone (14 in builtin:tiny),
+        # and the first complaint would be about the image token's id
+        raise ModelConfigError(f"model {path!r} has no tokenizer file ({', '.join(TOKENIZER_FILES)}"
+                               "): copy the base model's tokenizer files into the folder")
     try:
         processor = AutoProcessor.from_pretrained(folder)
     except (OSError, ValueError, KeyError, ImportError) as err:

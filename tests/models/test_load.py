@@ -93,7 +93,9 @@ def test_resolve_missing_local_folder_and_hub_id(tmp_path: Path) -> None:
 
 
 def test_unloadable_hub_id_is_one_line_naming_the_path() -> None:
-    with pytest.raises(ModelConfigError, match=r"^cannot load model 'bad id/with spaces': ") as info:
+    # the processor loads first (a folder without its tokenizer fails before the weights load)
+    with pytest.raises(ModelConfigError, match=r"^cannot load processor for 'bad id/with spaces': "
+                       ) as info:
         _load("bad id/with spaces")
     assert "\n" not in str(info.value)
 
@@ -351,6 +353,19 @@ def test_a_folder_without_a_chat_template_is_one_line(tiny_dir: Path, tmp_path: 
     with pytest.raises(ModelConfigError, match=re.escape(
             f"the processor of '{bare}' has no chat template (chat_template.jinja, or "
             "chat_template in processor_config.json)")):
+        _load(bare)
+
+
+def test_a_folder_without_tokenizer_files_is_one_line(tiny_dir: Path, tmp_path: Path) -> None:
+    """Without tokenizer.json transformers builds a tokenizer of the 14 added tokens, and the
+    error was about the image token's id; now the missing files are named before the weights
+    load."""
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_dir, bare)
+    (bare / "tokenizer.json").unlink()
+    with pytest.raises(ModelConfigError, match=re.escape(
+            f"model '{bare}' has no tokenizer file (tokenizer.json, vocab.json, tokenizer.model, "
+            "spiece.model)")):
         _load(bare)
 
 
