@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from r1fit.checkpoint.lock import LOCK, hold_output_dir
 from r1fit.checkpoint.manager import (
     PARTIAL,
     RESUME_NOT_EXACT,
@@ -60,6 +61,7 @@ def open_output_dir(cfg: Any, kind: str) -> tuple[Path, ResumePoint | None]:
     write the run's ``config.json``. Raises :class:`CheckpointError` when it cannot, an OS error
     included (a path below a regular file, no permission, a read-only folder)."""
     try:
+        hold_output_dir(Path(cfg.train.output_dir))  # one run at a time in a folder
         out, point = _open_output_dir(cfg, kind)
         (out / "config.json").write_text(json.dumps(run_config(cfg, kind), indent=2))
         return out, point
@@ -86,7 +88,9 @@ def _open_output_dir(cfg: Any, kind: str) -> tuple[Path, ResumePoint | None]:
     mode = cfg.checkpoint.resume
     if cfg.train.overwrite and out.exists() and holds_run(out):
         log.warning("train.overwrite=true: deleting the previous run in %s", out)
-        shutil.rmtree(out)
+        for child in out.iterdir():  # all but the lock this run holds
+            if child.name != LOCK:
+                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
     point: Path | None = None
     if mode == "auto":
         point, skipped = find_resume_point(out)

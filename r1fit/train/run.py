@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from r1fit.checkpoint.export import save_hf_folder
+from r1fit.checkpoint.lock import release_output_dir
 from r1fit.checkpoint.manager import CheckpointManager, ResumePoint
 from r1fit.checkpoint.resume import open_output_dir
 from r1fit.config import Config
@@ -148,11 +149,13 @@ class Run(Session):
     def finish(self, steps: int) -> dict[str, Any]:
         """Write the final model (``final/``) and the summary; returns the summary."""
         save_hf_folder(self.model, self.processor, self.out / "final")
-        return write_summary(self.out, self.metrics, steps=steps,
-                             seconds=time.perf_counter() - self.started,
-                             extra={"rss_before_load_bytes": self.rss_before_load_bytes,
-                                    "rss_after_load_bytes": self.rss_after_load_bytes},
-                             main=self.world.main)
+        summary = write_summary(self.out, self.metrics, steps=steps,
+                                seconds=time.perf_counter() - self.started,
+                                extra={"rss_before_load_bytes": self.rss_before_load_bytes,
+                                       "rss_after_load_bytes": self.rss_after_load_bytes},
+                                main=self.world.main)
+        release_output_dir(self.out)  # the folder is another run's to take now
+        return summary
 
 
 def start_run(cfg: Config, kind: str) -> Run:
