@@ -117,7 +117,7 @@ _LATEX_MARKS = frozenset("\\${}[]()")
 
 
 def _words(answer: str) -> set[str]:
-    """The words of an answer outside LaTeX command names, lowercased: its units ("10 cm": cm),
+    r"""The words of an answer outside LaTeX command names, lowercased: its units ("10 cm": cm),
     variables ("x = 3": x) and text (a ``\text{...}``'s content counts)."""
     return {w.lower() for w in _WORD.findall(_LATEX_COMMAND.sub(" ", answer))}
 
