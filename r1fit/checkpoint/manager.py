@@ -42,8 +42,9 @@ import torch.distributed.checkpoint as dcp
 import r1fit
 from r1fit.checkpoint.files import fsync_dir, fsync_tree, load_state, save_state, sha256_file, write_text_atomic
 from r1fit.checkpoint.sharded import load_model_weights, model_tensors, save_tensors
-from r1fit.errors import R1fitError
+from r1fit.errors import R1fitError, one_line
 from r1fit.processes import all_max, barrier, world
+from r1fit.units import format_bytes
 
 log = logging.getLogger("r1fit.checkpoint")
 
@@ -91,6 +92,28 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def failure_reason(exc: BaseException) -> str:
+    """One line for why a checkpoint's save or load failed: DCP's ``CheckpointException`` (a
+    ``BaseException`` whose text is every rank's whole traceback) by its first rank's exception,
+    an OS error by its reason and file."""
+    if isinstance(exc, dcp.api.CheckpointException) and exc.failures:
+        exc = next(iter(exc.failures.values()))[0]
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror} ({exc.filename})" if exc.filename else exc.strerror
+    return one_line(exc, 300, first_line=True)
+
+
+def disk_note(folder: Path, needed: int) -> str:
+    """``"; the disk holding FOLDER has N free"`` when that is less than ``needed`` bytes (a
+    checkpoint's size): torch's writers report a full disk as other errors."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return ""
+    return (f"; the disk holding {folder} has {format_bytes(free)} free, less than a checkpoint "
+            f"({format_bytes(needed)})" if free < needed else "")
 
 
 def storage_of(obj: Stateful) -> str:
@@ -148,6 +171,10 @@ def verify(path: Path, *, checksums: bool = True) -> str | None:
     try:
         manifest = json.loads(manifest_file.read_text())
         files = manifest["files"]
+        if not isinstance(files, dict) or not all(
+                isinstance(meta, dict) and isinstance(meta.get("bytes"), int)
+                and isinstance(meta.get("sha256"), str) for meta in files.values()):
+            raise ValueError("its files are not each a {bytes, sha256} record")
     except (ValueError, KeyError, TypeError) as exc:
         return f"manifest.json is unreadable ({exc})"
     if manifest.get("format") != FORMAT:
@@ -275,10 +302,11 @@ class CheckpointManager:
                                      load_state(point.path, name))
                 else:
                     obj.load_state_dict(load_state(point.path, name))
-            except (ValueError, KeyError, RuntimeError) as exc:
+            except (ValueError, KeyError, RuntimeError, dcp.api.CheckpointException) as exc:
                 if isinstance(exc, CheckpointError):
                     raise
-                raise CheckpointError(f"{point.path}: cannot restore {name}: {exc}") from exc
+                raise CheckpointError(f"{point.path}: cannot restore {name}: "
+                                      f"{failure_reason(exc)}") from exc
         log.info("resumed %s at step %d from %s%s", phase, point.step, point.path,
                  f" (weights only: {', '.join(restarted)})" if point.weights_only else "")
         return point.step
@@ -298,9 +326,13 @@ class CheckpointManager:
         assert self.resume is not None
         try:
             load_model_weights(self.resume.path, name, module)
-        except (ValueError, KeyError, RuntimeError, OSError) as exc:
+        except (ValueError, KeyError, RuntimeError, OSError, dcp.api.CheckpointException) as exc:
+            # e.g. DCP's size mismatch of a LoRA rank changed under allow_config_change
+            reason = failure_reason(exc)
+            hint = "" if "other model settings" in reason else \
+                "; was it saved with other model settings (model.lora, model.path)?"
             raise CheckpointError(f"{self.resume.path}: cannot load the {name} weights: "
-                                  f"{exc}") from exc
+                                  f"{reason}{hint}") from exc
 
     # -- save --------------------------------------------------------------------------------
 
@@ -364,16 +396,18 @@ class CheckpointManager:
                 fsync_dir(self.out)
                 write_text_atomic(self.out / "latest", name + "\n")
         except (OSError, dcp.api.CheckpointException) as exc:
-            if w.main:
-                shutil.rmtree(partial, ignore_errors=True)
             complete = [p.name for p in list_checkpoints(self.out) if not p.name.endswith(PARTIAL)
                         and p != final]
             kept = f"{complete[0]} is intact" if complete else "no earlier checkpoint exists"
-            reason = getattr(exc, "strerror", None) or exc
-            raise CheckpointError(f"could not save {name}: {reason} "
-                                  f"({getattr(exc, 'filename', '') or self.out}); {kept}. Fix it "
-                                  "(disk space, permissions) and rerun the same command to "
-                                  "resume") from exc
+            newest = self.out / complete[0] if complete else None
+            size = sum(p.stat().st_size for p in newest.rglob("*") if p.is_file()) if newest \
+                else 64 << 20
+            full = disk_note(self.out, size)  # before the partial save's bytes are freed
+            if w.main:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise CheckpointError(f"could not save {name} in {self.out}: {failure_reason(exc)}"
+                                  f"{full}; {kept}. Fix it (disk space, permissions) and rerun "
+                                  "the same command to resume") from exc
         barrier()  # the checkpoint is in place for every rank
         self.last_saved = final
         if not w.main:

@@ -131,6 +131,16 @@ def test_verify_reasons(tmp_path):
     assert "no manifest.json" in verify(path)
 
 
+def test_a_manifest_of_valid_json_but_the_wrong_shape_is_a_reason_not_a_crash(tmp_path):
+    m = manager(tmp_path, "checkpoint.every=1")
+    path = m.save("sft", 1, {"sampler": Box(1)})
+    manifest = json.loads((path / "manifest.json").read_text())
+    for files in ({"sampler.json": {}}, ["sampler.json"], {"sampler.json": {"bytes": "9"}}):
+        (path / "manifest.json").write_text(json.dumps({**manifest, "files": files}))
+        assert verify(path) == ("manifest.json is unreadable (its files are not each a {bytes, "
+                                "sha256} record)")
+
+
 def test_an_older_format_is_named(tmp_path):
     m = manager(tmp_path, "checkpoint.every=1")
     path = m.save("sft", 1, {"sampler": Box(1)})
@@ -168,3 +178,30 @@ def test_a_per_rank_state_is_written_and_read_by_rank(tmp_path):
     box = PerRankBox(0)
     CheckpointManager(tmp_path, m.cfg, "sft", point).restore("sft", {"rng": box})
     assert box.value == 3
+
+
+def test_a_failed_save_or_load_is_one_line_naming_the_cause(tmp_path, monkeypatch) -> None:
+    """DCP's CheckpointException (a BaseException) prints every rank's whole traceback: its first
+    rank's exception is the reason; an OS error its reason and file; a nearly full disk is said
+    (torch's writer reports ENOSPC as 'unexpected pos 704 vs 598')."""
+    import errno
+    import shutil
+    from collections import namedtuple
+    from traceback import StackSummary
+
+    import torch.distributed.checkpoint as dcp
+
+    from r1fit.checkpoint.manager import disk_note, failure_reason
+
+    mismatch = ValueError("Size mismatch between saved torch.Size([4, 64]) and current: "
+                          "torch.Size([8, 64]) for model.lora_A\nmore lines")
+    wrapped = dcp.api.CheckpointException("load failed", {0: (mismatch, StackSummary())})
+    assert failure_reason(wrapped) == ("Size mismatch between saved torch.Size([4, 64]) and "
+                                       "current: torch.Size([8, 64]) for model.lora_A")
+    full = OSError(errno.ENOSPC, "No space left on device", "/x/y.json")
+    assert failure_reason(full) == "No space left on device (/x/y.json)"
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda folder: usage(100 << 20, 99 << 20, 1 << 20))
+    assert disk_note(tmp_path, 2 << 20) == (f"; the disk holding {tmp_path} has 1.00 MiB free, "
+                                            "less than a checkpoint (2.00 MiB)")
+    assert disk_note(tmp_path, 1 << 19) == ""

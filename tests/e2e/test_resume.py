@@ -245,7 +245,8 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(use_tiny_cache, tm
                "eval.every=0", "data.eval=null")
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2
-    assert err.startswith("r1fit: error: could not save checkpoint-2: No space left on device")
+    assert err.startswith(f"r1fit: error: could not save checkpoint-2 in {out}: No space left "
+                          "on device")
     assert "checkpoint-1 is intact" in err
     assert verify(out / "checkpoint-1") is None
     assert not list(out.glob("*.partial")) and not (out / "checkpoint-2").exists()
