@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError
+
 from r1fit.checkpoint.files import fsync_dir, fsync_tree, read_json_object
 from r1fit.checkpoint.manager import (
     MANIFEST,
@@ -36,6 +38,7 @@ from r1fit.checkpoint.manager import (
     verify,
 )
 from r1fit.checkpoint.sharded import load_model_weights, model_tensors
+from r1fit.errors import one_line
 from r1fit.processes import barrier, world
 from r1fit.units import format_bytes
 
@@ -87,14 +90,19 @@ def export(checkpoint: Path, out: Path, *, merge_lora: bool = False) -> Exported
             if merge_lora:
                 note = " (--merge-lora: nothing to merge, the checkpoint holds full weights)"
         fsync_tree(partial)
-        if out.exists():  # an empty folder: replace it
-            out.rmdir()
-        os.rename(partial, out)
+        if out.exists():  # an empty folder (maybe "."): fill it, the folder itself stays
+            for child in partial.iterdir():
+                os.rename(child, out / child.name)
+            partial.rmdir()
+            fsync_dir(out)
+        else:
+            os.rename(partial, out)
         fsync_dir(partial.parent)
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
         shutil.rmtree(partial, ignore_errors=True)
-        raise CheckpointError(f"could not export to {out}: {exc.strerror or exc} "
-                              f"({getattr(exc, 'filename', '') or out})") from exc
+        reason = (f"{exc.strerror or exc} ({getattr(exc, 'filename', '') or out})"
+                  if isinstance(exc, OSError) else one_line(exc))
+        raise CheckpointError(f"could not export to {out}: {reason}") from exc
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
@@ -214,7 +222,24 @@ def save_hf_folder(model: Any, processor: Any, folder: Path) -> None:
     if w.distributed:
         state = model_tensors(model, full_state_dict=True, cpu_offload=True)
     if w.main:
-        folder.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(folder, state_dict=state)
-        processor.save_pretrained(folder)
+        # whole or not at all, as an export: a full disk left final/ with its configs only
+        partial = folder.with_name(folder.name + PARTIAL)
+        try:
+            if partial.exists():
+                shutil.rmtree(partial)
+            partial.mkdir(parents=True)
+            model.save_pretrained(partial, state_dict=state)
+            processor.save_pretrained(partial)
+            fsync_tree(partial)
+            if folder.exists():  # a finished run's, written again
+                shutil.rmtree(folder)
+            os.rename(partial, folder)
+            fsync_dir(folder.parent)
+        except (OSError, SafetensorError) as exc:
+            shutil.rmtree(partial, ignore_errors=True)
+            reason = (f"{exc.strerror or exc} ({getattr(exc, 'filename', '') or partial})"
+                      if isinstance(exc, OSError) else one_line(exc))
+            raise CheckpointError(f"could not write {folder}: {reason}. The checkpoints are "
+                                  "intact: free the space and rerun the same command to write "
+                                  "it") from exc
     barrier()

@@ -3,6 +3,7 @@ Face folders."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -105,6 +106,36 @@ def test_refuses_a_non_empty_out(checkpoints, capsys, tmp_path):
     assert not (tmp_path / "taken.partial").exists()
 
 
+def test_export_into_the_current_folder_fills_it(checkpoints, capsys, tmp_path, monkeypatch):
+    """OUT "." (an empty current folder): its files land in it and the folder itself stays (the
+    shell's working folder); it failed with "Invalid argument (.)"."""
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    code, stdout, _ = export(capsys, str(checkpoints["full"]), ".")
+    assert code == 0 and "to . (" in stdout
+    assert (here / "model.safetensors").is_file() and (here / "config.json").is_file()
+    assert not (tmp_path / "here.partial").exists()
+
+
+def test_a_full_disk_while_writing_is_one_line(checkpoints, capsys, tmp_path, monkeypatch):
+    """safetensors reports ENOSPC as its own SafetensorError, which escaped as a traceback."""
+    from safetensors import SafetensorError
+    from transformers import PreTrainedModel
+
+    def full_disk(self, *args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device "
+                              "(os error 28)")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full_disk)
+    out = tmp_path / "out"
+    code, _, err = export(capsys, str(checkpoints["full"]), str(out))
+    assert code == 2
+    assert err == (f"r1fit: error: could not export to {out}: Error while serializing: I/O error: "
+                   "No space left on device (os error 28)\n")
+    assert not out.exists() and not (tmp_path / "out.partial").exists()
+
+
 def test_corrupt_or_missing_checkpoint_is_a_one_line_error(checkpoints, capsys, tmp_path):
     ckpt = tmp_path / "checkpoint-2"
     shutil.copytree(checkpoints["full"], ckpt)
@@ -155,3 +186,35 @@ def test_a_final_folder_is_refused_saying_it_loads_as_it_is(checkpoints, capsys,
     assert err == (f"r1fit: error: {full_final} is a Hugging Face model folder (a full run's "
                    "final/ or an export), not a checkpoint: from_pretrained loads it as it is\n")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_runs_final_folder_is_written_whole_or_not_at_all(tmp_path):
+    """save_hf_folder (a run's final/) through a partial folder: a full disk midway is one line
+    and leaves neither a final/ with its configs only nor the partial folder; a later success
+    replaces an earlier final/."""
+    from types import SimpleNamespace
+
+    from safetensors import SafetensorError
+
+    from r1fit.checkpoint.export import save_hf_folder
+    from r1fit.checkpoint.manager import CheckpointError
+
+    def configs_then_full_disk(folder, state_dict=None):
+        (Path(folder) / "config.json").write_text("{}")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device")
+
+    def writes(folder, state_dict=None):
+        (Path(folder) / "model.safetensors").write_text("w")
+
+    processor = SimpleNamespace(save_pretrained=lambda folder: None)
+    final = tmp_path / "final"
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"could not write {final}: Error while serializing: I/O error: No space left on "
+            "device. The checkpoints are intact")):
+        save_hf_folder(SimpleNamespace(save_pretrained=configs_then_full_disk), processor, final)
+    assert list(tmp_path.iterdir()) == []
+    final.mkdir()
+    (final / "stale.txt").write_text("an earlier final/")
+    save_hf_folder(SimpleNamespace(save_pretrained=writes), processor, final)
+    assert [p.name for p in tmp_path.iterdir()] == ["final"]
+    assert [p.name for p in final.iterdir()] == ["model.safetensors"]
