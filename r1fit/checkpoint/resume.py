@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
+from r1fit.checkpoint.files import write_text_atomic
 from r1fit.checkpoint.lock import LOCK, hold_output_dir
 from r1fit.checkpoint.manager import (
     PARTIAL,
@@ -38,6 +40,9 @@ from r1fit.errors import one_line
 from r1fit.models.load import loaded_dtype
 
 log = logging.getLogger("r1fit.checkpoint")
+
+#: the suffix a checkpoint skipped as damaged is set aside under (no resume takes it)
+DAMAGED = ".damaged"
 
 
 def holds_run(out: Path) -> bool:
@@ -92,8 +97,10 @@ def _open_output_dir(cfg: Any, kind: str) -> tuple[Path, ResumePoint | None]:
             if child.name != LOCK:
                 shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
     point: Path | None = None
+    damaged: set[str] = set()  # checkpoints skipped as damaged (auto): set aside, not deleted
     if mode == "auto":
         point, skipped = find_resume_point(out)
+        damaged = {reason.split(":", 1)[0] for reason in skipped}
         for reason in skipped:
             log.warning("not resuming from %s", reason)
         if point is None and holds_run(out):
@@ -126,10 +133,36 @@ def _open_output_dir(cfg: Any, kind: str) -> tuple[Path, ResumePoint | None]:
     if same_run:  # checkpoints after the resume point belong to the abandoned trajectory
         for later in list_checkpoints(out):
             if checkpoint_order(later) > checkpoint_order(point) or later.name.endswith(PARTIAL):
+                if later.name in damaged and not later.name.endswith(PARTIAL):
+                    # skipped as damaged: what is intact in it (often the weights) may be worth
+                    # saving, so it is set aside under a name no resume takes, not deleted
+                    aside = later.with_name(later.name + DAMAGED)
+                    shutil.rmtree(aside, ignore_errors=True)
+                    os.rename(later, aside)
+                    log.warning("%s was skipped as damaged; kept as %s (no resume takes it): "
+                                "delete it when you no longer need it", later.name, aside.name)
+                    continue
                 log.warning("removing %s: it lies after the resume point %s", later.name,
                             point.name)
                 shutil.rmtree(later)
+        _forget_abandoned(out, point)
     return out, resume
+
+
+def _forget_abandoned(out: Path, point: Path) -> None:
+    """``latest`` names the resume point, and a ``best`` that names a checkpoint no longer there
+    goes: the new trajectory's checkpoints are compared among themselves, not against a value of
+    the abandoned one."""
+    write_text_atomic(out / "latest", point.name + "\n")
+    best = out / "best"
+    try:
+        named = json.loads(best.read_text()).get("checkpoint") if best.is_file() else None
+    except (ValueError, AttributeError, OSError):
+        named = ""
+    if named is not None and not (out / str(named)).is_dir():
+        log.warning("forgetting the best checkpoint %s: it was not kept with the resume point "
+                    "%s", named or "(unreadable)", point.name)
+        best.unlink()
 
 
 def _check_resumable(point: Path, cfg: Any, kind: str) -> ResumePoint:
@@ -188,4 +221,5 @@ def _continue_metrics(point: Path, out: Path, lines: int) -> None:
     if dropped:
         log.info("metrics.jsonl: dropping %d rows written after %s (they will be redone)",
                  dropped, point.name)
-    (out / "metrics.jsonl").write_text("".join(rows[:lines]), encoding="utf-8")
+    # the only copy of the run's history: replaced whole or not at all
+    write_text_atomic(out / "metrics.jsonl", "".join(rows[:lines]))

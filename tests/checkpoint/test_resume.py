@@ -64,3 +64,45 @@ def test_the_run_config_is_written_and_a_failed_write_is_one_line(tmp_path: Path
     with pytest.raises(CheckpointError, match=rf"^train\.output_dir={other}: cannot create or use "
                                               r"the output folder: .*config\.json"):
         _open(other)
+
+
+class State:
+    """Something a checkpoint saves (a stand-in for the optimizer, schedule and RNG)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+def test_a_newer_checkpoint_skipped_as_damaged_is_set_aside_and_best_and_latest_follow(
+        tmp_path: Path) -> None:
+    """checkpoint-3's trainer_state.json is cut: the resume takes checkpoint-2, sets checkpoint-3
+    aside as checkpoint-3.damaged (its weights may be intact; it was deleted), points ``latest``
+    at checkpoint-2, forgets a ``best`` that named checkpoint-3, and keeps metrics.jsonl's first
+    2 rows, replaced whole."""
+    import torch
+
+    from r1fit.checkpoint.manager import CheckpointManager, list_checkpoints
+
+    cfg = load_config(None, [f"train.output_dir={tmp_path}", "checkpoint.keep=0"])
+    manager = CheckpointManager(tmp_path, cfg, "sft", resume=None)
+    manager.add_model("model", torch.nn.Linear(2, 2, bias=False))
+    rows = [json.dumps({"step": s}) + "\n" for s in (1, 2, 3)]
+    for step in (1, 2, 3):
+        (tmp_path / "metrics.jsonl").write_text("".join(rows[:step]))
+        manager.save("sft", step, {name: State(step) for name in ("optimizer", "scheduler",
+                                                                   "rng")}, metrics_lines=step)
+    (tmp_path / "best").write_text(json.dumps({"checkpoint": "checkpoint-3", "metric": "loss",
+                                               "value": 0.1}))
+    (tmp_path / "checkpoint-3" / "trainer_state.json").write_text("{")
+    out, resume = open_output_dir(cfg, "sft")
+    assert resume is not None and resume.path.name == "checkpoint-2"
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2", "checkpoint-1"]
+    assert (out / "checkpoint-3.damaged" / "weights").is_dir()
+    assert (out / "latest").read_text() == "checkpoint-2\n" and not (out / "best").exists()
+    assert (out / "metrics.jsonl").read_text() == "".join(rows[:2])
