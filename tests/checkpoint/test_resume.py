@@ -11,6 +11,8 @@ from r1fit.checkpoint.manager import CheckpointError
 from r1fit.checkpoint.resume import open_output_dir
 from r1fit.config import load_config
 
+from .test_manager import Box
+
 
 def _open(out: Path, *overrides: str):
     return open_output_dir(load_config(None, [f"train.output_dir={out}", *overrides]), "grpo")
@@ -66,19 +68,6 @@ def test_the_run_config_is_written_and_a_failed_write_is_one_line(tmp_path: Path
         _open(other)
 
 
-class State:
-    """Something a checkpoint saves (a stand-in for the optimizer, schedule and RNG)."""
-
-    def __init__(self, value: int) -> None:
-        self.value = value
-
-    def state_dict(self) -> dict:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.value = state["value"]
-
-
 def test_a_newer_checkpoint_skipped_as_damaged_is_set_aside_and_best_and_latest_follow(
         tmp_path: Path) -> None:
     """checkpoint-3's trainer_state.json is cut: the resume takes checkpoint-2, sets checkpoint-3
@@ -95,7 +84,7 @@ def test_a_newer_checkpoint_skipped_as_damaged_is_set_aside_and_best_and_latest_
     rows = [json.dumps({"step": s}) + "\n" for s in (1, 2, 3)]
     for step in (1, 2, 3):
         (tmp_path / "metrics.jsonl").write_text("".join(rows[:step]))
-        manager.save("sft", step, {name: State(step) for name in ("optimizer", "scheduler",
+        manager.save("sft", step, {name: Box(step) for name in ("optimizer", "scheduler",
                                                                    "rng")}, metrics_lines=step)
     (tmp_path / "best").write_text(json.dumps({"checkpoint": "checkpoint-3", "metric": "loss",
                                                "value": 0.1}))
