@@ -122,6 +122,7 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
              "bad_rows": bad_rows, "rewards": scorer, "sizes": run.sizes, "rng": rng,
              **engine.state()}
     start = run.checkpoints.restore("grpo", state)
+    run.note_past_the_end(start, cfg.train.max_steps, "train.max_steps")
     trainer = Trainer(run, engine, reference, optimizer, scheduler, sampler, bad_rows, scorer,
                       run.guard(optimizer), AdvantageSettings.of(algo), LossSettings.of(algo),
                       SkippedUpdates(cfg.train.max_skipped_updates))

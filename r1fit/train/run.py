@@ -146,6 +146,15 @@ class Run(Session):
                                   metrics_lines=self.metrics.lines)
             self.checkpoints.stop_if_requested(step)
 
+    def note_past_the_end(self, start: int, steps: int, key: str) -> None:
+        """Say so when the resume point is past the run's last step (``key``, e.g.
+        ``train.max_steps``, lowered since, which the config check accepts): no step is left to
+        train, and ``final/`` and the summary come from the resume point."""
+        point = self.checkpoints.resume
+        if point is not None and start > steps:
+            log.warning("%s is at step %d, past %s=%d: no step left to train; final/ and the "
+                        "summary are written from it", point.path.name, start, key, steps)
+
     def finish(self, steps: int) -> dict[str, Any]:
         """Write the final model (``final/``) and the summary; returns the summary."""
         save_hf_folder(self.model, self.processor, self.out / "final")

@@ -207,6 +207,7 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool,
     if rng is not None:
         state["targets_rng"] = PythonRandomState(rng)
     start = run.checkpoints.restore(phase, state)
+    run.note_past_the_end(start, steps, "sft.format_warmup_steps" if format_only else "sft.steps")
     guard = run.guard(optimizer)
     skipped = SkippedUpdates(cfg.train.max_skipped_updates)
     end_of_turn = special_token_ids(run.model, processor)["end_of_turn"]  # from the chat template

@@ -251,3 +251,17 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(use_tiny_cache, tm
     assert verify(out / "checkpoint-1") is None
     assert not list(out.glob("*.partial")) and not (out / "checkpoint-2").exists()
     assert (out / "latest").read_text().strip() == "checkpoint-1"
+
+
+def test_a_resume_point_past_a_lowered_step_count_says_no_step_is_left(use_tiny_cache, tmp_path,
+                                                                      reward_plugin):
+    """train.max_steps lowered below a finished run's last checkpoint (a change the config check
+    accepts): the run trains nothing, and now says so instead of only the changed key."""
+    out = tmp_path / "run"
+    args = [f"train.output_dir={out}", *TINY, "sft.format_warmup_steps=0", "eval.every=0",
+            "data.eval=null", "checkpoint.every=2"]
+    assert run("train", *args, "train.max_steps=4") == 0
+    assert run("train", *args, "train.max_steps=2") == 0
+    assert "WARNING r1fit: checkpoint-4 is at step 4, past train.max_steps=2: no step left to " \
+           "train; final/ and the summary are written from it" in (out / "log.txt").read_text()
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4]
