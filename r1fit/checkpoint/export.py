@@ -34,11 +34,11 @@ from r1fit.checkpoint.manager import (
     PARTIAL,
     TRAINER_STATE,
     CheckpointError,
+    failure_reason,
     list_checkpoints,
     verify,
 )
 from r1fit.checkpoint.sharded import load_model_weights, model_tensors
-from r1fit.errors import one_line
 from r1fit.processes import barrier, world
 from r1fit.units import format_bytes
 
@@ -100,9 +100,7 @@ def export(checkpoint: Path, out: Path, *, merge_lora: bool = False) -> Exported
         fsync_dir(partial.parent)
     except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
         shutil.rmtree(partial, ignore_errors=True)
-        reason = (f"{exc.strerror or exc} ({getattr(exc, 'filename', '') or out})"
-                  if isinstance(exc, OSError) else one_line(exc))
-        raise CheckpointError(f"could not export to {out}: {reason}") from exc
+        raise CheckpointError(f"could not export to {out}: {failure_reason(exc)}") from exc
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
@@ -237,9 +235,7 @@ def save_hf_folder(model: Any, processor: Any, folder: Path) -> None:
             fsync_dir(folder.parent)
         except (OSError, SafetensorError) as exc:
             shutil.rmtree(partial, ignore_errors=True)
-            reason = (f"{exc.strerror or exc} ({getattr(exc, 'filename', '') or partial})"
-                      if isinstance(exc, OSError) else one_line(exc))
-            raise CheckpointError(f"could not write {folder}: {reason}. The checkpoints are "
-                                  "intact: free the space and rerun the same command to write "
-                                  "it") from exc
+            raise CheckpointError(f"could not write {folder}: {failure_reason(exc)}. The "
+                                  "checkpoints are intact: free the space and rerun the same "
+                                  "command to write it") from exc
     barrier()

@@ -649,6 +649,12 @@ def engine_memory(f: ModelFacts, cfg: Config, stored: int, cuda: bool, budget: i
     return EngineMemory(weights, kv, sleeps=cuda and v.sleep_level > 0, share=share, needs=needs)
 
 
+def least_share(needs: int, budget: int) -> float:
+    """The smallest rollout.vllm.gpu_memory_utilization (in hundredths) whose share of
+    ``budget`` holds ``needs`` bytes."""
+    return math.ceil(needs / budget * 100) / 100
+
+
 def engine_problems(details: dict[str, Any], budget: int, gpus: int) -> list[str]:
     """What stops the planned engine from starting, whatever the sizes: vLLM's share of the GPU
     (rollout.vllm.gpu_memory_utilization of it) below its copy of the weights and one sequence's
@@ -656,7 +662,7 @@ def engine_problems(details: dict[str, Any], budget: int, gpus: int) -> list[str
     share, needs = details.get("engine_share", 0), details.get("engine_needs", 0)
     if not needs or share >= needs:
         return []
-    least = math.ceil(needs / budget * 100) / 100
+    least = least_share(needs, budget)
     others = "rollout.engine=static or hf" if gpus == 1 else "rollout.engine=hf"
     fix = (f"raise it to {least:.2f}, or use {others}" if least <= 1 else
            f"no share of this GPU holds them: use {others}")
@@ -1247,7 +1253,7 @@ def _advice(plan: Plan, facts: ModelFacts, asked: Config, view: Callable[[Config
     switches: list[dict[str, Any]] = []  # each tried alone: one or two keys set together
     d = plan.details
     if d["engine_needs"] and d["engine_needs"] <= plan.budget_bytes:  # vLLM's share, enough
-        least = math.ceil(d["engine_needs"] / plan.budget_bytes * 100) / 100
+        least = least_share(d["engine_needs"], plan.budget_bytes)
         if least > cfg.rollout.vllm.gpu_memory_utilization:
             switches.append({"rollout.vllm.gpu_memory_utilization": least})
     if d["engine"] != "hf":  # generation on the policy itself: no copy, cache or graph pool
