@@ -6,11 +6,13 @@
   usable checkpoint is refused rather than silently restarted.
 - ``never``: always start fresh; a folder that holds another run is refused.
 - a path: continue from that checkpoint (which may belong to another output folder).
-``train.overwrite=true`` deletes the folder's previous run and starts fresh in every mode.
+``train.overwrite=true`` deletes the folder's previous run and starts fresh in every mode: the
+entries r1fit writes there (:func:`run_entries`), not the user's own files beside them.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import os
@@ -43,6 +45,27 @@ log = logging.getLogger("r1fit.checkpoint")
 
 #: the suffix a checkpoint skipped as damaged is set aside under (no resume takes it)
 DAMAGED = ".damaged"
+
+
+#: what a run writes into its output folder: its files and folders, a checkpoint's
+#: (``checkpoint-N``, ``checkpoint-warmup-N``, ``.partial``, ``.damaged``), a profiled step's, the
+#: trackers' folders, and the ``.tmp`` / ``.partial`` names their atomic writes go through
+RUN_ENTRIES = ("config.json", "metrics.jsonl", "log.txt", "summary.json", "report.html", "latest",
+               "best", "final", "rollouts", "tensorboard", "wandb", "mlflow", "checkpoint-*",
+               "profile-step-*.txt")
+
+
+def run_entries(out: Path) -> tuple[list[Path], list[Path]]:
+    """The entries of ``out`` a run wrote, and the others (the user's), each sorted by name; the
+    lock file is in neither (the run that overwrites holds it)."""
+    ours, theirs = [], []
+    for child in sorted(out.iterdir()):
+        if child.name == LOCK:
+            continue
+        name = child.name.removesuffix(".tmp").removesuffix(PARTIAL)
+        mine = any(fnmatch.fnmatchcase(name, pattern) for pattern in RUN_ENTRIES)
+        (ours if mine else theirs).append(child)
+    return ours, theirs
 
 
 def holds_run(out: Path) -> bool:
@@ -92,10 +115,16 @@ def _open_output_dir(cfg: Any, kind: str) -> tuple[Path, ResumePoint | None]:
     out = Path(cfg.train.output_dir)
     mode = cfg.checkpoint.resume
     if cfg.train.overwrite and out.exists() and holds_run(out):
-        log.warning("train.overwrite=true: deleting the previous run in %s", out)
-        for child in out.iterdir():  # all but the lock this run holds
-            if child.name != LOCK:
-                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+        ours, theirs = run_entries(out)
+        log.warning("train.overwrite=true: deleting the previous run in %s (%d entries)", out,
+                    len(ours))
+        for child in ours:
+            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+        if theirs:
+            names = ", ".join(child.name for child in theirs[:5])
+            more = f" and {len(theirs) - 5} more" if len(theirs) > 5 else ""
+            log.warning("train.overwrite=true: kept %d entries r1fit did not write: %s%s",
+                        len(theirs), names, more)
     point: Path | None = None
     damaged: set[str] = set()  # checkpoints skipped as damaged (auto): set aside, not deleted
     if mode == "auto":

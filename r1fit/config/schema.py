@@ -334,7 +334,8 @@ class TrainConfig:
         "counts afresh).", ge=0)
     device: str = opt("auto", "'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'. "
                       "Under torchrun each process uses cuda:<local rank> (or the CPU).")
-    overwrite: bool = opt(False, "Replace an earlier run found in output_dir instead of stopping.")
+    overwrite: bool = opt(False, "Replace an earlier run found in output_dir instead of stopping: "
+                          "what r1fit wrote there is deleted, other files are kept.")
     deterministic: bool = opt(
         False, "Deterministic kernels (torch.use_deterministic_algorithms with warn_only, so an op "
         "without one warns by name instead of stopping; cuDNN deterministic, no autotuning; "

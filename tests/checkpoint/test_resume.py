@@ -95,3 +95,40 @@ def test_a_newer_checkpoint_skipped_as_damaged_is_set_aside_and_best_and_latest_
     assert (out / "checkpoint-3.damaged" / "weights").is_dir()
     assert (out / "latest").read_text() == "checkpoint-2\n" and not (out / "best").exists()
     assert (out / "metrics.jsonl").read_text() == "".join(rows[:2])
+
+
+def test_overwrite_deletes_what_a_run_wrote_and_keeps_the_users_files(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    out = tmp_path / "run"
+    ours = ["checkpoint-3", "checkpoint-warmup-2", "checkpoint-4.partial", "checkpoint-5.damaged",
+            "final", "final.partial", "rollouts", "tensorboard", "wandb", "mlflow"]
+    for name in ours:
+        (out / name).mkdir(parents=True)
+        (out / name / "inside.bin").write_bytes(b"x")
+    run_files = ["metrics.jsonl", "log.txt", "summary.json", "report.html", "latest", "best",
+                 "latest.tmp", "report.html.partial", "profile-step-7.txt"]
+    for name in run_files:
+        (out / name).write_text("1\n")
+    theirs = ["notes.md", "train.sh", "data", "checkpoints-old", "config.yaml"]
+    for name in theirs[:2] + theirs[4:]:
+        (out / name).write_text("mine\n")
+    for name in theirs[2:4]:
+        (out / name).mkdir()
+        (out / name / "keep.txt").write_text("mine\n")
+    with caplog.at_level("WARNING", logger="r1fit.checkpoint"):
+        _, resume = _open(out, "train.overwrite=true")
+    assert resume is None
+    left = sorted(child.name for child in out.iterdir())
+    assert left == sorted([*theirs, "config.json", ".r1fit.lock"])  # the new run's config
+    assert (out / "data" / "keep.txt").read_text() == "mine\n"
+    assert f"deleting the previous run in {out} (19 entries)" in caplog.text
+    assert ("kept 5 entries r1fit did not write: checkpoints-old, config.yaml, data, notes.md, "
+            "train.sh") in caplog.text
+
+
+def test_overwrite_without_a_previous_run_deletes_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "log.txt").write_text("a log of the user's, not a run")  # no metrics, no checkpoint
+    _open(out, "train.overwrite=true")
+    assert (out / "log.txt").read_text() == "a log of the user's, not a run"
