@@ -247,8 +247,13 @@ class CheckpointManager:
     Models (:meth:`add_model`) are saved in every checkpoint of the run; the other objects are
     given to each :meth:`save` and :meth:`restore` by the loop that owns them."""
 
-    def __init__(self, out: Path, cfg: Any, kind: str, resume: ResumePoint | None) -> None:
+    def __init__(self, out: Path, cfg: Any, kind: str, resume: ResumePoint | None,
+                 started: float | None = None) -> None:
+        """``started``: ``time.perf_counter()`` when this process's part of the run began."""
         self.out, self.cfg, self.kind, self.resume = out, cfg, kind, resume
+        self.started = time.perf_counter() if started is None else started
+        # the run's seconds before this start (a checkpoint from before they were kept: none)
+        self.seconds_before = float(resume.state.get("seconds") or 0.0) if resume else 0.0
         self._models: dict[str, tuple[Any, Any]] = {}  # name -> (module, processor or None)
         best_file = out / "best"
         self.best = json.loads(best_file.read_text()) if best_file.is_file() else None
@@ -262,6 +267,11 @@ class CheckpointManager:
         self.stop_requested = True
         log.warning("received %s: saving a checkpoint after this step, then stopping",
                     signal.Signals(signum).name)
+
+    def run_seconds(self) -> float:
+        """Wall-clock seconds of the run so far, over every start it resumed through (the time a
+        crash lost after its last checkpoint is not in them: that work is redone)."""
+        return self.seconds_before + time.perf_counter() - self.started
 
     # -- resume ------------------------------------------------------------------------------
 
@@ -437,7 +447,7 @@ class CheckpointManager:
             "weights_only": self.cfg.checkpoint.weights_only,
             "objects": saved, "models": sorted(self._models), "world_size": world().size,
             "metrics_lines": metrics_lines, "metrics": metrics or {},
-            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "seconds": round(self.run_seconds(), 3), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         (partial / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
         (partial / "config.json").write_text(json.dumps(run_config(self.cfg, self.kind),
                                                         indent=1))

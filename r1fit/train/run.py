@@ -158,10 +158,12 @@ class Run(Session):
     def finish(self, steps: int) -> dict[str, Any]:
         """Write the final model (``final/``) and the summary; returns the summary."""
         save_hf_folder(self.model, self.processor, self.out / "final")
+        extra = {"rss_before_load_bytes": self.rss_before_load_bytes,
+                 "rss_after_load_bytes": self.rss_after_load_bytes}
+        if self.checkpoints.resume is not None:
+            extra["seconds_since_resume"] = round(time.perf_counter() - self.started, 1)
         summary = write_summary(self.out, self.metrics, steps=steps,
-                                seconds=time.perf_counter() - self.started,
-                                extra={"rss_before_load_bytes": self.rss_before_load_bytes,
-                                       "rss_after_load_bytes": self.rss_after_load_bytes},
+                                seconds=self.checkpoints.run_seconds(), extra=extra,
                                 main=self.world.main)
         release_output_dir(self.out)  # the folder is another run's to take now
         return summary
@@ -205,7 +207,7 @@ def start_run(cfg: Config, kind: str) -> Run:
     sizes = resolve_sizes(cfg.with_values(checkpointing), device, kind)
     budget = known_budget(cfg, device)  # before the model takes its share of the device
     rss_before_load = current_rss_bytes()
-    checkpoints = CheckpointManager(out, cfg, kind, resume)
+    checkpoints = CheckpointManager(out, cfg, kind, resume, started)
     model, processor, policy = load_policy_on_ranks(
         cfg.model, device, activation_checkpointing=checkpointing["memory.gradient_checkpointing"],
         checkpoint_every=checkpointing["memory.checkpoint_every"])

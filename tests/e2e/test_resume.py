@@ -104,6 +104,12 @@ def test_sft_resume_mid_epoch_is_bit_exact(use_tiny_cache, same_run, tmp_path, m
     state = json.loads((straight / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["sampler"]["epoch"] == 1 and state["sampler"]["position"] == 2
     same_run(straight, resumed)
+    # the summary's seconds span the whole run: the part before checkpoint-3, then the resumed
+    before = json.loads((resumed / "checkpoint-3" / "trainer_state.json").read_text())["seconds"]
+    summary = json.loads((resumed / "summary.json").read_text())
+    assert before > 0 and summary["seconds_since_resume"] > 0
+    assert summary["seconds"] == pytest.approx(before + summary["seconds_since_resume"], abs=0.2)
+    assert "seconds_since_resume" not in json.loads((straight / "summary.json").read_text())
 
 
 def test_weights_only_checkpoint_is_never_a_silent_restart(use_tiny_cache, reward_plugin,
