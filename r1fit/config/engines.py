@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 
 from r1fit.config.values import ConfigError
+from r1fit.units import format_bytes
 
 ENGINES = ("hf", "static", "vllm")
 #: attention implementations the static engine runs (it passes a ready 4-D mask each step)
@@ -70,3 +71,27 @@ def sft_engine(setting: str, *, device_type: str, distributed: bool,
         return name, f"r1fit sft evaluates without vLLM; {why}"
     return resolve_engine(setting, device_type=device_type, distributed=distributed,
                           attention=attention, vllm=False)
+
+
+def least_share(needs: int, total: int) -> float:
+    """The smallest rollout.vllm.gpu_memory_utilization (in hundredths) whose share of a GPU of
+    ``total`` bytes holds ``needs`` bytes."""
+    return -(-needs * 100 // total) / 100
+
+
+def vllm_share_problem(utilization: float, needs: int, total: int, *,
+                       distributed: bool) -> str | None:
+    """Why vLLM cannot start on ``utilization`` of a GPU of ``total`` bytes, or None: its share
+    must hold its copy of the weights and one sequence's KV cache (``needs`` bytes), which vLLM
+    itself finds out only after loading the weights. Said alike by ``r1fit plan`` and by the
+    engine before it loads anything."""
+    share = int(utilization * total)
+    if share >= needs:
+        return None
+    least = least_share(needs, total)
+    others = "rollout.engine=hf" if distributed else "rollout.engine=static or hf"
+    fix = (f"raise it to {least:.2f}, or use {others}" if least <= 1 else
+           f"no share of this GPU holds them: use {others}")
+    return (f"rollout.vllm.gpu_memory_utilization={utilization} gives vLLM {format_bytes(share)} "
+            f"of the GPU's {format_bytes(total)}, less than its copy of the weights and one "
+            f"sequence's KV cache ({format_bytes(needs)}): {fix}")

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from r1fit.config.engines import vllm_share_problem
 from r1fit.data.batch import Prompt, cut_after_eos
 from r1fit.errors import R1fitError, one_line
 from r1fit.tools import TOOL_CALL_CLOSE
@@ -131,20 +132,12 @@ class EngineSpec:
 
 def check_share(spec: EngineSpec, kv_per_token: int, total: int) -> None:
     """``RolloutEngineError`` unless ``spec.gpu_memory_utilization`` of a GPU of ``total`` bytes
-    holds the engine's weights and one sequence's KV cache: vLLM itself finds out only after
-    loading the weights, minutes into a large model's start."""
-    share = int(spec.gpu_memory_utilization * total)
-    needs = spec.weight_bytes + kv_per_token * spec.max_model_len
-    if share >= needs:
-        return
-    least = -(-needs * 100 // total) / 100
-    others = "rollout.engine=hf" if spec.distributed else "rollout.engine=static or hf"
-    raise RolloutEngineError(
-        f"rollout.vllm.gpu_memory_utilization={spec.gpu_memory_utilization} gives vLLM "
-        f"{format_bytes(share)} of the GPU's {format_bytes(total)}, less than its copy of the "
-        f"weights and one sequence of {spec.max_model_len} tokens' KV cache "
-        f"({format_bytes(needs)}): " + (f"raise it to {least:.2f}, or use {others}" if least <= 1
-                                         else f"no share of this GPU holds them: use {others}"))
+    holds the engine's weights and one sequence's KV cache (:func:`vllm_share_problem`)."""
+    problem = vllm_share_problem(spec.gpu_memory_utilization,
+                                 spec.weight_bytes + kv_per_token * spec.max_model_len, total,
+                                 distributed=spec.distributed)
+    if problem is not None:
+        raise RolloutEngineError(f"{problem} (a sequence: {spec.max_model_len} tokens)")
 
 
 class VllmEngine:

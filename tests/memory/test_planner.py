@@ -856,10 +856,10 @@ def test_a_vllm_share_that_cannot_hold_its_weights_is_a_problem_the_plan_names(s
                                 f"rollout.vllm.gpu_memory_utilization={utilization}"),
                         device_type="cuda", device_memory_bytes=budget)
     assert short.peak_bytes <= short.usable_bytes and not short.fits
-    least = math.ceil(d["engine_needs"] / budget * 100) / 100
+    least = -(-d["engine_needs"] * 100 // budget) / 100  # whole hundredths, no float drift
     assert short.problems == [
         f"rollout.vllm.gpu_memory_utilization={utilization} gives vLLM "
-        f"{format_bytes(int(utilization * budget))} of 8.00 GiB, less than its copy of the "
+        f"{format_bytes(int(utilization * budget))} of the GPU's 8.00 GiB, less than its copy of the "
         f"weights and one sequence's KV cache ({format_bytes(d['engine_needs'])}): raise it to "
         f"{least:.2f}, or use rollout.engine=static or hf"]
     assert [a.split(":")[0] for a in short.advice[:2]] == [

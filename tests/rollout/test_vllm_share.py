@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from r1fit.config.engines import least_share
 from r1fit.rollout.vllm_engine import EngineSpec, RolloutEngineError, check_share
 
 TOTAL = 100_000_000  # bytes of the GPU
@@ -29,13 +30,20 @@ def test_a_share_short_of_weights_and_one_sequence_is_refused_with_the_least_tha
         check_share(spec(0.3, 29_000_000), KV_PER_TOKEN, TOTAL)
     assert str(info.value) == (
         "rollout.vllm.gpu_memory_utilization=0.3 gives vLLM 28.61 MiB of the GPU's 95.37 MiB, "
-        "less than its copy of the weights and one sequence of 2000 tokens' KV cache "
-        "(29.56 MiB): raise it to 0.31, or use rollout.engine=static or hf")
+        "less than its copy of the weights and one sequence's KV cache (29.56 MiB): raise it "
+        "to 0.31, or use rollout.engine=static or hf (a sequence: 2000 tokens)")
     check_share(spec(0.31, 29_000_000), KV_PER_TOKEN, TOTAL)  # exactly enough: no error
     check_share(spec(0.3, 28_000_000), KV_PER_TOKEN, TOTAL)  # 30 MB holds 28 + 2
 
 
 def test_weights_larger_than_the_gpu_name_the_engines_that_hold_none() -> None:
     with pytest.raises(RolloutEngineError, match=r"no share of this GPU holds them: use "
-                                                 r"rollout.engine=hf$"):
+                                                 r"rollout.engine=hf \(a sequence"):
         check_share(spec(0.9, 99_000_000, distributed=True), KV_PER_TOKEN, TOTAL)
+
+
+def test_the_least_share_rounds_up_to_hundredths_in_whole_numbers() -> None:
+    # 31,000,001 B of 100 MB: 0.31000001 -> 0.32; an exact hundredth stays (no float drift)
+    assert least_share(31_000_001, TOTAL) == 0.32
+    assert least_share(31_000_000, TOTAL) == 0.31
+    assert least_share(7_000_000, TOTAL) == 0.07  # in floats 7e6 / 1e8 * 100 is 7.000000000000001

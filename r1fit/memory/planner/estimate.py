@@ -60,7 +60,6 @@ makes SDPA repeat the KV heads).
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import Callable
@@ -69,7 +68,7 @@ from functools import partial
 from typing import Any
 
 from r1fit.config import Config, ConfigError
-from r1fit.config.engines import resolve_engine, sft_engine
+from r1fit.config.engines import least_share, resolve_engine, sft_engine, vllm_share_problem
 from r1fit.memory.planner.facts import (
     ModelFacts,
     PromptShape,
@@ -649,26 +648,13 @@ def engine_memory(f: ModelFacts, cfg: Config, stored: int, cuda: bool, budget: i
     return EngineMemory(weights, kv, sleeps=cuda and v.sleep_level > 0, share=share, needs=needs)
 
 
-def least_share(needs: int, budget: int) -> float:
-    """The smallest rollout.vllm.gpu_memory_utilization (in hundredths) whose share of
-    ``budget`` holds ``needs`` bytes."""
-    return math.ceil(needs / budget * 100) / 100
-
-
 def engine_problems(details: dict[str, Any], budget: int, gpus: int) -> list[str]:
     """What stops the planned engine from starting, whatever the sizes: vLLM's share of the GPU
-    (rollout.vllm.gpu_memory_utilization of it) below its copy of the weights and one sequence's
-    KV cache, which vLLM finds only after loading the weights."""
-    share, needs = details.get("engine_share", 0), details.get("engine_needs", 0)
-    if not needs or share >= needs:
-        return []
-    least = least_share(needs, budget)
-    others = "rollout.engine=static or hf" if gpus == 1 else "rollout.engine=hf"
-    fix = (f"raise it to {least:.2f}, or use {others}" if least <= 1 else
-           f"no share of this GPU holds them: use {others}")
-    return [f"rollout.vllm.gpu_memory_utilization={details['engine_utilization']} gives vLLM "
-            f"{format_bytes(share)} of {format_bytes(budget)}, less than its copy of the weights "
-            f"and one sequence's KV cache ({format_bytes(needs)}): {fix}"]
+    too small for its weights and one sequence's KV cache (:func:`vllm_share_problem`)."""
+    needs = details.get("engine_needs", 0)
+    problem = needs and vllm_share_problem(details["engine_utilization"], needs, budget,
+                                           distributed=gpus > 1)
+    return [problem] if problem else []
 
 
 #: the static engine's cache length is rounded up to this many columns, in the shared-prompt
