@@ -217,6 +217,7 @@ def test_tools_are_off_by_default_with_their_budgets():
      "algo.overlong_buffer: DAPO's overlong shaping"),
     (["tools=[crop,mypkg:f]"], "data.max_images=1: tools ['crop'] return images"),
     (["tools=[crop, crop]"], "tools: ['crop'] named more than once"),
+    (["report.to=[mlflow,tensorboard,mlflow]"], "report.to: ['mlflow'] named more than once"),
     (["tools=[' crop']"], "tools: got [' crop'], expected built-in tool names"),
     (["tools=[zoom]", "rollout.max_turns=1"], "rollout.max_turns: got 1, expected >= 2 with tools"),
     (["tools=[zoom]", "rollout.max_tool_calls=0"], "rollout.max_tool_calls: got 0 with tools"),

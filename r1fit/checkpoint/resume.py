@@ -51,7 +51,7 @@ DAMAGED = ".damaged"
 #: (``checkpoint-N``, ``checkpoint-warmup-N``, ``.partial``, ``.damaged``), a profiled step's, the
 #: trackers' folders, and the ``.tmp`` / ``.partial`` names their atomic writes go through
 RUN_ENTRIES = ("config.json", "metrics.jsonl", "log.txt", "summary.json", "report.html", "latest",
-               "best", "final", "rollouts", "tensorboard", "wandb", "mlflow", "checkpoint-*",
+               "best", "final", "rollouts", "tensorboard", "wandb", "mlflow", "trackio", "checkpoint-*",
                "profile-step-*.txt")
 
 

@@ -601,7 +601,8 @@ class ReportConfig:
         "with WANDB_MODE=offline, mlflow with a local SQLite store, trackio and TensorBoard "
         "locally.")
     project: str = opt("r1fit", "Project (W&B, trackio) or experiment (mlflow) name.")
-    run_name: str | None = opt(None, "Run name in the trackers (null: the output folder's name).")
+    run_name: str | None = opt(None, "Run name in the trackers (null: the output folder's name; "
+                               "trackio's adds 6 hex digits, one run per output folder).")
     samples_every: int = opt(0, "Every N GRPO steps, send a table of the step's completions (with "
                              "their images, rewards and advantages) to the trackers (0 = never).",
                              ge=0)
@@ -609,8 +610,9 @@ class ReportConfig:
                               "(prompt, completion, rewards, advantage, the prompt's images as "
                               "small PNGs) to <output_dir>/rollouts/ for the run report's "
                               "rollout browser (0 = never).", ge=0)
-    every: int = opt(0, "Also rewrite <output_dir>/report.html every N GRPO steps (0 = only at the "
-                     "end of training; `r1fit report RUN_DIR` writes it at any time).", ge=0)
+    every: int = opt(0, "Also rewrite <output_dir>/report.html every N steps (GRPO or SFT; 0 = "
+                     "only at the end of training; `r1fit report RUN_DIR` writes it at any "
+                     "time).", ge=0)
     profile_step: int = opt(
         0, "Profile GRPO step N with torch.profiler (CPU, and CUDA kernels on a GPU) and write "
         "<output_dir>/profile-step-N.txt: the operators and kernels by total time, and the "
@@ -699,6 +701,9 @@ class Config:
             raise ConfigError("checkpoint.resume: got an empty value, expected 'auto', 'never' or a "
                               "checkpoint folder")
         _check_tools(self)
+        doubled = sorted({name for name in self.report.to if self.report.to.count(name) > 1})
+        if doubled:  # each would log every point twice (or fail, for W&B's second run)
+            raise ConfigError(f"report.to: {doubled} named more than once")
         shapes = self.data.shapes
         bad = [k for k in shapes.kinds if k not in ("color", "count", "position", "box", "zoom")]
         if bad or not shapes.kinds:

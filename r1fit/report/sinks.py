@@ -40,6 +40,21 @@ class TrackerMissing(R1fitError):
     """``report.to`` names a tracker whose package is not installed."""
 
 
+class TrackerStartError(R1fitError):
+    """A tracker of ``report.to`` could not start (no login, a server out of reach): the run
+    stops before training rather than train for days untracked."""
+
+
+#: what to try when a tracker cannot start, after its own error
+START_HINTS = {
+    "wandb": "without a W&B login or network, set WANDB_MODE=offline (the run is kept in "
+             "<output_dir>/wandb; `wandb sync` uploads it later)",
+    "mlflow": "check MLFLOW_TRACKING_URI (unset: a SQLite store in <output_dir>/mlflow)",
+    "trackio": "check TRACKIO_DIR (unset: the Hugging Face cache)",
+    "tensorboard": "check that <output_dir>/tensorboard can be written",
+}
+
+
 def require_trackers(names: tuple[str, ...]) -> None:
     """Raise :class:`TrackerMissing`, naming the install line, unless every tracker in ``names``
     can be imported. Cheap (nothing is imported), so every process checks before anything starts.
@@ -241,16 +256,26 @@ class WandbSink:
 
 class TrackioSink:
     """A trackio run in trackio's own local store (``TRACKIO_DIR``, else the Hugging Face cache;
-    ``trackio show`` opens its dashboard), continued by name on resume. Rows are logged at their
-    step key's value."""
+    ``trackio show`` opens its dashboard). trackio knows a run by its name, so a new run is
+    named ``<run_name>-<6 hex digits>`` (two output folders of one name, ``runs/a/sft`` and
+    ``runs/b/sft``, are two runs), kept in ``<out>/trackio/r1fit-run-name`` so a resumed run
+    continues it. Rows are logged at their step key's value."""
 
     name = "trackio"
 
-    def __init__(self, project: str, run_name: str, config: dict[str, Any]) -> None:
+    def __init__(self, out: Path, project: str, run_name: str, config: dict[str, Any]) -> None:
         import trackio
 
         self._trackio = trackio
-        trackio.init(project=project, name=run_name, config=config, resume="allow", embed=False)
+        folder = out / "trackio"
+        folder.mkdir(parents=True, exist_ok=True)
+        name_file = folder / "r1fit-run-name"
+        if name_file.is_file():  # this folder's run, continued
+            name, resume = name_file.read_text().strip(), "allow"
+        else:
+            name, resume = f"{run_name}-{uuid.uuid4().hex[:6]}", "never"
+        trackio.init(project=project, name=name, config=config, resume=resume, embed=False)
+        name_file.write_text(name)
 
     def log(self, values: dict[str, float], axis: str) -> None:
         # "step" is a key trackio reserves (renaming it, with a warning): it is the row's step
@@ -362,7 +387,8 @@ class Trackers:
 
 def open_trackers(cfg: Any, out: Path) -> Trackers:
     """The trackers of ``cfg.report.to`` for the run in ``out`` (call on rank 0 only). One that
-    cannot start is warned about and left out."""
+    cannot start raises :class:`TrackerStartError`, naming it and what to try, after closing
+    those already open."""
     report = cfg.report
     run_name = report.run_name or out.resolve().name
     config = cfg.to_dict()
@@ -372,14 +398,17 @@ def open_trackers(cfg: Any, out: Path) -> Trackers:
     openers: dict[str, Callable[[], Sink]] = {
         "tensorboard": lambda: TensorBoardSink(out / "tensorboard", last_steps),
         "wandb": lambda: WandbSink(out, report.project, run_name, config),
-        "trackio": lambda: TrackioSink(report.project, run_name, config),
+        "trackio": lambda: TrackioSink(out, report.project, run_name, config),
         "mlflow": lambda: MlflowSink(out, report.project, run_name, config),
     }
-    sinks = []
+    trackers = Trackers([], report.samples_every)
     for name in report.to:
         try:
-            sinks.append(openers[name]())
+            trackers.sinks.append(openers[name]())
         except Exception as exc:
-            log.warning("report.to: %s could not start, the run goes on without it: %s: %s",
-                        name, type(exc).__name__, one_line(exc, 300))
-    return Trackers(sinks, report.samples_every)
+            trackers.close()
+            raise TrackerStartError(
+                f"report.to: {name} could not start: {type(exc).__name__}: "
+                f"{one_line(exc, 300)}; {START_HINTS[name]}, or take {name} out of report.to"
+            ) from exc
+    return trackers

@@ -39,10 +39,18 @@ from r1fit.memory.prediction import StepPrediction, predict_steps
 from r1fit.memory.sizes import ChunkSizes
 from r1fit.memory.telemetry import configure_host_allocator, current_rss_bytes, use_tensor_probe
 from r1fit.models.load import context_length
-from r1fit.processes import World, broadcast_object, check_split, device_for, init_distributed, pick_device
+from r1fit.processes import (
+    World,
+    broadcast_object,
+    check_split,
+    device_for,
+    init_distributed,
+    pick_device,
+    world,
+)
 from r1fit.report.logs import EarlyLog, setup_logging
 from r1fit.report.metrics import MetricsWriter
-from r1fit.report.sinks import Trackers, open_trackers, require_trackers
+from r1fit.report.sinks import Trackers, TrackerStartError, open_trackers, require_trackers
 from r1fit.report.summary import write_summary
 from r1fit.rng import seed_everything, use_deterministic_kernels
 from r1fit.rollout.generate import TokenIds
@@ -169,6 +177,21 @@ class Run(Session):
         return summary
 
 
+def start_trackers(cfg: Config, out: Path) -> Trackers:
+    """``report.to``'s trackers, opened on rank 0 (none elsewhere); one that cannot start stops
+    every process with rank 0's error."""
+    trackers, error = Trackers([]), None
+    if world().main:
+        try:
+            trackers = open_trackers(cfg, out)
+        except TrackerStartError as exc:
+            error = exc
+    error = broadcast_object(error)
+    if error is not None:
+        raise error
+    return trackers
+
+
 def start_run(cfg: Config, kind: str) -> Run:
     """Processes, output folder and logging, then the data (cheap to check, so bad data fails
     before a big model loads), then the model. Over several processes rank 0 alone chooses the
@@ -200,47 +223,56 @@ def start_run(cfg: Config, kind: str) -> Run:
     use_tensor_probe(cfg.memory.cpu_peak == "tensors" and device.type == "cpu")
     configure_host_allocator(cfg.memory.release_freed, cfg.memory.budget, device)
     train_set, eval_set = build_datasets(cfg)
-    # memory.gradient_checkpointing=auto: the planner's choice for the run's steps (r1fit
-    # train's warm-up SFT runs at the sizes of its GRPO steps)
-    checkpointing = resolve_checkpointing(cfg, device, kind)
-    # memory.*_batch=auto: the planner's answer, for the checkpointing the run will use
-    sizes = resolve_sizes(cfg.with_values(checkpointing), device, kind)
-    budget = known_budget(cfg, device)  # before the model takes its share of the device
-    rss_before_load = current_rss_bytes()
-    checkpoints = CheckpointManager(out, cfg, kind, resume, started)
-    model, processor, policy = load_policy_on_ranks(
-        cfg.model, device, activation_checkpointing=checkpointing["memory.gradient_checkpointing"],
-        checkpoint_every=checkpointing["memory.checkpoint_every"])
-    if checkpoints.has_model("model"):
-        checkpoints.load_model("model", model)
-    checkpoints.add_model("model", model, processor)
-    max_prompt_tokens = prompt_limit(cfg, model)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    log.info("%s run: model %s (%.2fM params, %.2fM trainable) on %s -> %s", kind,
-             cfg.model.path + (f" resumed from {resume.path}" if resume else ""), total / 1e6,
-             trainable / 1e6, device, out)
-    if cfg.model.lora.r and cfg.model.lora.compute_dtype == "model":
-        log.info("model.lora.compute_dtype=model: %s", f"the adapters' products in "
-                 f"{str(policy.adapter_dtype).removeprefix('torch.')} under torch.autocast "
-                 f"(float32 weights, gradients and AdamW states)" if policy.adapter_dtype else
-                 "changes nothing on a float32 model (the adapters compute in float32)")
-    if preset := cfg.applied_preset():
-        log.info("preset %s (config key preset=%s): its values (r1fit/presets/%s.yaml) stand under "
-                 "the config file and overrides; `r1fit config` shows each key's source", preset,
-                 cfg.preset, preset)
-    trackers = open_trackers(cfg, out) if w.main else Trackers([])
-    planned = cfg.with_values(checkpointing)
-    predicted = predict_steps(planned, device.type, w.size, kind, sizes, budget,
-                              done=steps_done(resume, kind))
-    return Run(cfg=cfg, world=w, device=device, model=model, processor=processor, policy=policy,
-               ids=TokenIds.of(model, processor), eval_set=eval_set, sizes=sizes,
-               max_prompt_tokens=max_prompt_tokens, kind=kind, out=out, train_set=train_set,
-               metrics=MetricsWriter(out / "metrics.jsonl", active=w.main, trackers=trackers),
-               trackers=trackers, checkpoints=checkpoints, rss_before_load_bytes=rss_before_load,
-               rss_after_load_bytes=current_rss_bytes(), started=started,
-               layout=BatchLayout(cfg.memory.share_prefix), predicted=predicted,
-               planned=planned)
+    # the trackers before the model: one that cannot start (no login, no server) stops the run
+    # in seconds, not after a model load; they are closed if the start fails later
+    trackers = start_trackers(cfg, out)
+    try:
+        # memory.gradient_checkpointing=auto: the planner's choice for the run's steps (r1fit
+        # train's warm-up SFT runs at the sizes of its GRPO steps)
+        checkpointing = resolve_checkpointing(cfg, device, kind)
+        # memory.*_batch=auto: the planner's answer, for the checkpointing the run will use
+        sizes = resolve_sizes(cfg.with_values(checkpointing), device, kind)
+        budget = known_budget(cfg, device)  # before the model takes its share of the device
+        rss_before_load = current_rss_bytes()
+        checkpoints = CheckpointManager(out, cfg, kind, resume, started)
+        model, processor, policy = load_policy_on_ranks(
+            cfg.model, device,
+            activation_checkpointing=checkpointing["memory.gradient_checkpointing"],
+            checkpoint_every=checkpointing["memory.checkpoint_every"])
+        if checkpoints.has_model("model"):
+            checkpoints.load_model("model", model)
+        checkpoints.add_model("model", model, processor)
+        max_prompt_tokens = prompt_limit(cfg, model)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
+        log.info("%s run: model %s (%.2fM params, %.2fM trainable) on %s -> %s", kind,
+                 cfg.model.path + (f" resumed from {resume.path}" if resume else ""), total / 1e6,
+                 trainable / 1e6, device, out)
+        if cfg.model.lora.r and cfg.model.lora.compute_dtype == "model":
+            log.info("model.lora.compute_dtype=model: %s", f"the adapters' products in "
+                     f"{str(policy.adapter_dtype).removeprefix('torch.')} under torch.autocast "
+                     f"(float32 weights, gradients and AdamW states)" if policy.adapter_dtype else
+                     "changes nothing on a float32 model (the adapters compute in float32)")
+        if preset := cfg.applied_preset():
+            log.info("preset %s (config key preset=%s): its values (r1fit/presets/%s.yaml) stand "
+                     "under the config file and overrides; `r1fit config` shows each key's "
+                     "source", preset, cfg.preset, preset)
+        planned = cfg.with_values(checkpointing)
+        predicted = predict_steps(planned, device.type, w.size, kind, sizes, budget,
+                                  done=steps_done(resume, kind))
+        return Run(cfg=cfg, world=w, device=device, model=model, processor=processor,
+                   policy=policy, ids=TokenIds.of(model, processor), eval_set=eval_set,
+                   sizes=sizes, max_prompt_tokens=max_prompt_tokens, kind=kind, out=out,
+                   train_set=train_set,
+                   metrics=MetricsWriter(out / "metrics.jsonl", active=w.main, trackers=trackers),
+                   trackers=trackers, checkpoints=checkpoints,
+                   rss_before_load_bytes=rss_before_load,
+                   rss_after_load_bytes=current_rss_bytes(), started=started,
+                   layout=BatchLayout(cfg.memory.share_prefix), predicted=predicted,
+                   planned=planned)
+    except BaseException:
+        trackers.close()
+        raise
 
 
 def steps_done(resume: ResumePoint | None, kind: str) -> int:

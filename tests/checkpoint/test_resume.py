@@ -101,7 +101,7 @@ def test_overwrite_deletes_what_a_run_wrote_and_keeps_the_users_files(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     out = tmp_path / "run"
     ours = ["checkpoint-3", "checkpoint-warmup-2", "checkpoint-4.partial", "checkpoint-5.damaged",
-            "final", "final.partial", "rollouts", "tensorboard", "wandb", "mlflow"]
+            "final", "final.partial", "rollouts", "tensorboard", "wandb", "mlflow", "trackio"]
     for name in ours:
         (out / name).mkdir(parents=True)
         (out / name / "inside.bin").write_bytes(b"x")
@@ -121,7 +121,7 @@ def test_overwrite_deletes_what_a_run_wrote_and_keeps_the_users_files(
     left = sorted(child.name for child in out.iterdir())
     assert left == sorted([*theirs, "config.json", ".r1fit.lock"])  # the new run's config
     assert (out / "data" / "keep.txt").read_text() == "mine\n"
-    assert f"deleting the previous run in {out} (19 entries)" in caplog.text
+    assert f"deleting the previous run in {out} (20 entries)" in caplog.text
     assert ("kept 5 entries r1fit did not write: checkpoints-old, config.yaml, data, notes.md, "
             "train.sh") in caplog.text
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -18,7 +19,14 @@ from PIL import Image
 from r1fit.cli import main
 from r1fit.config import load_config
 from r1fit.report.metrics import MetricsWriter, read_metrics
-from r1fit.report.sinks import SampleRow, TrackerMissing, Trackers, open_trackers, require_trackers
+from r1fit.report.sinks import (
+    SampleRow,
+    TrackerMissing,
+    Trackers,
+    TrackerStartError,
+    open_trackers,
+    require_trackers,
+)
 
 # a warm-up phase on its own axis, an evaluation at step 0, then steps with values that are not
 # numbers (left out); every value is a binary fraction, exact in TensorBoard's float32 too
@@ -203,7 +211,9 @@ def test_trackio_local_store_rows_samples_and_resume(tmp_path, monkeypatch):
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
         return
     write_run(tmp_path, "trackio")
-    logs = SQLiteStorage.get_logs("r1fit-test", "run-a")
+    name = (tmp_path / "trackio" / "r1fit-run-name").read_text()
+    assert re.fullmatch(r"run-a-[0-9a-f]{6}", name)  # one trackio run per output folder
+    logs = SQLiteStorage.get_logs("r1fit-test", name)
     assert [log["step"] for log in logs] == [1, 2, 0, 1, 2, 2]
     rows = [{k: v for k, v in log.items() if k not in ("timestamp", "step")} for log in logs]
     found: dict[str, list] = {}
@@ -217,8 +227,14 @@ def test_trackio_local_store_rows_samples_and_resume(tmp_path, monkeypatch):
     assert table["_value"][0]["image"]["_type"] == "trackio.image"
     resume_rows(tmp_path, 4)
     write_run(tmp_path, "trackio", [{"step": 2, "loss": 0.625}], samples_at=None)
-    assert SQLiteStorage.get_runs("r1fit-test") == ["run-a"]  # the same run, continued
-    assert SQLiteStorage.get_logs("r1fit-test", "run-a")[-1]["loss"] == 0.625
+    assert SQLiteStorage.get_runs("r1fit-test") == [name]  # the same run, continued
+    assert SQLiteStorage.get_logs("r1fit-test", name)[-1]["loss"] == 0.625
+    # another output folder under the same run name is another run, not appended to this one
+    write_run(tmp_path / "other", "trackio", [{"step": 1, "loss": 9.0}], samples_at=None)
+    other = (tmp_path / "other" / "trackio" / "r1fit-run-name").read_text()
+    assert other != name and sorted(SQLiteStorage.get_runs("r1fit-test")) == sorted([name, other])
+    assert [log["loss"] for log in SQLiteStorage.get_logs("r1fit-test", other)] == [9.0]
+    assert SQLiteStorage.get_logs("r1fit-test", name)[-1]["loss"] == 0.625
 
 
 def test_mlflow_local_store_rows_samples_and_resume(tmp_path, monkeypatch):
@@ -256,6 +272,37 @@ def test_missing_package_is_a_one_line_error(monkeypatch, tmp_path, capsys):
     assert err == ("r1fit: error: report.to names wandb but its package is not installed: "
                    "pip install -e '.[wandb]'\n")
     assert not (tmp_path / "run").exists()  # refused before anything started
+
+
+def test_a_tracker_that_cannot_start_stops_the_run_before_the_model_loads(monkeypatch, tmp_path,
+                                                                          capsys):
+    from r1fit.report import sinks
+
+    opened: list[Recorder] = []
+
+    def tensorboard(*args):
+        opened.append(Recorder("tensorboard"))
+        return opened[-1]
+
+    def wandb(*args):
+        raise ConnectionError("api.wandb.ai unreachable\n(retrying gave up)")
+
+    monkeypatch.setattr(sinks, "TensorBoardSink", tensorboard)
+    monkeypatch.setattr(sinks, "WandbSink", wandb)
+    cfg = load_config(None, ["report.to=[tensorboard,wandb]"])
+    with pytest.raises(TrackerStartError) as info:
+        open_trackers(cfg, tmp_path)
+    assert str(info.value) == (
+        "report.to: wandb could not start: ConnectionError: api.wandb.ai unreachable (retrying "
+        "gave up); without a W&B login or network, set WANDB_MODE=offline (the run is kept in "
+        "<output_dir>/wandb; `wandb sync` uploads it later), or take wandb out of report.to")
+    assert opened[0].closed  # the one opened before it is closed
+    loaded = []
+    monkeypatch.setattr("r1fit.train.run.load_policy_on_ranks", lambda *a, **k: loaded.append(1))
+    assert main(["sft", f"train.output_dir={tmp_path / 'run'}", "report.to=[wandb]"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("r1fit: error: report.to: wandb could not start: ConnectionError")
+    assert not loaded  # stopped before the model loaded
 
 
 class Recorder:
