@@ -704,18 +704,7 @@ class Config:
         doubled = sorted({name for name in self.report.to if self.report.to.count(name) > 1})
         if doubled:  # each would log every point twice (or fail, for W&B's second run)
             raise ConfigError(f"report.to: {doubled} named more than once")
-        shapes = self.data.shapes
-        bad = [k for k in shapes.kinds if k not in ("color", "count", "position", "box", "zoom")]
-        if bad or not shapes.kinds:
-            raise ConfigError(f"data.shapes.kinds: got {list(shapes.kinds)!r}, expected a non-empty "
-                              "list of color, count, position, box, zoom")
-        if "box" in shapes.kinds and not (self.data.min_pixels <= shapes.image_size ** 2
-                                          <= self.data.max_pixels):
-            # a resized image would put the shapes elsewhere than the boxes the answers are scored by
-            raise ConfigError(f"data.shapes.image_size: {shapes.image_size} px squared is outside "
-                              f"data.min_pixels..max_pixels ({self.data.min_pixels}..{self.data.max_pixels}"
-                              "): box answers are pixels of the image as drawn, which must not be "
-                              "resized")
+        _check_shapes(self)
 
     def fuses_loss(self, sft: bool = False) -> bool:
         """Whether GRPO updates (``sft``: SFT steps, whose cross-entropy is always a sum of
@@ -736,6 +725,22 @@ class Config:
         """A short hash of the resolved config, for run identity."""
         text = json.dumps(self.to_dict(), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _check_shapes(cfg: Config) -> None:
+    """``data.shapes``, the built-in task's settings."""
+    shapes = cfg.data.shapes
+    bad = [k for k in shapes.kinds if k not in ("color", "count", "position", "box", "zoom")]
+    if bad or not shapes.kinds:
+        raise ConfigError(f"data.shapes.kinds: got {list(shapes.kinds)!r}, expected a non-empty "
+                          "list of color, count, position, box, zoom")
+    if "box" in shapes.kinds and not (cfg.data.min_pixels <= shapes.image_size ** 2
+                                      <= cfg.data.max_pixels):
+        # a resized image would put the shapes elsewhere than the boxes the answers are scored by
+        raise ConfigError(f"data.shapes.image_size: {shapes.image_size} px squared is outside "
+                          f"data.min_pixels..max_pixels ({cfg.data.min_pixels}..{cfg.data.max_pixels}"
+                          "): box answers are pixels of the image as drawn, which must not be "
+                          "resized")
 
 
 def _check_tools(cfg: Config) -> None:
