@@ -370,8 +370,9 @@ class SFTConfig:
         None, "null: `r1fit sft` learns each answer exactly as the data writes it, and the format "
         "warm-up's targets have an empty <think></think>. A text: put inside <think> </think> "
         "of the warm-up's targets, and `r1fit sft` rewrites every answer that lacks the "
-        "<think>/<answer> tags into <think>TEXT</think><answer>ANSWER</answer>. The demo preset: "
-        "'I look at the image.'.")
+        "<think>/<answer> tags into <think>TEXT</think><answer>ANSWER</answer> (one that opens "
+        "with its own <think> block keeps it: <think>its thinking</think><answer>the rest"
+        "</answer>). The demo preset: 'I look at the image.'.")
     balance_turns: bool = opt(
         False, "Weigh each assistant turn of a multi-turn row the same in the row's loss (its "
         "tokens share the turn's weight; the row's total weight is unchanged). A tool "

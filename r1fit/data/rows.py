@@ -316,6 +316,14 @@ def _place_images(turns: list[Turn], images: list[ImageRef], named: dict[str, in
     return turns, images
 
 
+def _check_answer(answer: str, key: str) -> None:
+    """``BadRowError`` for an answer turn with nothing to score a completion against."""
+    if extract_answer(answer) == "":
+        raise BadRowError(f"'{key}' has an empty <answer></answer>")
+    if extract_answer(answer, untagged_is_answer=True) == "":  # <think>..</think> alone
+        raise BadRowError(f"'{key}' has no answer after its </think>")
+
+
 def parse_row(raw: Any, fmt: RowFormat, *, folder: Path | None, reward_method: str,
               max_images: int) -> Row:
     """``raw`` in r1fit's shape; ``BadRowError`` says what is wrong with it (without where)."""
@@ -336,9 +344,7 @@ def parse_row(raw: Any, fmt: RowFormat, *, folder: Path | None, reward_method: s
     if len(images) > max_images:
         raise BadRowError(f"has {len(images)} images, more than data.max_images={max_images}")
     turns, images = _place_images(turns, images, named)
-    if extract_answer(turns[-1][1]) == "":  # tagged, but nothing to score a completion against
-        raise BadRowError(f"'{fmt.answer_key or fmt.conversations_key}' has an empty "
-                          "<answer></answer>")
+    _check_answer(turns[-1][1], fmt.answer_key or fmt.conversations_key)
     assistant_images = [t for r, t in turns if r == "assistant" and IMAGE_TOKEN in t]
     if assistant_images:
         raise BadRowError("has an image in an assistant turn")

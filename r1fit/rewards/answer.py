@@ -11,9 +11,11 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 
-__all__ = ["extract_answer", "normalize"]
+__all__ = ["extract_answer", "normalize", "split_thinking"]
 
 _OPEN, _CLOSE = "<answer>", "</answer>"
+# a text that opens with its thinking (DeepSeek-R1's layout: <think>..</think> then the answer)
+_THINKING = re.compile(r"\s*<think>(.*?)</think>(.*)", re.DOTALL)
 
 _NUMBER_WORDS: dict[str, str] = {
     word: str(value)
@@ -35,13 +37,21 @@ _LEADING_STRIP = _QUOTES + ",;:!?"
 _TRAILING_STRIP = _QUOTES + ".,;:!?"
 
 
+def split_thinking(text: str) -> tuple[str | None, str]:
+    """The content of the ``<think>..</think>`` block ``text`` opens with (None when it opens
+    with none) and the text after it."""
+    match = _THINKING.fullmatch(text)
+    return (match.group(1), match.group(2)) if match else (None, text)
+
+
 def extract_answer(text: str, *, untagged_is_answer: bool = False) -> str | None:
     """Return the stripped content of the LAST ``<answer>...</answer>`` in ``text``.
 
     The last tag wins because models often restate or correct themselves; the final answer is
     the one they commit to. Without any complete tag pair, return ``None`` — or, when
     ``untagged_is_answer`` is set (use it for dataset solutions, which are often a bare answer),
-    the whole text stripped.
+    the whole text stripped, after the thinking it may open with (an R1-distilled solution:
+    ``<think>..</think>2`` answers 2).
     """
     # the pairs a non-greedy <answer>(.*?)</answer> finds, left to right, in one pass: the regex
     # rescans to the end from every unclosed <answer> (quadratic: 25 s for a completion of
@@ -55,7 +65,7 @@ def extract_answer(text: str, *, untagged_is_answer: bool = False) -> str | None
     if last is not None:
         return last.strip()
     if untagged_is_answer:
-        return text.strip()
+        return split_thinking(text)[1].strip()
     return None
 
 

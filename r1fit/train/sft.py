@@ -34,7 +34,7 @@ from r1fit.models.prefix import PackedGroups
 from r1fit.processes import all_sum
 from r1fit.progress import progress_bar
 from r1fit.report.html import LiveReport
-from r1fit.rewards.answer import extract_answer
+from r1fit.rewards.answer import extract_answer, split_thinking
 from r1fit.rng import RngState
 from r1fit.tools.demonstrations import ToolDemonstrations
 from r1fit.train.engines import RolloutEngine, evaluation_engine
@@ -48,11 +48,16 @@ log = logging.getLogger("r1fit.sft")
 
 
 def target_text(solution: str, think: str | None) -> str:
-    """The assistant turn to learn: the solution as is when it already thinks or ``think`` is
-    None (``sft.think`` unset: a user's answers are never rewritten unless asked), else wrapped
-    in the ``<think>..</think><answer>..</answer>`` format with ``think`` inside the first."""
+    """The assistant turn to learn: the solution as is when it is in the format already or
+    ``think`` is None (``sft.think`` unset: a user's answers are never rewritten unless asked),
+    else in the ``<think>..</think><answer>..</answer>`` format: a solution that opens with its
+    own ``<think>`` block keeps it, and what follows it becomes the answer; any other gets
+    ``think`` inside the think block."""
     if think is None or ("<think>" in solution and "<answer>" in solution):
         return solution.strip()
+    thinking, rest = split_thinking(solution)
+    if thinking is not None and rest.strip():
+        return f"<think>{thinking}</think><answer>{rest.strip()}</answer>"
     answer = extract_answer(solution) or solution.strip()
     return f"<think>{think}</think><answer>{answer}</answer>"
 

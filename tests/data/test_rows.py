@@ -153,6 +153,8 @@ def test_each_row_is_asked_for_its_image_column() -> None:
      "'solution' has an empty <answer></answer>"),
     ({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value":
                         "<answer></answer>"}]}, "'conversations' has an empty <answer></answer>"),
+    ({"problem": "q", "solution": "<think>x</think>\n "}, "'solution' has no answer after its "
+                                                          "</think>"),
     ({"problem": "q", "solution": True}, "'solution' must be a string, got bool"),
     ({"problem": "q", "solution": "a", "image": ["a.png"] * 5}, "has 5 images, more than "
                                                                  "data.max_images=4"),

@@ -29,6 +29,14 @@ class TestExtractAnswer:
         assert extract_answer("  3 \n", untagged_is_answer=True) == "3"
         assert extract_answer("<answer> 4 </answer>", untagged_is_answer=True) == "4"
 
+    def test_an_untagged_solution_after_its_thinking_is_the_text_after_it(self) -> None:
+        # DeepSeek-R1's layout: the gold answer is what follows </think>, not the thinking too
+        assert extract_answer("\n<think>two red\ncircles</think>\n\n2 ", untagged_is_answer=True) == "2"
+        assert extract_answer("<think>a</think>", untagged_is_answer=True) == ""  # nothing after
+        # a think block later in the text is not an opening one: the whole text stands
+        assert extract_answer("2 <think>a</think>", untagged_is_answer=True) == "2 <think>a</think>"
+        assert accuracy("<answer>2</answer>", "<think>count them</think>2", problem="") == 1.0
+
 
 class TestNormalize:
     @pytest.mark.parametrize(

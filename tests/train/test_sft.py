@@ -16,6 +16,10 @@ def test_target_text_wraps_bare_and_tagged_solutions():
     assert target_text("<answer> 3 </answer>", "look") == "<think>look</think><answer>3</answer>"
     full = "<think>two circles</think><answer>2</answer>"
     assert target_text(full, "look") == full
+    # a solution with its own thinking and a bare answer (DeepSeek-R1's layout) keeps its
+    # thinking, and the answer gets the tags; before, it was nested inside <answer>
+    assert target_text("<think>two red\ncircles</think>\n\nThe answer is 2\n", "look") == \
+        "<think>two red\ncircles</think><answer>The answer is 2</answer>"
 
 
 def test_answers_are_learnt_as_written_unless_think_is_set():
