@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -38,6 +39,8 @@ _DTYPES: dict[str, torch.dtype | str] = {
     "float16": torch.float16,
     "auto": "auto",
 }
+#: a peft adapter folder's config (a LoRA run's final/ holds it instead of config.json)
+ADAPTER_CONFIG = "adapter_config.json"
 #: safetensors names of the floating-point dtypes ``dtype="auto"`` may pick from a weights header
 #: (transformers skips float8/float4 there too)
 _SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16,
@@ -57,9 +60,11 @@ def resolve_model_path(path: str) -> str:
         return str(ensure_builtin(path[len(BUILTIN_PREFIX) :]))
     expanded = os.path.expanduser(path)
     if os.path.isdir(expanded):
-        if not os.path.isfile(os.path.join(expanded, "config.json")):
-            raise ModelConfigError(f"model folder {path!r} has no config.json (not a saved Hugging Face model)")
-        return expanded
+        if os.path.isfile(os.path.join(expanded, "config.json")):
+            return expanded
+        if os.path.isfile(os.path.join(expanded, ADAPTER_CONFIG)):
+            raise ModelConfigError(_adapter_folder(path, Path(expanded)))
+        raise ModelConfigError(f"model folder {path!r} has no config.json (not a saved Hugging Face model)")
     if os.path.exists(expanded):
         raise ModelConfigError(f"model path {path!r} is a file; expected a model folder or a hub id")
     # Hub ids are "name" or "org/name"; anything starting like a path, or with deeper nesting,
@@ -67,6 +72,21 @@ def resolve_model_path(path: str) -> str:
     if path.startswith(("/", "./", "../", "~")) or path.count("/") > 1:
         raise ModelConfigError(f"model folder {path!r} does not exist")
     return path
+
+
+def _adapter_folder(path: str, folder: Path) -> str:
+    """Why a LoRA adapter folder (a LoRA run's ``final/``) is no model.path, and what to do: merge
+    it into its base, from the newest checkpoint of its run when it lies in one."""
+    try:
+        base = json.loads((folder / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    steps = sorted(int(match.group(1)) for p in folder.parent.glob("checkpoint-*")
+                   if (match := re.fullmatch(r"checkpoint-(\d+)", p.name)) and p.is_dir())
+    source = folder.parent / f"checkpoint-{steps[-1]}" if steps else "<its run>/checkpoint-N"
+    return (f"model folder {path!r} is a LoRA adapter (adapter_config.json"
+            f"{f', of {base}' if base else ''}), not a whole model: merge it into its base with "
+            f"`r1fit export {source} MERGED --merge-lora` and pass model.path=MERGED")
 
 
 def config_folder(path: str) -> str:

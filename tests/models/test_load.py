@@ -84,6 +84,29 @@ def test_resolve_folder_without_config(tmp_path: Path) -> None:
     assert "\n" not in str(info.value)
 
 
+def test_a_lora_adapter_folder_names_the_merge_that_makes_it_a_model(tmp_path: Path) -> None:
+    # a LoRA run's final/ beside its checkpoints: the newest one is named in the fix
+    run = tmp_path / "sft"
+    for name in ("checkpoint-10", "checkpoint-200", "checkpoint-warmup-300", "checkpoint-9"):
+        (run / name).mkdir(parents=True)
+    (run / "final").mkdir()
+    (run / "final" / "adapter_config.json").write_text('{"base_model_name_or_path": "/m/base"}')
+    with pytest.raises(ModelConfigError) as info:
+        resolve_model_path(str(run / "final"))
+    assert str(info.value) == (
+        f"model folder '{run / 'final'}' is a LoRA adapter (adapter_config.json, of /m/base), not "
+        f"a whole model: merge it into its base with `r1fit export {run / 'checkpoint-200'} MERGED "
+        "--merge-lora` and pass model.path=MERGED")
+    # an adapter alone, its config unreadable: the same advice, in general words
+    alone = tmp_path / "adapter"
+    alone.mkdir()
+    (alone / "adapter_config.json").write_text("{not json")
+    with pytest.raises(ModelConfigError, match=r"is a LoRA adapter \(adapter_config\.json\), not a "
+                       r"whole model: merge it into its base with `r1fit export "
+                       r"<its run>/checkpoint-N MERGED --merge-lora`"):
+        resolve_model_path(str(alone))
+
+
 def test_resolve_missing_local_folder_and_hub_id(tmp_path: Path) -> None:
     with pytest.raises(ModelConfigError, match="does not exist"):
         resolve_model_path(str(tmp_path / "nope"))
