@@ -71,15 +71,7 @@ ONE_PROCESS_GROUP = "R1FIT_ONE_PROCESS_GROUP"
 def check_split(cfg: Any, kind: str, w: World) -> None:
     """Before anything loads: every batch the run will split over ``w`` splits evenly (GRPO's
     rows per step, the SFT batch, the warm-up's batch)."""
-    batches = []
-    if kind == "grpo":
-        batches.append((cfg.train.prompts_per_step * cfg.algo.num_generations,
-                        "train.prompts_per_step x algo.num_generations"))
-        if cfg.sft.format_warmup_steps:
-            batches.append((cfg.sft.batch_size, "sft.batch_size (the format warm-up)"))
-    else:
-        batches.append((cfg.sft.batch_size, "sft.batch_size"))
-    for n, what in batches:
+    for n, what in cfg.split_batches(kind):
         w.share(n, f"rows ({what})")
 
 

@@ -722,6 +722,17 @@ class Config:
             return int(chunk)
         return FUSED_HEAD_CHUNK if self.fuses_loss(sft) else RECOMPUTED_HEAD_CHUNK
 
+    def split_batches(self, kind: str) -> list[tuple[int, str]]:
+        """The batches a run of ``kind`` ('grpo' or 'sft') splits over its processes, each
+        ``(rows, what)``; each must split evenly (every rank runs the same passes)."""
+        if kind != "grpo":
+            return [(self.sft.batch_size, "sft.batch_size")]
+        batches = [(self.train.prompts_per_step * self.algo.num_generations,
+                    "train.prompts_per_step x algo.num_generations")]
+        if self.sft.format_warmup_steps:
+            batches.append((self.sft.batch_size, "sft.batch_size (the format warm-up)"))
+        return batches
+
     def fingerprint(self) -> str:
         """A short hash of the resolved config, for run identity."""
         text = json.dumps(self.to_dict(), sort_keys=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,7 @@ from r1fit.memory.planner import (
     vision_block_saved_per_patch,
     vision_dims,
 )
+from r1fit.processes import DistributedError, World, check_split
 from r1fit.units import format_bytes
 
 # a real model: r1fit ships its config.json (r1fit/models/configs/), so planning it needs no network
@@ -445,6 +447,30 @@ def test_fsdp_splits_a_steps_rows_over_the_gpus(small_model):
     assert four.details["micro_batches_per_update"] == 2  # 4 rows, 2 at a time
     assert four.details["generation_batch"] == 4  # a chunk cannot exceed this GPU's rows
     assert four.max_micro_batch <= 4 and four.max_generation_batch <= 4
+
+
+def test_rows_that_do_not_split_over_the_gpus_are_a_problem_with_the_sizes_that_do(small_model,
+                                                                                   capsys):
+    # 2 prompts x 8 = 16 rows and the warm-up's sft.batch_size 16 over 3 GPUs: the run refuses
+    # to start (r1fit.processes.check_split), so the plan does not fit, whatever its peak
+    cfg = cfg_for(small_model, "memory.micro_batch=2", "memory.generation_batch=16")
+    three = plan_memory(cfg, device_type="cpu", gpus=3)
+    assert three.peak_bytes <= three.budget_bytes and not three.fits
+    assert three.problems == [
+        "16 rows (train.prompts_per_step x algo.num_generations) do not split evenly over 3 "
+        "processes; make it a multiple of 3",
+        "16 rows (sft.batch_size (the format warm-up)) do not split evenly over 3 processes; "
+        "make it a multiple of 3"]
+    assert three.advice == ["train.prompts_per_step=3 (now 2: 24 rows split over 3 GPUs)",
+                            "sft.batch_size=18 (now 16)"]
+    # the run's own check says the same of the same config
+    with pytest.raises(DistributedError, match=re.escape(three.problems[0])):
+        check_split(cfg, "grpo", World(size=3))
+    assert plan_memory(cfg, device_type="cpu", gpus=4).problems == []  # 16 and 16 split over 4
+    sft = plan_memory(cfg_for(small_model, "sft.batch_size=5"), device_type="cpu", gpus=2,
+                      kind="sft")
+    assert sft.problems == ["5 rows (sft.batch_size) do not split evenly over 2 processes; make "
+                            "it a multiple of 2"] and sft.advice[-1] == "sft.batch_size=6 (now 5)"
 
 
 def test_fsdp_on_cuda_gathers_float32_in_bfloat16_and_reduces_in_float32(small_model):

@@ -336,7 +336,8 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
     if generation == "auto":
         sizes = replace(sizes, generation=max(1, even_size(max_gen, local, group)))
     est = _estimate(facts, cfg, prompt, sizes, device_type, device_memory_bytes)
-    problems = engine_problems(est.details, device_memory_bytes, gpus)
+    problems = split_problems(cfg, kind, gpus) + engine_problems(est.details,
+                                                                 device_memory_bytes, gpus)
     plan = Plan(parts=est.parts, peak_bytes=est.peak, budget_bytes=device_memory_bytes,
                 fits=est.peak <= usable and not problems, problems=problems,
                 max_micro_batch=max_micro,
@@ -646,6 +647,28 @@ def engine_memory(f: ModelFacts, cfg: Config, stored: int, cuda: bool, budget: i
     else:
         kv = CPU_ENGINE_KV_BYTES
     return EngineMemory(weights, kv, sleeps=cuda and v.sleep_level > 0, share=share, needs=needs)
+
+
+def split_problems(cfg: Config, kind: str, gpus: int) -> list[str]:
+    """A batch of the run that does not split evenly over ``gpus`` processes, which the run
+    refuses at start (:func:`r1fit.processes.check_split`)."""
+    return [f"{n} rows ({what}) do not split evenly over {gpus} processes; make it a multiple "
+            f"of {gpus}" for n, what in cfg.split_batches(kind) if n % gpus]
+
+
+def even_split_advice(cfg: Config, kind: str, gpus: int) -> list[str]:
+    """The nearest larger train.prompts_per_step / sft.batch_size that split over ``gpus``."""
+    out = []
+    if kind == "grpo":
+        prompts, group = cfg.train.prompts_per_step, cfg.algo.num_generations
+        if prompts * group % gpus:
+            fixed = next(n for n in range(prompts, prompts + gpus + 1) if n * group % gpus == 0)
+            out.append(f"train.prompts_per_step={fixed} (now {prompts}: {fixed * group} rows "
+                       f"split over {gpus} GPUs)")
+    if (kind != "grpo" or cfg.sft.format_warmup_steps) and cfg.sft.batch_size % gpus:
+        fixed = -(-cfg.sft.batch_size // gpus) * gpus
+        out.append(f"sft.batch_size={fixed} (now {cfg.sft.batch_size})")
+    return out
 
 
 def engine_problems(details: dict[str, Any], budget: int, gpus: int) -> list[str]:
@@ -1234,10 +1257,13 @@ def _advice(plan: Plan, facts: ModelFacts, asked: Config, view: Callable[[Config
     if 0 < plan.max_generation_batch < sizes.generation:
         out.append(f"memory.generation_batch={plan.max_generation_batch} "
                    f"(now {sizes.generation})")
-    if plan.max_micro_batch and plan.max_generation_batch and not plan.problems:
+    d = plan.details
+    split = split_problems(asked, d["kind"], d["gpus"])
+    if split:  # what splits over the GPUs: the nearest larger sizes (no memory switch mends it)
+        out.extend(even_split_advice(asked, d["kind"], d["gpus"]))
+    if plan.max_micro_batch and plan.max_generation_batch and plan.problems == split:
         return out
     switches: list[dict[str, Any]] = []  # each tried alone: one or two keys set together
-    d = plan.details
     if d["engine_needs"] and d["engine_needs"] <= plan.budget_bytes:  # vLLM's share, enough
         least = least_share(d["engine_needs"], plan.budget_bytes)
         if least > cfg.rollout.vllm.gpu_memory_utilization:
