@@ -95,6 +95,41 @@ def test_yaml_then_overrides(tmp_path):
     assert cfg.rewards == {"format": 1.0, "mypkg.mod:fn": 0.5}
 
 
+@pytest.mark.parametrize("override, value", [
+    # a string key takes the override's text as typed, where YAML would change or refuse it
+    ("data.system_prompt=Think first # then answer", "Think first # then answer"),
+    ("data.system_prompt=Answer: briefly", "Answer: briefly"),
+    ("data.system_prompt=yes", "yes"),
+    ("report.run_name=1.10", "1.10"),
+    ("report.run_name=007", "007"),
+    ("train.output_dir=2024-05-01", "2024-05-01"),
+    ("report.run_name=1:30", "1:30"),
+    ("report.run_name=  spaced  ", "spaced"),
+    # quoted: YAML's string (the empty one too); null where the key takes it
+    ('sft.think=""', ""),
+    ("sft.think='a # b'", "a # b"),
+    ("sft.think=null", None),
+    ("sft.think=", ""),
+])
+def test_a_string_override_is_its_text(override, value):
+    key, _ = override.split("=", 1)
+    section, name = key.split(".")
+    assert getattr(getattr(load_config(None, [override]), section), name) == value
+
+
+def test_other_overrides_are_read_as_yaml():
+    cfg = load_config(None, ["data.train=[a.jsonl, b.jsonl]", "data.reward_method=mcq",
+                             "algo.beta=1e-3", "memory.micro_batch=auto", "memory.generation_batch=4",
+                             "report.to=[tensorboard]", "train.deterministic=yes",
+                             "rewards={accuracy: 2}", "data.eval=null", "report.run_name=r"])
+    assert cfg.data.train == ("a.jsonl", "b.jsonl") and cfg.data.reward_method == "mcq"
+    assert cfg.algo.beta == 0.001 and cfg.memory.micro_batch == "auto"
+    assert cfg.memory.generation_batch == 4 and cfg.report.to == ("tensorboard",)
+    assert cfg.train.deterministic is True and cfg.rewards == {"accuracy": 2.0}
+    assert cfg.data.eval is None
+    assert type(cfg.report.run_name) is str  # no override object is kept in a config
+
+
 @pytest.mark.parametrize("override, message", [
     ("algo.num_generation=8", "unknown key 'algo.num_generation'; allowed here: num_generations"),
     ("algo.num_generations=1", "algo.num_generations: got 1, expected a number >= 2"),

@@ -71,8 +71,37 @@ def _number(value: Any, tp: type, bad: ConfigError) -> int | float:
     raise bad
 
 
+class Override(str):
+    """A ``key=value`` override's value: its text as typed, and ``parsed``, that text read as
+    YAML. A key whose type is a string takes the text (``Answer: briefly``, ``1.10``, ``007``,
+    ``2024-05-01`` and ``a # b`` stay as typed; YAML would make them a mapping, 1.1, 7, a date
+    and ``a``), unless it is quoted (``""`` is the empty string) or a YAML list or mapping
+    (``[a.jsonl, b.jsonl]``); any other key, the YAML."""
+
+    parsed: Any
+
+    @classmethod
+    def of(cls, raw: str) -> Override:
+        text = raw.strip()
+        try:
+            parsed = yaml.safe_load(text) if text else ""
+        except yaml.YAMLError:
+            parsed = text
+        quoted = text[:1] in ("'", '"') and isinstance(parsed, str)
+        value = cls(parsed if quoted else text)
+        value.parsed = parsed
+        return value
+
+
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Check ``value`` against the annotation ``tp`` (with YAML-ish string coercion)."""
+    if isinstance(value, Override):
+        if value[:1] in "[{" and isinstance(value.parsed, (list, dict)):  # [a, b], {a: 1}
+            value = value.parsed
+        elif tp is str:
+            return str(value)
+        elif typing.get_origin(tp) not in (typing.Union, types.UnionType):
+            value = value.parsed  # a union tries each of its types with the override whole
     origin = typing.get_origin(tp)
     bad = ConfigError(f"{key}: got {value!r}, expected {_describe(tp)}")
     if origin is Literal:
@@ -151,7 +180,8 @@ def apply(obj: Any, data: dict[str, Any], prefix: str) -> Any:
             raise ConfigError(f"unknown key '{key}'; allowed here: {', '.join(fields)}")
         current = changes.get(name, getattr(obj, name))
         if dataclasses.is_dataclass(current):
-            changes[name] = apply(current, value, key + ".")
+            section = value.parsed if isinstance(value, Override) else value  # model.lora=3
+            changes[name] = apply(current, section, key + ".")
             continue
         value = _coerce(key, value, hints[name])
         _check_bounds(key, value, fields[name].metadata)
@@ -172,11 +202,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     key = key.strip()
     if not key:
         raise ConfigError(f"override '{item}' has an empty key")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return key.split("."), value
+    return key.split("."), Override.of(raw)
 
 
 def nest(path: list[str], value: Any) -> dict[str, Any]:
