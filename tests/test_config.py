@@ -12,6 +12,7 @@ from r1fit.config import (
     preset_values,
     resolve_config,
 )
+from r1fit.config.load import _read_yaml
 
 #: the demo's values (before defaults were made for real models; its preset keeps them)
 DEMO = {"train.learning_rate": 3e-3, "sft.learning_rate": 1e-2, "algo.max_new_tokens": 24,
@@ -217,6 +218,32 @@ def test_bad_yaml_names_file_and_line(tmp_path):
         load_config(path)
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_a_key_given_twice_in_a_file_is_refused_naming_both_lines(tmp_path):
+    path = tmp_path / "twice.yaml"
+    # the second algo section would drop the first's num_generations without a word
+    path.write_text("algo:\n  num_generations: 4\nmodel:\n  dtype: float32\nalgo:\n  beta: 0.2\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == (f"{path}:5: not valid YAML (key 'algo' given twice (lines 1 and "
+                               "5))")
+    path.write_text("algo:\n  beta: 0.1\n  beta: 0.2\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml:3: .*key 'beta' given twice \(lines 2 and 3\)"):
+        load_config(path)
+    # a merge key repeats an anchor's keys on purpose: the key written out wins
+    path.write_text("base: &b {x: 1, y: 2}\nother:\n  <<: *b\n  x: 3\n")
+    assert _read_yaml(path) == {"base": {"x": 1, "y": 2}, "other": {"x": 3, "y": 2}}
+
+
+def test_a_section_whose_keys_are_all_commented_out_sets_nothing(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("algo:\n  # beta: 0.1\nmodel:\n  lora:\n")
+    cfg, sources = resolve_config(path)
+    assert cfg == load_config(None)
+    assert sources["algo.beta"] == "preset demo" and sources["model.lora.r"] == "default"
+    with pytest.raises(ConfigError, match=r"model.lora: got None, expected a mapping"):
+        load_config(None, ["model.lora=null"])  # an override of a whole section is no comment
 
 
 def test_every_field_has_help():

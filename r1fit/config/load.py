@@ -16,9 +16,27 @@ PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
 PRESETS = ("demo",)
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping: PyYAML keeps the last one
+    silently, and a section given twice loses every key of the first."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # <<: an anchor's keys, meant to repeat
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice (lines {seen[key]} and "
+                    f"{key_node.start_mark.line + 1})", key_node.start_mark)
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        return yaml.safe_load(path.read_text()) or {}
+        return yaml.load(path.read_text(), Loader=_UniqueKeys) or {}  # noqa: S506 (a safe loader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
@@ -57,7 +75,8 @@ def resolve_config(path: str | Path | None = None, overrides: list[str] | tuple[
     cfg.check()
     sources = dict.fromkeys(_leaf_keys(cfg.to_dict()), "default")
     sources.update(dict.fromkeys(_leaf_keys(preset_data), f"preset {preset}"))
-    sources.update(dict.fromkeys(_leaf_keys(data), f"file {path}"))
+    # a leaf of the file's; a section the file leaves empty (its keys commented out) sets none
+    sources.update({key: f"file {path}" for key in _leaf_keys(data) if key in sources})
     sources.update(dict.fromkeys(_override_keys(changes), "override"))
     return cfg, sources
 

@@ -180,7 +180,9 @@ def apply(obj: Any, data: dict[str, Any], prefix: str) -> Any:
             raise ConfigError(f"unknown key '{key}'; allowed here: {', '.join(fields)}")
         current = changes.get(name, getattr(obj, name))
         if dataclasses.is_dataclass(current):
-            section = value.parsed if isinstance(value, Override) else value  # model.lora=3
+            # a file's section whose keys are all commented out is None: nothing set in it
+            section = value.parsed if isinstance(value, Override) else ({} if value is None
+                                                                        else value)
             changes[name] = apply(current, section, key + ".")
             continue
         value = _coerce(key, value, hints[name])
