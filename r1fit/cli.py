@@ -351,10 +351,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
 
     command = COMMANDS[ns.command]
-    if ns.command == "doctor":  # before the imports below (peft, transformers): seconds
-        return command(ns)
-    # imported late: `r1fit config` and `--help` should not pay for importing torch/transformers
-    from r1fit.checkpoint.manager import RunStopped
+    # imported late: `r1fit config` and `--help` should not pay for importing torch/transformers,
+    # nor `r1fit doctor` for peft and transformers (seconds): it stops no run
+    stopped: type[BaseException] | tuple[()] = ()
+    if ns.command != "doctor":
+        from r1fit.checkpoint.manager import RunStopped as stopped
 
     try:
         return command(ns)
@@ -364,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("r1fit: interrupted", file=sys.stderr)
         return 130
-    except RunStopped as exc:  # SIGTERM/SIGUSR1 (pre-emption) after saving a checkpoint
+    except stopped as exc:  # SIGTERM/SIGUSR1 (pre-emption) after saving a checkpoint
         print(f"r1fit: {exc}", file=sys.stderr)
         return 143
 

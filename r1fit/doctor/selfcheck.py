@@ -41,7 +41,7 @@ import torch
 from r1fit.config import Config, load_config
 from r1fit.doctor.env import first_device, half_dtype
 from r1fit.doctor.rewards import SPEC as LENGTH_REWARD
-from r1fit.errors import R1fitError
+from r1fit.errors import R1fitError, one_line
 from r1fit.report.metrics import grpo_step_rows, read_metrics
 from r1fit.rollout.prefill import PrefillCheck
 from r1fit.units import format_bytes
@@ -459,7 +459,10 @@ def run_selfcheck(out: Path, *, device: torch.device | None = None,
     dtype, its runs written under ``out`` (a new or empty folder); one ``progress`` line per
     stage. A stage that raises is a failed verdict, not an exception."""
     device = device or first_device()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file in its place, or above it; no permission
+        raise SelfCheckError(f"--out {out}: cannot create the folder: {one_line(exc)}") from exc
     if any(out.iterdir()):
         raise SelfCheckError(f"{out} is not empty: the self-check needs a new or empty folder")
     dtype = half_dtype(device)

