@@ -15,7 +15,10 @@ def one_line(exc: BaseException, limit: int | None = None, *, first_line: bool =
     """An exception's message folded onto one line (its type name when it has none); with
     ``first_line`` only its first line (CUDA's out-of-memory text continues with allocator
     statistics), cut to ``limit`` characters when given."""
-    text = str(exc).strip()
+    try:
+        text = str(exc).strip()
+    except Exception:  # noqa: BLE001 - an exception whose __str__ raises is still one line
+        text = ""
     if first_line:
         text = text.splitlines()[0] if text else ""
     text = re.sub(r"\s+", " ", text).strip()

@@ -200,20 +200,20 @@ class ToolRunner:
         if problem is not None:
             counts.errors += 1
             return ToolResult.failure(call.name, problem)
-        outcome = _run_in_thread(fn, context, call.arguments, self.timeout, call.name)
+        def parts(context: ToolContext, **arguments: Any) -> tuple[ToolPart, ...]:
+            # the return value read in the tool's own time too: a lazily opened image is decoded
+            # (and may fail, or take long) only when it is fitted to the pixel budget
+            return self._parts(fn(context, **arguments))
+
+        outcome = _run_in_thread(parts, context, call.arguments, self.timeout, call.name)
         if not outcome.finished:
             counts.timeouts += 1
             self.stats._abandoned.append(outcome.thread)
             return ToolResult.failure(call.name, f"timed out after {self.timeout:g} s")
-        if outcome.error is not None:
+        if outcome.error is not None:  # the tool raised, or returned what cannot be used
             counts.errors += 1
             return ToolResult.failure(call.name, self._describe(call.name, outcome))
-        try:
-            parts = self._parts(outcome.value)
-        except ToolArgumentError as exc:  # an unusable return value: the tool's fault
-            counts.errors += 1
-            return ToolResult.failure(call.name, str(exc))
-        return ToolResult(call.name, parts)
+        return ToolResult(call.name, outcome.value)
 
     @staticmethod
     def _bad_arguments(fn: ToolFn, call: ToolCall) -> str | None:
@@ -248,11 +248,20 @@ class ToolRunner:
         parts: list[ToolPart] = []
         for item in items:
             if isinstance(item, str):
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError as exc:  # a lone surrogate (surrogateescape, fsdecode)
+                    raise ToolArgumentError(f"returned text that is not valid Unicode ({exc.reason} "
+                                            f"at character {exc.start})") from None
                 parts.append(item)
             elif isinstance(item, Image.Image):
                 if item.width < 1 or item.height < 1:
                     raise ToolArgumentError(f"returned an empty image ({item.width}x{item.height})")
-                parts.append(fit_pixel_budget(item, self.min_pixels, self.max_pixels))
+                try:
+                    parts.append(fit_pixel_budget(item, self.min_pixels, self.max_pixels))
+                except (OSError, ValueError, SyntaxError) as exc:  # PIL's decoding errors
+                    raise ToolArgumentError(f"returned an image that cannot be decoded: "
+                                            f"{type(exc).__name__}: {one_line(exc)}") from None
             else:
                 raise ToolArgumentError(f"returned {type(item).__name__}; expected text, a PIL "
                                         "image or a list of them")

@@ -54,6 +54,22 @@ def plugin(tmp_path, monkeypatch) -> str:
         def no_context():
             return "x"
 
+        def surrogate(context):
+            return ["fine", b"bad \\xff text".decode("utf-8", "surrogateescape")]
+
+        def truncated(context):  # a lazily opened image: decoded only when it is used
+            import io
+            buffer = io.BytesIO()
+            Image.new("RGB", (64, 64), "red").save(buffer, "PNG")
+            return Image.open(io.BytesIO(buffer.getvalue()[:80]))
+
+        class Unprintable(Exception):
+            def __str__(self):
+                raise ValueError("no str")
+
+        def unprintable(context):
+            raise Unprintable()
+
         NOT_CALLABLE = 3
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -155,6 +171,20 @@ class TestRun:
         # the tool's own bug is logged once with its traceback; bad arguments are not logged
         logged = [r.getMessage() for r in caplog.records if r.name == "r1fit.tools"]
         assert len(logged) == 1 and "KeyError: 'oops'" in logged[0]
+
+    def test_results_a_run_cannot_use_are_error_results_naming_the_tool(self, plugin):
+        # each of these killed the run before (a tokenizer TypeError, PIL's OSError at resize,
+        # the error handler's own ValueError), instead of failing the one call
+        tools = runner(f"{plugin}:surrogate", f"{plugin}:truncated", f"{plugin}:unprintable")
+        texts = [tools.run(call(name), CONTEXT).parts
+                 for name in ("surrogate", "truncated", "unprintable")]
+        assert texts[0] == ("error: surrogate: returned text that is not valid Unicode "
+                            "(surrogates not allowed at character 4)",)
+        assert texts[1][0].startswith("error: truncated: returned an image that cannot be "
+                                      "decoded: OSError: ")  # PIL's words: image file is truncated
+        assert texts[2] == ("error: unprintable: raised Unprintable: Unprintable",)
+        assert tools.stats.tools == {name: ToolCounts(1, 1, 0)
+                                     for name in ("surrogate", "truncated", "unprintable")}
 
     def test_a_tool_past_its_timeout_is_abandoned_and_counted(self, plugin):
         RELEASE.clear()
