@@ -124,6 +124,9 @@ class HFRollouts(Rollouts):
                  tools: ToolTurns | None = None) -> None:
         self.run, self.settings, self.tools = run, settings, tools
         self.sharing = PrefillSharing(run.cfg.rollout.share_prefill)
+        if tools is not None and run.cfg.rollout.share_prefill is True:
+            log.info("rollout.share_prefill=true does not act on multi-turn trajectories: "
+                     "each turn is prefilled as it comes (docs/tools.md)")
 
     @contextmanager
     def ready(self, times: dict[str, float]) -> Iterator[None]:

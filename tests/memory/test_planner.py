@@ -751,6 +751,15 @@ def test_tools_plan_a_whole_trajectory_of_images(capsys):
     render(tools, with_tools)
     assert "trajectory up to 192 tokens (tools: crop, zoom; 3 image(s) per row, 768 vision " \
            "patches)" in capsys.readouterr().out
+    # rollout.share_prefill=true does not act on trajectories (docs/tools.md): the plan with
+    # tools is the one without it, memory and time; without tools it shares the prefill
+    shared = dataclasses.replace(base.rollout, engine="hf", share_prefill=True)
+    hf = dataclasses.replace(base.rollout, engine="hf", share_prefill=False)
+    on, off = (plan(dataclasses.replace(with_tools, rollout=r)) for r in (shared, hf))
+    assert (on.parts, on.phases) == (off.parts, off.phases)
+    assert on.time["phases"] == off.time["phases"]
+    plain_on, plain_off = (plan(dataclasses.replace(base, rollout=r)) for r in (shared, hf))
+    assert plain_on.phases["generation"] < plain_off.phases["generation"]
 
 
 # --- the package

@@ -508,7 +508,9 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
                      rows_per_gpu=s.rows, gpus=s.gpus, packed_tokens=s.tokens,
                      flash=cfg.model.attn_implementation.startswith("flash"),
                      fused_loss=cfg.fuses_loss(),
-                     share_prefill=cfg.rollout.engine == "hf" and cfg.rollout.share_prefill is True,
+                     # a multi-turn trajectory's turns are prefilled as they come (docs/tools.md)
+                     share_prefill=(cfg.rollout.engine == "hf" and not cfg.tools
+                                    and cfg.rollout.share_prefill is True),
                      adapters_in_dtype=(lora and stored < F32
                                         and cfg.model.lora.compute_dtype == "model"))
     engine_name, engine_why = resolve_engine(cfg.rollout.engine, device_type=device_type,

@@ -171,7 +171,7 @@ def run_shape(facts: ModelFacts, cfg: Config, prompt: PromptShape, *, rows: int,
         completion=completion, group=cfg.algo.num_generations, rows=rows,
         generation_batch=generation_batch, micro_batch=micro_batch,
         shares_prompts=engine in ("static", "vllm") or (
-            engine == "hf" and cfg.rollout.share_prefill is True),
+            engine == "hf" and not cfg.tools and cfg.rollout.share_prefill is True),
         graphs=device_type == "cuda" and (engine == "vllm" or (
             engine == "static" and cfg.rollout.static.cuda_graphs is not False)),
         unmerged_lora=lora and engine == "hf", engine=engine,
