@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -241,7 +242,10 @@ def cmd_report(ns: argparse.Namespace) -> int:
     """``r1fit report``: a run's HTML report."""
     from r1fit.report.html import write_report
 
-    print(write_report(ns.run_dir, ns.out))
+    out = ns.out
+    if out is not None:  # a trailing / names a folder, made if new (Path drops the slash)
+        out = Path(out) / "report.html" if out.endswith(("/", os.sep)) else Path(out)
+    print(write_report(ns.run_dir, out))
     return 0
 
 
@@ -320,9 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     text = "write a run's report: one HTML file (plots, alarms, sampled rollouts) that opens from disk"
     p = sub.add_parser("report", help=text, description=text)
     p.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="a run's output folder")
-    p.add_argument("--out", metavar="FILE", type=Path,
-                   help="where to write it: a file, or a folder to write report.html into "
-                        "(default: RUN_DIR/report.html)")
+    p.add_argument("--out", metavar="FILE",
+                   help="where to write it: a file, or a folder to write report.html into (one "
+                        "that exists, or a path ending in /) (default: RUN_DIR/report.html)")
     text = "versions, GPUs, attention kernels, TF32, peak FLOP/s, CPU: the facts for a bug report"
     p = sub.add_parser("doctor", help=text, description=text)
     p.add_argument("--json", action="store_true", help="print the facts as one JSON object")

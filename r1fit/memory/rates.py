@@ -598,6 +598,9 @@ def calibrate(device: torch.device | None = None, *, quick: bool = False,
               save: bool = True) -> DeviceRates:
     """Measure ``device``'s rates (default: the first CUDA device, else the CPU) and cache them
     (``save``). ``quick``: the smallest sizes only (tests)."""
+    from r1fit.models.builtin import cache_root
+
+    calibrations = cache_root() / "calibration"  # a cache that cannot be: said before measuring
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
@@ -607,8 +610,6 @@ def calibrate(device: torch.device | None = None, *, quick: bool = False,
     matmul[str(half).removeprefix("torch.")] = measure_matmul(
         device, half, sizes[:3] if not cuda and not quick else sizes)
     copy_bytes = (1 << 30) if cuda else (64 << 20)
-    from r1fit.models.builtin import cache_root
-
     sample, head = measure_logits(device, 16, 16384 if quick else 131072)
     loop_step, loop_logit = measure_generate_step(device, repeats=2 if quick else 3,
                                                   vocab=4096 if quick else 131072)
@@ -625,7 +626,7 @@ def calibrate(device: torch.device | None = None, *, quick: bool = False,
         layer_step_s=measure_layer_step(device, torch.float32 if not cuda else half,
                                         (1, 16) if not cuda else (1, 64),
                                         repeats=2 if quick else 5),
-        disk_bytes_per_s=measure_disk(cache_root() / "calibration",
+        disk_bytes_per_s=measure_disk(calibrations,
                                       (4 << 20) if quick else (256 << 20)),
         layer_tokens_s={name: measure_layer_tokens(device, dtype, 64 if quick else LAYER_TOKENS,
                                                    repeats=2 if quick else 7)

@@ -272,9 +272,17 @@ def builtin_names() -> list[str]:
 
 
 def cache_root() -> Path:
-    """The r1fit cache folder: `$R1FIT_CACHE`, else `~/.cache/r1fit`."""
+    """The r1fit cache folder: `$R1FIT_CACHE`, else `~/.cache/r1fit`. A `ModelConfigError` when
+    it, or a folder above it, is a file (it could never be made)."""
     env = os.environ.get("R1FIT_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "r1fit"
+    root = Path(env).expanduser() if env else Path.home() / ".cache" / "r1fit"
+    blocker = next((p for p in (root, *root.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        where = f"R1FIT_CACHE={env}" if env else f"the cache folder {root}"
+        raise ModelConfigError(f"{where}: {blocker} is a file, not a folder; point R1FIT_CACHE at "
+                               "a folder (r1fit keeps its built-in models and device "
+                               "calibrations there)")
+    return root
 
 
 def builtin_dir(name: str) -> Path:

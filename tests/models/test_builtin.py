@@ -210,3 +210,20 @@ def test_small_builds_and_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     with torch.no_grad():
         logits = model(**batch).logits
     assert logits.shape == (1, batch["input_ids"].shape[1], len(processor.tokenizer))
+
+
+def test_a_cache_that_is_a_file_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    from r1fit.cli import main
+    from r1fit.models.builtin import cache_root
+
+    blocker = tmp_path / "cache"
+    blocker.write_text("not a folder")
+    for env in (blocker, blocker / "below"):
+        monkeypatch.setenv("R1FIT_CACHE", str(env))
+        with pytest.raises(ModelConfigError, match=rf"^R1FIT_CACHE={env}: {blocker} is a file, "
+                                                   "not a folder; point R1FIT_CACHE at a folder"):
+            cache_root()
+    assert main(["plan"]) == 2  # builtin:tiny's config is built into the cache
+    assert capsys.readouterr().err.startswith(f"r1fit: error: R1FIT_CACHE={blocker / 'below'}: ")
+    monkeypatch.setenv("R1FIT_CACHE", str(tmp_path / "new" / "cache"))
+    assert cache_root() == tmp_path / "new" / "cache"  # a folder still to be made is fine

@@ -277,6 +277,8 @@ def test_rows_the_page_cannot_place_are_skipped_and_named_and_out_may_be_a_folde
     folder.mkdir()
     assert main(["report", str(run), "--out", str(folder)]) == 0
     assert [p.name for p in folder.iterdir()] == ["report.html"]
+    assert main(["report", str(run), "--out", f"{tmp_path / 'new'}/"]) == 0  # a new folder
+    assert [p.name for p in (tmp_path / "new").iterdir()] == ["report.html"]
     page = (folder / "report.html").read_text()
     assert html.escape(f"{metrics}:6: its 'step' is 'three', not a whole number") in page
     assert "11 GRPO steps (last step 12)" in page
