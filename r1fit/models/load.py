@@ -74,6 +74,19 @@ def resolve_model_path(path: str) -> str:
     return path
 
 
+def load_failure(what: str, path: str, err: BaseException) -> str:
+    """``what`` (e.g. "cannot load model") of ``path`` and why, in one line; a model that is no
+    vision-language one is said so, not with transformers' list of every model class it knows
+    (2,000 characters)."""
+    text = one_line(err)
+    if "Unrecognized configuration class" in text:
+        match = re.search(r"<class '[\w.]+\.(\w+)'>", text)
+        return (f"{what} {path!r}: its config ({match.group(1) if match else 'unknown'}) is no "
+                "image-text-to-text model, which r1fit trains through transformers' "
+                "AutoModelForImageTextToText (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma 3, ...)")
+    return f"{what} {path!r}: {text}"
+
+
 def _adapter_folder(path: str, folder: Path) -> str:
     """Why a LoRA adapter folder (a LoRA run's ``final/``) is no model.path, and what to do: merge
     it into its base, from the newest checkpoint of its run when it lies in one."""
@@ -607,9 +620,12 @@ def _from_pretrained(
             raise ModelConfigError(f"cannot load model config {path!r}: {one_line(err)}") from err
         # the dtype rank 0's from_pretrained loads in, or the shards would not match its tensors
         meta_dtype = checkpoint_dtype(config, folder)[0] if dtype == "auto" else _DTYPES[dtype]
-        with torch.device("meta"):
-            skeleton = AutoModelForImageTextToText.from_config(
-                config, dtype=meta_dtype, attn_implementation=attn_implementation)
+        try:
+            with torch.device("meta"):
+                skeleton = AutoModelForImageTextToText.from_config(
+                    config, dtype=meta_dtype, attn_implementation=attn_implementation)
+        except ValueError as err:
+            raise ModelConfigError(load_failure("cannot load model", path, err)) from err
         batch_vision_segments(skeleton)
         return skeleton
     try:
@@ -620,7 +636,7 @@ def _from_pretrained(
     except SafetensorError as err:  # a truncated or corrupt weights file; it does not say which
         raise ModelConfigError(bad_weights_message(folder, path, err)) from err
     except (OSError, ValueError, KeyError, ImportError) as err:
-        raise ModelConfigError(f"cannot load model {path!r}: {one_line(err)}") from err
+        raise ModelConfigError(load_failure("cannot load model", path, err)) from err
     check_logits_are_the_head(model, path)
     # sdpa vision attention in one call a layer, not one per image or window
     batch_vision_segments(model)

@@ -1058,3 +1058,25 @@ def budget_for_one(cfg) -> int:
                             device_memory_bytes=1 << 40, device_type="cuda").phases["update"]
                 for m in (1, 2))
     return int((one + two) / 2 / (1 - SAFETY_MARGIN))
+
+
+def test_the_header_counts_small_models_in_millions(use_tiny_cache, capsys):
+    cfg = load_config(None, [])
+    render(plan_memory(cfg, device_type="cpu"), cfg)
+    assert capsys.readouterr().out.startswith("r1fit plan: builtin:tiny (0.36M parameters, ")
+
+
+def test_a_model_that_is_no_vision_language_model_is_said_so_in_one_short_line(tmp_path):
+    from transformers import LlamaConfig
+
+    from r1fit.models.errors import ModelConfigError
+
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                vocab_size=1000).save_pretrained(tmp_path)
+    with pytest.raises(ModelConfigError) as info:
+        plan_memory(load_config(None, [f"model.path={tmp_path}"]), device_type="cpu")
+    # transformers' own error lists every model class it knows: 2,000 characters
+    assert str(info.value) == (
+        f"cannot plan for '{tmp_path}': its config (LlamaConfig) is no image-text-to-text model, "
+        "which r1fit trains through transformers' AutoModelForImageTextToText (Qwen2-VL, "
+        "Qwen2.5-VL, Qwen3-VL, Gemma 3, ...)")

@@ -194,6 +194,7 @@ def _facts(source: str, checkpoint: str, path: str, lora_target: str) -> ModelFa
         ModelConfigError,
         checkpoint_dtype,
         language_model_lora_regex,
+        load_failure,
         vision_tower,
     )
 
@@ -209,8 +210,7 @@ def _facts(source: str, checkpoint: str, path: str, lora_target: str) -> ModelFa
             warnings.simplefilter("ignore")
             model = AutoModelForImageTextToText.from_config(config)
     except (ValueError, KeyError, TypeError) as err:
-        raise ModelConfigError(f"cannot build {path!r} from its config: "
-                               f"{' '.join(str(err).split())}") from err
+        raise ModelConfigError(load_failure("cannot plan for", path, err)) from err
     text_cfg = getattr(config, "text_config", config)
     heads = text_cfg.num_attention_heads
     text = TextDims(hidden=text_cfg.hidden_size, intermediate=text_cfg.intermediate_size,

@@ -72,7 +72,7 @@ def render_blocks(plan: Plan, cfg: Config) -> list[Any]:
     where = (f"per GPU, FSDP over {gpus} GPUs" if gpus > 1 else f"one {d['device_type']} device")
     per_gpu = f", {d['rows_per_gpu']} per GPU" if gpus > 1 else ""
     blocks: list[Any] = [
-        (f"r1fit plan: {cfg.model.path} ({d['params'] / 1e9:.2f}B parameters, {dtype}), "
+        (f"r1fit plan: {cfg.model.path} ({_parameters(d['params'])} parameters, {dtype}), "
          f"{mode}, {where}"),
         (f"  {d['rows_per_step']} rows per step ({cfg.train.prompts_per_step} prompts x "
          f"{cfg.algo.num_generations}{per_gpu}); prompt {d['prompt_tokens']} tokens "
@@ -203,3 +203,8 @@ def render(plan: Plan, cfg: Config, *, rich: bool = False) -> None:
     from r1fit.report.blocks import print_blocks
 
     print_blocks(render_blocks(plan, cfg), rich=rich)
+
+
+def _parameters(count: int) -> str:
+    """A parameter count as models are named: 8.29B, 0.74B; under 0.01B in millions (0.36M)."""
+    return f"{count / 1e9:.2f}B" if count >= 1e7 else f"{count / 1e6:.2f}M"
