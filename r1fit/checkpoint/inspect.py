@@ -176,11 +176,17 @@ def _checkpoint_blocks(r: dict[str, Any]) -> list[Any]:
     else:
         contents = "full (weights, optimizer, scheduler, RNG and data position)"
     model = f"LoRA adapter on {r['base_model']}" if r["lora"] else "full weights"
+    if r["kind"] is None:  # no trainer_state.json to read: what its name says
+        saved = [f"  step {r['step'] if r['step'] is not None else 'unknown'}, phase "
+                 f"{r['phase'] or 'unknown'} (from its name: trainer_state.json is missing or "
+                 "unreadable)"]
+    else:
+        saved = [f"  step {r['step']}, phase {r['phase']}, saved by {command_of(r['kind'])}",
+                 f"  saved at {r['saved_at']} by r1fit {r['r1fit_version']}, "
+                 f"{r.get('world_size') or '?'} process(es); resumes on any number"]
     return [
         f"checkpoint {r['path']}",
-        f"  step {r['step']}, phase {r['phase']}, saved by {command_of(r['kind'])}",
-        f"  saved at {r['saved_at']} by r1fit {r['r1fit_version']}, "
-        f"{r.get('world_size') or '?'} process(es); resumes on any number",
+        *saved,
         f"  contents: {contents}; model: {model}",
         f"  integrity: {'ok (sizes and sha256 match the manifest)' if r['intact'] else r['problem']}",
         "files:",

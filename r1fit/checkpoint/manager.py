@@ -170,6 +170,8 @@ def verify(path: Path, *, checksums: bool = True) -> str | None:
         return "no manifest.json (not an r1fit checkpoint, or an interrupted save)"
     try:
         manifest = json.loads(manifest_file.read_text())
+        if not isinstance(manifest, dict):
+            raise ValueError(f"a JSON {type(manifest).__name__}, not an object")
         files = manifest["files"]
         if not isinstance(files, dict) or not all(
                 isinstance(meta, dict) and isinstance(meta.get("bytes"), int)

@@ -92,6 +92,20 @@ def test_corrupt_file_is_named_and_auto_resume_falls_back(runs, capsys, tmp_path
     assert "checkpoint.resume=auto continues from: checkpoint-1" in listing
 
 
+def test_unreadable_trainer_state_and_manifest_are_said_so(runs, capsys, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(runs["full"], out)
+    (out / "checkpoint-2" / "trainer_state.json").write_text("{oops")
+    text = inspect(capsys, out / "checkpoint-2")
+    # what its name says, not "step None, phase None, saved by unknown (None)"
+    assert ("  step 2, phase unknown (from its name: trainer_state.json is missing or "
+            "unreadable)\n") in text
+    assert "None" not in text
+    (out / "checkpoint-1" / "manifest.json").write_text("[1, 2]")
+    assert "resumable: no — manifest.json is unreadable (a JSON list, not an object)" in \
+        inspect(capsys, out / "checkpoint-1")
+
+
 def test_partial_folder_is_an_incomplete_save(runs, capsys, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(runs["full"], out)
