@@ -308,9 +308,12 @@ def build_parser() -> argparse.ArgumentParser:
             "or the key reference")
     p = sub.add_parser("config", help=text, description=text)
     p.add_argument("args", nargs="*", metavar="CONFIG.yaml | key.sub=value")
-    p.add_argument("--reference", action="store_true", help="print every key with its help text")
-    p.add_argument("--json", action="store_true",
-                   help="print the resolved config as JSON (as the run's config.json records it)")
+    shown = p.add_mutually_exclusive_group()
+    shown.add_argument("--reference", action="store_true",
+                       help="print every key with its help text")
+    shown.add_argument("--json", action="store_true",
+                       help="print the resolved config as JSON (as the run's config.json "
+                            "records it)")
     text = "what a checkpoint, a run's output folder or a model folder holds; can a run resume"
     p = sub.add_parser("inspect", help=text, description=text)
     p.add_argument("path", metavar="PATH", type=Path)
@@ -330,17 +333,18 @@ def build_parser() -> argparse.ArgumentParser:
     text = "versions, GPUs, attention kernels, TF32, peak FLOP/s, CPU: the facts for a bug report"
     p = sub.add_parser("doctor", help=text, description=text)
     p.add_argument("--json", action="store_true", help="print the facts as one JSON object")
-    p.add_argument("--check", action="store_true",
-                   help="also run a self-check of about a minute on the first device (memory "
-                        "plan vs measured, shared-prompt/prefill numerics, kill and resume); "
-                        "exit status 1 when an item fails")
+    task = p.add_mutually_exclusive_group()
+    task.add_argument("--check", action="store_true",
+                      help="also run a self-check of about a minute on the first device (memory "
+                           "plan vs measured, shared-prompt/prefill numerics, kill and resume); "
+                           "exit status 1 when an item fails")
     p.add_argument("--out", metavar="DIR", type=Path,
                    help="--check: where its runs go, a new or empty folder (default: a "
                         "temporary folder, removed afterwards)")
-    p.add_argument("--calibrate", action="store_true",
-                   help="measure the first device's rates for the time model (matmul FLOP/s, "
-                        "copy bandwidth, launch cost, a decoder layer's step, disk writes; under "
-                        "a minute) and cache them for `r1fit plan`")
+    task.add_argument("--calibrate", action="store_true",
+                      help="measure the first device's rates for the time model (matmul FLOP/s, "
+                           "copy bandwidth, launch cost, a decoder layer's step, disk writes; "
+                           "under a minute) and cache them for `r1fit plan`")
     return parser
 
 

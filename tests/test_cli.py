@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from r1fit.cli import main
 
 
@@ -26,6 +28,16 @@ def test_config_reference_lists_every_key(capsys):
     assert main(["config", "--reference"]) == 0
     out = capsys.readouterr().out
     assert "| `memory.micro_batch` |" in out and "| `algo.beta` |" in out
+
+
+@pytest.mark.parametrize("argv", [["config", "--json", "--reference"],
+                                  ["doctor", "--calibrate", "--check"]])
+def test_flags_that_exclude_each_other_are_refused(argv, capsys):
+    # each pair did one of the two silently
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 def test_missing_config_file_is_one_line(capsys, tmp_path):

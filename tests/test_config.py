@@ -218,6 +218,8 @@ def test_bad_yaml_names_file_and_line(tmp_path):
         load_config(path)
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match=f"config file {tmp_path} is a folder; give a YAML file"):
+        load_config(tmp_path)
 
 
 def test_a_key_given_twice_in_a_file_is_refused_naming_both_lines(tmp_path):

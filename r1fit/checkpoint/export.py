@@ -71,7 +71,8 @@ def export(checkpoint: Path, out: Path, *, merge_lora: bool = False) -> Exported
     """Write the model of ``checkpoint`` into the new folder ``out`` (see the module doc)."""
     model_dir = _checked_model_dir(checkpoint)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"{out} already exists and is not empty; export into a new folder")
+        what = "is not empty" if out.is_dir() else "is a file"
+        raise CheckpointError(f"{out} already exists and {what}; export into a new folder")
     partial = out.absolute().with_name(out.absolute().name + PARTIAL)  # `out` may be "."
     lora = (model_dir / _ADAPTER).is_file()
     try:

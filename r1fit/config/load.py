@@ -65,6 +65,8 @@ def resolve_config(path: str | Path | None = None, overrides: list[str] | tuple[
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {path} is a folder; give a YAML file")
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         data = _read_yaml(path)

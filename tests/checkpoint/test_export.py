@@ -104,6 +104,9 @@ def test_refuses_a_non_empty_out(checkpoints, capsys, tmp_path):
     assert err == f"r1fit: error: {out} already exists and is not empty; export into a new folder\n"
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
     assert not (tmp_path / "taken.partial").exists()
+    code, _, err = export(capsys, str(checkpoints["full"]), str(out / "notes.txt"))
+    assert (code, err) == (2, f"r1fit: error: {out / 'notes.txt'} already exists and is a file; "
+                              "export into a new folder\n")
 
 
 def test_export_into_the_current_folder_fills_it(checkpoints, capsys, tmp_path, monkeypatch):
