@@ -620,6 +620,11 @@ def speed_child(args: argparse.Namespace, result: StageResult, item: str, comman
     return read_result(stdout, script, item)
 
 
+#: the adapters' and the vision tower's speed cases: the faster path at least as fast as the
+#: other on a GPU (on the CPU smoke's tiny shapes the ratio is noise: no target)
+SPEEDUP_FLOOR = 1.0
+
+
 def speed_adapters(args: argparse.Namespace, result: StageResult) -> None:
     """One micro-batch of the speed step (8 rows of its prompt and 512 tokens, 3B LoRA r=64,
     bf16) forward and backward with peft's float32 adapters against the model's dtype under
@@ -627,12 +632,12 @@ def speed_adapters(args: argparse.Namespace, result: StageResult) -> None:
     lever, and the row that decides that key's default."""
     gpu = not args.cpu_smoke
     shape = (["--rows", "8", "--prompt-tokens", "446", "--completion-tokens",
-              str(SPEED_GPU["new_tokens"]), "--repeats", "3", "--device", "cuda",
-              "--min-speedup", "1.0"] if gpu else
+              str(SPEED_GPU["new_tokens"]), "--repeats", "3", "--device", "cuda"] if gpu else
              ["--rows", "2", "--prompt-tokens", "16", "--completion-tokens", "8", "--lora-r", "8",
               "--lora-alpha", "16", "--repeats", "1"])
+    # the target is judged here, not by the script, whose exit 1 on a miss would lose its numbers
     command = [sys.executable, str(benchkit.FOLDER / "adapter_compute.py"),
-               model_path(args, "3b"), *shape]
+               model_path(args, "3b"), *shape, "--min-speedup", "0"]
     r = speed_child(args, result, "speed adapters", command, "adapter_compute", ADAPTERS_CAP)
     if r is None:
         return
@@ -643,8 +648,8 @@ def speed_adapters(args: argparse.Namespace, result: StageResult) -> None:
                f"{peft_path:.3f} s, bf16 under autocast {autocast:.3f} s: {r['speedup']:.2f}x; "
                f"peak over the model {peaks['float32'] / MIB:,.0f} vs {peaks['model'] / MIB:,.0f}"
                f" MiB; log-probs differ by {r['difference']:.3g}, gradients' cosine "
-               f"{r['cosine']:.4f}", ">= 1.0x" + ("" if gpu else " on a GPU"),
-               r["met"] if gpu else None)
+               f"{r['cosine']:.4f}", f">= {SPEEDUP_FLOOR:.1f}x" + ("" if gpu else " on a GPU"),
+               r["speedup"] >= SPEEDUP_FLOOR if gpu else None)
 
 
 def speed_vision(args: argparse.Namespace, result: StageResult) -> None:
@@ -655,7 +660,7 @@ def speed_vision(args: argparse.Namespace, result: StageResult) -> None:
     gpu = not args.cpu_smoke
     images = SPEED_GPU["prompts"] * SPEED_GPU["generations"] if gpu else 2
     command = [sys.executable, str(benchkit.FOLDER / "vision_segments.py"),
-               "--images", str(images), "--min-speedup", "1.0",
+               "--images", str(images), "--min-speedup", "0",  # judged here (see above)
                *(["--device", "cuda", "--dtype", "bfloat16", "--hidden", "0", "--repeats", "3"]
                  if gpu else ["--image-px", "224", "--hidden", "16", "--intermediate", "32",
                               "--repeats", "1"])]
@@ -668,7 +673,8 @@ def speed_vision(args: argparse.Namespace, result: StageResult) -> None:
     result.add("speed vision attention", f"{images} images: per window {loop:.3f} s a forward "
                f"({r['calls']['sdpa']:,} calls), one call a layer {batched:.3f} s: "
                f"{r['speedup']:.2f}x; outputs differ by {r['difference']:.3g}",
-               ">= 1.0x" + ("" if gpu else " on a GPU"), r["met"] if gpu else None)
+               f">= {SPEEDUP_FLOOR:.1f}x" + ("" if gpu else " on a GPU"),
+               r["speedup"] >= SPEEDUP_FLOOR if gpu else None)
 
 
 def cuda_facts() -> dict[str, Any]:
