@@ -210,6 +210,14 @@ class TensorBoardSink:
             writer.close()
 
 
+def kept_run_id(out: Path, tracker: str, file: str = "r1fit-run-id") -> tuple[Path, str]:
+    """``<out>/<tracker>/<file>`` (its folder made) and the run id an earlier start of this run
+    kept there ("" for a fresh run): how a resumed run continues its tracker's run."""
+    id_file = out / tracker / file
+    id_file.parent.mkdir(parents=True, exist_ok=True)
+    return id_file, id_file.read_text().strip() if id_file.is_file() else ""
+
+
 class WandbSink:
     """A W&B run in ``<out>/wandb`` (``WANDB_MODE=offline`` keeps it there; ``wandb sync`` uploads
     it later). Its id is kept in ``<out>/wandb/r1fit-run-id`` so a resumed run continues it. Each
@@ -222,10 +230,8 @@ class WandbSink:
         import wandb
 
         self._wandb = wandb
-        folder = out / "wandb"
-        folder.mkdir(parents=True, exist_ok=True)
-        id_file = folder / "r1fit-run-id"
-        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+        id_file, run_id = kept_run_id(out, "wandb")
+        run_id = run_id or uuid.uuid4().hex[:12]
         # a resumed run may change what resuming allows (report.*, ...): update the config
         self.run = wandb.init(project=project, name=run_name, dir=str(out), id=run_id,
                               resume="allow", config=config, allow_val_change=True,
@@ -267,13 +273,9 @@ class TrackioSink:
         import trackio
 
         self._trackio = trackio
-        folder = out / "trackio"
-        folder.mkdir(parents=True, exist_ok=True)
-        name_file = folder / "r1fit-run-name"
-        if name_file.is_file():  # this folder's run, continued
-            name, resume = name_file.read_text().strip(), "allow"
-        else:
-            name, resume = f"{run_name}-{uuid.uuid4().hex[:6]}", "never"
+        name_file, name = kept_run_id(out, "trackio", "r1fit-run-name")
+        resume = "allow" if name else "never"  # this folder's run, continued; else a new one
+        name = name or f"{run_name}-{uuid.uuid4().hex[:6]}"
         trackio.init(project=project, name=name, config=config, resume=resume, embed=False)
         name_file.write_text(name)
 
@@ -304,15 +306,13 @@ class MlflowSink:
     def __init__(self, out: Path, project: str, run_name: str, config: dict[str, Any]) -> None:
         from mlflow.tracking import MlflowClient
 
-        folder = out / "mlflow"
-        folder.mkdir(parents=True, exist_ok=True)
+        id_file, self.run_id = kept_run_id(out, "mlflow")
+        folder = id_file.parent
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         self.client = MlflowClient(tracking_uri=uri or f"sqlite:///{folder.resolve() / 'mlflow.db'}")
         experiment = self.client.get_experiment_by_name(project)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
             project, artifact_location=None if uri else (folder / "artifacts").resolve().as_uri())
-        id_file = folder / "r1fit-run-id"
-        self.run_id = id_file.read_text().strip() if id_file.is_file() else ""
         if self.run_id and self._exists(self.run_id):
             self.client.update_run(self.run_id, status="RUNNING")
         else:
