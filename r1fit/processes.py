@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from r1fit.config.schema import uneven_split
 from r1fit.errors import R1fitError
 
 log = logging.getLogger("r1fit.distributed")
@@ -56,9 +57,9 @@ class World:
     def share(self, n: int, what: str = "rows") -> slice:
         """This rank's contiguous share of ``n`` items; ``n`` must split evenly, because every
         rank must run the same number of forward and backward passes (FSDP's collectives)."""
-        if n % self.size:
-            raise DistributedError(f"{n} {what} do not split evenly over {self.size} processes; "
-                                   f"make it a multiple of {self.size}")
+        problem = uneven_split(n, what, self.size)
+        if problem is not None:
+            raise DistributedError(problem)
         per = n // self.size
         return slice(self.rank * per, (self.rank + 1) * per)
 
@@ -71,8 +72,9 @@ ONE_PROCESS_GROUP = "R1FIT_ONE_PROCESS_GROUP"
 def check_split(cfg: Any, kind: str, w: World) -> None:
     """Before anything loads: every batch the run will split over ``w`` splits evenly (GRPO's
     rows per step, the SFT batch, the warm-up's batch)."""
-    for n, what in cfg.split_batches(kind):
-        w.share(n, f"rows ({what})")
+    problems = cfg.split_problems(kind, w.size)
+    if problems:
+        raise DistributedError(problems[0])
 
 
 def world() -> World:

@@ -733,10 +733,24 @@ class Config:
             batches.append((self.sft.batch_size, "sft.batch_size (the format warm-up)"))
         return batches
 
+    def split_problems(self, kind: str, size: int) -> list[str]:
+        """Why each of :meth:`split_batches` that does not split evenly over ``size`` processes
+        cannot run (the run refuses it at start, ``r1fit plan --gpus`` names it)."""
+        return [problem for n, what in self.split_batches(kind)
+                if (problem := uneven_split(n, f"rows ({what})", size))]
+
     def fingerprint(self) -> str:
         """A short hash of the resolved config, for run identity."""
         text = json.dumps(self.to_dict(), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def uneven_split(n: int, what: str, size: int) -> str | None:
+    """Why ``n`` ``what`` cannot be shared over ``size`` processes, or None when they split
+    evenly (every rank must run the same number of forward and backward passes)."""
+    if n % size == 0:
+        return None
+    return f"{n} {what} do not split evenly over {size} processes; make it a multiple of {size}"
 
 
 def _check_shapes(cfg: Config) -> None:

@@ -336,8 +336,8 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
     if generation == "auto":
         sizes = replace(sizes, generation=max(1, even_size(max_gen, local, group)))
     est = _estimate(facts, cfg, prompt, sizes, device_type, device_memory_bytes)
-    problems = split_problems(cfg, kind, gpus) + engine_problems(est.details,
-                                                                 device_memory_bytes, gpus)
+    problems = [*cfg.split_problems(kind, gpus),
+                *engine_problems(est.details, device_memory_bytes, gpus)]
     plan = Plan(parts=est.parts, peak_bytes=est.peak, budget_bytes=device_memory_bytes,
                 fits=est.peak <= usable and not problems, problems=problems,
                 max_micro_batch=max_micro,
@@ -649,13 +649,6 @@ def engine_memory(f: ModelFacts, cfg: Config, stored: int, cuda: bool, budget: i
     else:
         kv = CPU_ENGINE_KV_BYTES
     return EngineMemory(weights, kv, sleeps=cuda and v.sleep_level > 0, share=share, needs=needs)
-
-
-def split_problems(cfg: Config, kind: str, gpus: int) -> list[str]:
-    """A batch of the run that does not split evenly over ``gpus`` processes, which the run
-    refuses at start (:func:`r1fit.processes.check_split`)."""
-    return [f"{n} rows ({what}) do not split evenly over {gpus} processes; make it a multiple "
-            f"of {gpus}" for n, what in cfg.split_batches(kind) if n % gpus]
 
 
 def even_split_advice(cfg: Config, kind: str, gpus: int) -> list[str]:
@@ -1260,7 +1253,7 @@ def _advice(plan: Plan, facts: ModelFacts, asked: Config, view: Callable[[Config
         out.append(f"memory.generation_batch={plan.max_generation_batch} "
                    f"(now {sizes.generation})")
     d = plan.details
-    split = split_problems(asked, d["kind"], d["gpus"])
+    split = asked.split_problems(d["kind"], d["gpus"])
     if split:  # what splits over the GPUs: the nearest larger sizes (no memory switch mends it)
         out.extend(even_split_advice(asked, d["kind"], d["gpus"]))
     if plan.max_micro_batch and plan.max_generation_batch and plan.problems == split:
