@@ -62,7 +62,7 @@ from r1fit.data.errors import DataError
 from r1fit.distributed.loading import load_on_ranks
 from r1fit.memory.autofit import resolve_checkpointing, resolve_sizes
 from r1fit.memory.telemetry import reset_peak, step_memory
-from r1fit.models.load import load_adapter, load_policy, resolve_model_path
+from r1fit.models.load import ADAPTER_CONFIG, load_adapter, load_policy, resolve_model_path
 from r1fit.processes import DistributedError, pick_device, world
 from r1fit.progress import progress_bar
 from r1fit.report.eval_page import (
@@ -83,7 +83,6 @@ from r1fit.train.tool_rollouts import ToolTurns
 
 log = logging.getLogger("r1fit")
 
-ADAPTER_CONFIG = "adapter_config.json"
 #: what each kind of model source is, in messages and on the page
 KINDS = {"model": "model.path", "folder": "a model folder", "adapter": "a LoRA adapter",
          "checkpoint": "a run's checkpoint"}
