@@ -109,7 +109,6 @@ class Run(Session):
     checkpoints: CheckpointManager
     rss_before_load_bytes: int  # what memory.budget is measured from on CPU
     rss_after_load_bytes: int
-    started: float  # perf_counter() when the run started
     layout: BatchLayout  # memory.share_prefix, packing: how micro-batches reach the model
     #: the time model's seconds per step, logged in each step's row (None: not predicted)
     predicted: StepPrediction | None
@@ -169,7 +168,8 @@ class Run(Session):
         extra = {"rss_before_load_bytes": self.rss_before_load_bytes,
                  "rss_after_load_bytes": self.rss_after_load_bytes}
         if self.checkpoints.resume is not None:
-            extra["seconds_since_resume"] = round(time.perf_counter() - self.started, 1)
+            extra["seconds_since_resume"] = round(time.perf_counter()
+                                                  - self.checkpoints.started, 1)
         summary = write_summary(self.out, self.metrics, steps=steps,
                                 seconds=self.checkpoints.run_seconds(), extra=extra,
                                 main=self.world.main)
@@ -267,7 +267,7 @@ def start_run(cfg: Config, kind: str) -> Run:
                    metrics=MetricsWriter(out / "metrics.jsonl", active=w.main, trackers=trackers),
                    trackers=trackers, checkpoints=checkpoints,
                    rss_before_load_bytes=rss_before_load,
-                   rss_after_load_bytes=current_rss_bytes(), started=started,
+                   rss_after_load_bytes=current_rss_bytes(),
                    layout=BatchLayout(cfg.memory.share_prefix), predicted=predicted,
                    planned=planned)
     except BaseException:
