@@ -90,7 +90,7 @@ def filter_top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_scores, order = torch.sort(scores, dim=-1, descending=False, stable=True)
     cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
     remove_sorted = cumulative <= 1 - top_p
-    remove_sorted[..., -1] = False
+    remove_sorted[..., -1].fill_(False)  # no host scalar in a captured step
     remove = remove_sorted.scatter(-1, order, remove_sorted)
     return scores.masked_fill(remove, float("-inf"))
 
