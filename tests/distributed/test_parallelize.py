@@ -22,12 +22,20 @@ def test_units_are_the_decoder_layers_and_vision_blocks(use_tiny_cache):
     assert sorted(map(id, units)) == sorted(map(id, expected))
 
 
+def checkpointing(model) -> bool:
+    """Whether gradient checkpointing is on: ``is_gradient_checkpointing`` in transformers 5.17
+    (the GPU image's), ``is_activation_checkpointing`` in later releases, which deprecate the
+    first."""
+    name = "is_activation_checkpointing"
+    return bool(getattr(model, name) if hasattr(model, name) else model.is_gradient_checkpointing)
+
+
 def test_one_process_gets_checkpointing_and_no_fsdp(use_tiny_cache):
     model, _ = load_policy("builtin:tiny", device="cpu", **LOAD)
-    assert not model.is_activation_checkpointing
+    assert not checkpointing(model)
     root = parallelize(CompletionLogProbs(model), activation_checkpointing=True, world=World(),
                        device_type="cpu")
-    assert model.is_activation_checkpointing and fsdp_modules(root) == []
+    assert checkpointing(model) and fsdp_modules(root) == []
     before = [p.clone() for p in model.parameters()]
     with gathered(root):  # a no-op without FSDP
         pass
