@@ -13,6 +13,10 @@ CI and this machine (the stages on builtin:tiny on CPU; CI leaves out trl, plan7
 
     python benchmarks/gpu_check.py --cpu-smoke [--only STAGE ...] [--out DIR]
 
+The device image's torch, transformers and peft are older than a fresh install's: before a
+device session, ``bash benchmarks/device_versions.sh`` runs the fast tier and the smoke on CPU
+with those versions.
+
 Nothing is downloaded: the ``build`` stage draws the weights of Qwen2.5-VL-3B-Instruct (and, for
 the last stage, 7B) from the config.json files r1fit ships, in bfloat16 straight on the GPU, with a
 locally trained tokenizer whose special tokens have Qwen's ids

@@ -4,7 +4,8 @@
 # TRL or datasets: TRL 1.16 and datasets 5.2 (the versions the bench extra was tested with here)
 # and the two packages datasets imports that the image lacks (dill, multiprocess), for Python 3.12
 # on x86-64, into .whl/ (git-ignored; about 1.8 MB). r1fit itself needs
-# none of them; transformers 5.17 runs r1fit (checked on CPU), so no transformers wheel is carried.
+# none of them; torch 2.11 with transformers 5.17 runs r1fit (checked on CPU by
+# benchmarks/device_versions.sh), so no transformers wheel is carried.
 #
 #   bash benchmarks/gpu_wheels.sh          # here, with pip and internet, from the repository root
 #
