@@ -237,8 +237,9 @@ class AlgoConfig:
                               "either way).", ge=0)
     tis_cap: float | None = opt(2.0, "Truncated importance sampling against the rollout engine's "
                                 "log-probs (rollout.engine=vllm): each token's loss is weighted by "
-                                "min(pi_trainer / pi_engine, tis_cap) (TRL's and verl's default cap "
-                                "2). No effect with the hf engine; 0 or null = off.", ge=0)
+                                "min(pi_trainer / pi_engine, tis_cap) (verl's default cap 2; TRL "
+                                "1.16 defaults to a sequence-level mask at 3). No effect with the hf "
+                                "engine; 0 or null = off.", ge=0)
     cov_restriction: Literal["none", "clip_cov", "kl_cov"] = opt(
         "none", "Restrict the update of the tokens whose log-prob/advantage covariance is highest "
         "(Cui et al. 2025, verl's clip_cov / kl_cov policy losses; scores over each micro-batch): "
