@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -15,6 +17,21 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+@contextmanager
+def rng_untouched(device: torch.device | str | None = None) -> Iterator[None]:
+    """The block's random draws leave torch's global generators as they were: the CPU's, and the
+    CUDA device's when ``device`` is one. For probes and measurements (a FLOP/s matmul, the
+    planner's kernel probes) that draw random tensors in one process and not another, or at
+    another step after a resume: LoRA's dropout and every other draw of a run read the global
+    generators, and a resumed run is bit-exact only when nothing else moved them."""
+    where = torch.device(device) if device is not None else None
+    cuda = []
+    if where is not None and where.type == "cuda":
+        cuda = [where.index if where.index is not None else torch.cuda.current_device()]
+    with torch.random.fork_rng(devices=cuda):
+        yield
 
 
 #: cuBLAS's deterministic workspace setting (its docs' "Results reproducibility"); read when

@@ -56,3 +56,15 @@ def test_deterministic_kernels_switch_on_and_back_off(monkeypatch):
         use_deterministic_kernels(False)
     assert not torch.are_deterministic_algorithms_enabled()
     assert not torch.backends.cudnn.deterministic
+
+
+def test_draws_inside_rng_untouched_leave_the_global_stream_where_it_was():
+    from r1fit.rng import rng_untouched
+
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    for device in ("cpu", None):  # no device: the CPU's generator
+        torch.manual_seed(3)
+        with rng_untouched(device):
+            torch.randn(100)
+        assert torch.equal(torch.rand(4), expected)

@@ -29,6 +29,7 @@ from torch import nn
 
 from r1fit.data.batch import Prompt, micro_batches
 from r1fit.processes import all_sum
+from r1fit.rng import rng_untouched
 from r1fit.rollout.record import Rollout
 
 # Dense (no sparsity) peak tensor throughput per GPU in TFLOP/s, from the vendors' data sheets:
@@ -251,8 +252,9 @@ def measured_peak_flops(device: torch.device, dtype: torch.dtype, *, size: int =
                         repeats: int = 5) -> float:
     """The best FLOP/s of ``repeats`` square matrix products of ``size`` on ``device`` (the CPU's
     peak as r1fit sees it, with the threads torch uses)."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
+    with rng_untouched(device):  # built when a run first logs its FLOPs: after a resume too
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
     torch.matmul(a, b)  # warm-up: thread pool, kernels
     best = float("inf")
     for _ in range(repeats):

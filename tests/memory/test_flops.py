@@ -130,6 +130,15 @@ def test_peaks():
     assert measured_peak_flops(torch.device("cpu"), torch.float32, size=256, repeats=2) > 1e8
 
 
+def test_measuring_the_peak_leaves_the_random_stream_alone():
+    """The meter measures the CPU's peak when a run first logs its FLOPs, which after a resume is
+    a later step than in the run it continues: its random matrices must not move the stream that
+    LoRA's dropout draws from (a resumed LoRA-dropout run differed from step 4 on)."""
+    before = torch.get_rng_state()
+    measured_peak_flops(torch.device("cpu"), torch.float32, size=64, repeats=1)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_meter_counts_real_prompts(tiny_dir):
     from r1fit.data.batch import encode_prompts
     from r1fit.data.dataset import load_dataset

@@ -298,6 +298,8 @@ def _saves_float32_product(norm: Any) -> bool:
 
     import torch
 
+    from r1fit.rng import rng_untouched
+
     width = norm.weight.shape[0]
     try:
         module = copy.deepcopy(norm).to_empty(device="cpu").to(torch.bfloat16)
@@ -311,7 +313,8 @@ def _saves_float32_product(norm: Any) -> bool:
                 saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
 
-        x = torch.randn(4, width, dtype=torch.bfloat16, requires_grad=True)
+        with rng_untouched():  # a run plans at start and again after an OOM
+            x = torch.randn(4, width, dtype=torch.bfloat16, requires_grad=True)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             module(x)
     except (RuntimeError, TypeError, ValueError):  # a norm that cannot run alone: the formula's

@@ -27,10 +27,11 @@ def conv_backward_workspace(in_channels: int, out_channels: int, kernel: tuple[i
     from torch import nn
 
     from r1fit.memory.probe import TensorProbe
+    from r1fit.rng import rng_untouched
 
     dtype = torch.bfloat16 if element_bytes == 2 else torch.float32
     conv_class = nn.Conv3d if len(kernel) == 3 else nn.Conv2d
-    with torch.random.fork_rng(devices=[]):
+    with rng_untouched():
         conv = conv_class(in_channels, out_channels, kernel_size=kernel, stride=kernel,
                           bias=False, dtype=dtype)
         patches = torch.randn(max(2, torch.get_num_threads()), in_channels, *kernel, dtype=dtype)
