@@ -64,9 +64,11 @@ RESUME_SAFE = ("train.output_dir", "train.overwrite", "train.device", "train.max
                "data.eval", "rollout.vllm.kv_cache_memory", "rollout.vllm.gpu_memory_utilization",
                "rollout.vllm.sleep_level", "rollout.share_prefill", "report.")
 # safe to change, but the continued run is no longer bit-identical to an uninterrupted one
+# (memory.gradient_checkpointing and checkpoint_every recompute the same numbers: a LoRA-dropout
+# run with and without gave the same bits on CPU)
 RESUME_NOT_EXACT = ("train.max_steps", "sft.steps", "memory.micro_batch",
                     "memory.generation_batch", "memory.logits_chunk", "memory.fused_loss",
-                    "rollout.share_prefill", "train.deterministic")
+                    "memory.share_prefix", "rollout.share_prefill", "train.deterministic")
 
 
 class CheckpointError(R1fitError, RuntimeError):

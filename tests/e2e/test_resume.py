@@ -218,7 +218,7 @@ def test_a_checkpoint_saved_before_a_config_key_existed_resumes(use_tiny_cache, 
     assert "rollout.min_new_tokens: None -> 4" in capsys.readouterr().err
 
 
-def test_refusals(use_tiny_cache, tmp_path, capsys):
+def test_refusals(use_tiny_cache, reward_plugin, tmp_path, capsys):
     out = tmp_path / "run"
     args = [*TINY, "sft.steps=2", "checkpoint.every=1", "eval.every=0", "data.eval=null"]
     assert run("sft", f"train.output_dir={out}", *args) == 0
@@ -239,6 +239,16 @@ def test_refusals(use_tiny_cache, tmp_path, capsys):
     assert "holds a run with no complete checkpoint" in error()
     # told otherwise: start over
     assert run("sft", f"train.output_dir={out}", *args, "train.overwrite=true") == 0
+    # memory keys may change; the warning says which ones change the numbers
+    capsys.readouterr()
+    assert run("sft", f"train.output_dir={out}", *args, "sft.steps=3", "memory.share_prefix=true",
+               "memory.gradient_checkpointing=false") == 0
+    err = capsys.readouterr().err
+    differ = " (the run will not be identical to an uninterrupted one)"
+    changes = [line.split("resuming with ", 1)[1] for line in err.splitlines()
+               if "resuming with memory." in line]
+    assert sorted(changes) == ["memory.gradient_checkpointing changed: True -> False",
+                               f"memory.share_prefix changed: 'auto' -> True{differ}"], changes
 
 
 def test_disk_full_while_saving_keeps_the_previous_checkpoint(use_tiny_cache, tmp_path,
