@@ -71,6 +71,10 @@ RESUME_NOT_EXACT = ("train.max_steps", "sft.steps", "memory.micro_batch",
                     "memory.share_prefix", "rollout.share_prefill", "train.deterministic")
 
 
+#: trainer_state's "resolved" key of the rollout engine the run generated with
+RESOLVED_ENGINE = "rollout.engine"
+
+
 class CheckpointError(R1fitError, RuntimeError):
     """A checkpoint cannot be saved or resumed from; the message says why and what to do."""
 
@@ -259,6 +263,9 @@ class CheckpointManager:
         # the run's seconds before this start (a checkpoint from before they were kept: none)
         self.seconds_before = float(resume.state.get("seconds") or 0.0) if resume else 0.0
         self._models: dict[str, tuple[Any, Any]] = {}  # name -> (module, processor or None)
+        # what an 'auto' setting resolved to in this run (RESOLVED_ENGINE: the rollout engine),
+        # kept in each checkpoint: a resume compares what it resolves to with it
+        self.resolved: dict[str, str] = {}
         best_file = out / "best"
         self.best = json.loads(best_file.read_text()) if best_file.is_file() else None
         self.last_saved: Path | None = None
@@ -451,7 +458,8 @@ class CheckpointManager:
             "weights_only": self.cfg.checkpoint.weights_only,
             "objects": saved, "models": sorted(self._models), "world_size": world().size,
             "metrics_lines": metrics_lines, "metrics": metrics or {},
-            "seconds": round(self.run_seconds(), 3), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "resolved": dict(self.resolved), "seconds": round(self.run_seconds(), 3),
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         (partial / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
         (partial / "config.json").write_text(json.dumps(run_config(self.cfg, self.kind),
                                                         indent=1))

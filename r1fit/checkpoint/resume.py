@@ -24,6 +24,7 @@ from r1fit.checkpoint.files import write_text_atomic
 from r1fit.checkpoint.lock import LOCK, hold_output_dir
 from r1fit.checkpoint.manager import (
     PARTIAL,
+    RESOLVED_ENGINE,
     RESUME_NOT_EXACT,
     RESUME_SAFE,
     CheckpointError,
@@ -215,6 +216,11 @@ def _check_resumable(point: Path, cfg: Any, kind: str) -> ResumePoint:
                if k in saved or k not in defaults or v[1] != defaults[k]}
     if "model.dtype" in changes and _same_dtype(cfg.model.path, *changes["model.dtype"]):
         del changes["model.dtype"]  # e.g. a run saved before 'auto' became the default
+    engine = changes.get(RESOLVED_ENGINE)
+    if engine and "auto" in engine and RESOLVED_ENGINE in (state.get("resolved") or {}):
+        # 'auto' and an engine are compared once resolved, when the engine is built
+        # (r1fit.train.engines.check_resumed_engine); an older checkpoint: as written
+        del changes[RESOLVED_ENGINE]
     fixed = {k: v for k, v in changes.items() if not k.startswith(RESUME_SAFE)}
     if fixed and not cfg.checkpoint.allow_config_change:
         listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(fixed.items())[:5])

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
+from r1fit.checkpoint.manager import RESOLVED_ENGINE, CheckpointError
 from r1fit.config.engines import resolve_engine, sft_engine
 from r1fit.data.batch import Prompt
 from r1fit.distributed.parallelize import gathered
@@ -310,11 +311,33 @@ def rollout_engine(run: Run, settings: SamplingSettings,
                                distributed=run.world.distributed,
                                attention=run.cfg.model.attn_implementation)
     log.info("rollout.engine=%s%s", name, "" if why == "set" else f" (auto: {why})")
+    if isinstance(run, Run):  # a training run (r1fit eval's session keeps no checkpoints)
+        check_resumed_engine(run, name, why)
     if name == "vllm":
         return VllmRollouts(run, settings, tools)
     if name == "static":
         return StaticRollouts(run, settings, tools)
     return HFRollouts(run, settings, tools)
+
+
+def check_resumed_engine(run: Run, name: str, why: str) -> None:
+    """Record the engine in the run's checkpoints; a resumed run whose checkpoint generated with
+    another one (``rollout.engine=auto`` resolved otherwise on this machine, or the key changed
+    from or to auto) is refused, or with ``checkpoint.allow_config_change`` warned about: the
+    engines sample differently, so its rollouts would not be the ones it would have made."""
+    checkpoints = run.checkpoints
+    point = checkpoints.resume
+    saved = (point.state.get("resolved") or {}).get(RESOLVED_ENGINE) if point else None
+    checkpoints.resolved[RESOLVED_ENGINE] = name
+    if saved is None or saved == name:
+        return
+    here = f"here rollout.engine={run.cfg.rollout.engine} " + (
+        f"is {name}" if why == "set" else f"resolves to {name} ({why})")
+    said = f"{point.path} generated its rollouts with the {saved} engine; {here}"
+    if not run.cfg.checkpoint.allow_config_change:
+        raise CheckpointError(f"{said}: set rollout.engine={saved} to continue as it ran, or "
+                              f"checkpoint.allow_config_change=true to continue on {name}")
+    log.warning("%s (the run will not be identical to an uninterrupted one)", said)
 
 
 def evaluation_engine(run: Run) -> RolloutEngine:
