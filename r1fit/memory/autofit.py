@@ -144,13 +144,13 @@ def resolve_sizes(cfg: Any, device: torch.device, kind: str = "grpo") -> ChunkSi
         picked = [key for key, value in asked.items() if value == "auto"]
         answers = {key: plan.auto_size(key) for key in picked}
         if any(not answers[key] for key in picked):
-            what = ("memory.micro_batch_tokens (one row alone)"
-                    if "micro_batch_tokens" in picked and not answers["micro_batch_tokens"]
-                    else "memory.micro_batch=1")
+            failed = next(key for key in picked if not answers[key])
+            what = ("memory.micro_batch_tokens (one row alone)" if failed == "micro_batch_tokens"
+                    else f"memory.{failed}=1")
             raise AutoFitError(
                 f"even {what} does not fit {format_bytes(budget)} on {device}: planned peak "
                 f"{format_bytes(plan.peak_bytes)}, usable {format_bytes(plan.usable_bytes)} "
-                f"({SAFETY_MARGIN:.0%} of the budget kept free); what would fit: "
+                f"({SAFETY_MARGIN:.0%} of the budget kept free); the plan's advice: "
                 f"{'; '.join(plan.advice) or 'see r1fit plan'}")
         for key in picked:
             chosen[key] = int(answers[key])

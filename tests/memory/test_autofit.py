@@ -69,6 +69,14 @@ def test_nothing_fits(use_tiny_cache):
         "(10% of the budget kept free)" in str(err.value)
 
 
+def test_nothing_fits_names_the_auto_key(use_tiny_cache):
+    """Only generation_batch is auto: the message names it, not micro_batch."""
+    cfg = load_config(None, [*BASE, "memory.generation_batch=auto", "memory.budget=1MiB"])
+    with pytest.raises(AutoFitError, match="^even memory.generation_batch=1 does not fit "
+                       "1.00 MiB on cpu: .*; the plan's advice: "):
+        resolve_sizes(cfg, CPU)
+
+
 def _peaks(cfg, budget):
     """The planned peaks without and with checkpointing, and the usable bytes of ``budget``."""
     plans = [plan_memory(cfg.with_values({"memory.gradient_checkpointing": on}),

@@ -298,7 +298,6 @@ def _saves_float32_product(norm: Any) -> bool:
 
     import torch
 
-    from r1fit.rng import rng_untouched
 
     width = norm.weight.shape[0]
     try:
@@ -313,7 +312,7 @@ def _saves_float32_product(norm: Any) -> bool:
                 saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
 
-        with rng_untouched():  # a run plans at start and again after an OOM
+        with torch.random.fork_rng(devices=[]):  # a run plans at start and after an OOM
             x = torch.randn(4, width, dtype=torch.bfloat16, requires_grad=True)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             module(x)

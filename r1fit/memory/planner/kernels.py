@@ -27,11 +27,10 @@ def conv_backward_workspace(in_channels: int, out_channels: int, kernel: tuple[i
     from torch import nn
 
     from r1fit.memory.probe import TensorProbe
-    from r1fit.rng import rng_untouched
 
     dtype = torch.bfloat16 if element_bytes == 2 else torch.float32
     conv_class = nn.Conv3d if len(kernel) == 3 else nn.Conv2d
-    with rng_untouched():
+    with torch.random.fork_rng(devices=[]):  # the run's random stream stays where it was
         conv = conv_class(in_channels, out_channels, kernel_size=kernel, stride=kernel,
                           bias=False, dtype=dtype)
         patches = torch.randn(max(2, torch.get_num_threads()), in_channels, *kernel, dtype=dtype)
