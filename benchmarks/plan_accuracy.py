@@ -88,6 +88,13 @@ GRID: dict[str, list[str]] = {
     "small-lora-r16-kl-chunk512": [SMALL, "model.lora.r=16", "algo.num_generations=8",
                                    "memory.micro_batch=4", "algo.max_new_tokens=32",
                                    "algo.beta=0.04", "memory.logits_chunk=512"],
+    # an entropy bonus: its gradient holds a chunk's probabilities beside its logits (fused in
+    # the forward, or recomputed in the backward)
+    "small-full-entropy": [SMALL, "algo.num_generations=8", "memory.micro_batch=8",
+                           "algo.max_new_tokens=64", "algo.beta=0", "algo.entropy_coef=0.05"],
+    "small-full-entropy-unfused": [SMALL, "algo.num_generations=8", "memory.micro_batch=8",
+                                   "algo.max_new_tokens=64", "algo.beta=0",
+                                   "algo.entropy_coef=0.05", "memory.fused_loss=false"],
     # other architectures: Gemma 3 (SigLIP on fixed 64 px images, 4 norms and q/k norms per
     # layer, sliding-window and global layers), Qwen3-VL
     "gemma3-full-g8": [GEMMA3, "algo.num_generations=8", "memory.micro_batch=4",

@@ -250,7 +250,7 @@ def sft_step(cfg: Config, *, device_type: str = "cuda", gpus: int = 1) -> Config
         cfg, train=replace(cfg.train, prompts_per_step=cfg.sft.batch_size),
         # a cross-entropy of per-token terms, fused as memory.fused_loss says
         algo=replace(cfg.algo, num_generations=1, max_new_tokens=cfg.sft.max_answer_tokens,
-                     beta=0.0, kl_in_reward=False, num_iterations=1,
+                     beta=0.0, kl_in_reward=False, num_iterations=1, entropy_coef=0.0,
                      importance_sampling_level="token", cov_restriction="none"),
         memory=replace(cfg.memory, share_prefix=False),
         rollout=replace(cfg.rollout, engine=engine), tools=())  # an answer, not a trajectory
@@ -507,7 +507,7 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
                      share_prefix=bool(cfg.memory.share_prefix), group=cfg.algo.num_generations,
                      rows_per_gpu=s.rows, gpus=s.gpus, packed_tokens=s.tokens,
                      flash=cfg.model.attn_implementation.startswith("flash"),
-                     fused_loss=cfg.fuses_loss(),
+                     fused_loss=cfg.fuses_loss(), entropy_grad=cfg.algo.entropy_coef > 0,
                      # a multi-turn trajectory's turns are prefilled as they come (docs/tools.md)
                      share_prefill=(cfg.rollout.engine == "hf" and not cfg.tools
                                     and cfg.rollout.share_prefill is True),
@@ -862,6 +862,8 @@ class StepShape:
     #: memory.fused_loss on: the LM head's gradients are made in its forward
     #: (r1fit/algorithms/logprobs.py fused_head_loss), nothing of it is kept for backward
     fused_loss: bool = False
+    #: algo.entropy_coef > 0: the head's backward holds a chunk's probabilities too
+    entropy_grad: bool = False
     #: rollout.share_prefill=true: a generation chunk prefills each prompt it touches once
     #: (r1fit/rollout/prefill.py)
     share_prefill: bool = False
@@ -1113,10 +1115,11 @@ def head_chunk_bytes(step: StepShape, rows: int, chunk: int, new_grad: bool = Tr
     backbone_out = sequences * width * t.hidden * b  # the backbone's output, still held
     if step.fused_loss:
         return (backbone_out + _head_input(step, rows) + grad_weight
-                + max(chunk_forward_bytes(t.vocab, b, chunk), chunk_backward_bytes(t.vocab, b, chunk)))
+                + max(chunk_forward_bytes(t.vocab, b, chunk),
+                      chunk_backward_bytes(t.vocab, b, chunk, step.entropy_grad)))
     return max(backbone_out + chunk_forward_bytes(t.vocab, b, chunk),
                grad_weight + _head_input(step, rows)  # + the gradient of hidden[mask]
-               + chunk_backward_bytes(t.vocab, b, chunk))
+               + chunk_backward_bytes(t.vocab, b, chunk, step.entropy_grad))
 
 
 def layer_backward_bytes(step: StepShape, s: Sizes, fsdp: FsdpBuffers) -> int:

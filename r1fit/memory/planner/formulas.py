@@ -165,11 +165,15 @@ def chunk_forward_bytes(vocab: int, b: int, chunk: int) -> int:
     return chunk * vocab * F32 + max(converted, min(chunk, SLICE_TOKENS) * vocab * F32)
 
 
-def chunk_backward_bytes(vocab: int, b: int, chunk: int) -> int:
-    """The chunked LM head's backward over ``chunk`` tokens."""
+def chunk_backward_bytes(vocab: int, b: int, chunk: int, entropy_grad: bool = False) -> int:
+    """The chunked LM head's backward over ``chunk`` tokens (``entropy_grad``: with an entropy
+    bonus's gradient, algo.entropy_coef > 0)."""
     # the recomputed float32 chunk, turned into d logp / d logits in place; for a bf16 model its
-    # bf16 copy coexists for a moment
-    return chunk * vocab * (F32 + (b if b != F32 else 0))
+    # bf16 copy coexists for a moment; the entropy's gradient needs the chunk's probabilities
+    # beside it (float32) and the mask of their zeros (r1fit/algorithms/logprobs.py
+    # _to_logits_grad_)
+    entropy = F32 + 1 if entropy_grad else 0
+    return chunk * vocab * (F32 + (b if b != F32 else 0) + entropy)
 
 
 def sampling_logits_f32(temperature: float, top_p: float) -> int:

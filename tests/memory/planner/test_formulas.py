@@ -53,6 +53,8 @@ def test_logits_chunks():
     # backward: the float32 chunk (+ its bfloat16 copy in a bfloat16 model)
     assert chunk_backward_bytes(vocab=100, b=4, chunk=8) == 8 * 100 * 4
     assert chunk_backward_bytes(vocab=100, b=2, chunk=8) == 8 * 100 * (4 + 2)
+    # an entropy bonus's gradient: the chunk's float32 probabilities and the mask of their zeros
+    assert chunk_backward_bytes(vocab=100, b=4, chunk=8, entropy_grad=True) == 8 * 100 * (4 + 5)
 
 
 def test_sampling_logits_grow_with_temperature_and_top_p():
