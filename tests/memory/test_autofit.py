@@ -18,8 +18,9 @@ from r1fit.memory.planner import SAFETY_MARGIN, even_size, model_facts, plan_mem
 from r1fit.units import format_bytes
 
 CPU = torch.device("cpu")
+# no evaluation: its eval.batch rows would set the generation peak these tests size by the step
 BASE = ["model.path=builtin:tiny", "algo.num_generations=8", "train.prompts_per_step=4",
-        "data.shapes.image_size=56", "data.max_pixels=3136"]
+        "data.shapes.image_size=56", "data.max_pixels=3136", "data.eval=null"]
 
 
 def test_auto_sizes_are_the_planners_fit_evened_out(use_tiny_cache, caplog):

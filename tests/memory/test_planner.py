@@ -217,7 +217,7 @@ def test_cublas_workspaces_follow_the_environment(monkeypatch, env, mib):
 def test_max_micro_batch_respects_the_budget(small_model):
     def plan(micro: int, budget: int | None = None):
         cfg = cfg_for(small_model, f"memory.micro_batch={micro}", "memory.generation_batch=1",
-                      "memory.gradient_checkpointing=false")
+                      "memory.gradient_checkpointing=false", "data.eval=null")
         return plan_memory(cfg, device_memory_bytes=budget, device_type="cpu")
 
     low, high = plan(1).peak_bytes, plan(16).peak_bytes
@@ -228,6 +228,35 @@ def test_max_micro_batch_respects_the_budget(small_model):
     above = 1 << best.bit_length()  # the next power of two
     assert not plan(above, budget).fits
     assert plan(above, budget).max_micro_batch == best
+
+
+def test_an_evaluation_is_planned_at_eval_batch_rows_of_its_own_completions(small_model):
+    """Generate on the policy (hf): an evaluation generates eval.batch greedy rows, one per
+    prompt, so the generation phase is the larger of the step's chunk and that; when it sets a
+    peak over the budget, the advice lowers eval.batch. r1fit sft evaluates with
+    algo.max_new_tokens (its answers are cut at sft.max_answer_tokens): planned so."""
+    def plan(*extra: str, budget: int | None = None, kind: str = "grpo"):
+        cfg = cfg_for(small_model, "rollout.engine=hf", "memory.generation_batch=2", *extra)
+        return plan_memory(cfg, device_memory_bytes=budget, device_type="cpu", kind=kind)
+
+    none, few, many = (plan("data.eval=null"), plan("eval.batch=4"), plan("eval.batch=64"))
+    assert none.phases["update"] == few.phases["update"] == many.phases["update"]
+    assert none.phases["generation"] <= few.phases["generation"] < many.phases["generation"]
+    assert many.peak_phase == "generation"
+    budget = int(max(few.peak_bytes, 1.05 * none.peak_bytes) / (1 - SAFETY_MARGIN))
+    tight = plan("eval.batch=64", budget=budget)
+    assert not tight.fits and any(
+        line.startswith("eval.batch=") and line.endswith(
+            "(now 64: the evaluation's generation sets the peak)") for line in tight.advice)
+    fitting = int(next(a for a in tight.advice if a.startswith("eval.batch="))
+                  .split("=")[1].split()[0])
+    assert plan(f"eval.batch={fitting}", budget=budget).fits
+    # r1fit sft: the evaluation's completions, not the answers', set its generation
+    short, long = (plan("sft.max_answer_tokens=8", f"algo.max_new_tokens={n}", kind="sft")
+                   for n in (16, 2048))  # long enough for the KV cache to outgrow the tower
+    assert short.phases["update"] == long.phases["update"]
+    assert short.phases["generation"] < long.phases["generation"]
+    assert any("the evaluation's completions 2048" in note for note in long.notes)
 
 
 def test_auto_sizes_are_planned_at_what_auto_picks(small_model):
@@ -296,7 +325,7 @@ def test_a_smaller_head_chunk_is_a_switch_when_a_row_fills_it(tmp_path):
     # the head that recomputes its chunks, whose 'auto' chunk is 1,024 tokens (the fused head's
     # is 256 already: nothing to advise, below)
     long = ("algo.max_new_tokens=1024", "memory.micro_batch=1", "memory.generation_batch=1",
-            "memory.fused_loss=false")
+            "memory.fused_loss=false", "data.eval=null")  # no 64-row evaluation to set the peak
     plan = plan_memory(cfg_for(tmp_path, *long), device_memory_bytes=1 << 20, device_type="cpu")
     smaller = plan_memory(cfg_for(tmp_path, *long, "memory.logits_chunk=256"),
                           device_memory_bytes=1 << 20, device_type="cpu")
@@ -758,7 +787,9 @@ def test_tools_plan_a_whole_trajectory_of_images(capsys):
     on, off = (plan(dataclasses.replace(with_tools, rollout=r)) for r in (shared, hf))
     assert (on.parts, on.phases) == (off.parts, off.phases)
     assert on.time["phases"] == off.time["phases"]
-    plain_on, plain_off = (plan(dataclasses.replace(base, rollout=r)) for r in (shared, hf))
+    # (without evaluations, whose 64 rows of one prompt each would set the generation peak)
+    quiet = base.with_values({"data.eval": None})
+    plain_on, plain_off = (plan(dataclasses.replace(quiet, rollout=r)) for r in (shared, hf))
     assert plain_on.phases["generation"] < plain_off.phases["generation"]
 
 

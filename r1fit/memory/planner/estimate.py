@@ -223,6 +223,8 @@ class Sizes:
     #: memory.micro_batch_tokens: micro-batches packed by tokens (``micro`` is then the most
     #: rows one of them takes, set by :func:`_estimate` from the cut)
     tokens: int | None = None
+    #: what an evaluation generates at once (:func:`evaluation_shape`): rows, completion tokens
+    evaluation: tuple[int, int] = (0, 0)
 
     @property
     def micro_batches(self) -> int:
@@ -254,6 +256,13 @@ def sft_step(cfg: Config, *, device_type: str = "cuda", gpus: int = 1) -> Config
                      importance_sampling_level="token", cov_restriction="none"),
         memory=replace(cfg.memory, share_prefix=False),
         rollout=replace(cfg.rollout, engine=engine), tools=())  # an answer, not a trajectory
+
+
+def evaluation_shape(cfg: Config) -> tuple[int, int]:
+    """(rows, completion tokens) an evaluation generates at once: ``eval.batch`` greedy rows of
+    ``algo.max_new_tokens`` (with tools a trajectory's budget), in ``r1fit sft`` too, whose
+    answers are cut at ``sft.max_answer_tokens``; (0, 0) without ``data.eval``."""
+    return (cfg.eval.batch, completion_tokens(cfg)) if cfg.data.eval else (0, 0)
 
 
 def completion_tokens(cfg: Config) -> int:
@@ -299,12 +308,15 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
     sizes = Sizes(rows=local, gpus=gpus, micro=local if micro == "auto" else min(micro, local),
                    generation=local if generation == "auto" else min(generation, local),
                    checkpointing=cfg.memory.gradient_checkpointing,
-                   checkpoint_every=cfg.memory.checkpoint_every)
+                   checkpoint_every=cfg.memory.checkpoint_every,
+                   evaluation=evaluation_shape(asked))
     tokens = cfg.memory.micro_batch_tokens
     notes = []
     if kind == "sft":
+        evaluation = (f", the evaluation's completions {sizes.evaluation[1]}"
+                      if sizes.evaluation[0] else "")
         notes.append(f"an r1fit sft step: every answer sft.max_answer_tokens="
-                     f"{cfg.algo.max_new_tokens} tokens long, the evaluation's completions too")
+                     f"{cfg.algo.max_new_tokens} tokens long{evaluation}")
     if facts.hub_config:
         notes.append(f"model config: {facts.hub_config} (no weights read)")
     if gpus > 1:
@@ -531,16 +543,23 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
     chunk = min(cfg.head_chunk(), s.micro * step.completion)
     generation = generation_bytes(step, s.generation,
                                   sampling_logits_f32(cfg.algo.temperature, cfg.algo.top_p))
+    eval_rows, eval_tokens = s.evaluation
+    # an evaluation generates eval.batch greedy rows of its own completions, one per prompt
+    evaluating = replace(step, completion=eval_tokens, share_prefill=False, group=1)
+    if eval_rows:
+        generation = max(generation, generation_bytes(evaluating, eval_rows,
+                                                       sampling_logits_f32(1.0, 1.0)))
     update = update_bytes(step, s, states, buffers, chunk)
 
     workspaces = cublas_workspaces() if cuda else 0
     persistent = states.weights + states.optimizer + states.reference + step_inputs + workspaces
     engine = engine_memory(f, cfg, stored, cuda, budget, engine_name, prompt.tokens,
-                           s.generation, step.completion)
+                           s.generation, max(step.completion, eval_tokens))
     if engine.static:
         # the static engine keeps its cache and graphs' pool for the whole run; the merged-weight
         # backup and the prefill's transients exist while it generates
-        generation = static_prefill_bytes(step, s.generation)
+        generation = max(static_prefill_bytes(step, s.generation),
+                         static_prefill_bytes(evaluating, eval_rows) if eval_rows else 0)
         phases = {"generation": (persistent + engine.kv_cache + engine.graphs + engine.weights
                                  + generation)}
         training = engine.kv_cache + engine.graphs
@@ -1255,6 +1274,15 @@ def _advice(plan: Plan, facts: ModelFacts, asked: Config, view: Callable[[Config
     if 0 < plan.max_generation_batch < sizes.generation:
         out.append(f"memory.generation_batch={plan.max_generation_batch} "
                    f"(now {sizes.generation})")
+    eval_rows, eval_tokens = sizes.evaluation
+    if eval_rows > 1 and plan.peak_bytes > usable:  # fewer evaluation rows at once, if enough
+        fewer = (eval_rows >> k for k in range(1, eval_rows.bit_length()))
+        fits = next((n for n in fewer if _estimate(
+            facts, cfg, prompt, replace(sizes, evaluation=(n, eval_tokens)), device_type,
+            plan.budget_bytes).peak <= usable), None)
+        if fits:
+            out.append(f"eval.batch={fits} (now {eval_rows}: the evaluation's generation sets "
+                       "the peak)")
     d = plan.details
     split = asked.split_problems(d["kind"], d["gpus"])
     if split:  # what splits over the GPUs: the nearest larger sizes (no memory switch mends it)
