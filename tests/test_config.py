@@ -206,6 +206,16 @@ def test_algorithm_choices():
         assert not load_config(None, [coupled]).fuses_loss()
 
 
+def test_a_budget_without_its_unit_is_refused():
+    """A number alone is bytes: memory.budget=12 would be 12 bytes, a unit forgotten; a byte
+    count as large as a device's (the GPU check writes them) is taken."""
+    with pytest.raises(ConfigError, match="^memory.budget: 12 is 12 bytes; give a unit, e.g. "
+                       "12GiB$"):
+        load_config(None, ["memory.budget=12"])
+    assert load_config(None, ["memory.budget=10737418240"]).memory.budget == "10737418240"
+    assert load_config(None, ["memory.budget=12GiB"]).memory.budget == "12GiB"
+
+
 def test_min_pixels_above_max(tmp_path):
     with pytest.raises(ConfigError, match="data.min_pixels .* must be <= data.max_pixels"):
         load_config(None, ["data.min_pixels=5000", "data.max_pixels=4000"])

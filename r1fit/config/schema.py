@@ -449,7 +449,8 @@ class MemoryConfig:
         "(algo.importance_sampling_level=token, algo.cov_restriction=none). 'auto': on where it "
         "applies (always for SFT), else the chunks are recomputed in backward; false: always "
         "recomputed.")
-    budget: str = opt("", "Memory the run may use, e.g. '20GiB', enforced through the OOM guard "
+    budget: str = opt("", "Memory the run may use, e.g. '20GiB' (a number alone is bytes, at "
+                      "least 1 MiB of them), enforced through the OOM guard "
                       "(which halves micro_batch/generation_batch and redoes the step) and taken by "
                       "the 'auto' sizes. CUDA: the caching allocator is capped at the budget less "
                       "768 MiB for the CUDA context (torch.cuda.set_per_process_memory_fraction). "
@@ -699,6 +700,10 @@ class Config:
                 parse_bytes(self.memory.budget)
             except ValueError as exc:
                 raise ConfigError(f"memory.budget: {exc}") from None
+            bare = str(self.memory.budget).strip()
+            if bare.isdigit() and int(bare) < 2**20:  # a number alone is bytes: a unit forgotten
+                raise ConfigError(f"memory.budget: {bare} is {bare} bytes; give a unit, e.g. "
+                                  f"{bare}GiB")
         if not self.checkpoint.resume.strip():
             raise ConfigError("checkpoint.resume: got an empty value, expected 'auto', 'never' or a "
                               "checkpoint folder")
