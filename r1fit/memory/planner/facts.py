@@ -298,7 +298,6 @@ def _saves_float32_product(norm: Any) -> bool:
 
     import torch
 
-
     width = norm.weight.shape[0]
     try:
         module = copy.deepcopy(norm).to_empty(device="cpu").to(torch.bfloat16)
