@@ -633,6 +633,9 @@ class StaticDecoder:
             # follows does not hold it (the planner counts it in generation)
             with torch.inference_mode(False), torch.no_grad(), \
                     merged_adapters(model) as generator:
+                # buffers for the call's largest chunk, not a batch size larger than the call
+                # (the planner counts min(generation_batch, a step's rows))
+                sized = min(batch_size, len(rows))
                 for start in range(0, len(rows), batch_size):
                     chunk = rows[start:start + batch_size]
                     chunk_seeds = None if seeds is None else seeds[start:start + batch_size]
@@ -642,7 +645,7 @@ class StaticDecoder:
                     # the transformers model itself: peft's wrapper adds only Python per call
                     # (its adapters are merged and off inside the block)
                     completions.extend(self._chunk(
-                        unwrap(generator), chunk, chunk_seeds, batch_size, settings,
+                        unwrap(generator), chunk, chunk_seeds, sized, settings,
                         chunk_limits, stop, keep, None if previous is None else (previous, kept),
                         room))
         finally:
@@ -748,16 +751,18 @@ class StaticDecoder:
         width = int(batch["attention_mask"].shape[1])
         slot_of, place, prompt_of_slot = prompt_slots(index.tolist(), self.prompt_places)
         count, places = len(prompt_of_slot), self.prompt_places
-        have = self.shared
-        if (have is None or n > self.capacity or steps > self.length
-                or count > have.mask.shape[0] or width > have.mask.shape[1]):
+        # the present prompts' half as sizes only: no reference to its buffers may outlive
+        # _allocate's freeing of them (the planner counts one cache, not two)
+        slots, columns_held = ((0, 0) if self.shared is None
+                               else tuple(self.shared.mask.shape))
+        if (self.shared is None or n > self.capacity or steps > self.length
+                or count > slots or width > columns_held):
             # room for the most prompts, widest prompts and longest completions seen so far
-            self._allocate(max(batch_size, n, self.capacity if have is not None else 0),
-                           _rounded(steps, self.length if have is not None else 0,
-                                    COMPLETION_STEP), prefill,
-                           (max(count, have.mask.shape[0] if have else 0),
-                            _rounded(width, have.mask.shape[1] if have else 0,
-                                     LENGTH_STEP), places))
+            had = self.shared is not None
+            self._allocate(max(batch_size, n, self.capacity if had else 0),
+                           _rounded(steps, self.length if had else 0, COMPLETION_STEP), prefill,
+                           (max(count, slots), _rounded(width, columns_held, LENGTH_STEP),
+                            places))
         shared = self.shared
         assert shared is not None
         dev = self.device
@@ -880,7 +885,9 @@ class StaticDecoder:
             return
         rows = self.row_of[:live].tolist()
         tail = self.out[:, max(0, made - self.sync_every - stop.window):made].cpu()
-        hits = [slot for slot in slots if stop.text in stop.decode(tail[rows[slot]].tolist())]
+        # the rule that cuts the row afterwards (Stop.first: the text within one window), so a
+        # row is never stopped where its cut would not end it (its later columns unwritten)
+        hits = [slot for slot in slots if stop.first(tail[rows[slot]].tolist()) is not None]
         if hits:
             self.done[torch.tensor(hits, device=self.device)] = True
 

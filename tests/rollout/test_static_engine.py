@@ -6,10 +6,12 @@ its kept cache gets the tokens of its context prefilled whole."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from r1fit.data.batch import Prompt, encode_prompts
 from r1fit.data.dataset import load_dataset
@@ -21,7 +23,8 @@ from r1fit.rollout.generate import (
     generate_completions,
     row_seeds,
 )
-from r1fit.rollout.static_engine import StaticDecoder, merged_adapters
+from r1fit.rollout.static_engine import StaticDecoder, Stop, merged_adapters
+from r1fit.rollout.turns import STOP_WINDOW, StopAtToolCall
 
 CPU = torch.device("cpu")
 FAMILIES = ("tiny", "tiny-qwen2vl", "tiny-qwen3vl", "tiny-gemma3")
@@ -194,6 +197,87 @@ def test_compaction_keeps_every_row_exact(tiny):
     engine = StaticDecoder(model, ids_stop, CPU, sync_every=2)
     compact = engine.generate(rows, seeds=seeds, batch_size=len(rows), settings=settings)
     assert _same(compact, whole)
+
+
+def test_buffers_hold_the_calls_rows_not_a_larger_batch_size(tiny):
+    """A step of 8 rows under memory.generation_batch=64 allocates a KV cache of 8 rows (what the
+    planner counts: min(generation_batch, the step's rows)); a later larger call grows it, a
+    smaller one keeps it."""
+    model, ids, rows = tiny
+    settings = SamplingSettings(max_new_tokens=4, greedy=True)
+    engine = StaticDecoder(model, ids, CPU)
+    engine.generate(rows, seeds=None, batch_size=64, settings=settings)
+    assert engine.capacity == len(rows) == 8
+    assert engine.keys[0].shape[0] == 8
+    engine.generate(rows[:3], seeds=None, batch_size=64, settings=settings)
+    assert engine.capacity == 8
+    engine.generate(rows + rows, seeds=None, batch_size=64, settings=settings)
+    assert engine.capacity == 16
+    chunked = StaticDecoder(model, ids, CPU)
+    chunked.generate(rows, seeds=None, batch_size=3, settings=settings)
+    assert chunked.capacity == 3
+
+
+def test_a_larger_shared_call_frees_the_old_prompts_half_first(tiny):
+    """Reallocating the shared-prompt layout (a call with more prompts than before) holds one
+    cache, not the old prompts' keys beside the new ones (the planner counts one)."""
+    model, ids, rows = tiny
+    settings = SamplingSettings(max_new_tokens=4, greedy=True)
+    engine = StaticDecoder(model, ids, CPU, share_prompt=True, prompt_places=2)
+    engine.generate(rows[:4], seeds=None, batch_size=8, settings=settings)  # 2 prompt slots
+    old = weakref.ref(engine.shared.keys[0])
+    alive = []
+    allocate = engine._allocate
+
+    def watched(*args, **kwargs):
+        allocate(*args, **kwargs)
+        alive.append(old() is not None)  # the new buffers exist now
+
+    engine._allocate = watched
+    engine.generate(rows, seeds=None, batch_size=8, settings=settings)  # 4 slots
+    assert alive == [False]
+
+
+class _Scripted(StaticDecoder):
+    """The engine with every row's token s read from ``script`` (the forward still runs)."""
+
+    script: torch.Tensor
+
+    def _pick(self, logits, rows, settings):
+        return self.script.index_select(0, self.counter).expand(rows).clone()
+
+
+def test_a_stop_text_spread_past_the_window_does_not_stop_the_row(tiny, tiny_dir):
+    """A stop text whose pieces lie further apart than one window (tokens that decode to nothing
+    between them) ends no row, as in the HF path (StopAtToolCall) and Stop.first: the engine's
+    early check uses the same rule, so the row runs on and every token returned was generated."""
+    model, ids, rows = tiny
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    piece = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    empty = tok.convert_tokens_to_ids("<|box_end|>")
+    assert tok.decode([empty], skip_special_tokens=True) == ""
+    tokens = piece("he") + piece("</tool") + [empty] * (STOP_WINDOW + 3) + piece("_call>")
+    while len(tokens) < 64:
+        tokens += piece(" hello world")
+    script = torch.tensor(tokens[:64])
+    stop = Stop("</tool_call>", tok, STOP_WINDOW)
+    hf = StopAtToolCall(tok, 0, [64])
+    for n in range(1, 65):
+        hf(script[None, :n], None)
+    assert hf.stops == [64] and stop.first(script.tolist()) is None
+    engine = _Scripted(model, ids, CPU, sync_every=16)
+    engine.script = script
+    got = engine.generate(rows[:1], seeds=None, batch_size=1, stop=stop,
+                          settings=SamplingSettings(max_new_tokens=64, greedy=True))
+    assert got[0].tolist() == script.tolist()
+    # within one window the text stops the row right after its last piece
+    near = torch.tensor((piece("he") + piece("</tool") + [empty] * 3 + piece("_call>")
+                         + piece(" hello world") * 40)[:64])
+    engine.script = near
+    got = engine.generate(rows[:1], seeds=None, batch_size=1, stop=stop,
+                          settings=SamplingSettings(max_new_tokens=64, greedy=True))
+    assert got[0].tolist() == near[:stop.first(near.tolist())].tolist()
+    assert len(got[0]) < 20
 
 
 def test_lora_merge_is_restored_bit_exactly(tiny_dir):
