@@ -29,6 +29,7 @@ from r1fit.checkpoint.manager import (
     RESUME_SAFE,
     CheckpointError,
     ResumePoint,
+    checkpoint_name,
     checkpoint_order,
     command_of,
     config_changes,
@@ -161,8 +162,13 @@ def _open_output_dir(cfg: Any, kind: str) -> tuple[Path, ResumePoint | None]:
     out.mkdir(parents=True, exist_ok=True)
     _continue_metrics(point, out, resume.state.get("metrics_lines", 0))
     if same_run:  # checkpoints after the resume point belong to the abandoned trajectory
+        # the point's place from its trainer state: a renamed copy (checkpoint.resume=out/keep)
+        # has no order in its name
+        here = checkpoint_order(Path(checkpoint_name(resume.phase, resume.step)))
         for later in list_checkpoints(out):
-            if checkpoint_order(later) > checkpoint_order(point) or later.name.endswith(PARTIAL):
+            if later.resolve() == point.resolve():
+                continue
+            if checkpoint_order(later) > here or later.name.endswith(PARTIAL):
                 if later.name in damaged and not later.name.endswith(PARTIAL):
                     # skipped as damaged: what is intact in it (often the weights) may be worth
                     # saving, so it is set aside under a name no resume takes, not deleted

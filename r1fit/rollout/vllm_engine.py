@@ -20,7 +20,6 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -115,7 +114,7 @@ def cut_after_stop(tokens: torch.Tensor, decode: Callable[[list[int]], str], sto
 class EngineSpec:
     """Everything the engine is started with (from the run's config and model)."""
 
-    folder: Path           # the model folder (or hub id) the policy was loaded from
+    folder: str            # the model folder (or hub id) the policy was loaded from
     dtype: torch.dtype
     device: torch.device
     seed: int

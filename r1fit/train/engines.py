@@ -37,7 +37,7 @@ from r1fit.rollout.record import Rollout, Trajectory
 from r1fit.rollout.static_engine import StaticDecoder
 from r1fit.rollout.turns import generate_trajectories, hf_generate_turn, static_generate_turn
 from r1fit.rollout.vllm_engine import EngineSpec, RolloutEngineError, VllmEngine
-from r1fit.train.run import Run
+from r1fit.train.run import Run, Session
 from r1fit.train.tool_rollouts import ToolTurns
 
 log = logging.getLogger("r1fit.rollout")
@@ -121,7 +121,7 @@ class HFRollouts(Rollouts):
     """Rollouts with ``generate`` on the policy, ``memory.generation_batch`` rows at a time;
     with ``tools``, multi-turn trajectories (:meth:`trajectories`)."""
 
-    def __init__(self, run: Run, settings: SamplingSettings,
+    def __init__(self, run: Session, settings: SamplingSettings,
                  tools: ToolTurns | None = None) -> None:
         self.run, self.settings, self.tools = run, settings, tools
         self.sharing = PrefillSharing(run.cfg.rollout.share_prefill)
@@ -182,7 +182,7 @@ class StaticRollouts(HFRollouts):
     turn of the open rows one engine call, each row's cache kept across its turns
     (``rollout.static.keep_cache``)."""
 
-    def __init__(self, run: Run, settings: SamplingSettings,
+    def __init__(self, run: Session, settings: SamplingSettings,
                  tools: ToolTurns | None = None) -> None:
         super().__init__(run, settings, tools)
         static = run.cfg.rollout.static
@@ -216,7 +216,7 @@ class VllmRollouts(Rollouts):
     """Rollouts on this process's vLLM engine, synced from the policy when it changed; with
     ``tools``, multi-turn trajectories, each turn of the open rows one engine call."""
 
-    def __init__(self, run: Run, settings: SamplingSettings,
+    def __init__(self, run: Session, settings: SamplingSettings,
                  tools: ToolTurns | None = None) -> None:
         cfg = run.cfg
         self.run, self.settings, self.tools = run, settings, tools
@@ -303,7 +303,7 @@ class VllmRollouts(Rollouts):
             self._engine.close()
 
 
-def rollout_engine(run: Run, settings: SamplingSettings,
+def rollout_engine(run: Session, settings: SamplingSettings,
                    tools: ToolTurns | None = None) -> RolloutEngine:
     """The engine ``rollout.engine`` names, ready for the run's first rollout; with ``tools``,
     for multi-turn rollouts."""

@@ -195,7 +195,7 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool,
     GRPO, logged with a ``warmup/`` prefix); otherwise each row's solution, and the last step's row
     (and every ``sft.eval_every``-th) holds an evaluation. ``report`` (``r1fit sft``'s; the
     warm-up has none, its rows go on GRPO's page) sees each row: the page every ``report.every``
-    steps. ``engine``: what the evaluations generate with (default Hugging Face generate)."""
+    steps. ``engine``: what the evaluations generate with (None only without an eval set)."""
     cfg, processor = run.cfg, run.processor
     phase, prefix = ("warmup", "warmup/") if format_only else ("sft", "")
     sampler = PromptSampler(len(run.train_set), seed=cfg.train.seed + 1)

@@ -97,6 +97,34 @@ def test_a_newer_checkpoint_skipped_as_damaged_is_set_aside_and_best_and_latest_
     assert (out / "metrics.jsonl").read_text() == "".join(rows[:2])
 
 
+def test_resuming_from_a_renamed_copy_inside_the_output_folder(tmp_path: Path) -> None:
+    """checkpoint.resume=out/keep-step1 (a copy of checkpoint-1 under a name with no step in it):
+    the run resumes at step 1 from it, checkpoint-2 goes (it lies after the point) and
+    ``latest`` names the copy."""
+    import shutil
+
+    import torch
+
+    from r1fit.checkpoint.manager import CheckpointManager, list_checkpoints
+
+    cfg = load_config(None, [f"train.output_dir={tmp_path}", "checkpoint.keep=0"])
+    manager = CheckpointManager(tmp_path, cfg, "sft", resume=None)
+    manager.add_model("model", torch.nn.Linear(2, 2, bias=False))
+    rows = [json.dumps({"step": s}) + "\n" for s in (1, 2)]
+    for step in (1, 2):
+        (tmp_path / "metrics.jsonl").write_text("".join(rows[:step]))
+        manager.save("sft", step, {name: Box(step) for name in ("optimizer", "scheduler",
+                                                                   "rng")}, metrics_lines=step)
+    shutil.copytree(tmp_path / "checkpoint-1", tmp_path / "keep-step1")
+    cfg = load_config(None, [f"train.output_dir={tmp_path}", "checkpoint.keep=0",
+                             f"checkpoint.resume={tmp_path / 'keep-step1'}"])
+    out, resume = open_output_dir(cfg, "sft")
+    assert resume is not None and resume.path.name == "keep-step1" and resume.step == 1
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-1"]
+    assert (out / "keep-step1").is_dir() and (out / "latest").read_text() == "keep-step1\n"
+    assert (out / "metrics.jsonl").read_text() == rows[0]
+
+
 def test_overwrite_deletes_what_a_run_wrote_and_keeps_the_users_files(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     out = tmp_path / "run"
