@@ -198,6 +198,25 @@ GRID: dict[str, list[str]] = {
                                      "memory.micro_batch=8", "algo.max_new_tokens=64",
                                      "algo.beta=0", "memory.fused_loss=false",
                                      "memory.logits_chunk=256"],
+    # rollout.engine=static, eager on CPU: its static KV cache (the step's rows when fewer than
+    # memory.generation_batch), decode workspace and, with LoRA, the copy of the adapted weights
+    # it restores after merging; the shared-prompt layout's prompts' half
+    "tiny-full-static": [TINY, "rollout.engine=static", "algo.num_generations=8",
+                         "memory.micro_batch=4", "algo.max_new_tokens=16", "algo.beta=0"],
+    "small-lora-static-kl": [SMALL, "rollout.engine=static", "model.lora.r=8",
+                             "algo.num_generations=8", "memory.micro_batch=4",
+                             "algo.max_new_tokens=32", "algo.beta=0.04"],
+    "small-lora-static-shared": [SMALL, "rollout.engine=static", "rollout.static.share_prompt=true",
+                                 "model.lora.r=8", "algo.num_generations=8",
+                                 "memory.micro_batch=4", "algo.max_new_tokens=64", "algo.beta=0"],
+    "small-lora-static-p4-gb16": [SMALL, "rollout.engine=static", "model.lora.r=8",
+                                  "train.prompts_per_step=4", "algo.num_generations=8",
+                                  "memory.micro_batch=4", "memory.generation_batch=16",
+                                  "algo.max_new_tokens=64", "algo.beta=0"],
+    # rollout.share_prefill=true (Hugging Face generate): 4 prompts x G 8 of 64 tokens
+    "small-lora-prefill-p4": [SMALL, "rollout.share_prefill=true", "model.lora.r=8",
+                              "train.prompts_per_step=4", "algo.num_generations=8",
+                              "memory.micro_batch=4", "algo.max_new_tokens=64", "algo.beta=0"],
     # r1fit sft steps (``r1fit plan --sft``): sft.batch_size rows, every answer planned
     # sft.max_answer_tokens long; the cap lies below the data's answers, so every answer is cut
     # to exactly that length and the plan's pessimism is the run's shape
