@@ -192,13 +192,21 @@ class GroupShape:
     patches: tuple[int, ...] = ()
 
 
+def prefill_flops(shape: ModelShape, row: RowShape) -> int:
+    """The prompt's prefill: vision tower included, the LM head on its last token."""
+    return forward_flops(shape, context=0, tokens=row.prompt, head_tokens=1, patches=row.patches)
+
+
+def decode_flops(shape: ModelShape, row: RowShape) -> int:
+    """One forward per decoded token after the first (each with the LM head)."""
+    return sum(forward_flops(shape, context=row.prompt + i, tokens=1, head_tokens=1)
+               for i in range(max(row.completion - 1, 0)))
+
+
 def generation_flops(shape: ModelShape, row: RowShape) -> int:
     """Prefill of the prompt (vision tower included, the LM head on its last token), then one
     forward per decoded token after the first (each with the LM head)."""
-    prefill = forward_flops(shape, context=0, tokens=row.prompt, head_tokens=1, patches=row.patches)
-    decode = sum(forward_flops(shape, context=row.prompt + i, tokens=1, head_tokens=1)
-                 for i in range(max(row.completion - 1, 0)))
-    return prefill + decode
+    return prefill_flops(shape, row) + decode_flops(shape, row)
 
 
 def _group_attention(shape: ModelShape, group: GroupShape) -> int:
@@ -324,10 +332,21 @@ class MfuMeter:
         self.patch_size = getattr(vision_cfg, "patch_size", None)
         self.peak, self.peak_from = device_peak_flops(device, dtype)
 
-    def generation(self, prompts: Sequence[Prompt], completions: Sequence[torch.Tensor]) -> int:
-        """FLOPs of generating these rows."""
-        return sum(generation_flops(self.shape, r)
-                   for r in row_shapes(prompts, completions, self.patch_size))
+    def generation(self, prompts: Sequence[Prompt], completions: Sequence[torch.Tensor], *,
+                   layout: GenerationLayout | None = None) -> int:
+        """FLOPs of generating these rows as the engine's ``layout`` runs them (default: every
+        row's prompt prefilled, adapters unmerged)."""
+        layout = layout or GenerationLayout()
+        shape = replace(self.shape, lora_matrix=0) if layout.merged else self.shape
+        rows = row_shapes(prompts, completions, self.patch_size)
+        total = sum(decode_flops(shape, r) for r in rows)
+        chunk = layout.prefill_chunk or 1  # 1: each row a chunk of its own, its prompt its own
+        for start in range(0, len(rows), chunk):
+            # the distinct prompts of a chunk (the same object: a group's rows)
+            distinct = {id(p): r for p, r in zip(prompts[start:start + chunk],
+                                                 rows[start:start + chunk], strict=True)}
+            total += sum(prefill_flops(shape, r) for r in distinct.values())
+        return total
 
     def training(self, prompts: Sequence[Prompt], completions: Sequence[torch.Tensor], *,
                  log_prob_passes: int, updates: int, micro_batch: int, shared: bool,
@@ -343,20 +362,40 @@ class MfuMeter:
         return total_flops / max(seconds, 1e-9) / (self.peak * devices)
 
 
+@dataclass(frozen=True)
+class GenerationLayout:
+    """How an engine runs a generation, as far as its FLOPs go: ``prefill_chunk``, the rows of a
+    chunk whose distinct prompts it prefills once (None: every row's prompt, as Hugging Face
+    generate does without rollout.share_prefill); ``merged``: it decodes on LoRA merged into
+    the weights (the static and vLLM engines), so no adapter products."""
+
+    prefill_chunk: int | None = None
+    merged: bool = False
+
+
 def flops_metrics(meter: MfuMeter, run: Any, drawn: Rollout, kept: Rollout | None,
-                  with_reference: bool, seconds: float) -> dict[str, float]:
-    """A GRPO step's model FLOPs (every process's: generating every row drawn, then the log-prob
-    passes and updates of the kept ones, the way ``memory.share_prefix`` and the micro-batch
-    sizes run them) and the MFU they make over its ``seconds`` on ``world.size`` devices.
-    ``run``: the run (r1fit/train/run.py), for its config, chunk sizes, layout and world."""
+                  with_reference: bool, times: dict[str, float], *,
+                  layout: GenerationLayout | None = None) -> dict[str, float]:
+    """A GRPO step's model FLOPs (every process's: generating every row drawn as the engine's
+    ``layout`` runs it, then the log-prob passes and updates of the kept ones, the way
+    ``memory.share_prefix`` and the micro-batch sizes run them) and the MFU they make over the
+    step's seconds (the sum of ``times``) on ``world.size`` devices; ``mfu_update``: the log-prob
+    passes' and updates' FLOPs over ``seconds_update`` (the phase that runs them), the update's
+    own utilisation. ``run``: the run (r1fit/train/run.py), for its config, chunk sizes, layout
+    and world."""
     algo = run.cfg.algo
-    local = meter.generation(drawn.rows, drawn.completions)
+    generated = meter.generation(drawn.rows, drawn.completions, layout=layout)
+    trained = 0
     if kept is not None:
         # the old log-probs come from the first update's forwards, except with kl_in_reward,
         # whose pass before the first update provides them
         passes = int(with_reference) + int(algo.kl_in_reward)
-        local += meter.training(kept.rows, kept.completions, log_prob_passes=passes,
-                                updates=algo.num_iterations, micro_batch=run.sizes.micro_batch,
-                                shared=bool(run.layout.on), tokens=run.sizes.micro_batch_tokens)
-    total = all_sum([float(local)])[0]
-    return {"flops": total, "mfu": meter.mfu(total, seconds, run.world.size)}
+        trained = meter.training(kept.rows, kept.completions, log_prob_passes=passes,
+                                 updates=algo.num_iterations, micro_batch=run.sizes.micro_batch,
+                                 shared=bool(run.layout.on), tokens=run.sizes.micro_batch_tokens)
+    generated, trained = all_sum([float(generated), float(trained)])
+    total = generated + trained
+    out = {"flops": total, "mfu": meter.mfu(total, sum(times.values()), run.world.size)}
+    if trained and times.get("seconds_update"):
+        out["mfu_update"] = meter.mfu(trained, times["seconds_update"], run.world.size)
+    return out

@@ -17,6 +17,7 @@ reports (:meth:`RolloutEngine.step_counts`); the GRPO loop never asks which.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from functools import partial
@@ -28,6 +29,7 @@ from r1fit.checkpoint.manager import RESOLVED_ENGINE, CheckpointError
 from r1fit.config.engines import resolve_engine, sft_engine
 from r1fit.data.batch import Prompt
 from r1fit.distributed.parallelize import gathered
+from r1fit.memory.flops import GenerationLayout
 from r1fit.models.load import context_length, resolve_model_path, special_token_ids, unwrap
 from r1fit.models.weights import full_named_weights, weight_bytes
 from r1fit.report.metrics import timed
@@ -87,6 +89,10 @@ class RolloutEngine(Protocol):
         """The policy's weights changed."""
         ...
 
+    def generation_layout(self) -> GenerationLayout:
+        """How its generation runs, for the step's FLOP count (r1fit/memory/flops.py)."""
+        ...
+
     def close(self) -> None:
         """Release what the engine holds."""
         ...
@@ -115,6 +121,9 @@ class Rollouts:
 
     def step_counts(self) -> dict[str, float]:
         return {} if self.tools is None else self.tools.totals.step()
+
+    def generation_layout(self) -> GenerationLayout:
+        return GenerationLayout()
 
 
 class HFRollouts(Rollouts):
@@ -170,6 +179,12 @@ class HFRollouts(Rollouts):
                                 run.device)
         return self.tools.run_rows(turn, rows, seeds, batch_size, evaluation=seeds is None)
 
+    def generation_layout(self) -> GenerationLayout:
+        """Each chunk's distinct prompts prefilled once where rollout.share_prefill is on
+        (single-turn: a trajectory's turns are prefilled as they come); adapters unmerged."""
+        sharing = self.sharing.on is True and self.tools is None
+        return GenerationLayout(self.run.sizes.generation_batch if sharing else None)
+
     def updated(self) -> None:
         """The policy changed (nothing to do: generate reads it directly)."""
 
@@ -202,6 +217,12 @@ class StaticRollouts(HFRollouts):
         settings = SamplingSettings(max_new_tokens=self.settings.max_new_tokens, greedy=True)
         return self.decoder.generate(prompts, seeds=None, batch_size=self.run.cfg.eval.batch,
                                      settings=settings)
+
+    def generation_layout(self) -> GenerationLayout:
+        """Each chunk's distinct prompts prefilled once (a trajectory's turns: its own), decoded
+        on LoRA merged into the weights."""
+        return GenerationLayout(self.run.sizes.generation_batch if self.tools is None else None,
+                                merged=True)
 
     def _turns(self, settings: SamplingSettings, rows: Sequence[Prompt],
                seeds: Sequence[int] | None, batch_size: int) -> list[Trajectory]:
@@ -291,6 +312,11 @@ class VllmRollouts(Rollouts):
     def greedy_trajectories(self, prompts: Sequence[Prompt]) -> list[Trajectory]:
         """Greedy trajectories (evaluation with ``tools``, inside ``ready``)."""
         return self.trajectories(prompts, None)
+
+    def generation_layout(self) -> GenerationLayout:
+        """One call for all the process's rows, its prefix cache computing a prompt once (a
+        trajectory's turns: its own); the weights it was synced with are merged."""
+        return GenerationLayout(sys.maxsize if self.tools is None else None, merged=True)
 
     def updated(self) -> None:
         """The policy changed: sync before the next rollout; free the engine's memory meanwhile."""

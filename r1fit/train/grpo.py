@@ -241,8 +241,8 @@ def metrics_row(trainer: Trainer, step: int, draws: StepDraws, drawn: Rollout,
             "oom_retries": trainer.guard.retries, "micro_batch": run.sizes.micro_batch,
             "micro_batch_tokens": run.sizes.micro_batch_tokens,
             "generation_batch": run.sizes.generation_batch,
-            **flops_metrics(run.meter, run, drawn, rollout, trainer.reference is not None,
-                            sum(times.values()))}
+            **flops_metrics(run.meter, run, drawn, rollout, trainer.reference is not None, times,
+                            layout=trainer.engine.generation_layout())}
 
 
 def step_to_profile(cfg: Any) -> int:

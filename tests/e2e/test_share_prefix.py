@@ -61,6 +61,7 @@ def test_same_training_with_and_without_a_shared_prefix(use_tiny_cache, reward_p
         else:
             assert b["flops"] == a["flops"]
         assert 0 < a["mfu"] < 1 and 0 < b["mfu"] < 1
+        assert 0 < a["mfu_update"] < 1 and 0 < b["mfu_update"] < 1
     assert any(r["grad_norm"] > 0 for r in per_row)
     assert w_row.keys() == w_shared.keys()
     moved = 0

@@ -169,3 +169,74 @@ def test_meter_counts_real_prompts(tiny_dir):
         GroupShape(n, (2, 3), (16,)), GroupShape(n, (4,), (16,))]
     assert len(group_shapes(rows3, comps3, 14, micro_batch=2, shared=False)) == 3
     assert meter.mfu(4e9, 2.0, 2) == pytest.approx(4e9 / 2.0 / (2 * meter.peak))
+
+
+def test_generation_counted_as_the_engine_runs_it(tiny_dir):
+    """An engine that prefills each distinct prompt of a chunk once counts one prefill per prompt
+    a chunk touches; one that decodes on merged LoRA counts no adapter products."""
+    from r1fit.data.batch import encode_prompts
+    from r1fit.data.dataset import load_dataset
+    from r1fit.memory.flops import GenerationLayout, MfuMeter, decode_flops, prefill_flops
+
+    model, processor = load_policy(str(tiny_dir), lora_r=4, lora_alpha=16, lora_dropout=0.0,
+                                   lora_target="all-linear", freeze_vision=False,
+                                   dtype="float32", device=torch.device("cpu"),
+                                   gradient_checkpointing=False)
+    data = load_dataset("builtin:shapes", split="train", min_pixels=784, max_pixels=3136,
+                        max_images=1, max_bad_fraction=0.0, seed=0, size=4)
+    a, b = encode_prompts(processor, [data[0], data[1]], "")
+    rows = [a, a, a, b, b, b]  # two groups of 3 (the same objects, as a rollout's rows are)
+    completions = [torch.ones(n, dtype=torch.long) for n in (2, 3, 4, 5, 6, 7)]
+    meter = MfuMeter(model, torch.device("cpu"), torch.float32)
+    shape = ModelShape.of(model)
+    assert shape.lora_matrix > 0
+    shapes = [RowShape(p.length, int(c.shape[0]), (16,)) for p, c in zip(rows, completions)]
+    decode = sum(decode_flops(shape, r) for r in shapes)
+    each = [prefill_flops(shape, r) for r in shapes]
+    assert meter.generation(rows, completions) == decode + sum(each)
+    # chunks of 4: rows 0-3 touch prompts a and b, rows 4-5 prompt b
+    assert meter.generation(rows, completions, layout=GenerationLayout(4)) == \
+        decode + each[0] + each[3] + each[4]
+    assert meter.generation(rows, completions, layout=GenerationLayout(64)) == \
+        decode + each[0] + each[3]
+    merged = ModelShape(**{**shape.__dict__, "lora_matrix": 0})
+    assert meter.generation(rows, completions, layout=GenerationLayout(64, merged=True)) == \
+        sum(decode_flops(merged, r) for r in shapes) + prefill_flops(merged, shapes[0]) \
+        + prefill_flops(merged, shapes[3])
+    # a decoded token of the merged engine: the adapters' 2 x lora_matrix FLOPs fewer
+    one = RowShape(a.length, 2)
+    assert decode_flops(shape, one) - decode_flops(merged, one) == 2 * shape.lora_matrix
+
+
+def test_update_mfu_is_the_training_flops_over_the_update_seconds():
+    """mfu over the whole step's seconds, mfu_update the log-prob passes' and updates' FLOPs over
+    seconds_update alone (the update phase's utilisation), with the generation's layout."""
+    from types import SimpleNamespace
+
+    from r1fit.memory.flops import GenerationLayout, flops_metrics
+
+    class Meter:
+        peak = 100.0
+
+        def generation(self, rows, completions, *, layout=None):
+            assert layout == GenerationLayout(8, merged=True)
+            return 600
+
+        def training(self, rows, completions, **kwargs):
+            return 400
+
+        def mfu(self, flops, seconds, devices):
+            return flops / seconds / (self.peak * devices)
+
+    run = SimpleNamespace(cfg=SimpleNamespace(algo=SimpleNamespace(kl_in_reward=False,
+                                                                    num_iterations=1)),
+                          sizes=SimpleNamespace(micro_batch=4, micro_batch_tokens=None),
+                          layout=SimpleNamespace(on=False), world=SimpleNamespace(size=1))
+    kept = SimpleNamespace(rows=[], completions=[])
+    times = {"seconds_generate": 6.0, "seconds_score": 2.0, "seconds_update": 2.0}
+    out = flops_metrics(Meter(), run, kept, kept, False, times, layout=GenerationLayout(8, True))
+    assert out == {"flops": 1000.0, "mfu": pytest.approx(1000 / 10 / 100),
+                   "mfu_update": pytest.approx(400 / 2 / 100)}
+    # no update (no group with differing rewards): no update MFU
+    assert "mfu_update" not in flops_metrics(Meter(), run, kept, None, False, times,
+                                             layout=GenerationLayout(8, True))
