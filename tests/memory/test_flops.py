@@ -139,18 +139,24 @@ def test_measuring_the_peak_leaves_the_random_stream_alone():
     assert torch.equal(torch.get_rng_state(), before)
 
 
-def test_meter_counts_real_prompts(tiny_dir):
+def two_prompts(tiny_dir, lora_r=0):
+    """The tiny model and two encoded 56 px prompts of builtin:shapes."""
     from r1fit.data.batch import encode_prompts
     from r1fit.data.dataset import load_dataset
-    from r1fit.memory.flops import MfuMeter
 
-    model, processor = load_policy(str(tiny_dir), lora_r=0, lora_alpha=16, lora_dropout=0.0,
+    model, processor = load_policy(str(tiny_dir), lora_r=lora_r, lora_alpha=16, lora_dropout=0.0,
                                    lora_target="all-linear", freeze_vision=False,
                                    dtype="float32", device=torch.device("cpu"),
                                    gradient_checkpointing=False)
     data = load_dataset("builtin:shapes", split="train", min_pixels=784, max_pixels=3136,
                         max_images=1, max_bad_fraction=0.0, seed=0, size=4)
-    prompts = encode_prompts(processor, [data[0], data[1]], "")
+    return model, encode_prompts(processor, [data[0], data[1]], "")
+
+
+def test_meter_counts_real_prompts(tiny_dir):
+    from r1fit.memory.flops import MfuMeter
+
+    model, prompts = two_prompts(tiny_dir)
     completions = [torch.ones(4, dtype=torch.long), torch.ones(7, dtype=torch.long)]
     meter = MfuMeter(model, torch.device("cpu"), torch.float32)
     assert meter.peak > 0 and meter.peak_from == "measured CPU matmul"
@@ -174,17 +180,9 @@ def test_meter_counts_real_prompts(tiny_dir):
 def test_generation_counted_as_the_engine_runs_it(tiny_dir):
     """An engine that prefills each distinct prompt of a chunk once counts one prefill per prompt
     a chunk touches; one that decodes on merged LoRA counts no adapter products."""
-    from r1fit.data.batch import encode_prompts
-    from r1fit.data.dataset import load_dataset
     from r1fit.memory.flops import GenerationLayout, MfuMeter, decode_flops, prefill_flops
 
-    model, processor = load_policy(str(tiny_dir), lora_r=4, lora_alpha=16, lora_dropout=0.0,
-                                   lora_target="all-linear", freeze_vision=False,
-                                   dtype="float32", device=torch.device("cpu"),
-                                   gradient_checkpointing=False)
-    data = load_dataset("builtin:shapes", split="train", min_pixels=784, max_pixels=3136,
-                        max_images=1, max_bad_fraction=0.0, seed=0, size=4)
-    a, b = encode_prompts(processor, [data[0], data[1]], "")
+    model, (a, b) = two_prompts(tiny_dir, lora_r=4)
     rows = [a, a, a, b, b, b]  # two groups of 3 (the same objects, as a rollout's rows are)
     completions = [torch.ones(n, dtype=torch.long) for n in (2, 3, 4, 5, 6, 7)]
     meter = MfuMeter(model, torch.device("cpu"), torch.float32)
