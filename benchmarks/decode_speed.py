@@ -140,9 +140,13 @@ def measure(  # noqa: PLR0913 -- the benchmark's knobs, all keywords
         folder: str, *, lora_r: int, lora_alpha: int, prompts: int, generations: int,
             image_size: int, new_tokens: int, hf_tokens: int, device: str, dtype: str,
             repeats: int = 3, bandwidth: float | None = None, compile: bool = False,
-            turn_tokens: int = 0, profile_steps: int = 0, share_prompt: bool = False
-            ) -> dict[str, Any]:
-    """Both engines on one model and batch; the numbers as a dict (see the module docstring)."""
+            turn_tokens: int = 0, profile_steps: int = 0, share_prompt: bool = False,
+            partial: Path | None = None, deadline: float | None = None) -> dict[str, Any]:
+    """Both engines on one model and batch; the numbers as a dict (see the module docstring).
+    ``partial``: a file the result is written to as soon as the main timings are known and
+    again after each extra (profile, shared prompts, second turn), so a caller that must kill
+    this at its time cap keeps what was measured; ``deadline`` (time.time()): an extra that
+    would likely end after it is skipped, and one that fails is recorded, not raised."""
     import torch
 
     from r1fit.config import load_config
@@ -180,7 +184,7 @@ def measure(  # noqa: PLR0913 -- the benchmark's knobs, all keywords
         hf_step = (hf_all - hf_first) / max(hf_tokens - 1, 1)
         # at new_tokens: prefill + decode steps; where noise outweighs the few steps' time (a
         # loaded machine, a smoke's handful of tokens), the run as measured
-        extrapolated = hf_step > 0
+        extrapolated = hf_step > 0 and hf_tokens < new_tokens
         hf_seconds = hf_first + (new_tokens - 1) * hf_step if extrapolated else hf_all
         hf_result = {"prefill_seconds": hf_first, "seconds_measured": hf_all,
                      "decode_ms_per_step": hf_step * 1e3, "seconds_at_new_tokens": hf_seconds,
@@ -214,8 +218,10 @@ def measure(  # noqa: PLR0913 -- the benchmark's knobs, all keywords
     result = {
         "rows": n, "prompts": prompts, "generations": generations, "image_size": image_size,
         "prompt_tokens_mean": prompt_mean, "new_tokens": new_tokens, "hf_tokens": hf_tokens,
-        "hf_extrapolated": hf_tokens < new_tokens, "lora_r": lora_r, "dtype": dtype,
-        "compile": compile,
+        "hf_extrapolated": bool(hf_result and hf_result["extrapolated"]), "lora_r": lora_r,
+        "dtype": dtype,
+        # as it ran: a compile that failed leaves the engine uncompiled (logged)
+        "compile": engine.compile, "compile_asked": compile,
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "copy_bandwidth_bytes_per_s": bw, "decode_weight_bytes": weights,
         "kv_bytes_per_token": kv_token, "bytes_per_decode_step": must_read,
@@ -230,23 +236,65 @@ def measure(  # noqa: PLR0913 -- the benchmark's knobs, all keywords
     result["speedup_tokens_per_second"] = (
         None if hf_result is None else
         result["static"]["tokens_per_second"] / hf_result["tokens_per_second"])
+    save_partial(partial, result)
+    # the extras, each after the main numbers are safe: seconds each is expected to take (a
+    # second engine's warm-up and interleaved calls of the whole length)
+    call = st_all + warm_seconds
+    extras: list[tuple[str, float, Callable[[], Any]]] = []
     if profile_steps:
-        result["static"]["profile"] = profile_decode(
+        extras.append(("profile", 2 * st_all + 10, lambda: profile_decode(
             engine, rows, seeds, settings, min(profile_steps, new_tokens - 1), dev,
-            step_ms=st_step * 1e3, weight_bytes=weights)
+            step_ms=st_step * 1e3, weight_bytes=weights)))
     if share_prompt:
-        shared = StaticDecoder(model, ids, dev, graphs=engine.graphs, compile=engine.compile,
-                               share_prompt=True)
-        result["shared"] = shared_timings(engine, shared, rows, seeds, settings, new_tokens, dev,
-                                          repeats, must_read=weights, kv_token=kv_token,
-                                          bandwidth=bw)
+        extras.append(("shared", (2 * repeats + 1) * call, lambda: shared_timings(
+            engine, StaticDecoder(model, ids, dev, graphs=engine.graphs, compile=engine.compile,
+                                  share_prompt=True),
+            rows, seeds, settings, new_tokens, dev, repeats, must_read=weights,
+            kv_token=kv_token, bandwidth=bw)))
     if turn_tokens:
         # each turn decodes TURN_NEW_TOKENS: the two differ in what they prefill
-        result["turn"] = turn_timings(engine, StaticDecoder(model, ids, dev, graphs=engine.graphs,
-                                                              compile=engine.compile),
-                                      rows, seeds, settings(min(new_tokens, TURN_NEW_TOKENS)),
-                                      turn_tokens, dev, repeats)
+        extras.append(("turn", 2 * repeats * call, lambda: turn_timings(
+            engine, StaticDecoder(model, ids, dev, graphs=engine.graphs, compile=engine.compile),
+            rows, seeds, settings(min(new_tokens, TURN_NEW_TOKENS)), turn_tokens, dev, repeats)))
+    run_extras(result, extras, partial, deadline)
     return result
+
+
+def run_extras(result: dict[str, Any], extras: Sequence[tuple[str, float, Callable[[], Any]]],
+               partial: Path | None, deadline: float | None) -> None:
+    """Each extra ``(name, seconds it is expected to take, run)`` into ``result`` (the profile
+    under ``result["static"]``): skipped where it would end after ``deadline``, its error kept
+    where it fails; the result saved to ``partial`` after each."""
+    for name, seconds, run in extras:
+        where = result["static"] if name == "profile" else result
+        if deadline is not None and time.time() + seconds > deadline:
+            where[name] = {"skipped": f"about {seconds:.0f} s needed, "
+                                      f"{max(deadline - time.time(), 0):.0f} s left"}
+        else:
+            try:
+                where[name] = run()
+            except Exception as exc:  # noqa: BLE001 -- an extra's failure keeps the main numbers
+                where[name] = {"error": f"{type(exc).__name__}: {exc}"}
+                print(f"decode_speed: {name} failed: {where[name]['error']}", file=sys.stderr,
+                      flush=True)
+        save_partial(partial, result)
+
+
+def save_partial(path: Path | None, result: dict[str, Any]) -> None:
+    """``result`` into ``path`` (written whole, then renamed: never half a file)."""
+    if path is not None:
+        scratch = path.with_name(path.name + ".part")
+        scratch.write_text(json.dumps(result))
+        scratch.replace(path)
+
+
+def unfinished(part: Any) -> str | None:
+    """Why an extra of the result has no numbers ('skipped: ...', 'failed: ...'), or None."""
+    if isinstance(part, dict) and "skipped" in part:
+        return f"skipped ({part['skipped']})"
+    if isinstance(part, dict) and "error" in part:
+        return f"FAILED ({part['error']})"
+    return None
 
 
 def shared_timings(  # noqa: PLR0913 -- two engines, the rows and the roofline's facts
@@ -260,8 +308,14 @@ def shared_timings(  # noqa: PLR0913 -- two engines, the rows and the roofline's
     step must read in this layout (``must_read``, the weights, plus each distinct prompt's KV
     once and the rows' completions')."""
     n = len(rows)
-    distinct = {tuple(p.input_ids.tolist()): p.length for p in rows}
-    must_read += (sum(distinct.values()) + n * new_tokens / 2) * kv_token
+    # the prompts the engine holds: one slot per prompt object and group of its rows
+    # (r1fit.rollout.shared_prompts.prompt_slots), not per distinct token sequence
+    from r1fit.rollout.prefill import distinct_prompts
+    from r1fit.rollout.shared_prompts import prompt_slots
+
+    unique, index = distinct_prompts(rows)
+    _, _, prompt_of_slot = prompt_slots(index.tolist(), shared.prompt_places)
+    must_read += (sum(unique[i].length for i in prompt_of_slot) + n * new_tokens / 2) * kv_token
 
     def call(engine: Any, tokens: int) -> Any:
         return engine.generate(rows, seeds=seeds, batch_size=n, settings=settings(tokens))
@@ -449,13 +503,17 @@ def lines(name: str, r: dict[str, Any]) -> list[str]:
         + (f"; CUDA graphs FAILED: {st['graphs_error']}" if st.get("graphs_error") else ""),
         f"  roofline: {r['bytes_per_decode_step'] / 2**30:.2f} GiB per step at "
         f"{r['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s -> {st['roofline_fraction']:.0%}",
-        *([] if not r.get("turn") else [
+        *([f"  {name}: {why}" for name, part in (("second turn", r.get("turn")),
+                                                  ("shared prompts", r.get("shared")),
+                                                  ("profile", st.get("profile")))
+           if (why := unfinished(part))]),
+        *([] if not r.get("turn") or unfinished(r["turn"]) else [
             f"  second turn ({r['turn']['tool_tokens']} tool tokens, contexts of "
             f"{r['turn']['context_tokens_mean']:.0f}): kept cache {r['turn']['kept_seconds']:.2f} "
             f"s, whole prefill {r['turn']['whole_seconds']:.2f} s ({r['turn']['speedup']:.2f}x; "
             f"same tokens: {r['turn']['same_tokens']})"]),
-        *([] if not r.get("shared") else [shared_line(r["shared"])]),
-        *profile_lines(st.get("profile")),
+        *([] if not r.get("shared") or unfinished(r["shared"]) else [shared_line(r["shared"])]),
+        *([] if unfinished(st.get("profile")) else profile_lines(st.get("profile"))),
     ]
 
 
@@ -514,13 +572,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="then profile this many decode steps of the engine: milliseconds per step "
                         "by kind of kernel, and the top kernels (0: not run)")
     p.add_argument("--json", help="write the result here too")
+    p.add_argument("--partial", type=Path, default=None,
+                   help="write the result here as soon as the main timings are known, and after "
+                        "each extra (a caller that kills this at a time cap keeps them)")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="time.time() by which to be done: extras that would end later are "
+                        "skipped")
     a = p.parse_args(argv)
     r = measure(a.folder, lora_r=a.lora_r, lora_alpha=a.lora_alpha, prompts=a.prompts,
                 generations=a.generations, image_size=a.image_size, new_tokens=a.new_tokens,
                 hf_tokens=a.new_tokens if a.hf_tokens is None else a.hf_tokens, device=a.device, dtype=a.dtype,
                 repeats=a.repeats, bandwidth=a.bandwidth, compile=a.compile,
                 turn_tokens=a.turn_tokens, profile_steps=a.profile_steps,
-                share_prompt=a.share_prompt)
+                share_prompt=a.share_prompt, partial=a.partial, deadline=a.deadline)
     print("\n".join(lines("decode", r)), file=sys.stderr, flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(r))

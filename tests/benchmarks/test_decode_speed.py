@@ -4,6 +4,10 @@ checked against the matmul count of the tiny model's decode step, worked out by 
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import time
+
 import decode_speed
 import pytest
 import torch
@@ -93,7 +97,38 @@ def test_shared_timings_compare_the_two_layouts_on_the_same_rows(tiny_dir):
     assert got["active"] and got["same_tokens"]
     assert got["shared_cache_bytes"] < got["plain_cache_bytes"]
     assert got["plain_ms_per_step"] > 0 and got["shared_ms_per_step"] > 0
-    # 2 distinct prompts read once, 8 rows' completions at half the 6 tokens on average
-    prompts = sum({tuple(r.input_ids.tolist()): r.length for r in rows}.values())
+    # 2 prompts held once (a slot per prompt object and its 4 rows), 8 rows' completions at
+    # half the 6 tokens on average
+    prompts = sum(r.length for r in {id(r): r for r in rows}.values())
     assert got["bytes_per_decode_step"] == 5e6 + (prompts + 8 * 3) * kv_token
+    # two prompts of the same tokens are two slots, as the engine holds them
+    twin = [r for p in (rows[0], dataclasses.replace(rows[0])) for r in [p] * 4]
+    twins = decode_speed.shared_timings(plain, shared, twin, row_seeds(0, 1, 0, len(twin)),
+                                        settings, 6, CPU, 1, must_read=5e6, kv_token=kv_token,
+                                        bandwidth=1e9)
+    assert twins["bytes_per_decode_step"] == 5e6 + (2 * rows[0].length + 8 * 3) * kv_token
     assert "shared prompts (interleaved" in decode_speed.shared_line(got)
+
+
+def test_extras_are_skipped_at_the_deadline_and_their_failures_kept(tmp_path):
+    """The main timings are written to the partial file first; an extra that would end after the
+    deadline is skipped, one that raises leaves its error, and the file follows each."""
+    partial = tmp_path / "result.json"
+    result = {"static": {"tokens_per_second": 5.0}}
+    seen = []
+
+    def boom():
+        seen.append(json.loads(partial.read_text()))  # the main numbers were saved before
+        raise RuntimeError("graphs lost")
+
+    decode_speed.save_partial(partial, result)
+    extras = [("profile", 1.0, lambda: {"ms_per_step": 2.0}), ("shared", 1.0, boom),
+              ("turn", 1e6, lambda: pytest.fail("ran past its deadline"))]
+    decode_speed.run_extras(result, extras, partial, deadline=time.time() + 100)
+    assert seen == [{"static": {"tokens_per_second": 5.0, "profile": {"ms_per_step": 2.0}}}]
+    assert result["shared"] == {"error": "RuntimeError: graphs lost"}
+    assert result["turn"]["skipped"].startswith("about 1000000 s needed")
+    assert json.loads(partial.read_text()) == result
+    assert decode_speed.unfinished(result["shared"]) == "FAILED (RuntimeError: graphs lost)"
+    assert decode_speed.unfinished(result["turn"]).startswith("skipped (")
+    assert decode_speed.unfinished(result["static"]["profile"]) is None

@@ -92,6 +92,10 @@ def test_a_missed_target_exits_1_a_failed_stage_2():
     assert gc.exit_status({"plan": missed, "trl": ok}) == 1
     assert gc.exit_status({"plan": ok, "resume": failed}) == 2
     assert gc.exit_status({"plan": missed, "resume": failed}) == 1
+    # a stage the budget left no time to start is listed, not a failure
+    skipped = {"status": "skipped", "error": "out of time (480 s budget spent)"}
+    assert gc.exit_status({"plan": ok, "trl": skipped}) == 0
+    assert gc.exit_status({"plan": missed, "trl": skipped}) == 1
     rows = [{"met": None}, {"met": True}, {"met": False}]
     assert gc.stage_status(rows) is False and gc.stage_status(rows[:2]) is True
     assert gc.stage_status(rows[:1]) is None
@@ -318,3 +322,78 @@ def test_a_plan_takes_the_sharing_its_run_chose(use_tiny_cache, tmp_path):
         (tmp_path / "log.txt").write_text(f"INFO r1fit.forward: memory.share_prefix=auto: {word} "
                                           "(...)\n")
         assert gc.plan_of(values, gpu=False, run_dir=tmp_path)["allocated"] == plans[on]
+
+
+def test_a_process_a_stage_left_in_a_session_of_its_own_is_ended():
+    """A child started in its own session (as decode_speed and torchrun's worker are) with the
+    check's mark outlives a kill of its stage's group: end_leftovers finds it by the mark."""
+    import subprocess
+    import sys
+
+    mark = f"test-{os.getpid()}"
+    env = {**os.environ, gc.MARK: mark}
+    left = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env,
+                            start_new_session=True)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             start_new_session=True)  # not the check's: left alone
+    try:
+        for _ in range(100):  # its environ is readable once it has started
+            if Path(f"/proc/{left.pid}/environ").read_bytes():
+                break
+        assert gc.end_leftovers(mark) == [left.pid]
+        assert left.wait(timeout=10) == -9
+        assert other.poll() is None
+    finally:
+        other.kill()
+        left.kill()
+        other.wait()
+        left.wait()
+
+
+def test_a_judged_decode_case_without_an_hf_baseline_misses_its_target():
+    """The compiled case borrows the 3b-lora case's HF numbers: run alone it has none, and its
+    speed-up target is missed, not left out; a compile that fell back is said on the rows."""
+    r = {"static": {"roofline_fraction": 0.55}, "speedup_tokens_per_second": None,
+         "compile": True}
+    result = gc.StageResult()
+    gc.decode_verdicts(result, "3b-lora-compiled", r, gpu=True, lora=True, compiled=True)
+    assert [(x.value, x.met) for x in result.rows] == [
+        ("no HF baseline (the 3b-lora case did not run)", False),
+        ("55% of the copy bandwidth's", True)]
+    fell_back = gc.StageResult()
+    gc.decode_verdicts(fell_back, "3b-lora-compiled", {**r, "speedup_tokens_per_second": 12.0,
+                                                        "compile": False},
+                       gpu=True, lora=True, compiled=True)
+    assert [x.met for x in fell_back.rows] == [True, True]
+    assert all("ran uncompiled" in x.target for x in fell_back.rows)
+    aside = gc.StageResult()  # the graphs-only case: reported, not judged
+    gc.decode_verdicts(aside, "3b-lora", {**r, "speedup_tokens_per_second": 8.0}, gpu=True,
+                       lora=True, compiled=False)
+    assert [x.met for x in aside.rows] == [None, None]
+    nan = gc.StageResult()
+    gc.decode_verdicts(nan, "3b-full", {**r, "static": {"roofline_fraction": float("nan")}},
+                       gpu=True, lora=False, compiled=True)
+    assert [x.met for x in nan.rows] == [False]
+
+
+def test_a_decode_case_killed_at_its_cap_keeps_its_main_timings(monkeypatch):
+    """decode_speed writes its main numbers to --partial before its extras: a case the stage
+    must kill at its cap keeps them, with a row saying it was cut short."""
+    import sys
+
+    script = ("import json, sys, time; p = sys.argv[sys.argv.index('--partial') + 1]; "
+              "open(p, 'w').write(json.dumps({'static': {'tokens_per_second': 7.0}})); "
+              "time.sleep(60)")
+    args = gc.parse_args(["--out", "x"])  # a GPU's run, no stage deadline
+    result = gc.StageResult()
+    got = gc.decode_case(args, result, "3b-lora", [sys.executable, "-c", script], cap=3)
+    assert got == {"static": {"tokens_per_second": 7.0}}
+    assert [(x.item, x.met) for x in result.rows] == [("speed 3b-lora", False)]
+    assert "cut short" in result.rows[0].value and "no result in 3 s" in result.rows[0].value
+    # with under its floor left of the stage it starts nothing
+    monkeypatch.setattr(gc.time, "time", lambda: 1000.0)
+    late = gc.parse_args(["--out", "x", "--deadline", str(1000.0 + gc.STAGE_MARGIN + 30)])
+    monkeypatch.setattr(gc, "run_child", lambda *a, **k: pytest.fail("a child was started"))
+    rows = gc.StageResult()
+    assert gc.decode_case(late, rows, "3b-lora", ["x"], cap=150) is None
+    assert [(x.value, x.met) for x in rows.rows] == [("not run: 30 s left of the stage", False)]
