@@ -369,7 +369,8 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
                                                  ("generation_batch", generation)) if x == "auto"]},
                 notes=notes)
     plan.advice = _advice(plan, facts, asked, view, prompt, sizes, device_type, usable)
-    plan.time = _time(plan, facts, cfg, prompt, device_type, kind)
+    plan.time = _time(plan, facts, cfg, prompt, device_type, kind,
+                      eval_completion=sizes.evaluation[1] or None)
     if faster and plan.fits and plan.time:
         plan.faster = faster_fits(plan, asked, device_type=device_type, gpus=gpus, kind=kind)
     return plan
@@ -397,6 +398,8 @@ def faster_fits(plan: Plan, asked: Config, *, device_type: str, gpus: int, kind:
     for key in ("generation_batch", "micro_batch"):
         if key == "micro_batch" and d.get("micro_batch_tokens"):
             continue  # packed by tokens: its rows are not what is set
+        if key == "generation_batch" and d.get("engine") == "vllm":
+            continue  # vLLM takes all of a process's rows in one call
         even, now = plan.auto_size(key), int(d[key])
         if even and -(-rows // even) < -(-rows // now):
             sizes[f"memory.{key}"] = even
@@ -434,19 +437,24 @@ def faster_fits(plan: Plan, asked: Config, *, device_type: str, gpus: int, kind:
 
 
 def _time(plan: Plan, facts: ModelFacts, cfg: Config, prompt: PromptShape, device_type: str,
-          kind: str) -> dict[str, Any]:
-    """The time model's prediction for the planned step (its sizes and engine), on this
-    machine's calibrated rates for ``device_type``, else data sheets."""
+          kind: str, eval_completion: int | None = None) -> dict[str, Any]:
+    """The time model's prediction for the planned step (its sizes, engine and shared-prefix
+    layout: 'auto' as planned), on this machine's calibrated rates for ``device_type``, else
+    data sheets; ``eval_completion``: the tokens an evaluation generates (r1fit sft's
+    evaluations: algo.max_new_tokens, not its answers' cap)."""
     from r1fit.memory.rates import device_rates  # torch: at plan time, not with the planner
 
     d = plan.details
-    shape = run_shape(facts, cfg, prompt, rows=d["rows_per_gpu"],
+    shared = d["share_prefix"] in ("on", "auto (planned on)")
+    planned = cfg if cfg.memory.share_prefix is shared else cfg.with_values(
+        {"memory.share_prefix": shared})
+    shape = run_shape(facts, planned, prompt, rows=d["rows_per_gpu"],
                       generation_batch=d["generation_batch"], micro_batch=d["micro_rows"],
                       completion=d["completion_tokens"], engine=d["engine"],
                       device_type=device_type, dtype=d["compute_dtype"])
     return time_plan(shape, device_rates(device_type), cfg, processes=d["gpus"],
                      eval_rows=cfg.data.eval_size if cfg.data.eval else None,
-                     training_only=kind == "sft").to_dict()
+                     training_only=kind == "sft", eval_completion=eval_completion).to_dict()
 
 
 def even_size(largest: int, rows: int, group: int = 1) -> int:

@@ -14,30 +14,41 @@ sheets). Every phase is a sum of two kinds of cost, each read from the rates:
   counts as two forwards. An engine that replays the decode step as CUDA graphs (static, vLLM)
   pays one launch per layer and step instead.
 
-Phases, per process and step (``memory.generation_batch`` rows per generation chunk,
-``memory.micro_batch`` per micro-batch; every completion taken as ``algo.max_new_tokens`` long,
-as the memory plan takes it; with tools the trajectory's budget):
+Phases, per process and step (``memory.generation_batch`` rows per generation chunk, except on
+vLLM, which takes all of the process's rows in one call; ``memory.micro_batch`` per micro-batch;
+every completion taken as ``algo.max_new_tokens`` long, as the memory plan takes it; with tools
+the trajectory's budget; the process's rows starting on a group boundary, as the first
+process's do):
 
-- ``generate``: per chunk, the prefill of its prompts (each distinct prompt once where the engine
-  shares them: static, vLLM, ``rollout.share_prefill=true``; the vision tower included), then
-  one decode step per token after the first, at the chunk's mean context, each with the sampler
-  over every row's vocabulary (the calibrated seconds per logit) and, on HF generate, its own
-  loop's cost per step (calibrated); HF generate with LoRA
+- ``generate``: per chunk, the prefill of its prompts (each distinct prompt the chunk touches
+  once where the engine shares them: static, vLLM, ``rollout.share_prefill=true``; the vision
+  tower included), then one decode step per token after the first, at the chunk's mean context,
+  each with the sampler over every row's vocabulary (the calibrated seconds per logit) and, on
+  HF generate, its own loop's cost per step (calibrated); HF generate with LoRA
   runs peft's adapters unmerged (their calibrated cost per adapted Linear);
 - ``score``: the reward functions, ``SCORE_SECONDS_PER_ROW`` per row (string work);
-- ``logprobs``: the reference's forward (``algo.beta`` > 0 under full fine-tuning; with LoRA the
-  same model with its adapters off) over every row;
-- ``update``: ``algo.num_iterations`` forwards and backwards of every row (the recomputed
-  forward of checkpointed layers included, the layers' element-wise work, LoRA's unmerged
-  adapters, and the head's work over the vocabulary per completion token) and
+- ``logprobs``: the reference's forward (``algo.beta`` > 0; under full fine-tuning its own model,
+  with LoRA the policy's base layers under peft's ``disable_adapter``: no adapter work) and, with
+  ``algo.kl_in_reward``, the policy's forward (its adapters included) before the first update;
+- ``update``: ``algo.num_iterations`` forwards and backwards (the recomputed forward of
+  checkpointed layers included, and of checkpointed vision blocks where the tower trains, the
+  layers' element-wise work, LoRA's unmerged adapters, and the head's work over the vocabulary
+  per completion token) and
   as many AdamW steps (reading and writing the trainable weights, gradients and two float32
   moments, and a fixed cost per parameter tensor), with the calibrated fixed cost of a
   micro-batch and of an update beyond the model (``micro_batch_s``, ``update_s``);
 - ``checkpoint``: a save's bytes (trainable weights, their AdamW moments) over the disk's write
   rate, once every ``checkpoint.every`` steps (spread over them).
 
+The log-prob passes and updates run one sequence per row, or with ``memory.share_prefix`` one per
+group a micro-batch touches (its prompt once, then that micro-batch's completions of it; as
+:func:`r1fit.memory.flops.group_shapes` cuts them): their FLOPs, element-wise work and float32
+adapter casts are over those sequences' tokens.
+
 Left out: tool calls' own time, FSDP's collectives (several processes are planned as one), the
-weight sync of vLLM, and evaluation when the eval set's size is not known before loading it.
+weight sync of vLLM, evaluation when the eval set's size is not known before loading it, and
+dynamic sampling's extra draws (``algo.dynamic_sampling``: up to ``algo.max_resample_batches``
+generations and scorings a step; one drawn batch per step is timed).
 """
 
 from __future__ import annotations
@@ -47,13 +58,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from r1fit.config import Config
-from r1fit.memory.planner.facts import (
-    ModelFacts,
-    PromptShape,
-    prompts_in_rows,
-    run_dtype,
-    shares_prompt_cache,
-)
+from r1fit.memory.planner.facts import ModelFacts, PromptShape, run_dtype, shares_prompt_cache
 
 if TYPE_CHECKING:  # torch's modules: imported where a plan is timed, not with the planner
     from r1fit.memory.flops import GroupShape, ModelShape
@@ -144,12 +149,21 @@ class TimeShape:
     adapter_cast: bool = False
     lora_in: int = 0
     lora_out: int = 0
+    #: memory.share_prefix on: a log-prob pass or update runs each group's prompt once per
+    #: micro-batch, then that micro-batch's completions of it
+    share_prefix: bool = False
+    #: algo.kl_in_reward: a forward of the policy over every row before the first update
+    policy_pass: bool = False
+    #: of the vision tower's blocks recomputed in backward (the tower trains, checkpointing on)
+    vision_checkpointed_fraction: float = 0.0
 
 
 def run_shape(facts: ModelFacts, cfg: Config, prompt: PromptShape, *, rows: int,
               generation_batch: int, micro_batch: int, completion: int, engine: str,
               device_type: str, dtype: str) -> TimeShape:
-    """The :class:`TimeShape` of one planned step (the memory plan's sizes and engine)."""
+    """The :class:`TimeShape` of one planned step (the memory plan's sizes and engine).
+    ``memory.share_prefix`` is read as set; 'auto' is timed as off (the per-row path): the
+    planner passes ``cfg`` with the value the memory plan planned (``details["share_prefix"]``)."""
     lora = cfg.model.lora.r > 0
     base = facts.shape
     assert base is not None, "model facts without a FLOP shape"
@@ -161,9 +175,10 @@ def run_shape(facts: ModelFacts, cfg: Config, prompt: PromptShape, *, rows: int,
     t = facts.text
     trainable = (shape.lora_matrix if lora else
                  facts.params - (0 if vision_trains else facts.vision_params))
-    layers_ckpt, _ = facts.checkpointed(cfg.memory.checkpoint_every)
+    layers_ckpt, blocks_ckpt = facts.checkpointed(cfg.memory.checkpoint_every)
+    depth = facts.vision.depth if facts.vision else 0
     return TimeShape(
-        shape=shape, layers=t.layers, vision_blocks=facts.vision.depth if facts.vision else 0,
+        shape=shape, layers=t.layers, vision_blocks=depth,
         hidden=t.hidden, kv_bytes_per_token=2 * t.kv_dim * t.layers * b, vocab=t.vocab,
         weight_bytes=(base.text_matrix + base.head) * b, bytes_per_element=b, dtype=dtype,
         lora_linears_per_layer=facts.lora_layers // max(t.layers, 1) if lora else 0,
@@ -178,6 +193,10 @@ def run_shape(facts: ModelFacts, cfg: Config, prompt: PromptShape, *, rows: int,
         reference_pass=cfg.algo.beta > 0, iterations=cfg.algo.num_iterations,
         checkpointed_fraction=(layers_ckpt / t.layers if cfg.memory.gradient_checkpointing
                                and t.layers else 0.0),
+        # a trained tower's blocks are checkpointed layers too; a frozen one has no backward
+        vision_checkpointed_fraction=(blocks_ckpt / depth if cfg.memory.gradient_checkpointing
+                                      and vision_trains and depth else 0.0),
+        share_prefix=cfg.memory.share_prefix is True, policy_pass=cfg.algo.kl_in_reward,
         trainable=trainable, checkpoint_every=cfg.checkpoint.every,
         prompt_cache_shared=engine == "static" and shares_prompt_cache(facts, cfg),
         # peft's float32 adapters on a 16-bit model (not float32 weights that FSDP gathers in
@@ -212,17 +231,19 @@ def _adapters(s: TimeShape, rates: DeviceRates) -> float:
     return s.layers * s.lora_linears_per_layer * per_linear
 
 
-def _adapter_cast(s: TimeShape, rates: DeviceRates, tokens: float, forwards: float) -> float:
+def _adapter_cast(s: TimeShape, rates: DeviceRates, tokens: float, forwards: float, *,
+                  backward: bool = True) -> float:
     """Seconds peft's float32 adapters on a 16-bit model add to ``forwards`` forwards (a
-    recomputed one counts) and one backward over ``tokens`` tokens, beyond adapters computing in
-    the model's dtype: their products at the float32 rate (on a GPU torch runs them without
-    tensor cores unless TF32 is allowed), and the bytes of ``CAST_*_BYTES``."""
+    recomputed one counts) and, with ``backward``, one backward over ``tokens`` tokens, beyond
+    adapters computing in the model's dtype: their products at the float32 rate (on a GPU torch
+    runs them without tensor cores unless TF32 is allowed), and the bytes of ``CAST_*_BYTES``."""
     if not s.adapter_cast:
         return 0.0
-    per_token = (forwards * (CAST_FORWARD_BYTES[0] * s.lora_in + CAST_FORWARD_BYTES[1] * s.lora_out)
-                 + CAST_BACKWARD_BYTES[0] * s.lora_in + CAST_BACKWARD_BYTES[1] * s.lora_out)
+    per_token = forwards * (CAST_FORWARD_BYTES[0] * s.lora_in + CAST_FORWARD_BYTES[1] * s.lora_out)
+    if backward:
+        per_token += CAST_BACKWARD_BYTES[0] * s.lora_in + CAST_BACKWARD_BYTES[1] * s.lora_out
     # a forward's products and the backward's two, 2 FLOPs per multiply-add
-    flops = 2 * s.shape.lora_matrix * tokens * (forwards + 2)
+    flops = 2 * s.shape.lora_matrix * tokens * (forwards + (2 if backward else 0))
     slower = max(1 / rates.matmul_rate("float32", s.hidden) - 1 / rates.matmul_rate(
         s.dtype, s.hidden), 0.0)
     return flops * slower + tokens * per_token / rates.copy_bytes_per_s
@@ -236,19 +257,27 @@ def _elementwise(s: TimeShape, rates: DeviceRates, tokens: float, *, train: bool
     return s.layers * tokens * (both if train else forward)
 
 
-def prompts_in_chunk(s: TimeShape, rows: int) -> int:
-    """Prompts a generation chunk of ``rows`` prefills: each distinct one once where the engine
-    shares them (a chunk that does not start on a group boundary touches one more), else
-    every row."""
+def group_runs(start: int, end: int, group: int) -> list[int]:
+    """The rows of each group that rows ``start .. end - 1`` of a step hold (groups of ``group``
+    rows from row 0), in order: a chunk of 12 rows from row 12 in groups of 8 holds [4, 8]."""
+    return [min(end, (g + 1) * group) - max(start, g * group)
+            for g in range(start // group, (end - 1) // group + 1)] if end > start else []
+
+
+def prompts_in_chunk(s: TimeShape, start: int, rows: int) -> int:
+    """Prompts a generation chunk of ``rows`` rows from row ``start`` prefills: each distinct one
+    it touches once where the engine shares them, else every row. (Not
+    :func:`r1fit.memory.planner.facts.prompts_in_rows`, the memory plan's bound for a chunk
+    anywhere: it adds one whenever ``rows`` is not a multiple of the group.)"""
     if not s.shares_prompts:
         return rows
-    return prompts_in_rows(rows, s.group)
+    return len(group_runs(start, start + rows, s.group))
 
 
 def generation_seconds(s: TimeShape, rates: DeviceRates, rows: int, completion: int
                        ) -> tuple[float, float]:
-    """(prefill, decode) seconds of ``rows`` rows generated ``s.generation_batch`` at a time,
-    ``completion`` tokens each."""
+    """(prefill, decode) seconds of ``rows`` rows generated ``s.generation_batch`` at a time
+    (chunks from row 0), ``completion`` tokens each."""
     from r1fit.memory.flops import forward_flops
 
     prefill = decode = 0.0
@@ -256,7 +285,7 @@ def generation_seconds(s: TimeShape, rates: DeviceRates, rows: int, completion: 
     one = forward_flops(s.shape, context=0, tokens=s.prompt, head_tokens=1, patches=patches)
     for start in range(0, rows, s.generation_batch):
         chunk = min(s.generation_batch, rows - start)
-        n = prompts_in_chunk(s, chunk)
+        n = prompts_in_chunk(s, start, chunk)
         prefill += _work(n * one, s.weight_bytes, s, rates) + _forward_overhead(
             s, rates, vision=bool(patches)) + _elementwise(s, rates, n * s.prompt)
         steps = max(completion - 1, 0)
@@ -284,10 +313,90 @@ def generation_seconds(s: TimeShape, rates: DeviceRates, rows: int, completion: 
     return prefill, decode
 
 
-def _row_group(s: TimeShape) -> GroupShape:
+def micro_groups(s: TimeShape) -> list[GroupShape]:
+    """The sequences a log-prob pass or an update runs over the process's rows: one per row, or
+    with ``share_prefix`` one per group each micro-batch touches, its prompt (and images) once
+    and that micro-batch's completions of it (:func:`r1fit.memory.flops.group_shapes`)."""
     from r1fit.memory.flops import GroupShape
 
-    return GroupShape(s.prompt, (s.completion,), (s.patches,) if s.patches else ())
+    patches = (s.patches,) if s.patches else ()
+    if not s.share_prefix:
+        return [GroupShape(s.prompt, (s.completion,), patches)] * s.rows
+    size = max(s.micro_batch, 1)
+    return [GroupShape(s.prompt, (s.completion,) * n, patches)
+            for start in range(0, s.rows, size)
+            for n in group_runs(start, min(start + size, s.rows), max(s.group, 1))]
+
+
+def _tokens(groups: list[GroupShape]) -> int:
+    """Tokens the model runs for ``groups``: each one's prompt and completions."""
+    return sum(g.prompt + sum(g.completions) for g in groups)
+
+
+def forward_pass_seconds(s: TimeShape, rates: DeviceRates, groups: list[GroupShape]) -> float:
+    """Seconds of a log-prob pass of ``s``'s model over ``groups`` (``s.micro_batch`` rows at a
+    time): its forward FLOPs, the fixed cost of each micro-batch's forward (a third of the
+    calibrated micro-batch cost, which a forward and backward pay), the head's forward over the
+    vocabulary (about half of its work in training), the element-wise work, and LoRA's unmerged
+    adapters and float32 cast where ``s`` has them."""
+    from r1fit.memory.flops import scoring_flops
+
+    micro_batches = math.ceil(s.rows / max(s.micro_batch, 1))
+    tokens = _tokens(groups)
+    # the head's work over the vocabulary per completion token beyond its matmuls (log-probs)
+    head = s.rows * s.completion * s.vocab * rates.head_s_per_logit
+    return (_work(sum(scoring_flops(s.shape, g) for g in groups), micro_batches * s.weight_bytes,
+                  s, rates)
+            + micro_batches * (_forward_overhead(s, rates, vision=bool(s.patches))
+                               + _adapters(s, rates) + rates.micro_batch_s / 3)
+            + head / 2 + _elementwise(s, rates, tokens)
+            + _adapter_cast(s, rates, tokens, 1, backward=False))
+
+
+def logprob_seconds(s: TimeShape, rates: DeviceRates, groups: list[GroupShape]) -> float:
+    """The ``logprobs`` phase: the reference's pass (with LoRA the base layers alone: peft's
+    ``disable_adapter`` runs no adapter, so no adapter products, launches or float32 cast) and
+    with ``algo.kl_in_reward`` the policy's (r1fit/train/grpo.py, before the first update)."""
+    seconds = 0.0
+    if s.reference_pass:
+        base = replace(s, shape=replace(s.shape, lora_matrix=0), lora_linears_per_layer=0,
+                       adapter_cast=False)
+        seconds += forward_pass_seconds(base, rates, groups)
+    if s.policy_pass:
+        seconds += forward_pass_seconds(s, rates, groups)
+    return seconds
+
+
+def update_seconds(s: TimeShape, rates: DeviceRates, groups: list[GroupShape]) -> float:
+    """The ``update`` phase: ``s.iterations`` forwards and backwards of ``groups`` with the
+    recomputed forwards of checkpointed decoder layers and vision blocks, and as many AdamW
+    steps (see the module's docstring)."""
+    from r1fit.memory.flops import forward_flops, scoring_flops, update_flops
+
+    micro_batches = math.ceil(s.rows / max(s.micro_batch, 1))
+    tokens = _tokens(groups)
+    # the head's work over the vocabulary per completion token beyond its matmuls (log-probs,
+    # entropies, the loss's gradient)
+    head = s.rows * s.completion * s.vocab * rates.head_s_per_logit
+    decoder = replace(s.shape, head=0)  # the recompute: the layers' forward, not the head's
+    recompute = sum(s.checkpointed_fraction * scoring_flops(decoder, replace(g, patches=()))
+                    + s.vision_checkpointed_fraction * forward_flops(
+                        s.shape, context=0, tokens=0, head_tokens=0, patches=g.patches)
+                    for g in groups)
+    work = sum(update_flops(s.shape, g) for g in groups) + recompute
+    # AdamW's bytes over the bandwidth, and its fixed cost per tensor (clip and zeroing too)
+    optimizer = s.trainable * (2 * s.bytes_per_element + s.bytes_per_element
+                               + ADAM_MOMENT_BYTES) / rates.copy_bytes_per_s + \
+        s.trainable_tensors * rates.optimizer_s_per_tensor
+    return s.iterations * (
+        _work(work, micro_batches * s.weight_bytes, s, rates)
+        + micro_batches * (3 * (_forward_overhead(s, rates, vision=bool(s.patches))
+                                + _adapters(s, rates)) + rates.micro_batch_s)
+        + rates.update_s
+        + _elementwise(s, rates, tokens, train=True)
+        + s.checkpointed_fraction * _elementwise(s, rates, tokens)
+        + _adapter_cast(s, rates, tokens, 1 + s.checkpointed_fraction)
+        + head + optimizer)
 
 
 def run_steps(cfg: Config, training_only: bool) -> tuple[int, int]:
@@ -308,56 +417,32 @@ def evaluation_count(steps: int, every: int, before: bool) -> int:
 
 
 def time_plan(s: TimeShape, rates: DeviceRates, cfg: Config, *, processes: int = 1,
-              eval_rows: int | None = None, training_only: bool = False) -> TimePlan:
+              eval_rows: int | None = None, training_only: bool = False,
+              eval_completion: int | None = None) -> TimePlan:
     """One step's predicted seconds by phase, and the run's (``eval_rows``: rows of the eval
     set, at most ``data.eval_size``, each evaluation generating them greedily ``eval.batch`` at
-    a time; ``training_only``: a step of ``r1fit sft``, an update and no rollout)."""
-    from r1fit.memory.flops import forward_flops, scoring_flops, update_flops
-
-    group = _row_group(s)
-    micro_batches = math.ceil(s.rows / max(s.micro_batch, 1))
+    a time, ``eval_completion`` tokens each: the evaluation's own, as
+    :func:`r1fit.memory.planner.estimate.evaluation_shape` gives it, default ``s.completion``;
+    ``training_only``: a step of ``r1fit sft``, an update and no rollout)."""
+    # vLLM takes all of the process's rows in one call (r1fit/train/engines.py VllmRollouts)
+    rollout = replace(s, generation_batch=max(s.rows, 1)) if s.engine == "vllm" else s
     prefill, decode = (0.0, 0.0) if training_only else \
-        generation_seconds(s, rates, s.rows, s.completion)
-    forward = scoring_flops(s.shape, group)
-    passes = s.rows * forward
-    # the head's work over the vocabulary per completion token beyond its matmuls (log-probs,
-    # entropies, the loss's gradient in an update; the forward, about half, in a log-prob pass)
-    head = s.rows * s.completion * s.vocab * rates.head_s_per_logit
-    tokens = s.rows * (s.prompt + s.completion)
-    logprobs = 0.0
-    if s.reference_pass:
-        # a forward: about a third of a micro-batch's fixed training cost (forward, backward)
-        logprobs = _work(passes, micro_batches * s.weight_bytes, s, rates) + micro_batches * (
-            _forward_overhead(s, rates, vision=bool(s.patches)) + _adapters(s, rates)
-            + rates.micro_batch_s / 3) + head / 2 + _elementwise(s, rates, tokens)
-    recompute = s.checkpointed_fraction * s.rows * forward_flops(
-        s.shape, context=0, tokens=s.prompt + s.completion, head_tokens=0)
-    update_work = s.rows * update_flops(s.shape, group) + recompute
-    # AdamW's bytes over the bandwidth, and its fixed cost per tensor (clip and zeroing too)
-    optimizer = s.trainable * (2 * s.bytes_per_element + s.bytes_per_element
-                               + ADAM_MOMENT_BYTES) / rates.copy_bytes_per_s + \
-        s.trainable_tensors * rates.optimizer_s_per_tensor
-    update = s.iterations * (
-        _work(update_work, micro_batches * s.weight_bytes, s, rates)
-        + micro_batches * (3 * (_forward_overhead(s, rates, vision=bool(s.patches))
-                                + _adapters(s, rates)) + rates.micro_batch_s)
-        + rates.update_s
-        + _elementwise(s, rates, tokens, train=True)
-        + s.checkpointed_fraction * _elementwise(s, rates, tokens)
-        + _adapter_cast(s, rates, tokens, 1 + s.checkpointed_fraction)
-        + head + optimizer)
+        generation_seconds(rollout, rates, s.rows, s.completion)
+    groups = micro_groups(s)
     saved = s.trainable * (s.bytes_per_element + 8)
     checkpoint = saved / rates.disk_bytes_per_s / s.checkpoint_every if s.checkpoint_every else 0
     phases = {"generate": prefill + decode,
               "score": 0.0 if training_only else s.rows * SCORE_SECONDS_PER_ROW,
-              "logprobs": logprobs, "update": update, "checkpoint": checkpoint}
+              "logprobs": logprob_seconds(s, rates, groups),
+              "update": update_seconds(s, rates, groups), "checkpoint": checkpoint}
     step = sum(phases.values())
     steps, every = run_steps(cfg, training_only)
     evaluations, eval_seconds = 0, None
     if eval_rows is not None and cfg.data.eval:
         eval_shape = replace(s, generation_batch=cfg.eval.batch, group=1, shares_prompts=False)
-        eval_seconds = sum(generation_seconds(eval_shape, rates,
-                                              math.ceil(eval_rows / processes), s.completion))
+        eval_seconds = sum(generation_seconds(
+            eval_shape, rates, math.ceil(eval_rows / processes),
+            s.completion if eval_completion is None else eval_completion))
         evaluations = evaluation_count(steps, every, cfg.eval.before_train)
     run = steps * step + evaluations * (eval_seconds or 0.0)
     dominant = max(phases, key=phases.__getitem__)
@@ -368,7 +453,7 @@ def time_plan(s: TimeShape, rates: DeviceRates, cfg: Config, *, processes: int =
                     advice=_advice(s, cfg, phases, dominant),
                     details={"prefill_seconds": prefill, "decode_seconds": decode,
                              "decode_step_seconds": decode / max(
-                                 math.ceil(s.rows / s.generation_batch)
+                                 math.ceil(s.rows / rollout.generation_batch)
                                  * max(s.completion - 1, 1), 1)},
                     warmup_steps=0 if training_only else cfg.sft.format_warmup_steps)
 

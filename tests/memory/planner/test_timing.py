@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from r1fit.config import load_config
-from r1fit.memory.flops import ModelShape
+from r1fit.memory.flops import GroupShape, ModelShape
 from r1fit.memory.planner import plan_memory
 from r1fit.memory.planner.facts import model_facts, prompt_shape
 from r1fit.memory.planner.printing import time_blocks
@@ -19,6 +19,7 @@ from r1fit.memory.planner.timing import (
     TimeShape,
     evaluation_count,
     generation_seconds,
+    micro_groups,
     prompts_in_chunk,
     run_shape,
     time_plan,
@@ -48,10 +49,24 @@ EW = 240 * 600 / 1e10  # a layer's element-wise seconds per token in a forward (
 
 
 def test_prompts_a_chunk_prefills():
-    assert prompts_in_chunk(STEP, 8) == 2  # two whole groups of 4
-    assert prompts_in_chunk(STEP, 6) == 3  # a chunk off the group boundary touches one more
-    assert prompts_in_chunk(STEP, 1) == 1
-    assert prompts_in_chunk(replace(STEP, shares_prompts=False), 6) == 6
+    assert prompts_in_chunk(STEP, 0, 8) == 2  # two whole groups of 4
+    assert prompts_in_chunk(STEP, 0, 6) == 2  # rows 0-5: groups 0 and 1
+    assert prompts_in_chunk(STEP, 3, 6) == 3  # rows 3-8: groups 0, 1 and 2
+    assert prompts_in_chunk(STEP, 5, 1) == 1
+    assert prompts_in_chunk(replace(STEP, shares_prompts=False), 3, 6) == 6
+
+
+def test_prefill_counts_the_prompts_each_chunk_touches():
+    """128 rows in groups of 8, generated 12 at a time: the chunks from rows 0, 12, ..., 108
+    touch two groups each, the last (rows 120-127) one: 21 prompts, where the memory plan's bound
+    (facts.prompts_in_rows: one more whenever 12 is not a multiple of 8) counts 3 x 10 + 1 = 31."""
+    big = replace(STEP, group=8)
+    assert sum(prompts_in_chunk(big, start, min(12, 128 - start))
+               for start in range(0, 128, 12)) == 21
+    # STEP's 8 rows 6 at a time: rows 0-5 prefill 2 prompts, rows 6-7 one (not 3 and 2)
+    prefill, _ = generation_seconds(replace(STEP, generation_batch=6), RATES, 8, 5)
+    assert prefill == pytest.approx(45_200 / 4e9 + 2 * FIXED + 2 * 20 * EW
+                                    + 22_600 / 4e9 + 2 * FIXED + 2 * 10 * EW)
 
 
 def test_generation_by_hand():
@@ -114,12 +129,12 @@ def test_a_step_by_hand():
     assert more.phases["logprobs"] == pytest.approx(8 * 36_800 / 4e9 + 2 * 2 * FIXED + HEAD / 2
                                                     + 2 * 120 * EW)
     assert more.phases["checkpoint"] == pytest.approx(1200 * 12 / 1e8 / 2)
-    # LoRA's adapters in training: each micro-batch's forward, backward (counted as two) and the
-    # reference's forward pay them, 2 layers x 7 adapted Linears x 10 us
+    # LoRA's adapters in training: each micro-batch's forward and backward (counted as two) pay
+    # them, 2 layers x 7 adapted Linears x 10 us; the reference (adapters off) does not
     lora = time_plan(replace(STEP, lora_linears_per_layer=7, reference_pass=True),
                      replace(RATES, lora_s_per_linear=1e-5), cfg)
     assert lora.phases["update"] == pytest.approx(update + 2 * 3 * 14 * 1e-5)
-    assert lora.phases["logprobs"] == pytest.approx(more.phases["logprobs"] + 2 * 14 * 1e-5)
+    assert lora.phases["logprobs"] == pytest.approx(more.phases["logprobs"])
     # an SFT step: the update alone
     sft = time_plan(STEP, RATES, cfg, training_only=True)
     assert sft.phases["generate"] == sft.phases["score"] == 0
@@ -184,18 +199,20 @@ def test_the_run_shape_of_a_plan(use_tiny_cache):
 LORA_RATES = replace(RATES, matmul={"float32": [(512, 4e9)], "bfloat16": [(512, 8e9)]})
 
 
-@pytest.mark.parametrize("recomputed,seconds", [
+@pytest.mark.parametrize("recomputed,shared,seconds", [
     # 120 tokens (8 rows x 15); a forward and a backward: products 2 x 100 x 120 x 3 = 72,000
     # FLOPs at 4e9 instead of 8e9; bytes per token 8 x 300 + 16 x 400 + 10 x 300 + 20 x 400 =
     # 19,800 at 1e10
-    (0.0, 72_000 * (1 / 4e9 - 1 / 8e9) + 120 * 19_800 / 1e10),
+    (0.0, False, 72_000 * (1 / 4e9 - 1 / 8e9) + 120 * 19_800 / 1e10),
     # every layer recomputed: a second forward, 96,000 FLOPs and 28,600 bytes per token
-    (1.0, 96_000 * (1 / 4e9 - 1 / 8e9) + 120 * 28_600 / 1e10),
+    (1.0, False, 96_000 * (1 / 4e9 - 1 / 8e9) + 120 * 28_600 / 1e10),
+    # memory.share_prefix: 2 sequences of 10 + 4 x 5 tokens, 60 in all: 36,000 FLOPs
+    (0.0, True, 36_000 * (1 / 4e9 - 1 / 8e9) + 60 * 19_800 / 1e10),
 ])
-def test_the_float32_adapters_cost_by_hand(recomputed, seconds):
+def test_the_float32_adapters_cost_by_hand(recomputed, shared, seconds):
     step = replace(STEP, shape=replace(SHAPE, lora_matrix=100), dtype="bfloat16",
                    bytes_per_element=2, lora_in=300, lora_out=400,
-                   checkpointed_fraction=recomputed)
+                   checkpointed_fraction=recomputed, share_prefix=shared)
     cfg = load_config(None, [])
     cast = time_plan(replace(step, adapter_cast=True), LORA_RATES, cfg)
     plain = time_plan(step, LORA_RATES, cfg)
@@ -300,3 +317,141 @@ def test_the_run_shape_says_when_peft_casts(use_tiny_cache):
     assert not shape("model.lora.r=8", dtype="float32")[0].adapter_cast
     assert not shape("model.lora.r=8")[0].adapter_cast  # float32 weights gathered in bf16
     assert not shape("model.dtype=bfloat16")[0].adapter_cast
+
+
+# --- the audit's defects, each on hand-computed numbers
+
+
+def test_share_prefix_runs_each_group_s_prompt_once_per_micro_batch(use_tiny_cache):
+    """memory.share_prefix: micro-batches of 4 rows hold one group of 4 each, so a pass runs 2
+    sequences of 10 + 4 x 5 tokens (60 tokens), not 8 of 15 (120)."""
+    shared = replace(STEP, share_prefix=True, reference_pass=True)
+    assert micro_groups(shared) == [GroupShape(10, (5, 5, 5, 5))] * 2
+    # micro-batches of 3 straddle the groups: rows 0-2 of group 0; row 3 of it and 4-5 of
+    # group 1; rows 6-7 of group 1
+    assert [len(g.completions) for g in micro_groups(replace(shared, micro_batch=3))] == [3, 1, 2, 2]
+    t = time_plan(shared, RATES, load_config(None, []))
+    # a group's forward: its prompt 2 x 1000 x 10 + 4 x 10 x 55 = 22,200, each completion
+    # 2 x 1000 x 5 + 2 x 200 x 5 + 4 x 10 x (5 x 10 + 15) = 14,600: 22,200 + 4 x 14,600 = 80,600
+    assert t.phases["logprobs"] == pytest.approx(2 * 80_600 / 4e9 + 2 * 2 * FIXED + HEAD / 2
+                                                 + 2 * 60 * EW)
+    # its backward over 30 tokens, 20 of them through the head, attention 2,200 + 4 x 2,600:
+    # 2 x 1000 x 30 x 2 + 2 x 200 x 20 x 2 + 2 x 12,600 = 161,200; with the forward 241,800
+    assert t.phases["update"] == pytest.approx(2 * 241_800 / 4e9 + 2 * 3 * 2 * FIXED
+                                               + 2 * 60 * 3 * EW + HEAD + 1200 * 28 / 1e10
+                                               + 10 * 1e-6)
+    # the run's shape reads memory.share_prefix as set; 'auto' as off unless the planned value
+    # is passed in
+    cfg = load_config(None, ["algo.num_generations=4", "train.prompts_per_step=2"])
+    facts = model_facts(cfg.model.path, cfg.model.lora.target)
+
+    def shape(c):
+        return run_shape(facts, c, prompt_shape(c, facts), rows=8, generation_batch=8,
+                         micro_batch=4, completion=16, engine="hf", device_type="cpu",
+                         dtype="float32")
+
+    assert not shape(cfg).share_prefix  # auto
+    assert shape(cfg.with_values({"memory.share_prefix": True})).share_prefix
+    assert not shape(cfg.with_values({"memory.share_prefix": False})).share_prefix
+
+
+def test_vllm_generates_the_process_s_rows_in_one_call():
+    """vLLM takes all of a process's rows at once (memory.generation_batch is not its chunk);
+    its evaluations still come eval.batch rows at a time."""
+    cfg = load_config(None, ["data.eval=builtin:shapes", "eval.batch=8"])
+    t = time_plan(replace(STEP, engine="vllm", generation_batch=4), RATES, cfg, eval_rows=16)
+    # one chunk of 8 rows: 2 prompts' prefill and 4 decode steps of 8 rows (as in
+    # test_generation_by_hand), not two chunks of 4
+    step = 23_200 / 4e9 + 2 * FIXED + SAMPLE
+    assert t.phases["generate"] == pytest.approx(45_200 / 4e9 + 2 * FIXED + 2 * 20 * EW + 4 * step)
+    assert t.details["decode_step_seconds"] == pytest.approx(step)
+    # evaluation: 16 rows, 8 at a time, each its own prompt: 8 x 22,600 FLOPs of prefill
+    assert t.eval_seconds == pytest.approx(2 * (8 * 22_600 / 4e9 + 2 * FIXED + 2 * 80 * EW
+                                                + 4 * step))
+
+
+def test_kl_in_reward_times_the_policy_s_pass():
+    """algo.kl_in_reward: a forward of the policy over every row before the first update, beside
+    the reference's; with LoRA it runs the adapters (their products, launches and float32 cast's
+    forward part)."""
+    cfg = load_config(None, [])
+    reference = 8 * 36_800 / 4e9 + 2 * 2 * FIXED + HEAD / 2 + 2 * 120 * EW
+    both = time_plan(replace(STEP, reference_pass=True, policy_pass=True), RATES, cfg)
+    assert both.phases["logprobs"] == pytest.approx(2 * reference)
+    step = replace(STEP, shape=replace(SHAPE, lora_matrix=100), dtype="bfloat16",
+                   bytes_per_element=2, lora_in=300, lora_out=400, adapter_cast=True,
+                   lora_linears_per_layer=7, reference_pass=True)
+    rates = replace(LORA_RATES, lora_s_per_linear=1e-5)
+    policy = (time_plan(replace(step, policy_pass=True), rates, cfg).phases["logprobs"]
+              - time_plan(step, rates, cfg).phases["logprobs"])
+    # a row's forward with the adapters: 22,200 + 14,600 + 2 x 100 x 15 = 39,800 at 8e9; each
+    # micro-batch's layers and 14 adapters at 10 us; the cast's forward: 2 x 100 x 120 FLOPs
+    # at 4e9 instead of 8e9, and 8 x 300 + 16 x 400 = 8,800 bytes per token
+    assert policy == pytest.approx(8 * 39_800 / 8e9 + 2 * (2 * FIXED + 14 * 1e-5) + HEAD / 2
+                                   + 2 * 120 * EW + 24_000 * (1 / 4e9 - 1 / 8e9)
+                                   + 120 * 8_800 / 1e10)
+
+
+def test_an_evaluation_generates_its_own_completion_length():
+    """r1fit sft's evaluations generate algo.max_new_tokens (here 3), not the training answer's
+    sft.max_answer_tokens (STEP's 5)."""
+    cfg = load_config(None, ["data.eval=builtin:shapes", "eval.batch=8"])
+    t = time_plan(STEP, RATES, cfg, eval_rows=16, training_only=True, eval_completion=3)
+    # 2 decode steps of 8 rows at a mean context of 11.5: 2 x 8 x 1200 + 4 x 10 x 8 x 11.5 =
+    # 22,880 FLOPs
+    assert t.eval_seconds == pytest.approx(2 * (8 * 22_600 / 4e9 + 2 * FIXED + 2 * 80 * EW
+                                                + 2 * (22_880 / 4e9 + 2 * FIXED + SAMPLE)))
+
+
+def test_a_trained_vision_tower_recomputes_its_checkpointed_blocks(use_tiny_cache):
+    """Full fine-tuning with the tower trained: its checkpointed blocks' forward runs again in
+    backward. A tower of 500 entries per patch, attention width 2, 4 patches a prompt: 2 x 500 x
+    4 + 4 x 2 x 16 = 4,128 FLOPs a forward; half its blocks recomputed, for 8 rows (2 groups
+    with share_prefix)."""
+    step = replace(STEP, shape=replace(SHAPE, vision_matrix=500, vision_attention_width=2,
+                                       vision_trains=True), patches=4, vision_blocks=2)
+    cfg = load_config(None, [])
+    for s, rows in ((step, 8), (replace(step, share_prefix=True), 2)):
+        recomputed = time_plan(replace(s, vision_checkpointed_fraction=0.5), RATES, cfg)
+        assert recomputed.phases["update"] - time_plan(s, RATES, cfg).phases["update"] == \
+            pytest.approx(0.5 * rows * 4_128 / 4e9)
+
+    # builtin:tiny's tower has 2 blocks, both checkpointed (every 2nd layer: 1 of them); none
+    # where the tower does not train or nothing is checkpointed
+    def fraction(*values):
+        c = load_config(None, ["algo.num_generations=4", "train.prompts_per_step=2", *values])
+        facts = model_facts(c.model.path, c.model.lora.target)
+        return run_shape(facts, c, prompt_shape(c, facts), rows=8, generation_batch=8,
+                         micro_batch=4, completion=16, engine="hf", device_type="cpu",
+                         dtype="float32").vision_checkpointed_fraction
+
+    assert fraction() == 1.0
+    assert fraction("memory.checkpoint_every=2") == 0.5
+    assert fraction("model.lora.r=8") == 0.0
+    assert fraction("model.freeze_vision=true") == 0.0
+    assert fraction("memory.gradient_checkpointing=false") == 0.0
+
+
+def test_the_lora_reference_runs_no_adapters():
+    """With LoRA the reference is the policy under peft's disable_adapter: its base layers only,
+    so no adapter products, launches or float32 cast."""
+    step = replace(STEP, shape=replace(SHAPE, lora_matrix=100), dtype="bfloat16",
+                   bytes_per_element=2, lora_in=300, lora_out=400, adapter_cast=True,
+                   lora_linears_per_layer=7, reference_pass=True)
+    t = time_plan(step, replace(LORA_RATES, lora_s_per_linear=1e-5), load_config(None, []))
+    # 8 rows x 36,800 FLOPs (the base's) at the bfloat16 rate, 2 micro-batches' layers
+    assert t.phases["logprobs"] == pytest.approx(8 * 36_800 / 8e9 + 2 * 2 * FIXED + HEAD / 2
+                                                 + 2 * 120 * EW)
+
+
+def test_dynamic_sampling_s_draws_are_said_to_be_left_out():
+    """The prediction times one drawn batch per step: the time model's docstring and
+    docs/memory.md say dynamic sampling's extra draws are left out."""
+    from pathlib import Path
+
+    from r1fit.memory.planner import timing
+
+    assert "algo.dynamic_sampling" in timing.__doc__.split("Left out:")[1]
+    docs = (Path(__file__).resolve().parents[3] / "docs" / "memory.md").read_text()
+    left_out = docs.split("## How long will it take?")[1].split("## Inside a step")[0]
+    assert "algo.dynamic_sampling" in left_out.split("Left out:")[1]
