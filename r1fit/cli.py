@@ -157,16 +157,18 @@ def cmd_eval(ns: argparse.Namespace) -> int:
 def cmd_plan(ns: argparse.Namespace) -> int:
     """``r1fit plan``: the memory plan of a run, before launching it."""
     from r1fit.memory.planner import plan_memory, render
-    from r1fit.units import parse_bytes
+    from r1fit.units import parse_bytes, parse_memory
 
     try:
-        budget = parse_bytes(ns.device_memory) if ns.device_memory else None
+        budget = parse_memory(ns.device_memory) if ns.device_memory else None
     except ValueError as exc:
         raise ConfigError(f"--device-memory: {exc}") from None
     cfg = _config(_model_first(ns.args))
     device_type = "cpu" if cfg.train.device == "cpu" else "cuda"
+    elsewhere = False  # planning a CUDA device on a machine without one: said after the plan
     if budget is None and not cfg.memory.budget and device_type == "cuda":
         budget = this_gpus_free_memory(cfg.train.device)
+        elsewhere = budget is None
     kind = "sft" if ns.sft else "grpo"
     if cfg.memory.gradient_checkpointing == "auto":  # plan what the run would choose
         from r1fit.memory.autofit import choose_checkpointing, describe_checkpointing
@@ -184,6 +186,9 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
         render(plan, cfg, rich=sys.stdout.isatty())
+    if elsewhere:
+        print("r1fit plan: planned for a CUDA device (this machine has none; train.device=cpu "
+              "plans a run on this CPU)", file=sys.stderr)
     return 0
 
 

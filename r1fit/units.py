@@ -25,6 +25,16 @@ def parse_bytes(text: str | int | float) -> int:
     return size
 
 
+def parse_memory(text: str | int | float) -> int:
+    """:func:`parse_bytes` of a device's memory: a number alone under 1 MiB is refused as a
+    forgotten unit (``80`` would be 80 bytes); byte counts as large as a device's are taken."""
+    size = parse_bytes(text)
+    bare = str(text).strip()
+    if bare.isdigit() and size < 2**20:
+        raise ValueError(f"{bare} is {bare} bytes; give a unit, e.g. {bare}GiB")
+    return size
+
+
 _BINARY = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 _DECIMAL = (("GB", 10**9), ("MB", 10**6), ("kB", 10**3))
 

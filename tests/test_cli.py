@@ -113,6 +113,10 @@ def test_plan_bad_device_memory_is_one_line(capsys):
     assert main(["plan", "--device-memory", "80 parsecs"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("r1fit: error: --device-memory:") and "\n" not in err
+    # a number alone is bytes: under 1 MiB a forgotten unit, as memory.budget refuses it
+    assert main(["plan", "--device-memory", "80"]) == 2
+    assert capsys.readouterr().err.strip() == ("r1fit: error: --device-memory: 80 is 80 bytes; "
+                                               "give a unit, e.g. 80GiB")
 
 
 def _truncated_model(tiny_dir, folder):
@@ -192,3 +196,9 @@ def test_plan_on_a_gpu_machine_plans_its_gpus_free_memory(capsys, tmp_path, monk
                           (["memory.budget=3GiB"], 3 << 30), (["train.device=cpu"], 80 << 30)):
         assert main(["plan", f"model.path={folder}", "--json", *extra]) == 0
         assert json.loads(capsys.readouterr().out)["budget_bytes"] == budget, extra
+    # on a machine without CUDA the plan is for one elsewhere, said after it
+    monkeypatch.setattr(cli, "this_gpus_free_memory", lambda name: None)
+    assert main(["plan", f"model.path={folder}", "--json"]) == 0
+    assert capsys.readouterr().err.endswith(
+        "r1fit plan: planned for a CUDA device (this machine has none; train.device=cpu plans a "
+        "run on this CPU)\n")

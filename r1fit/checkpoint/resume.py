@@ -52,6 +52,8 @@ DAMAGED = ".damaged"
 #: what a run writes into its output folder: its files and folders, a checkpoint's
 #: (``checkpoint-N``, ``checkpoint-warmup-N``, ``.partial``, ``.damaged``), a profiled step's, the
 #: trackers' folders, and the ``.tmp`` / ``.partial`` names their atomic writes go through
+#: where ``r1fit eval`` writes its results in an output folder (kept by train.overwrite)
+EVAL_FOLDER = "eval"
 RUN_ENTRIES = ("config.json", "metrics.jsonl", "log.txt", "summary.json", "report.html", "latest",
                "best", "final", "rollouts", "tensorboard", "wandb", "mlflow", "trackio", "checkpoint-*",
                "profile-step-*.txt")
@@ -122,11 +124,16 @@ def _open_output_dir(cfg: Any, kind: str) -> tuple[Path, ResumePoint | None]:
                     len(ours))
         for child in ours:
             shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+        kept_eval = [child for child in theirs if child.name == EVAL_FOLDER]
+        theirs = [child for child in theirs if child.name != EVAL_FOLDER]
+        if kept_eval:
+            log.warning("train.overwrite=true: kept %s/ (r1fit eval's results of models evaluated "
+                        "before; delete it if they are no longer wanted)", EVAL_FOLDER)
         if theirs:
             names = ", ".join(child.name for child in theirs[:5])
             more = f" and {len(theirs) - 5} more" if len(theirs) > 5 else ""
-            log.warning("train.overwrite=true: kept %d entries r1fit did not write: %s%s",
-                        len(theirs), names, more)
+            log.warning("train.overwrite=true: kept %d %s r1fit did not write: %s%s", len(theirs),
+                        "entry" if len(theirs) == 1 else "entries", names, more)
     point: Path | None = None
     damaged: set[str] = set()  # checkpoints skipped as damaged (auto): set aside, not deleted
     if mode == "auto":
@@ -212,7 +219,9 @@ def _check_resumable(point: Path, cfg: Any, kind: str) -> ResumePoint:
     state = read_trainer_state(point)
     if state.get("kind") != kind:
         raise CheckpointError(f"{point} was saved by {command_of(state.get('kind'))}, "
-                              f"not {command_of(kind)}")
+                              f"not {command_of(kind)}: continue it with that command, or give "
+                              "this run another train.output_dir (train.overwrite=true replaces "
+                              "the folder's run)")
     saved_cfg = json.loads((point / "config.json").read_text())
     changes = config_changes(saved_cfg, run_config(cfg, kind))
     # a key added to r1fit after the checkpoint was saved: the saved run ran as its default does

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from r1fit.config.values import ConfigError, ReadOnlyDict, changed
-from r1fit.units import parse_bytes
+from r1fit.units import parse_memory
 
 #: memory.logits_chunk=auto: tokens per LM-head chunk where the head makes its gradient in its
 #: forward (no chunk is recomputed, so a small one costs no extra matmul: with Qwen's 151,936-token
@@ -61,7 +61,10 @@ class LoraConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = opt("builtin:tiny", "Model to train: a local Hugging Face folder, a hub id such as "
-                    "'Qwen/Qwen2.5-VL-3B-Instruct', or 'builtin:tiny' / 'builtin:small-realvocab'.")
+                    "'Qwen/Qwen2.5-VL-3B-Instruct', or a random-weight model r1fit builds and "
+                    "caches, 'builtin:NAME' with NAME one of tiny, tiny-hd32, small, "
+                    "small-realvocab, bench-1024, bench-3b-cut, tiny-qwen2vl, tiny-qwen3vl, "
+                    "tiny-gemma3 (docs/models.md).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
         "auto", "Weight dtype. 'auto': the checkpoint's own, as transformers' from_pretrained does "
         "(config.json's dtype or torch_dtype: bfloat16 for Qwen2-VL and Qwen2.5-VL, float32 for "
@@ -697,13 +700,9 @@ class Config:
                 raise ConfigError(f"rewards.{name}: got {weight!r}, expected a finite number")
         if self.memory.budget:
             try:
-                parse_bytes(self.memory.budget)
+                parse_memory(self.memory.budget)
             except ValueError as exc:
                 raise ConfigError(f"memory.budget: {exc}") from None
-            bare = str(self.memory.budget).strip()
-            if bare.isdigit() and int(bare) < 2**20:  # a number alone is bytes: a unit forgotten
-                raise ConfigError(f"memory.budget: {bare} is {bare} bytes; give a unit, e.g. "
-                                  f"{bare}GiB")
         if not self.checkpoint.resume.strip():
             raise ConfigError("checkpoint.resume: got an empty value, expected 'auto', 'never' or a "
                               "checkpoint folder")

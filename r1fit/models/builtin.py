@@ -471,7 +471,7 @@ def _spec(name: str) -> BuiltinSpec:
         return BUILTINS[name]
     except KeyError:
         raise ModelConfigError(
-            f"unknown built-in model {BUILTIN_PREFIX}{name!r}; available: "
+            f"unknown built-in model {BUILTIN_PREFIX}{name}; available: "
             + ", ".join(BUILTIN_PREFIX + n for n in builtin_names())
         ) from None
 

@@ -26,10 +26,15 @@ def write_summary(out: Path, metrics: MetricsWriter, *, steps: int, seconds: flo
     summary: dict[str, Any] = {"output_dir": str(out), "steps": steps, **extra}
     evals = eval_history(metrics)
     if evals:
-        summary["eval_accuracy_start"] = evals[0]["eval/accuracy"]
+        # the start is an evaluation before training (eval.before_train): without one, no start
+        # and no gain (the first evaluation came after some training)
+        start = evals[0]["eval/accuracy"] if evals[0].get("step") == 0 else None
+        if start is not None:
+            summary["eval_accuracy_start"] = start
         summary["eval_accuracy_end"] = evals[-1]["eval/accuracy"]
         summary["eval_format_end"] = evals[-1]["eval/format"]
-        summary["eval_accuracy_gain"] = evals[-1]["eval/accuracy"] - evals[0]["eval/accuracy"]
+        if start is not None:
+            summary["eval_accuracy_gain"] = evals[-1]["eval/accuracy"] - start
     summary["seconds"] = round(seconds, 1)
     metrics.close()
     if not main:
@@ -46,7 +51,8 @@ def write_summary(out: Path, metrics: MetricsWriter, *, steps: int, seconds: flo
         table.add_column("accuracy", justify="right")
         table.add_column("format", justify="right")
         for i, row in enumerate(evals):
-            name = "start" if i == 0 else "end" if i == len(evals) - 1 else ""
+            name = ("end" if i == len(evals) - 1 else
+                    "start" if i == 0 and row.get("step") == 0 else "")
             table.add_row(name, str(row.get("step", "")), f"{row['eval/accuracy']:.3f}",
                           f"{row['eval/format']:.3f}")
         Console(stderr=True).print(table)

@@ -55,6 +55,7 @@ from r1fit.checkpoint.manager import (
     run_config,
     verify,
 )
+from r1fit.checkpoint.resume import EVAL_FOLDER
 from r1fit.checkpoint.sharded import load_model_weights
 from r1fit.config import Config, ConfigError
 from r1fit.data.build import build_eval_set
@@ -159,7 +160,7 @@ def output_folder(cfg: Config, source: ModelSource, out: Path | None) -> Path:
     given = Path(source.path).expanduser()
     name = given.name if given.is_dir() else source.path
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "model"
-    base = Path(cfg.train.output_dir) / "eval" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    base = Path(cfg.train.output_dir) / EVAL_FOLDER / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     folder, n = base, 1
     while folder.exists():  # two evaluations in the same second
         n += 1

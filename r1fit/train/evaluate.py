@@ -115,6 +115,17 @@ def _answers(session: Session, engine: RolloutEngine, prompts: list[Prompt], row
 
 
 @torch.no_grad()
+def log_evaluation(step: int, row: dict[str, Any]) -> None:
+    """One line per evaluation in the console and log.txt, so that a piped or cluster log shows
+    the curve: ``eval at step 20: accuracy 0.250, format 1.000 (40 rows)``."""
+    accuracy, size = row.get("eval/accuracy"), row.get("eval/size", 0)
+    shown = ("no row could be scored" if accuracy is None
+             else f"accuracy {accuracy:.3f}, format {row.get('eval/format') or 0.0:.3f}")
+    bad = row.get("eval/bad_rows") or 0
+    log.info("eval at step %d: %s (%d rows%s)", step, shown, size,
+             f", {bad} skipped" if bad else "")
+
+
 def evaluate(run: Run, engine: RolloutEngine) -> dict[str, Any]:
     """Greedy decoding on ``run.eval_set``: accuracy and format rate, on ``engine`` (GRPO's
     rollout engine, a vLLM one synced with the policy first; ``r1fit sft``'s

@@ -63,7 +63,7 @@ from r1fit.rollout.generate import SamplingSettings
 from r1fit.rollout.record import Rollout
 from r1fit.rollout.score import AdvantageSettings, finished_rows, kl_in_reward, loss_counts, score_rollout
 from r1fit.train.engines import RolloutEngine, rollout_engine
-from r1fit.train.evaluate import evaluate
+from r1fit.train.evaluate import evaluate, log_evaluation
 from r1fit.train.forward import add_logprobs, longest_row, micro_batches, run_logprobs
 from r1fit.train.optim import SkippedUpdates, build_optimizer, build_scheduler, clip_and_step
 from r1fit.train.run import Run, start_run
@@ -129,7 +129,7 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
     if run.eval_set is not None and cfg.eval.before_train and start == 0:
         row = {"step": 0, **evaluate(run, engine)}
         run.metrics.write(row)
-        log.info("eval before GRPO: %s", row)
+        log_evaluation(0, row)
 
     report = LiveReport(cfg.report, run.out, main=run.world.main)  # rank 0: rollouts, alarms, page
     profile_step = step_to_profile(cfg)
@@ -160,6 +160,7 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
             if run.eval_set is not None and (step == cfg.train.max_steps or
                                              (cfg.eval.every and step % cfg.eval.every == 0)):
                 row.update(evaluate(run, engine))
+                log_evaluation(step, row)
                 accuracy = row["eval/accuracy"]  # None: no row could be scored
                 if accuracy is not None and accuracy > loop.best:
                     loop.best, loop.since_best = accuracy, 0

@@ -38,7 +38,7 @@ from r1fit.rewards.answer import extract_answer, split_thinking
 from r1fit.rng import RngState
 from r1fit.tools.demonstrations import ToolDemonstrations
 from r1fit.train.engines import RolloutEngine, evaluation_engine
-from r1fit.train.evaluate import evaluate
+from r1fit.train.evaluate import evaluate, log_evaluation
 from r1fit.train.forward import BatchLayout, longest_row, micro_batches
 from r1fit.train.optim import SkippedUpdates, build_optimizer, build_scheduler, clip_and_step
 from r1fit.train.run import Run, start_run
@@ -304,6 +304,7 @@ def supervised_steps(run: Run, steps: int, *, format_only: bool,
             if not format_only and run.eval_set is not None and (
                     step == steps or (cfg.sft.eval_every and step % cfg.sft.eval_every == 0)):
                 row.update(evaluate(run, engine))
+                log_evaluation(step, row)
             run.metrics.write(row)
             if report is not None:
                 report.after_step(row)
@@ -319,7 +320,9 @@ def train_sft(cfg: Config) -> dict[str, Any]:
     engine = evaluation_engine(run) if run.eval_set is not None else None
     try:
         if engine is not None and cfg.eval.before_train and run.checkpoints.resume is None:
-            run.metrics.write({"step": 0, **evaluate(run, engine)})
+            before = {"step": 0, **evaluate(run, engine)}
+            run.metrics.write(before)
+            log_evaluation(0, before)
         report = LiveReport(cfg.report, run.out, main=run.world.main)  # rank 0: the page
         supervised_steps(run, cfg.sft.steps, format_only=False, report=report, engine=engine)
     finally:

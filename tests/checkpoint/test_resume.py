@@ -152,6 +152,20 @@ def test_overwrite_deletes_what_a_run_wrote_and_keeps_the_users_files(
     assert f"deleting the previous run in {out} (20 entries)" in caplog.text
     assert ("kept 5 entries r1fit did not write: checkpoints-old, config.yaml, data, notes.md, "
             "train.sh") in caplog.text
+    assert "eval/" not in caplog.text
+
+
+def test_overwrite_keeps_r1fit_evals_results_and_says_whose_they_are(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    out = tmp_path / "run"
+    (out / "eval" / "checkpoint-2-20261129").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text("{}\n")
+    (out / "notes.md").write_text("mine\n")
+    with caplog.at_level("WARNING", logger="r1fit.checkpoint"):
+        _open(out, "train.overwrite=true")
+    assert (out / "eval" / "checkpoint-2-20261129").is_dir()
+    assert "kept eval/ (r1fit eval's results of models evaluated before" in caplog.text
+    assert "kept 1 entry r1fit did not write: notes.md" in caplog.text
 
 
 def test_overwrite_without_a_previous_run_deletes_nothing(tmp_path: Path) -> None:

@@ -127,7 +127,8 @@ def test_generate_with_image_uses_3d_rope(tiny_dir: Path, image56) -> None:
 
 def test_unknown_builtin_lists_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("R1FIT_CACHE", str(tmp_path))
-    with pytest.raises(ModelConfigError, match=r"builtin:'nope'.*builtin:small-realvocab, builtin:tiny"):
+    with pytest.raises(ModelConfigError, match=r"^unknown built-in model builtin:nope; available: "
+                                               r".*builtin:small-realvocab, builtin:tiny"):
         ensure_builtin("nope")
 
 
@@ -227,3 +228,14 @@ def test_a_cache_that_is_a_file_is_one_line_naming_it(tmp_path, monkeypatch, cap
     assert capsys.readouterr().err.startswith(f"r1fit: error: R1FIT_CACHE={blocker / 'below'}: ")
     monkeypatch.setenv("R1FIT_CACHE", str(tmp_path / "new" / "cache"))
     assert cache_root() == tmp_path / "new" / "cache"  # a folder still to be made is fine
+
+
+def test_every_builtin_is_named_in_model_paths_help() -> None:
+    from dataclasses import fields
+
+    from r1fit.config.schema import ModelConfig
+    from r1fit.models.builtin import BUILTINS
+
+    help_text = next(f.metadata["help"] for f in fields(ModelConfig) if f.name == "path")
+    listed = help_text.split("NAME one of ", 1)[1].split(" (", 1)[0]
+    assert sorted(listed.split(", ")) == sorted(BUILTINS)
