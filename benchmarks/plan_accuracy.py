@@ -1,9 +1,9 @@
 """Does `r1fit plan` predict what a real step uses? Plan vs probe over a grid of configurations.
 
 Command (builds builtin:small-realvocab and builtin:bench-3b-cut on first use; on 2 CPU cores
-the 44 configurations of then (46 now) took 28 minutes with the test suite running beside them, 38 GRPO ones
-about 13 minutes alone in another session, while in a third one a 3b-cut GRPO step took 14.5
-minutes under the probe's profiler: its bfloat16 backward varies a lot between machines):
+the 55 configurations took 27 minutes on 2026-11-29 with other work beside them; in another
+session a 3b-cut GRPO step took 14.5 minutes under the probe's profiler: its bfloat16 backward
+varies a lot between machines):
 
     python benchmarks/plan_accuracy.py            # every configuration of GRID
     python benchmarks/plan_accuracy.py --only tiny-full-g8 --json out.json
@@ -14,7 +14,8 @@ sft`` for 2 steps, planned with ``kind="sft"`` as ``r1fit plan --sft`` does) in 
 process with ``memory.cpu_peak=tensors`` (the probe: peak bytes of live tensors, r1fit/memory/probe.py) and takes
 the largest per-step ``peak_memory_bytes``. The grid varies num_generations, micro_batch,
 max_new_tokens, max_pixels, LoRA vs full fine-tuning, gradient checkpointing, the KL reference,
-the shared prompt and packed micro-batches on builtin:tiny and builtin:small-realvocab, and
+the shared prompt, packed micro-batches, the static engine and rollout.share_prefill on
+builtin:tiny and builtin:small-realvocab, and
 covers the other built-in architectures (builtin:tiny-gemma3, builtin:tiny-qwen3vl,
 builtin:tiny-qwen2vl) and a real
 model's widths in bfloat16 (builtin:bench-3b-cut: Qwen2.5-VL-3B cut to 4 layers, 0.74B parameters). Target: every plan
