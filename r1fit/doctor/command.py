@@ -4,6 +4,8 @@ the exit status (0; 1 when a check failed; 2 when it could not start)."""
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -18,6 +20,8 @@ from r1fit.report.blocks import print_blocks
 
 if TYPE_CHECKING:  # torch's: imported where the rates are measured
     from r1fit.memory.rates import DeviceRates
+
+log = logging.getLogger("r1fit")
 
 
 def doctor(*, json_out: bool = False, check: bool = False, out: Path | None = None,
@@ -78,16 +82,36 @@ def _layer_tokens_lines(rates: DeviceRates) -> list[str]:
     return lines
 
 
+def machine_busy() -> str | None:
+    """Why the machine is too busy to measure on (the 1-minute load average of other work at half
+    its cores or more), or None (also where the OS gives no load average)."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    cores = os.cpu_count() or 1
+    if load < max(0.5 * cores, 1.0):
+        return None
+    return f"the machine was busy when it started (load {load:.1f} on {cores} cores)"
+
+
 def _calibrate(json_out: bool) -> int:
     """``r1fit doctor --calibrate``: measure, cache and print the first device's rates."""
     from r1fit.doctor.steps import measure_step_fixed
     from r1fit.memory.rates import calibrate, save_calibration
 
     began = time.perf_counter()
+    busy = machine_busy()
     rates = calibrate()
     # what only r1fit's own step can show, planned on the rates just cached
     micro_batch, update = measure_step_fixed(first_device())
     rates = replace(rates, micro_batch_s=micro_batch, update_s=update)
+    doubts = rates.doubts() + ([busy] if busy else [])
+    if doubts:  # kept (a rate is better than none), but said, and noted in the file
+        rates = replace(rates, notes=[*rates.notes, *(f"doubt: {d}" for d in doubts)])
+        for doubt in doubts:
+            log.warning("r1fit doctor --calibrate: %s; the rates may be off: calibrate again "
+                        "when the machine is idle", doubt)
     path = save_calibration(rates, first_device())
     if json_out:
         print(json.dumps({**rates.to_dict(), "path": str(path)}, indent=2))

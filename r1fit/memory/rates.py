@@ -188,6 +188,26 @@ class DeviceRates:
         return (max(forward_s - forward_flops / rate - fixed, 0.0) * per_width,
                 max(train_s - train_flops / rate - 3 * fixed, 0.0) * per_width)
 
+    def doubts(self) -> list[str]:
+        """Measurements that contradict each other, as other load on the machine makes them (a
+        layer's forward and backward faster than its forward alone, a rate or element-wise cost
+        of zero, a larger square matmul slower by more than 4x): each a short reason."""
+        found = []
+        for dtype, (_, forward_s, train_s) in self.layer_tokens_s.items():
+            if train_s <= forward_s:
+                found.append(f"the {dtype} layer's forward and backward ({train_s * 1e3:.2f} ms) "
+                             f"took no longer than its forward ({forward_s * 1e3:.2f} ms)")
+            if self.elementwise_s(dtype, LAYER_WIDTH)[0] <= 0:
+                found.append(f"the {dtype} layer's element-wise work came out at 0")
+        for dtype, curve in self.matmul.items():
+            rates = [rate for _, rate in curve]
+            if any(rate <= 0 for rate in rates):
+                found.append(f"a {dtype} matmul rate of 0")
+            elif max(rates) > 4 * rates[-1]:
+                found.append(f"the largest {dtype} matmul ran at {rates[-1] / 1e9:,.1f} GFLOP/s, "
+                             f"under a quarter of a smaller one's {max(rates) / 1e9:,.1f}")
+        return found
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -75,6 +75,23 @@ def test_elementwise_work_is_what_the_calibration_layer_spends_beyond_its_matmul
                                                                    3 * 240 * 512 / 1e10))
 
 
+def test_contradicting_measurements_are_doubted():
+    """What other load on the machine makes of a calibration: a layer's forward and backward no
+    slower than its forward, no element-wise work left, the largest matmul far slower."""
+    flops = 147_456_000 + 5_120_000
+    sound = made(layer_tokens_s={"float32": (100, flops / 1e9 + 2.8e-4 + 0.05,
+                                             3 * flops / 1e9 + 3 * 2.8e-4 + 0.2)})
+    assert sound.doubts() == []
+    loaded = made(matmul={"float32": [(128, 1e9), (512, 8e9), (2048, 1e9)]},
+                  layer_tokens_s={"float32": (100, 0.32, 0.05)})
+    assert loaded.doubts() == [
+        "the float32 layer's forward and backward (50.00 ms) took no longer than its forward "
+        "(320.00 ms)",
+        "the largest float32 matmul ran at 1.0 GFLOP/s, under a quarter of a smaller one's 8.0"]
+    assert made(layer_tokens_s={"float32": (100, 1e-3, 2e-3)}).doubts() == [
+        "the float32 layer's element-wise work came out at 0"]
+
+
 def test_a_quick_calibration_is_cached_for_the_plan(tmp_path, monkeypatch):
     monkeypatch.setenv("R1FIT_CACHE", str(tmp_path))
     assert load_calibration(CPU) is None
@@ -115,6 +132,12 @@ def test_doctor_calibrate_prints_and_caches(tmp_path, monkeypatch, capsys):
     assert load_calibration(CPU).micro_batch_s == 2e-3  # cached with the rest
     assert printed["path"] == str(calibration_path(CPU))
     assert load_calibration(CPU) is not None
+    # on a busy machine: warned, and the doubt kept in the file's notes
+    monkeypatch.setattr("r1fit.doctor.command.os.getloadavg", lambda: (9.0, 9.0, 9.0))
+    assert main(["doctor", "--calibrate", "--json"]) == 0
+    capsys.readouterr()
+    notes = load_calibration(CPU).notes
+    assert any(n.startswith("doubt: the machine was busy when it started (load 9.0 on") for n in notes)
 
 
 def test_gpu_rates_from_data_sheets():
