@@ -62,13 +62,17 @@ def generation_config(settings: SamplingSettings, ids: TokenIds) -> GenerationCo
     about them when ``do_sample=False``. ``min_length=0`` and ``min_new_tokens=0`` keep a
     checkpoint's minimum lengths out (``generate_completions`` drops the second when the
     checkpoint sets none). ``settings.min_new_tokens`` > 0 sets transformers' own minimum, which
-    gives the end-of-sequence ids -inf before the sampler sees the scores."""
+    gives the end-of-sequence ids -inf before the sampler sees the scores (and leaves
+    ``min_length`` unset: it would be overridden, with a warning)."""
     return GenerationConfig(
         max_new_tokens=settings.max_new_tokens, pad_token_id=ids.pad, eos_token_id=list(ids.eos),
         use_cache=True, suppress_tokens=list(ids.blocked) or None, do_sample=False, num_beams=1,
         num_return_sequences=1, min_new_tokens=settings.min_new_tokens, repetition_penalty=1.0,
         encoder_repetition_penalty=1.0, no_repeat_ngram_size=0, encoder_no_repeat_ngram_size=0,
-        min_length=0, renormalize_logits=False, remove_invalid_values=False)
+        # min_new_tokens > 0 takes precedence over a checkpoint's min_length anyway (transformers
+        # warns when both are set)
+        min_length=None if settings.min_new_tokens else 0, renormalize_logits=False,
+        remove_invalid_values=False)
 
 
 def row_seeds(seed: int, step: int, first_row: int, n: int) -> list[int]:

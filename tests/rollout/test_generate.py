@@ -270,3 +270,15 @@ def test_top_p_filter_matches_hf_and_rows_are_independent():
     batched = sample_rows(scores, u, temperature=0.7, top_p=0.9)
     alone = torch.cat([sample_rows(scores[i:i + 1], u[i:i + 1], 0.7, 0.9) for i in range(16)])
     assert torch.equal(batched, alone)
+
+
+def test_min_length_is_left_unset_where_min_new_tokens_takes_precedence():
+    """min_length=0 keeps a checkpoint's minimum out; with min_new_tokens > 0 that minimum is
+    overridden anyway, and setting both makes transformers warn on every call."""
+    from r1fit.rollout.generate import generation_config
+
+    ids = TokenIds(pad=0, eos=[1], blocked=[])
+    assert generation_config(SamplingSettings(max_new_tokens=8), ids).min_length == 0
+    forced = generation_config(SamplingSettings(max_new_tokens=8, min_new_tokens=8), ids)
+    assert forced.min_length is None and forced.min_new_tokens == 8
+    assert "min_length" not in forced.to_diff_dict()
