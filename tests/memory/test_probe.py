@@ -55,3 +55,22 @@ def test_windows_are_independent():
     extra = torch.zeros(250_000)
     assert second.peak() - before == 1_000_000  # not 9 MB: earlier windows do not leak in
     del kept, extra
+
+
+def test_the_profilers_native_lines_do_not_reach_the_console():
+    """kineto prints 'USDT: ... profiler_start/stop' on fd 2 at every start and stop; the probe
+    quiets fd 2 for just those calls, and what is written before and after still arrives."""
+    import subprocess
+    import sys
+
+    script = ("import os, sys\n"
+              "from r1fit.memory.probe import TensorProbe, native_stderr_quiet\n"
+              "print('before', file=sys.stderr, flush=True)\n"
+              "with native_stderr_quiet():\n"
+              "    os.write(2, b'native noise\\n')\n"
+              "probe = TensorProbe(); probe.start(); probe.peak()\n"
+              "print('after', file=sys.stderr, flush=True)\n")
+    err = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, check=True).stderr
+    assert err.splitlines()[0] == "before" and err.splitlines()[-1] == "after"
+    assert "native noise" not in err and "USDT" not in err
