@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
@@ -57,14 +58,17 @@ def parallelize(root: nn.Module, *, activation_checkpointing: bool, world: World
         policy = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if stored == torch.float32 else None,
             reduce_dtype=torch.float32)
+    # the mesh on the run's own device type: without one FSDP2 builds it on the machine's
+    # accelerator (CUDA on a GPU host even for train.device=cpu, unsharded weights landing there)
+    mesh = init_device_mesh(device_type, (world.size,))
     units = shard_units(root)
     for unit in units:
-        fully_shard(unit, mp_policy=policy)
-    fully_shard(root, mp_policy=policy)
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    fully_shard(root, mesh=mesh, mp_policy=policy)
     if world.main:  # what ran, for a reader of the log (benchmarks/gpu_check.py's fsdp stage)
         log.info("FSDP2: %d units and the root sharded over %d process%s on %s; gathered in %s, "
                  "gradients reduced in %s", len(units), world.size, "es" * (world.size > 1),
-                 device_type, _dtype_name(policy.param_dtype, root),
+                 mesh.device_type, _dtype_name(policy.param_dtype, root),
                  _dtype_name(policy.reduce_dtype, root))
     for method in ("generate", "prefill"):  # generation enters through the root too
         if callable(getattr(root, method, None)):

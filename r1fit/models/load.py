@@ -22,7 +22,14 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors import SafetensorError, safe_open
 from torch import nn
-from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, PreTrainedModel, ProcessorMixin
+from transformers import (
+    AutoConfig,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    GenerationConfig,
+    PreTrainedModel,
+    ProcessorMixin,
+)
 
 from r1fit.errors import one_line
 from r1fit.models.builtin import BUILTIN_PREFIX, ensure_builtin, shipped_config
@@ -626,6 +633,14 @@ def _from_pretrained(
                     config, dtype=meta_dtype, attn_implementation=attn_implementation)
         except ValueError as err:
             raise ModelConfigError(load_failure("cannot load model", path, err)) from err
+        if skeleton.can_generate():
+            # from_config takes its generation config from config.json alone; from_pretrained
+            # reads the folder's generation_config.json (Qwen-VL-Instruct's second eos id, its
+            # sampling defaults), which every rank must see alike
+            try:
+                skeleton.generation_config = GenerationConfig.from_pretrained(folder)
+            except OSError:  # no generation_config.json: config.json's, as from_pretrained has
+                pass
         batch_vision_segments(skeleton)
         return skeleton
     try:

@@ -50,6 +50,12 @@ def test_meta_skeleton_matches_the_loaded_model(use_tiny_cache):
     b = {k: (v.shape, v.dtype) for k, v in meta.state_dict().items()}
     assert a == b
     assert all(p.is_meta for p in meta.parameters())
+    # the folder's generation_config.json too (its eos ids end the rows), not config.json's
+    from r1fit.models.load import unwrap
+
+    real_cfg, meta_cfg = unwrap(real).generation_config, unwrap(meta).generation_config
+    assert meta_cfg.to_diff_dict() == real_cfg.to_diff_dict()
+    assert isinstance(real_cfg.eos_token_id, list) and len(real_cfg.eos_token_id) == 2
 
 
 def test_the_log_names_the_dtypes_gathered():
