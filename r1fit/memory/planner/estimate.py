@@ -72,6 +72,7 @@ from r1fit.config.engines import least_share, resolve_engine, sft_engine, vllm_s
 from r1fit.memory.planner.facts import (
     ModelFacts,
     PromptShape,
+    group_runs,
     model_facts,
     prompt_shape,
     prompts_in_rows,
@@ -1005,11 +1006,9 @@ class StepShape:
         for gpu in range(self.gpus):
             first = gpu * self.rows_per_gpu
             for start in range(first, first + self.rows_per_gpu, rows):
-                end = min(start + rows, first + self.rows_per_gpu)
-                touched = range(start // self.group, (end - 1) // self.group + 1)
-                groups = max(groups, len(touched))
-                completions = max(completions, *(min(end, (g + 1) * self.group)
-                                                 - max(start, g * self.group) for g in touched))
+                runs = group_runs(start, min(start + rows, first + self.rows_per_gpu), self.group)
+                groups = max(groups, len(runs))
+                completions = max(completions, *runs)
         return groups, completions
 
 

@@ -169,6 +169,13 @@ def prompts_in_rows(rows: int, group: int) -> int:
     return min(rows, math.ceil(rows / group) + (1 if rows % group else 0))
 
 
+def group_runs(start: int, end: int, group: int) -> list[int]:
+    """The rows of each group that rows ``start .. end - 1`` of a step hold (groups of ``group``
+    rows from row 0), in order: a chunk of 12 rows from row 12 in groups of 8 holds [4, 8]."""
+    return [min(end, (g + 1) * group) - max(start, g * group)
+            for g in range(start // group, (end - 1) // group + 1)] if end > start else []
+
+
 def shares_prompt_cache(f: ModelFacts, cfg: Config) -> bool:
     """The static engine holds each prompt once for its group (rollout.static.share_prompt on,
     a model without sliding-window layers, single-turn rollouts)."""

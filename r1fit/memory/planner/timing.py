@@ -58,7 +58,13 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from r1fit.config import Config
-from r1fit.memory.planner.facts import ModelFacts, PromptShape, run_dtype, shares_prompt_cache
+from r1fit.memory.planner.facts import (
+    ModelFacts,
+    PromptShape,
+    group_runs,
+    run_dtype,
+    shares_prompt_cache,
+)
 
 if TYPE_CHECKING:  # torch's modules: imported where a plan is timed, not with the planner
     from r1fit.memory.flops import GroupShape, ModelShape
@@ -255,13 +261,6 @@ def _elementwise(s: TimeShape, rates: DeviceRates, tokens: float, *, train: bool
     with ``train`` a forward and backward (the calibrated rates, :meth:`DeviceRates.elementwise_s`)."""
     forward, both = rates.elementwise_s(s.dtype, s.hidden)
     return s.layers * tokens * (both if train else forward)
-
-
-def group_runs(start: int, end: int, group: int) -> list[int]:
-    """The rows of each group that rows ``start .. end - 1`` of a step hold (groups of ``group``
-    rows from row 0), in order: a chunk of 12 rows from row 12 in groups of 8 holds [4, 8]."""
-    return [min(end, (g + 1) * group) - max(start, g * group)
-            for g in range(start // group, (end - 1) // group + 1)] if end > start else []
 
 
 def prompts_in_chunk(s: TimeShape, start: int, rows: int) -> int:
