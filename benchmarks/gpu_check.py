@@ -553,7 +553,7 @@ def stage_speed(args: argparse.Namespace, work: Path) -> StageResult:
                    # each prompt's cache held once for its rows against the plain layout
                    *([f"--turn-tokens={TURN_TOOL_TOKENS}", "--share-prompt"]
                      if name == "3b-lora" else [])]
-        r = decode_case(args, result, name, command, cap)
+        r = decode_case(args, result, name, command, cap, work)
         if r is None:
             continue
         if r["hf"] is None and "3b-lora" in result.data:  # the compiled case: LoRA's HF numbers
@@ -581,7 +581,7 @@ DECODE_FLOOR = 60
 
 
 def decode_case(args: argparse.Namespace, result: StageResult, name: str, command: list[str],
-                cap: float) -> dict[str, Any] | None:
+                cap: float, work: Path) -> dict[str, Any] | None:
     """One decode case's benchmarks/decode_speed.py run, ending before the stage's deadline
     (its extras skipped where they would not): its result, or None with a failed row. Killed
     at its cap, it keeps what its partial file holds (the main timings come first)."""
@@ -592,7 +592,8 @@ def decode_case(args: argparse.Namespace, result: StageResult, name: str, comman
         result.add(f"speed {name}", f"not run: {max(timeout, 0):.0f} s left of the stage", "runs",
                    False)
         return None
-    partial = Path(tempfile.mkdtemp(prefix=f"decode-{name}-")) / "result.json"
+    work.mkdir(parents=True, exist_ok=True)
+    partial = work / f"decode-{name}.json"  # beside the stage's other files
     # the script's own deadline a little before the kill: its extras skip instead of dying
     inner = ["--partial", str(partial)] + ([f"--deadline={time.time() + timeout - 15:.1f}"]
                                            if timeout is not None else [])

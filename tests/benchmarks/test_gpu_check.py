@@ -376,7 +376,7 @@ def test_a_judged_decode_case_without_an_hf_baseline_misses_its_target():
     assert [x.met for x in nan.rows] == [False]
 
 
-def test_a_decode_case_killed_at_its_cap_keeps_its_main_timings(monkeypatch):
+def test_a_decode_case_killed_at_its_cap_keeps_its_main_timings(monkeypatch, tmp_path):
     """decode_speed writes its main numbers to --partial before its extras: a case the stage
     must kill at its cap keeps them, with a row saying it was cut short."""
     import sys
@@ -386,7 +386,8 @@ def test_a_decode_case_killed_at_its_cap_keeps_its_main_timings(monkeypatch):
               "time.sleep(60)")
     args = gc.parse_args(["--out", "x"])  # a GPU's run, no stage deadline
     result = gc.StageResult()
-    got = gc.decode_case(args, result, "3b-lora", [sys.executable, "-c", script], cap=3)
+    got = gc.decode_case(args, result, "3b-lora", [sys.executable, "-c", script], cap=3,
+                         work=tmp_path)
     assert got == {"static": {"tokens_per_second": 7.0}}
     assert [(x.item, x.met) for x in result.rows] == [("speed 3b-lora", False)]
     assert "cut short" in result.rows[0].value and "no result in 3 s" in result.rows[0].value
@@ -395,5 +396,5 @@ def test_a_decode_case_killed_at_its_cap_keeps_its_main_timings(monkeypatch):
     late = gc.parse_args(["--out", "x", "--deadline", str(1000.0 + gc.STAGE_MARGIN + 30)])
     monkeypatch.setattr(gc, "run_child", lambda *a, **k: pytest.fail("a child was started"))
     rows = gc.StageResult()
-    assert gc.decode_case(late, rows, "3b-lora", ["x"], cap=150) is None
+    assert gc.decode_case(late, rows, "3b-lora", ["x"], cap=150, work=tmp_path) is None
     assert [(x.value, x.met) for x in rows.rows] == [("not run: 30 s left of the stage", False)]
