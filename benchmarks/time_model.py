@@ -12,7 +12,11 @@ a fresh child process, every completion forced to ``algo.max_new_tokens`` tokens
 (``rollout.min_new_tokens``, as the plan takes them), no evaluation or checkpoint, and takes the
 median over the steps after the first (warm-up) of ``seconds_generate + seconds_score +
 seconds_update`` (the update's time holds the reference's log-probs). A configuration with tools
-is predicted at the turns its run took (:func:`at_measured_turns`). The machine's other load
+is predicted at the turns its run took (:func:`at_measured_turns`). The ``fsdp2-``
+configurations run under ``torchrun --nproc-per-node 2`` (gloo, FSDP2, a thread per worker as
+torchrun sets it; rank 0's steps are timed) against the plan for 2 processes (``--gpus 2``) on
+the 1-thread calibration, made first when missing: the collectives' term. The machine's other
+load
 is read from /proc/stat around each run; a run beside more than ``--max-other-cores`` busy cores
 of other processes is marked disturbed and left out of the verdict.
 
@@ -77,16 +81,27 @@ GRID: dict[str, list[str]] = {
     "3b-cut-lora-g4-16": [CUT3B, "model.dtype=bfloat16", "model.lora.r=16",
                           "algo.num_generations=4", "memory.micro_batch=4", *_forced(16),
                           "algo.beta=0", "train.prompts_per_step=1"],
+    # two processes (torchrun, gloo, FSDP2): the collectives' term
+    "fsdp2-bench-full-g8-32": [BENCH, "algo.num_generations=8", "memory.micro_batch=4",
+                               *_forced(32), "algo.beta=0"],
+    "fsdp2-small-lora-g8-32-kl": [SMALL, "model.lora.r=8", "algo.num_generations=8",
+                                  "memory.micro_batch=8", *_forced(32), "algo.beta=0.04"],
 }
+#: the configurations run under ``torchrun --nproc-per-node N`` (the others in one process)
+PROCESSES = {"fsdp2-bench-full-g8-32": 2, "fsdp2-small-lora-g8-32-kl": 2}
 
 
 def measure(name: str, overrides: list[str], steps: int) -> dict[str, float]:
-    """Median seconds per phase and per step over the steps after the first of a run."""
+    """Median seconds per phase and per step over the steps after the first of a run (of rank
+    0 under torchrun, whose workers run a thread each: ``OMP_NUM_THREADS`` left to torchrun)."""
+    processes = PROCESSES.get(name, 1)
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     with tempfile.TemporaryDirectory(prefix=f"time_model_{name}_") as folder:
         out = Path(folder) / "run"
-        command = [sys.executable, "-m", "r1fit", "train", f"train.output_dir={out}",
-                   f"train.max_steps={steps}", *COMMON, *overrides]
-        run_child(command, f"{name}: r1fit train", "r1fit")
+        command = [sys.executable, *(launcher if processes > 1 else []), "-m", "r1fit", "train",
+                   f"train.output_dir={out}", f"train.max_steps={steps}", *COMMON, *overrides]
+        run_child(command, f"{name}: r1fit train", "r1fit", env=env)
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "reward_mean" in r][1:]  # the first step warms up
     phases = {key: statistics.median(r.get(f"seconds_{key}", 0.0) for r in rows)
@@ -109,12 +124,15 @@ def at_measured_turns(overrides: list[str], measured: dict[str, float]) -> list[
     return [*overrides, f"rollout.max_trajectory_tokens={math.ceil(measured['turns'] * tokens)}"]
 
 
-def predict(overrides: list[str]) -> dict[str, float]:
+def predict(overrides: list[str], processes: int = 1) -> dict[str, float]:
+    """The plan's step for a run on ``processes`` processes (each with torchrun's one thread:
+    the 1-thread calibration)."""
     from r1fit.config import load_config
     from r1fit.memory.planner import plan_memory
     from r1fit.memory.prediction import StepPrediction
 
-    plan = plan_memory(load_config(None, [*COMMON, *overrides]), device_type="cpu")
+    plan = plan_memory(load_config(None, [*COMMON, *overrides]), device_type="cpu",
+                       gpus=processes)
     # the phases under the keys a run measures them by (the update's holds the log-prob pass)
     seconds = StepPrediction.of(plan.time, "grpo").seconds
     return {**{key.removeprefix("seconds_"): value for key, value in seconds.items()},
@@ -149,18 +167,23 @@ def run(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     cpu = torch.device("cpu")
-    if args.calibrate or load_calibration(cpu) is None:
-        print("calibrating this machine (r1fit doctor --calibrate) ...", file=sys.stderr)
-        run_child([sys.executable, "-m", "r1fit", "doctor", "--calibrate"], "calibration",
-                  "r1fit")
+    names = args.only or list(GRID)
+    # torchrun's workers run a thread each: their rates are the 1-thread calibration's
+    for threads in sorted({None, *(1 for n in names if PROCESSES.get(n, 1) > 1)}, key=str):
+        if args.calibrate or load_calibration(cpu, threads) is None:
+            print(f"calibrating this machine (r1fit doctor --calibrate"
+                  f"{f', {threads} thread' if threads else ''}) ...", file=sys.stderr)
+            env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+            run_child([sys.executable, "-m", "r1fit", "doctor", "--calibrate"], "calibration",
+                      "r1fit", env=env)
     ticks = os.sysconf("SC_CLK_TCK")
     results = []
-    for name in args.only or GRID:
+    for name in names:
         before, mine, began = cpu_ticks(), _own_seconds(), time.perf_counter()
         measured = measure(name, GRID[name], args.steps)
         seconds = time.perf_counter() - began
         after = cpu_ticks()
-        predicted = predict(at_measured_turns(GRID[name], measured))
+        predicted = predict(at_measured_turns(GRID[name], measured), PROCESSES.get(name, 1))
         # the run is a child: its CPU time is this process's children's, not another job's
         others = None if before is None or after is None else max(
             0.0, ((after[0] - before[0]) / ticks - (_own_seconds() - mine)) / seconds)

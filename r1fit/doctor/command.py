@@ -122,7 +122,9 @@ def _calibrate(json_out: bool) -> int:
                       rates.layer_step_s)
     print_blocks([f"calibrated {rates.device} in {time.perf_counter() - began:.0f} s",
                   (("matmul dtype", "size", "GFLOP/s"), matmul, {1, 2}),
-                  f"copy bandwidth {rates.copy_bytes_per_s / 1e9:,.1f} GB/s (read + write)",
+                  f"copy bandwidth {rates.copy_bytes_per_s / 1e9:,.1f} GB/s (read + write)"
+                  + (f", {rates.fresh_copy_bytes_per_s / 1e9:,.1f} GB/s into memory just "
+                     f"allocated" if rates.fresh_copy_bytes_per_s else ""),
                   f"launch {rates.launch_s * 1e6:.1f} us per small kernel",
                   f"decoder layer step: {layer} (fixed part "
                   f"{rates.layer_overhead_s() * 1e3:.3f} ms)",
@@ -137,5 +139,8 @@ def _calibrate(json_out: bool) -> int:
                   f"r1fit's GRPO step beyond the model: {rates.micro_batch_s * 1e3:.2f} ms per "
                   f"training micro-batch, {rates.update_s * 1e3:.2f} ms per update",
                   f"disk writes {rates.disk_bytes_per_s / 1e6:,.0f} MB/s",
+                  f"link between processes (FSDP2's collectives) "
+                  f"{rates.link_bytes_per_s / 1e9:,.2f} GB/s, {rates.collective_s * 1e6:,.0f} us "
+                  f"a collective: {rates.link_source}",
                   f"saved to {path}: `r1fit plan` reads it"], rich=sys.stdout.isatty())
     return 0

@@ -7,7 +7,8 @@ measured by ``r1fit doctor --calibrate`` and cached per device, else taken from 
   few sizes (a small model's matrices run far below the peak on a CPU);
 - **skinny matmul rate** of a decode step's products (a handful of rows times a wide matrix);
 - **copy bandwidth** (bytes/s, read + write counted) of a large device-to-device copy: the rate
-  at which a decode step reads weights and KV cache;
+  at which a decode step reads weights and KV cache; on a CPU also into a tensor just allocated
+  (its pages faulted in on first write, as FSDP2's buffers are);
 - **launch cost** (seconds per kernel): a one-element in-place add, run many times; the floor
   of every small operation (Python and dispatch on a CPU, the kernel launch on a GPU);
 - **layer step cost**: the seconds of one token step through a small decoder layer (attention
@@ -27,7 +28,10 @@ measured by ``r1fit doctor --calibrate`` and cached per device, else taken from 
   (a LoRA model's two per adapted matrix) each cost it a fixed time;
 - **generate's step**: Hugging Face generate's own seconds per decode step (its loop, logits
   processors, stopping criteria) on a 1-layer model, as r1fit's HF engine calls it;
-- **disk write rate** (bytes/s) of a file written and synced in the cache folder (checkpoints).
+- **disk write rate** (bytes/s) of a file written and synced in the cache folder (checkpoints);
+- **the link between processes** (:mod:`r1fit.memory.link`): an all-gather's and a
+  reduce-scatter's bus bandwidth and fixed cost between two processes (gloo on a CPU, NCCL
+  between two GPUs; a machine with one GPU keeps the data sheet's, ``GPU_LINK``).
 
 They are saved to ``$R1FIT_CACHE/calibration/<device key>.json``, the key naming the device, its
 driver and torch (another torch or driver measures again). Without a calibration,
@@ -68,8 +72,26 @@ GPU_LAUNCH_SECONDS = 8e-6
 #: ms per token step over 36 layers fully fine-tuned, ~59 ms with LoRA r=16 on 7 Linears a layer
 GPU_LAYER_STEP_SECONDS = 28e-3 / 36
 GPU_LORA_SECONDS = (59e-3 - 28e-3) / (36 * 7)
-#: rough CPU figures for an uncalibrated plan (a 2-core cloud machine measured here, rounded)
-CPU_DEFAULTS = {"matmul": 4e10, "copy": 1e10, "launch": 5e-6, "layer_step": 5e-4, "disk": 2e8}
+#: the links between a machine's GPUs, by name fragment (the first match wins): the data
+#: sheet's bandwidth per GPU and direction (half of the two-way total it quotes), NVLink on SXM
+#: parts, PCIe (x16) on cards; NCCL's collectives reach about ``LINK_EFFICIENCY`` of it
+GPU_LINK: tuple[tuple[str, float, str], ...] = (
+    ("GB200", 900e9, "NVLink 5"), ("B200", 900e9, "NVLink 5"),
+    ("H100 PCIe", 64e9, "PCIe 5"), ("H800", 200e9, "NVLink 4"), ("H200", 450e9, "NVLink 4"),
+    ("H100", 450e9, "NVLink 4"), ("H20", 450e9, "NVLink 4"), ("A100-PCIE", 32e9, "PCIe 4"),
+    ("A100", 300e9, "NVLink 3"), ("A800", 200e9, "NVLink 3"), ("V100-PCIE", 16e9, "PCIe 3"),
+    ("V100", 150e9, "NVLink 2"), ("L40", 32e9, "PCIe 4"), ("L4", 32e9, "PCIe 4"),
+    ("A10", 32e9, "PCIe 4"), ("RTX", 32e9, "PCIe 4"), ("T4", 16e9, "PCIe 3"),
+)
+#: the share of a link's bandwidth an all-gather or reduce-scatter reaches (a rough figure)
+LINK_EFFICIENCY = 0.8
+#: a collective's fixed cost between GPUs (seconds), the order of magnitude NCCL's small messages
+#: take within a machine
+GPU_COLLECTIVE_SECONDS = 30e-6
+#: rough CPU figures for an uncalibrated plan (a 2-core cloud machine measured here, rounded;
+#: ``link``: gloo between two processes over loopback, ``collective``: a few bytes' all-gather)
+CPU_DEFAULTS = {"matmul": 4e10, "copy": 1e10, "launch": 5e-6, "layer_step": 5e-4, "disk": 2e8,
+                "link": 5e8, "collective": 2e-4}
 #: rough NVMe write rate for an uncalibrated GPU machine
 GPU_DISK_DEFAULT = 1e9
 
@@ -131,6 +153,21 @@ class DeviceRates:
     #: measured by ``r1fit doctor --calibrate`` on r1fit's own GRPO step (r1fit/doctor/steps.py)
     micro_batch_s: float = 0.0
     update_s: float = 0.0
+    #: the link between processes (FSDP2's collectives, :mod:`r1fit.memory.link`): bus
+    #: bandwidth in bytes/s (a collective's whole tensor x (n-1)/n over its seconds), a
+    #: collective's fixed seconds, and where they came from ("measured ..." or a data sheet)
+    link_bytes_per_s: float = 0.0
+    collective_s: float = 0.0
+    link_source: str = ""
+    #: bytes/s of a copy into memory just allocated (read + write counted): on a CPU the
+    #: allocator maps a large tensor's pages afresh and the first write faults each in, as
+    #: FSDP2's per-collective buffers are written; 0: as ``copy_bytes_per_s`` (a GPU's caching
+    #: allocator hands back memory already mapped)
+    fresh_copy_bytes_per_s: float = 0.0
+
+    def fresh_copy_rate(self) -> float:
+        """Bytes/s of a copy into a new large buffer (``fresh_copy_bytes_per_s``)."""
+        return self.fresh_copy_bytes_per_s or self.copy_bytes_per_s
 
     @property
     def calibrated(self) -> bool:
@@ -231,7 +268,11 @@ class DeviceRates:
                    optimizer_s_per_tensor=float(data.get("optimizer_s_per_tensor", 0.0)),
                    lora_s_per_linear=float(data.get("lora_s_per_linear", 0.0)),
                    micro_batch_s=float(data.get("micro_batch_s", 0.0)),
-                   update_s=float(data.get("update_s", 0.0)))
+                   update_s=float(data.get("update_s", 0.0)),
+                   link_bytes_per_s=float(data.get("link_bytes_per_s", 0.0)),
+                   collective_s=float(data.get("collective_s", 0.0)),
+                   link_source=str(data.get("link_source", "")),
+                   fresh_copy_bytes_per_s=float(data.get("fresh_copy_bytes_per_s", 0.0)))
 
 
 def calibration_layer_flops(tokens: int) -> tuple[int, int]:
@@ -245,11 +286,12 @@ def calibration_layer_flops(tokens: int) -> tuple[int, int]:
     return forward, 3 * forward
 
 
-def device_name(device: torch.device) -> str:
-    """The device's name: the GPU's, or the CPU's model name and the threads torch uses."""
+def device_name(device: torch.device, threads: int | None = None) -> str:
+    """The device's name: the GPU's, or the CPU's model name and the threads torch uses
+    (``threads``: another process's, default this one's)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{cpu_name()} ({torch.get_num_threads()} threads)"
+    return f"{cpu_name()} ({threads or torch.get_num_threads()} threads)"
 
 
 def cpu_name() -> str:
@@ -264,48 +306,57 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def device_key(device: torch.device) -> str:
-    """The calibration cache's key: device name, driver (CUDA) and torch version, as a file
-    name."""
-    parts = [device_name(device), f"torch {torch.__version__}"]
+def device_key(device: torch.device, threads: int | None = None) -> str:
+    """The calibration cache's key: device name (on a CPU with its ``threads``), driver (CUDA)
+    and torch version, as a file name."""
+    parts = [device_name(device, threads), f"torch {torch.__version__}"]
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         parts += [f"cuda {torch.version.cuda}", f"sm {props.major}.{props.minor}"]
     return re.sub(r"[^A-Za-z0-9.+-]+", "_", " ".join(parts)).strip("_")
 
 
-def calibration_path(device: torch.device) -> Path:
-    """Where ``device``'s calibration is cached."""
+def calibration_path(device: torch.device, threads: int | None = None) -> Path:
+    """Where ``device``'s calibration is cached (a CPU's at ``threads`` threads, default this
+    process's)."""
     from r1fit.models.builtin import cache_root
 
-    return cache_root() / "calibration" / f"{device_key(device)}.json"
+    return cache_root() / "calibration" / f"{device_key(device, threads)}.json"
 
 
-def device_rates(device_type: str = "cuda", device_name_: str | None = None) -> DeviceRates:
+def device_rates(device_type: str = "cuda", device_name_: str | None = None, *,
+                 threads: int | None = None) -> DeviceRates:
     """The rates a plan for ``device_type`` uses: this machine's cached calibration of its
     first device of that type, else data-sheet figures (``device_name_``: the GPU planned for,
-    default this machine's first, else an H100's)."""
+    default this machine's first, else an H100's). ``threads``: a CPU's threads per process
+    (its calibration at that many; default this process's)."""
     device = torch.device("cuda" if device_type == "cuda" else "cpu")
     if device_type == "cpu" or torch.cuda.is_available():
-        cached = load_calibration(device)
+        cached = load_calibration(device, threads)
         if cached is not None:
             return cached
     if device_type == "cpu":
-        return _cpu_defaults()
+        return _cpu_defaults(threads)
     name = device_name_ or (torch.cuda.get_device_name(0) if torch.cuda.is_available()
                             else "NVIDIA H100 80GB HBM3")
     return datasheet_rates(name)
 
 
-def load_calibration(device: torch.device) -> DeviceRates | None:
-    """``device``'s cached calibration, or None (none yet, or unreadable: measured again)."""
-    path = calibration_path(device)
+def load_calibration(device: torch.device, threads: int | None = None) -> DeviceRates | None:
+    """``device``'s cached calibration (a CPU's at ``threads`` threads), or None (none yet, or
+    unreadable: measured again)."""
+    path = calibration_path(device, threads)
     if not path.is_file():
         return None
     try:
-        return DeviceRates.from_dict(json.loads(path.read_text()))
+        rates = DeviceRates.from_dict(json.loads(path.read_text()))
     except (ValueError, KeyError, TypeError):
         return None
+    if not rates.link_bytes_per_s:  # cached before r1fit measured links: the figures unmeasured
+        fallback = link_rates(device, measure=False)
+        rates = replace(rates, **{**fallback, "link_source": fallback["link_source"].replace(
+            "not measured", "not measured (calibrated before links were)")})
+    return rates
 
 
 def datasheet_rates(name: str) -> DeviceRates:
@@ -318,24 +369,41 @@ def datasheet_rates(name: str) -> DeviceRates:
         bf16, fp32, bandwidth = 989e12, 494e12, 3.35e12
         source = f"data sheet of an H100 ({name} unknown); r1fit doctor --calibrate measures it"
     logit = 16 / bandwidth  # a few float32 passes over each logit
+    link, link_source = gpu_link(name)
     return DeviceRates(device=name, key=name, matmul={"bfloat16": [(MATMUL_SIZES[-1], bf16)],
                                                       "float32": [(MATMUL_SIZES[-1], fp32)]},
                        copy_bytes_per_s=bandwidth, launch_s=GPU_LAUNCH_SECONDS,
                        layer_step_s=[(1, GPU_LAYER_STEP_SECONDS), (64, GPU_LAYER_STEP_SECONDS)],
                        disk_bytes_per_s=GPU_DISK_DEFAULT, source=source,
                        sample_s_per_logit=logit, head_s_per_logit=2 * logit,
-                       lora_s_per_linear=GPU_LORA_SECONDS)
+                       lora_s_per_linear=GPU_LORA_SECONDS, link_bytes_per_s=link,
+                       collective_s=GPU_COLLECTIVE_SECONDS, link_source=link_source)
 
 
-def _cpu_defaults() -> DeviceRates:
+def gpu_link(name: str) -> tuple[float, str]:
+    """(bus bandwidth in bytes/s, where it came from) of the links between GPUs named ``name``
+    (``GPU_LINK`` at ``LINK_EFFICIENCY``); an unknown GPU gets a PCIe 4 card's."""
+    bandwidth, kind = next(((bw, kind) for fragment, bw, kind in GPU_LINK if fragment in name),
+                           (32e9, "PCIe 4, assumed"))
+    return (LINK_EFFICIENCY * bandwidth,
+            f"data sheet ({kind}: {bandwidth / 1e9:,.0f} GB/s a direction, "
+            f"{LINK_EFFICIENCY:.0%} of it)")
+
+
+def _cpu_defaults(threads: int | None = None) -> DeviceRates:
     d = CPU_DEFAULTS
-    name = device_name(torch.device("cpu"))
+    name = device_name(torch.device("cpu"), threads)
     return DeviceRates(device=name, key=name, matmul={"float32": [(MATMUL_SIZES[0], d["matmul"])]},
                        copy_bytes_per_s=d["copy"], launch_s=d["launch"],
                        layer_step_s=[(1, d["layer_step"]), (16, d["layer_step"])],
                        disk_bytes_per_s=d["disk"],
-                       source="rough CPU figures; not calibrated: r1fit doctor --calibrate",
-                       sample_s_per_logit=16 / d["copy"], head_s_per_logit=32 / d["copy"])
+                       source=("rough CPU figures; not calibrated: r1fit doctor --calibrate"
+                               if threads in (None, torch.get_num_threads()) else
+                               f"rough CPU figures; not calibrated at {threads} threads: "
+                               f"OMP_NUM_THREADS={threads} r1fit doctor --calibrate"),
+                       sample_s_per_logit=16 / d["copy"], head_s_per_logit=32 / d["copy"],
+                       link_bytes_per_s=d["link"], collective_s=d["collective"],
+                       link_source="rough CPU figures (gloo over loopback)")
 
 
 # --- measuring ---------------------------------------------------------------------------------
@@ -397,6 +465,20 @@ def measure_copy(device: torch.device, nbytes: int, repeats: int = 5) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     return 2 * src.numel() * 4 / _best(lambda: dst.copy_(src), device, repeats)
+
+
+def measure_fresh_copy(device: torch.device, nbytes: int, repeats: int = 3) -> float:
+    """Bytes/s of copying ``nbytes`` into a tensor allocated for it (read + write counted): on a
+    CPU the first write of every page faults it in (FSDP2's buffers, new for each collective)."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        torch.empty_like(src).copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * 4 / max(best, 1e-9)
 
 
 def measure_launch(device: torch.device, ops: int = 2000) -> float:
@@ -642,6 +724,9 @@ def calibrate(device: torch.device | None = None, *, quick: bool = False,
         sample_s_per_logit=sample, head_s_per_logit=head, skinny=skinny,
         generate_step_s=loop_step, generate_s_per_logit=loop_logit,
         copy_bytes_per_s=measure_copy(device, (8 << 20) if quick else copy_bytes),
+        # a GPU's caching allocator reuses mapped memory: its fresh copies are its copies
+        fresh_copy_bytes_per_s=0.0 if cuda else measure_fresh_copy(
+            device, (64 << 20) if quick else (256 << 20)),
         launch_s=measure_launch(device, 200 if quick else 2000),
         layer_step_s=measure_layer_step(device, torch.float32 if not cuda else half,
                                         (1, 16) if not cuda else (1, 64),
@@ -658,10 +743,32 @@ def calibrate(device: torch.device | None = None, *, quick: bool = False,
         notes=[f"{platform.platform()}", f"torch {torch.__version__}"])
     # the measured step ran one decoder layer: what remains is generate's own loop
     rates = replace(rates, generate_step_s=max(rates.generate_step_s - rates.layer_overhead_s(),
-                                               0.0))
+                                               0.0), **link_rates(device, measure=not quick))
     if save:
         save_calibration(rates, device)
     return rates
+
+
+def link_rates(device: torch.device, *, measure: bool = True) -> dict[str, Any]:
+    """The calibration's link fields: measured between two processes where this machine can
+    (:func:`r1fit.memory.link.measure_link`: gloo on a CPU, NCCL between two GPUs), else the data
+    sheet's (one GPU) or the rough CPU figures (not ``measure``, or the measurement failed),
+    said in ``link_source``."""
+    from r1fit.memory.link import measure_link
+
+    link = measure_link(device.type) if measure else None
+    if link is not None:
+        return {"link_bytes_per_s": link.bytes_per_s, "collective_s": link.collective_s,
+                "link_source": f"measured ({link.backend}, 2 processes)"}
+    if device.type == "cuda":
+        bandwidth, source = gpu_link(torch.cuda.get_device_name(device))
+        reason = ("one GPU here" if torch.cuda.device_count() < 2 else
+                  "the measurement failed" if measure else "not asked")
+        return {"link_bytes_per_s": bandwidth, "collective_s": GPU_COLLECTIVE_SECONDS,
+                "link_source": f"{source}; not measured: {reason}"}
+    return {"link_bytes_per_s": CPU_DEFAULTS["link"], "collective_s": CPU_DEFAULTS["collective"],
+            "link_source": "rough CPU figures (gloo over loopback); not measured"
+                           + ("" if not measure else ": the measurement failed")}
 
 
 def save_calibration(rates: DeviceRates, device: torch.device) -> Path:

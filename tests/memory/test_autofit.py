@@ -152,7 +152,7 @@ def test_auto_checkpointing_with_auto_micro_batch_picks_the_faster_step(use_tiny
 
     measured = rates.device_rates("cpu")
     for layer_step, expected in ((1.0, True), (0.0, False)):
-        monkeypatch.setattr(rates, "device_rates", lambda *a, s=layer_step: replace(
+        monkeypatch.setattr(rates, "device_rates", lambda *a, s=layer_step, **k: replace(
             measured, layer_step_s=[(1, s), (16, s)], launch_s=0.0))
         values, _ = choose_checkpointing(cfg, budget=12 << 20, device_type="cpu", gpus=1)
         assert values["memory.gradient_checkpointing"] is expected, layer_step

@@ -112,6 +112,9 @@ def test_a_quick_calibration_is_cached_for_the_plan(tmp_path, monkeypatch):
     assert all(tokens == 64 and 0 < forward < train
                for tokens, forward, train in measured.layer_tokens_s.values())
     assert measured.optimizer_s_per_tensor > 0 and measured.lora_s_per_linear > 0
+    # a copy into new memory (FSDP2's buffers); the link is not measured by a quick one
+    assert 0 < measured.fresh_copy_bytes_per_s == measured.fresh_copy_rate()
+    assert measured.link_bytes_per_s > 0 and "not measured" in measured.link_source
     assert calibration_path(CPU).parent == tmp_path / "calibration"
     assert device_rates("cpu") == measured == load_calibration(CPU)
     # an unreadable cache is measured again, not trusted
@@ -149,3 +152,37 @@ def test_gpu_rates_from_data_sheets():
     assert h200.lora_s_per_linear == pytest.approx(31e-3 / 252)
     unknown = datasheet_rates("Some Future GPU")
     assert "unknown" in unknown.source and unknown.matmul_rate("bfloat16", 1) == 989e12
+
+
+@pytest.mark.parametrize("name,per_direction,kind", [
+    ("NVIDIA H100 80GB HBM3", 450e9, "NVLink 4"),
+    ("NVIDIA H100 PCIe", 64e9, "PCIe 5"),
+    ("NVIDIA H200", 450e9, "NVLink 4"),
+    ("NVIDIA A100-SXM4-80GB", 300e9, "NVLink 3"),
+    ("NVIDIA A100-PCIE-40GB", 32e9, "PCIe 4"),
+    ("NVIDIA L40S", 32e9, "PCIe 4"),
+    ("Some Future GPU", 32e9, "PCIe 4, assumed"),
+])
+def test_the_link_between_gpus_from_data_sheets(name, per_direction, kind):
+    rates = datasheet_rates(name)
+    assert rates.link_bytes_per_s == pytest.approx(0.8 * per_direction)
+    assert rates.collective_s == 30e-6
+    assert rates.link_source.startswith(f"data sheet ({kind}: ")
+
+
+def test_a_calibration_cached_before_links_were_measured(tmp_path, monkeypatch):
+    """A cached file without the link's fields still plans: with the rough figures, said."""
+    monkeypatch.setenv("R1FIT_CACHE", str(tmp_path))
+    old = {k: v for k, v in made(source="calibrated 2026-11-01").to_dict().items()
+           if k not in ("link_bytes_per_s", "collective_s", "link_source")}
+    calibration_path(CPU).parent.mkdir(parents=True)
+    calibration_path(CPU).write_text(json.dumps(old))
+    loaded = load_calibration(CPU)
+    assert loaded.calibrated and loaded.link_bytes_per_s == 5e8 and loaded.collective_s == 2e-4
+    assert "not measured (calibrated before links were)" in loaded.link_source
+    # a CPU's calibration is per thread count: another process's threads find none here
+    other = 7 if torch.get_num_threads() != 7 else 5
+    assert load_calibration(CPU, other) is None
+    rough = device_rates("cpu", threads=other)
+    assert f"OMP_NUM_THREADS={other} r1fit doctor --calibrate" in rough.source
+    assert f"({other} threads)" in rough.device

@@ -97,7 +97,7 @@ from r1fit.memory.planner.formulas import (
     vision_other_saved_per_patch,
 )
 from r1fit.memory.planner.kernels import conv_backward_workspace
-from r1fit.memory.planner.timing import run_shape, time_plan
+from r1fit.memory.planner.timing import Traffic, run_shape, time_plan
 from r1fit.units import format_bytes, parse_bytes
 
 #: Headroom kept free of the budget: a plan "fits" when its peak is at most (1 - margin) x budget,
@@ -449,13 +449,28 @@ def _time(plan: Plan, facts: ModelFacts, cfg: Config, prompt: PromptShape, devic
     shared = d["share_prefix"] in ("on", "auto (planned on)")
     planned = cfg if cfg.memory.share_prefix is shared else cfg.with_values(
         {"memory.share_prefix": shared})
-    shape = run_shape(facts, planned, prompt, rows=d["rows_per_gpu"],
-                      generation_batch=d["generation_batch"], micro_batch=d["micro_rows"],
-                      completion=d["completion_tokens"], engine=d["engine"],
-                      device_type=device_type, dtype=d["compute_dtype"])
-    return time_plan(shape, device_rates(device_type), cfg, processes=d["gpus"],
+    shape = replace(run_shape(facts, planned, prompt, rows=d["rows_per_gpu"],
+                              generation_batch=d["generation_batch"], micro_batch=d["micro_rows"],
+                              completion=d["completion_tokens"], engine=d["engine"],
+                              device_type=device_type, dtype=d["compute_dtype"]),
+                    traffic=fsdp_traffic(facts, cfg, d["gpus"], device_type))
+    return time_plan(shape, device_rates(device_type, threads=process_threads(device_type,
+                                                                          d["gpus"])),
+                     cfg, processes=d["gpus"],
                      eval_rows=cfg.data.eval_size if cfg.data.eval else None,
                      training_only=kind == "sft", eval_completion=eval_completion).to_dict()
+
+
+def process_threads(device_type: str, gpus: int) -> int | None:
+    """A CPU's threads per process of a torchrun job of ``gpus`` processes: ``OMP_NUM_THREADS``,
+    which torchrun sets to 1 for each when it is unset; None (this process's) for one process or
+    a GPU."""
+    if device_type != "cpu" or gpus < 2:
+        return None
+    try:
+        return max(int(os.environ.get("OMP_NUM_THREADS") or 1), 1)
+    except ValueError:
+        return 1
 
 
 def even_size(largest: int, rows: int, group: int = 1) -> int:
@@ -862,6 +877,41 @@ def fsdp_buffers(f: ModelFacts, cfg: Config, dtype: str, b: int, cuda: bool) -> 
         # gathering the policy before generate: every unit's all-gather at once (the whole policy
         # in flat buffers), then each unit copied out of its buffer, which is freed: one unit more
         gathering=max(layer_unit, block_unit, root_unit))
+
+
+def fsdp_traffic(f: ModelFacts, cfg: Config, gpus: int, device_type: str) -> Traffic | None:
+    """FSDP2's collectives over ``gpus`` processes, unit by unit as :func:`fsdp_buffers` plans
+    them (None on one process): every unit gathered in a forward; the decoder layers (and a
+    training vision tower's blocks) gathered again in a backward, and their gradients
+    reduce-scattered, the root's too under full fine-tuning (float32 on CUDA, as stored on a
+    CPU); under full fine-tuning with a KL term, the reference's own units in its pass."""
+    if gpus < 2:
+        return None
+    dtype = run_dtype(cfg, f)
+    stored = _DTYPE_BYTES.get(dtype, 4)
+    cuda = device_type == "cuda"
+    b = 2 if cuda and stored == F32 else stored
+    u = fsdp_buffers(f, cfg, dtype, b, cuda)
+    layers, blocks = f.text.layers, (f.vision.depth if f.vision else 0)
+    lora = cfg.model.lora.r > 0
+    vision_trains = f.vision is not None and not lora and not cfg.model.freeze_vision
+    if lora:  # the adapters' gradients, per decoder layer
+        grads = [(layers, cfg.model.lora.r * f.layer_lora_in_plus_out * (F32 if cuda
+                                                                         else ADAPTER_BYTES))]
+    else:
+        reduced = F32 if cuda else stored
+        root = f.root_params - (0 if vision_trains else f.root_vision_params)
+        grads = [(layers, f.layer_params * reduced),
+                 (blocks if vision_trains else 0, f.vision_block_params * reduced),
+                 (1, root * reduced)]
+    return Traffic(
+        processes=gpus, units=layers + blocks + 1,
+        gather_bytes=layers * u.layer_unit + blocks * u.block_unit + u.root_unit,
+        backward_units=layers + (blocks if vision_trains else 0),
+        backward_bytes=layers * u.layer_unit + (blocks * u.block_unit if vision_trains else 0),
+        reduce_units=sum(n for n, _ in grads), reduce_bytes=sum(n * x for n, x in grads),
+        reference_bytes=f.params * b if not lora and cfg.algo.beta > 0 else 0,
+        overlapped=cuda)
 
 
 @dataclass(frozen=True)

@@ -153,6 +153,10 @@ def time_blocks(t: dict[str, Any], cfg: Config) -> list[Any]:
         f"step {format_seconds(t['step_seconds'])}, {t['tokens_per_second']:,.0f} completion "
         f"tokens/s; "
         f"run ({run}): {format_seconds(t['run_seconds'])}; {t['dominant']} dominates"]
+    if t.get("link"):
+        collectives = t["details"].get("collectives_seconds", 0.0)
+        blocks.append(f"  FSDP2's collectives {format_seconds(collectives)} a step (in the "
+                      f"phases above; on CUDA beside the compute); link: {t['link']}")
     blocks += [f"  {a}" for a in t["advice"]]
     return blocks
 

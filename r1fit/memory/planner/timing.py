@@ -45,9 +45,19 @@ group a micro-batch touches (its prompt once, then that micro-batch's completion
 :func:`r1fit.memory.flops.group_shapes` cuts them): their FLOPs, element-wise work and float32
 adapter casts are over those sequences' tokens.
 
-Left out: tool calls' own time, FSDP's collectives (several processes are planned as one), the
-weight sync of vLLM, evaluation when the eval set's size is not known before loading it, and
-dynamic sampling's extra draws (``algo.dynamic_sampling``: up to ``algo.max_resample_batches``
+Over several processes (torchrun, FSDP2: :class:`Traffic`), each collective costs a fixed time,
+the bytes each process sends and receives ((n-1)/n of the whole tensor's) over the link's bus
+bandwidth, and FSDP2's copies in and out over the copy bandwidth (the calibrated link:
+:mod:`r1fit.memory.link`; data sheets for GPUs). ``generate`` gathers the policy once (the HF
+engine's ``gathered()``); each micro-batch of a log-prob pass gathers every unit, of an update
+also the units its backward runs through, and reduce-scatters their gradients; an update
+all-reduces the gradient norm. On CUDA FSDP2 runs them on streams of their own beside the
+compute: a phase takes the longer of the two plus what cannot overlap (a pass's first gather,
+its last reduce-scatter); on a CPU they run in turn with the compute.
+
+Left out: tool calls' own time, the weight sync of vLLM (over several processes too),
+evaluation when the eval set's size is not known before loading it, and dynamic sampling's
+extra draws (``algo.dynamic_sampling``: up to ``algo.max_resample_batches``
 generations and scorings a step; one drawn batch per step is timed).
 """
 
@@ -75,6 +85,10 @@ SCORE_SECONDS_PER_ROW = 1e-4
 #: bytes AdamW reads and writes per trainable element: the weight (read, write), its gradient
 #: (read), two float32 moments (read, write); with the weight in the run's dtype
 ADAM_MOMENT_BYTES = 16
+#: bytes FSDP2 copies per byte of a whole unit, read and written, around its collectives: an
+#: all-gather's (per byte of the shard copied in, and of the gathered unit copied out to its
+#: parameters), a reduce-scatter's (the unit's gradients copied into its input)
+COPY_IN_OUT = (2, 2)
 #: kernels peft adds per adapted Linear in an unmerged forward (dropout, A, B, scaled add)
 LORA_KERNELS = 4
 #: bytes peft's float32 adapters on a 16-bit model move per token beyond adapters computing in
@@ -110,9 +124,42 @@ class TimePlan:
     advice: list[str] = field(default_factory=list)
     details: dict[str, float] = field(default_factory=dict)
     warmup_steps: int = 0
+    #: over several processes: their count and the link's rate and source (FSDP2's collectives)
+    link: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """FSDP2's collectives over ``processes`` processes, as r1fit/distributed/parallelize.py sets
+    it up: one all-gather per unit (each decoder layer, each vision block, the root) and one
+    reduce-scatter per unit with gradients, in bytes of the whole (unsharded) tensors, at the
+    dtype they travel in (gathered in bfloat16 on CUDA when stored in float32; gradients reduced
+    in float32 on CUDA; as stored on a CPU).
+
+    - a whole gather (``gather_bytes`` over ``units`` collectives): a forward of the policy, and
+      generation's, which gathers every unit once before its first token (``gathered()``);
+    - a backward re-gathers the units it runs through (``backward_bytes`` over
+      ``backward_units``: the decoder layers, the vision blocks where the tower trains; the root
+      stays gathered from its forward) and reduce-scatters their gradients (``reduce_bytes``
+      over ``reduce_units``);
+    - the reference of full fine-tuning is a model of its own, sharded alike
+      (``reference_bytes``; with LoRA the reference pass gathers the policy's units);
+    - ``overlapped``: FSDP2 runs its collectives on streams of their own beside the compute
+      (CUDA), the next unit's all-gather during this one's forward or backward; on a CPU they
+      run in turn with it."""
+
+    processes: int
+    units: int
+    gather_bytes: int
+    backward_units: int
+    backward_bytes: int
+    reduce_units: int
+    reduce_bytes: int
+    reference_bytes: int
+    overlapped: bool
 
 
 @dataclass(frozen=True)
@@ -162,12 +209,15 @@ class TimeShape:
     policy_pass: bool = False
     #: of the vision tower's blocks recomputed in backward (the tower trains, checkpointing on)
     vision_checkpointed_fraction: float = 0.0
+    #: FSDP2's collectives over several processes (None: one process)
+    traffic: Traffic | None = None
 
 
 def run_shape(facts: ModelFacts, cfg: Config, prompt: PromptShape, *, rows: int,
               generation_batch: int, micro_batch: int, completion: int, engine: str,
               device_type: str, dtype: str) -> TimeShape:
-    """The :class:`TimeShape` of one planned step (the memory plan's sizes and engine).
+    """The :class:`TimeShape` of one planned step (the memory plan's sizes and engine; FSDP2's
+    collectives, over several processes, are added by the planner: ``traffic``).
     ``memory.share_prefix`` is read as set; 'auto' is timed as off (the per-row path): the
     planner passes ``cfg`` with the value the memory plan planned (``details["share_prefix"]``)."""
     lora = cfg.model.lora.r > 0
@@ -312,6 +362,58 @@ def generation_seconds(s: TimeShape, rates: DeviceRates, rows: int, completion: 
     return prefill, decode
 
 
+def collective_seconds(t: Traffic, rates: DeviceRates, nbytes: float, count: int, *,
+                       reduce: bool = False) -> float:
+    """Seconds of ``count`` of FSDP2's collectives over ``nbytes`` whole bytes together: each
+    one's fixed cost, the (n-1)/n of the bytes each process sends and receives over the link's
+    bus bandwidth, and FSDP2's own copies, read and written (``COPY_IN_OUT``: an all-gather
+    copies the process's shard in and the gathered unit out to its parameters; a reduce-scatter
+    copies the unit's gradients in), into buffers allocated for them: at the fresh-copy rate
+    (on a CPU each page faulted in; a GPU's copy bandwidth)."""
+    if not count or not nbytes:
+        return 0.0
+    n = t.processes
+    copies = COPY_IN_OUT[1] * nbytes if reduce else COPY_IN_OUT[0] * (1 / n + 1) * nbytes
+    return (count * rates.collective_s + nbytes * (n - 1) / n / rates.link_bytes_per_s
+            + copies / rates.fresh_copy_rate())
+
+
+def whole_gather_seconds(s: TimeShape, rates: DeviceRates) -> float:
+    """Seconds of gathering every unit once (a forward's all-gathers; generation's and an
+    evaluation's gather before their first token); 0 on one process."""
+    t = s.traffic
+    return 0.0 if t is None else collective_seconds(t, rates, t.gather_bytes, t.units)
+
+
+def with_collectives(s: TimeShape, compute: float, comm: float, exposed: float) -> float:
+    """A phase's seconds from its compute and its collectives: on CUDA FSDP2 overlaps them, so
+    the longer of the two, plus ``exposed`` (what cannot overlap: a pass's first unit's
+    all-gather, its last reduce-scatter); on a CPU the sum."""
+    if s.traffic is not None and s.traffic.overlapped:
+        return max(compute, comm) + exposed
+    return compute + comm
+
+
+def pass_collectives(s: TimeShape, rates: DeviceRates, *, backward: bool,
+                     reference: bool = False) -> tuple[float, float]:
+    """(seconds, exposed seconds) of one micro-batch's collectives: a forward's whole gather
+    (the full fine-tuning reference's own units with ``reference``) and, with ``backward``, the
+    re-gathered units and their gradients' reduce-scatters; exposed: the first unit's gather and
+    the last unit's reduce-scatter (see :func:`with_collectives`)."""
+    t = s.traffic
+    if t is None:
+        return 0.0, 0.0
+    gather = t.reference_bytes if reference and t.reference_bytes else t.gather_bytes
+    comm = collective_seconds(t, rates, gather, t.units)
+    exposed = comm / t.units
+    if backward:
+        comm += collective_seconds(t, rates, t.backward_bytes, t.backward_units)
+        scatter = collective_seconds(t, rates, t.reduce_bytes, t.reduce_units, reduce=True)
+        comm += scatter
+        exposed += scatter / max(t.reduce_units, 1)
+    return comm, exposed
+
+
 def micro_groups(s: TimeShape) -> list[GroupShape]:
     """The sequences a log-prob pass or an update runs over the process's rows: one per row, or
     with ``share_prefix`` one per group each micro-batch touches, its prompt (and images) once
@@ -356,13 +458,18 @@ def logprob_seconds(s: TimeShape, rates: DeviceRates, groups: list[GroupShape]) 
     """The ``logprobs`` phase: the reference's pass (with LoRA the base layers alone: peft's
     ``disable_adapter`` runs no adapter, so no adapter products, launches or float32 cast) and
     with ``algo.kl_in_reward`` the policy's (r1fit/train/grpo.py, before the first update)."""
+    micro_batches = math.ceil(s.rows / max(s.micro_batch, 1))
     seconds = 0.0
     if s.reference_pass:
         base = replace(s, shape=replace(s.shape, lora_matrix=0), lora_linears_per_layer=0,
                        adapter_cast=False)
-        seconds += forward_pass_seconds(base, rates, groups)
+        comm, exposed = pass_collectives(s, rates, backward=False, reference=True)
+        seconds += with_collectives(s, forward_pass_seconds(base, rates, groups),
+                                    micro_batches * comm, micro_batches * exposed)
     if s.policy_pass:
-        seconds += forward_pass_seconds(s, rates, groups)
+        comm, exposed = pass_collectives(s, rates, backward=False)
+        seconds += with_collectives(s, forward_pass_seconds(s, rates, groups),
+                                    micro_batches * comm, micro_batches * exposed)
     return seconds
 
 
@@ -387,15 +494,18 @@ def update_seconds(s: TimeShape, rates: DeviceRates, groups: list[GroupShape]) -
     optimizer = s.trainable * (2 * s.bytes_per_element + s.bytes_per_element
                                + ADAM_MOMENT_BYTES) / rates.copy_bytes_per_s + \
         s.trainable_tensors * rates.optimizer_s_per_tensor
+    compute = (_work(work, micro_batches * s.weight_bytes, s, rates)
+               + micro_batches * (3 * (_forward_overhead(s, rates, vision=bool(s.patches))
+                                       + _adapters(s, rates)) + rates.micro_batch_s)
+               + _elementwise(s, rates, tokens, train=True)
+               + s.checkpointed_fraction * _elementwise(s, rates, tokens)
+               + _adapter_cast(s, rates, tokens, 1 + s.checkpointed_fraction) + head)
+    comm, exposed = pass_collectives(s, rates, backward=True)
+    # the gradient norm's all-reduce over the processes (clipping)
+    norm = rates.collective_s if s.traffic is not None else 0.0
     return s.iterations * (
-        _work(work, micro_batches * s.weight_bytes, s, rates)
-        + micro_batches * (3 * (_forward_overhead(s, rates, vision=bool(s.patches))
-                                + _adapters(s, rates)) + rates.micro_batch_s)
-        + rates.update_s
-        + _elementwise(s, rates, tokens, train=True)
-        + s.checkpointed_fraction * _elementwise(s, rates, tokens)
-        + _adapter_cast(s, rates, tokens, 1 + s.checkpointed_fraction)
-        + head + optimizer)
+        with_collectives(s, compute, micro_batches * comm, micro_batches * exposed)
+        + rates.update_s + optimizer + norm)
 
 
 def run_steps(cfg: Config, training_only: bool) -> tuple[int, int]:
@@ -427,10 +537,13 @@ def time_plan(s: TimeShape, rates: DeviceRates, cfg: Config, *, processes: int =
     rollout = replace(s, generation_batch=max(s.rows, 1)) if s.engine == "vllm" else s
     prefill, decode = (0.0, 0.0) if training_only else \
         generation_seconds(rollout, rates, s.rows, s.completion)
+    # FSDP: the HF engine gathers the policy whole before generating (vLLM's weight sync is
+    # left out)
+    gather = whole_gather_seconds(s, rates) if s.engine == "hf" else 0.0
     groups = micro_groups(s)
     saved = s.trainable * (s.bytes_per_element + 8)
     checkpoint = saved / rates.disk_bytes_per_s / s.checkpoint_every if s.checkpoint_every else 0
-    phases = {"generate": prefill + decode,
+    phases = {"generate": 0.0 if training_only else prefill + decode + gather,
               "score": 0.0 if training_only else s.rows * SCORE_SECONDS_PER_ROW,
               "logprobs": logprob_seconds(s, rates, groups),
               "update": update_seconds(s, rates, groups), "checkpoint": checkpoint}
@@ -441,7 +554,8 @@ def time_plan(s: TimeShape, rates: DeviceRates, cfg: Config, *, processes: int =
         eval_shape = replace(s, generation_batch=cfg.eval.batch, group=1, shares_prompts=False)
         eval_seconds = sum(generation_seconds(
             eval_shape, rates, math.ceil(eval_rows / processes),
-            s.completion if eval_completion is None else eval_completion))
+            s.completion if eval_completion is None else eval_completion)) + (
+            whole_gather_seconds(s, rates) if s.engine == "hf" else 0.0)
         evaluations = evaluation_count(steps, every, cfg.eval.before_train)
     run = steps * step + evaluations * (eval_seconds or 0.0)
     dominant = max(phases, key=phases.__getitem__)
@@ -451,10 +565,25 @@ def time_plan(s: TimeShape, rates: DeviceRates, cfg: Config, *, processes: int =
                     eval_seconds=eval_seconds, dominant=dominant, source=rates.source,
                     advice=_advice(s, cfg, phases, dominant),
                     details={"prefill_seconds": prefill, "decode_seconds": decode,
+                             **({"collectives_seconds": step_collectives(s, rates, gather)}
+                                if s.traffic is not None else {}),
                              "decode_step_seconds": decode / max(
                                  math.ceil(s.rows / rollout.generation_batch)
                                  * max(s.completion - 1, 1), 1)},
-                    warmup_steps=0 if training_only else cfg.sft.format_warmup_steps)
+                    warmup_steps=0 if training_only else cfg.sft.format_warmup_steps,
+                    link=(f"{s.traffic.processes} processes, "
+                          f"{rates.link_bytes_per_s / 1e9:,.2f} GB/s: {rates.link_source}"
+                          if s.traffic is not None else ""))
+
+
+def step_collectives(s: TimeShape, rates: DeviceRates, gather: float) -> float:
+    """Seconds of a step's FSDP2 collectives, overlapped or not (``gather``: generation's)."""
+    micro_batches = math.ceil(s.rows / max(s.micro_batch, 1))
+    forward = pass_collectives(s, rates, backward=False)[0]
+    reference = pass_collectives(s, rates, backward=False, reference=True)[0]
+    update = pass_collectives(s, rates, backward=True)[0]
+    return gather + micro_batches * (reference * s.reference_pass + forward * s.policy_pass
+                                     + s.iterations * update)
 
 
 def _advice(s: TimeShape, cfg: Config, phases: dict[str, float], dominant: str) -> list[str]:

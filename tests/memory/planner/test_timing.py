@@ -13,10 +13,13 @@ import pytest
 from r1fit.config import load_config
 from r1fit.memory.flops import GroupShape, ModelShape
 from r1fit.memory.planner import plan_memory
+from r1fit.memory.planner.estimate import fsdp_buffers, fsdp_traffic, process_threads
 from r1fit.memory.planner.facts import model_facts, prompt_shape
 from r1fit.memory.planner.printing import time_blocks
 from r1fit.memory.planner.timing import (
     TimeShape,
+    Traffic,
+    collective_seconds,
     evaluation_count,
     generation_seconds,
     micro_groups,
@@ -455,3 +458,117 @@ def test_dynamic_sampling_s_draws_are_said_to_be_left_out():
     docs = (Path(__file__).resolve().parents[3] / "docs" / "memory.md").read_text()
     left_out = docs.split("## How long will it take?")[1].split("## Inside a step")[0]
     assert "algo.dynamic_sampling" in left_out.split("Left out:")[1]
+
+
+# --- FSDP2's collectives over several processes
+
+#: 4 processes; 3 units (2 layers and the root) of 6,000 bytes gathered, the 2 layers' 4,000
+#: bytes gathered again in a backward and their 2,000 bytes of gradients reduce-scattered
+TRAFFIC = Traffic(processes=4, units=3, gather_bytes=6000, backward_units=2, backward_bytes=4000,
+                  reduce_units=2, reduce_bytes=2000, reference_bytes=0, overlapped=False)
+#: a link of 1 MB/s, 1 ms a collective
+LINKED = replace(RATES, link_bytes_per_s=1e6, collective_s=1e-3, link_source="test")
+# each: its collectives' fixed cost, 3/4 of the bytes over the link, FSDP2's copies at 1e10
+# (an all-gather's shard in and unit out: 2 x (1/4 + 1) per byte; a reduce-scatter's 2)
+GATHER = 3e-3 + 6000 * 0.75 / 1e6 + 2.5 * 6000 / 1e10
+BACKWARD = 2e-3 + 4000 * 0.75 / 1e6 + 2.5 * 4000 / 1e10
+SCATTER = 2e-3 + 2000 * 0.75 / 1e6 + 2 * 2000 / 1e10
+
+
+def test_collectives_by_hand():
+    assert collective_seconds(TRAFFIC, LINKED, 6000, 3) == pytest.approx(GATHER)
+    assert collective_seconds(TRAFFIC, LINKED, 2000, 2, reduce=True) == pytest.approx(SCATTER)
+    assert collective_seconds(TRAFFIC, LINKED, 0, 0) == 0
+    # FSDP2's copies go into buffers allocated for them: at the fresh-copy rate where measured
+    fresh = replace(LINKED, fresh_copy_bytes_per_s=1e9)
+    assert collective_seconds(TRAFFIC, fresh, 6000, 3) == pytest.approx(
+        3e-3 + 6000 * 0.75 / 1e6 + 2.5 * 6000 / 1e9)
+
+
+def test_a_step_over_several_processes_by_hand():
+    """The HF engine gathers the policy once before generating; every micro-batch's forward
+    gathers every unit, its backward the layers again and reduce-scatters their gradients; the
+    gradient norm is one all-reduce. On a CPU in turn with the compute; on CUDA beside it, the
+    longer of the two plus the first unit's gather and the last unit's reduce-scatter."""
+    cfg = load_config(None, [])
+    one = time_plan(replace(STEP, engine="hf"), LINKED, cfg)
+    cpu = time_plan(replace(STEP, engine="hf", traffic=TRAFFIC), LINKED, cfg, processes=4)
+    assert cpu.phases["generate"] == pytest.approx(one.phases["generate"] + GATHER)
+    per_micro_batch = GATHER + BACKWARD + SCATTER
+    assert cpu.phases["update"] == pytest.approx(one.phases["update"] + 2 * per_micro_batch
+                                                 + 1e-3)
+    assert cpu.details["collectives_seconds"] == pytest.approx(GATHER + 2 * per_micro_batch)
+    assert cpu.link == "4 processes, 0.00 GB/s: test"
+    assert "collectives_seconds" not in one.details and one.link == ""
+    # CUDA: the update's compute (all of it but AdamW's 1,200 x 28 bytes and 10 tensors) is
+    # shorter than its collectives here, so the collectives set the time
+    compute = one.phases["update"] - (1200 * 28 / 1e10 + 10 * 1e-6)
+    assert compute < 2 * per_micro_batch
+    cuda = time_plan(replace(STEP, engine="hf", traffic=replace(TRAFFIC, overlapped=True)),
+                     LINKED, cfg, processes=4)
+    exposed = 2 * (GATHER / 3 + SCATTER / 2)
+    assert cuda.phases["update"] == pytest.approx(2 * per_micro_batch + exposed
+                                                  + 1200 * 28 / 1e10 + 10 * 1e-6 + 1e-3)
+    # the reference's pass: a forward's gather per micro-batch (its own units under full
+    # fine-tuning, reference_bytes), on a CPU after its compute
+    ref = time_plan(replace(STEP, engine="hf", reference_pass=True,
+                            traffic=replace(TRAFFIC, reference_bytes=3000)), LINKED, cfg)
+    alone = time_plan(replace(STEP, engine="hf", reference_pass=True), LINKED, cfg)
+    assert ref.phases["logprobs"] == pytest.approx(
+        alone.phases["logprobs"] + 2 * (3e-3 + 3000 * 0.75 / 1e6 + 2.5 * 3000 / 1e10))
+    # the static engine runs on one process only; vLLM's weight sync is left out
+    vllm = time_plan(replace(STEP, engine="vllm", traffic=TRAFFIC), LINKED, cfg)
+    assert vllm.phases["generate"] == pytest.approx(
+        time_plan(replace(STEP, engine="vllm"), LINKED, cfg).phases["generate"])
+
+
+@pytest.mark.parametrize("values", [["model.lora.r=8"], ["algo.beta=0.04"],
+                                    ["algo.beta=0.04", "model.freeze_vision=true"]])
+def test_fsdp_traffic_of_a_plan(use_tiny_cache, values):
+    """The collectives' bytes from the units the memory plan gathers (fsdp_buffers): a whole
+    gather is the whole policy; a backward re-gathers the decoder layers, and the vision blocks
+    where the tower trains; the gradients reduce-scattered (float32 on CUDA) are the trainable
+    elements'; the full fine-tuning reference gathers its own units."""
+    cfg = load_config(None, values)
+    lora, trains = cfg.model.lora.r > 0, cfg.model.lora.r == 0 and not cfg.model.freeze_vision
+    facts = model_facts(cfg.model.path, cfg.model.lora.target)
+    assert facts.config_dtype == "float32"  # gathered in bfloat16 on CUDA: 2 bytes
+    assert fsdp_traffic(facts, cfg, 1, "cuda") is None
+    t = fsdp_traffic(facts, cfg, 4, "cuda")
+    units = fsdp_buffers(facts, cfg, "float32", 2, True)
+    layers, blocks = facts.text.layers, facts.vision.depth
+    assert t.processes == 4 and t.overlapped
+    assert t.units == layers + blocks + 1
+    assert t.gather_bytes == units.unsharded_weights
+    assert t.backward_units == layers + (blocks if trains else 0)
+    assert t.backward_bytes == layers * units.layer_unit + (blocks * units.block_unit
+                                                            if trains else 0)
+    if lora:
+        assert t.reduce_bytes == 8 * facts.lora_in_plus_out * 4
+        assert t.reduce_units == layers and t.reference_bytes == 0
+    else:
+        assert t.reduce_bytes == 4 * (facts.params - (0 if trains else facts.vision_params))
+        assert t.reduce_units == layers + (blocks if trains else 0) + 1
+        assert t.reference_bytes == facts.params * 2
+    on_cpu = fsdp_traffic(facts, cfg, 4, "cpu")
+    assert not on_cpu.overlapped and on_cpu.gather_bytes == 2 * t.gather_bytes  # float32
+    plan = plan_memory(cfg, device_type="cpu", gpus=2)
+    assert plan.time["details"]["collectives_seconds"] > 0
+    assert plan.time["link"].startswith("2 processes, ")
+    assert any("FSDP2's collectives" in str(line) for line in time_blocks(plan.time, cfg))
+    assert "collectives_seconds" not in plan_memory(cfg, device_type="cpu").time["details"]
+
+
+@pytest.mark.parametrize("device,gpus,env,threads", [
+    ("cpu", 2, None, 1),   # torchrun's default for each worker
+    ("cpu", 2, "3", 3),
+    ("cpu", 2, "x", 1),
+    ("cpu", 1, "3", None),  # one process: this one's threads
+    ("cuda", 8, "3", None),
+])
+def test_a_cpu_plan_for_processes_reads_their_threads(monkeypatch, device, gpus, env, threads):
+    if env is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", env)
+    assert process_threads(device, gpus) == threads
