@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from r1fit.memory.probe import native_stderr_quiet
+
 log = logging.getLogger("r1fit")
 
 #: rows of the table
@@ -35,8 +37,14 @@ def step_profile(profile_step: int, step: int, out: Path, device: torch.device,
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    prof = torch.profiler.profile(activities=activities)
+    with native_stderr_quiet():  # kineto's start line
+        prof.__enter__()
+    try:
         yield
+    finally:
+        with native_stderr_quiet():  # and its stop line
+            prof.__exit__(None, None, None)
     key = "cuda_time_total" if cuda else "cpu_time_total"
     averages = prof.key_averages()
     table = averages.table(sort_by=key, row_limit=PROFILE_ROWS)

@@ -350,15 +350,39 @@ def test_a_process_a_stage_left_in_a_session_of_its_own_is_ended():
         left.wait()
 
 
+@pytest.mark.parametrize("cases,timed_hf", [
+    (["3b-lora-compiled"], {"3b-lora-compiled": True}),  # the default: HF in the same process
+    (["3b-lora", "3b-lora-compiled"], {"3b-lora": True, "3b-lora-compiled": False}),
+])
+def test_hf_s_baseline_is_timed_once(monkeypatch, tmp_path, cases, timed_hf):
+    """HF generate is timed in the graphs-only case where it runs (first), else in the compiled
+    case; the graphs-only case alone carries the second turn and the shared-prompt layout."""
+    commands = {}
+
+    def case(args, result, name, command, cap, work):
+        commands[name] = command
+        return None
+
+    monkeypatch.setattr(gc, "decode_case", case)
+    args = gc.parse_args(["--out", str(tmp_path), "--speed-cases", *cases])
+    gc.stage_speed(args, tmp_path)
+    assert set(commands) == set(timed_hf)
+    for name, timed in timed_hf.items():
+        hf = [c for c in commands[name] if c.startswith("--hf-tokens=")]
+        assert (hf != ["--hf-tokens=0"]) is timed and len(hf) == 1, (name, hf)
+        assert ("--share-prompt" in commands[name]) is (name == "3b-lora")
+    assert gc.SPEED_DEFAULT == ("3b-lora-compiled", "step")
+
+
 def test_a_judged_decode_case_without_an_hf_baseline_misses_its_target():
-    """The compiled case borrows the 3b-lora case's HF numbers: run alone it has none, and its
-    speed-up target is missed, not left out; a compile that fell back is said on the rows."""
+    """A judged case without HF's numbers (HF generate not timed) misses its speed-up target,
+    not left out; a compile that fell back is said on the rows."""
     r = {"static": {"roofline_fraction": 0.55}, "speedup_tokens_per_second": None,
          "compile": True}
     result = gc.StageResult()
     gc.decode_verdicts(result, "3b-lora-compiled", r, gpu=True, lora=True, compiled=True)
     assert [(x.value, x.met) for x in result.rows] == [
-        ("no HF baseline (the 3b-lora case did not run)", False),
+        ("no HF baseline (HF generate was not timed: see the log)", False),
         ("55% of the copy bandwidth's", True)]
     fell_back = gc.StageResult()
     gc.decode_verdicts(fell_back, "3b-lora-compiled", {**r, "speedup_tokens_per_second": 12.0,
