@@ -34,7 +34,8 @@ ones); the whole run stops starting stages when ``--budget`` seconds are spent:
   ``r1fit doctor --calibrate`` on the GPU (not in the smoke), so every later run's predicted
   seconds (``predicted_seconds_*``, the time model) read the GPU's own rates: the plan stages
   print each run's predicted beside measured step (target within ``TIME_TOLERANCE``).
-- ``speed`` (about 3 minutes by default): rollout decode at the shipped recipe's shape (16
+- ``speed`` (capped at 330 s; its default cases were chosen to take about 3 minutes, not yet
+  timed together on a GPU): rollout decode at the shipped recipe's shape (16
   prompts x G=8 = 128 rows, 448 px, 512 forced tokens), Hugging Face generate against the static
   engine (rollout.engine=static), each case in its own process (benchmarks/decode_speed.py).
   By default (``SPEED_DEFAULT``) 3B LoRA r=64 with rollout.static.compile (the engine as a run
@@ -500,8 +501,10 @@ VISION_CAP = 90
 #: seconds a stage keeps before its deadline to write its result (its parts end before)
 STAGE_MARGIN = 10
 #: the cases run unless --speed-cases names others: what issues 40 and 42 judge (the engine as a
-#: run has it, compiled, against HF's baseline measured in the same process; the GRPO step), in
-#: about the 3 minutes issue 40 sizes the stage to, so that ``fsdp`` fits in the same device call.
+#: run has it, compiled, against HF's baseline measured in the same process; the GRPO step), for
+#: about the 3 minutes issue 40 sizes the stage to (by the 2026-11-27 H200 runs' parts: a
+#: compiled case's load, HF timing and 62 s compile; a 21 s step), so that ``fsdp`` fits in the
+#: same device call.
 #: On request: 3b-lora (graphs alone: 8.6x HF, 25% of the roofline on 2026-11-27; with the
 #: second turn and the shared-prompt layout), 3b-full (3.7x, 26%), adapters, vision
 SPEED_DEFAULT = ("3b-lora-compiled", "step")
