@@ -47,8 +47,8 @@ adapter casts are over those sequences' tokens.
 
 Over several processes (torchrun, FSDP2: :class:`Traffic`), each collective costs a fixed time,
 the bytes each process sends and receives ((n-1)/n of the whole tensor's) over the link's bus
-bandwidth, and FSDP2's copies in and out over the copy bandwidth (the calibrated link:
-:mod:`r1fit.memory.link`; data sheets for GPUs). ``generate`` gathers the policy once (the HF
+bandwidth, and FSDP2's copies in and out at the rate of a copy into new memory (the link
+measured by :mod:`r1fit.memory.link`, else a data sheet's). ``generate`` gathers the policy once (the HF
 engine's ``gathered()``); each micro-batch of a log-prob pass gathers every unit, of an update
 also the units its backward runs through, and reduce-scatters their gradients; an update
 all-reduces the gradient norm. On CUDA FSDP2 runs them on streams of their own beside the
