@@ -12,14 +12,13 @@ from __future__ import annotations
 import gc
 import json
 import os
-import sys
 import tempfile
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
+
+from r1fit.report.profile import native_stderr_quiet
 
 
 def live_tensor_bytes() -> int:
@@ -38,27 +37,6 @@ def live_tensor_bytes() -> int:
             except (RuntimeError, NotImplementedError):
                 continue
     return sum(seen.values())
-
-
-@contextmanager
-def native_stderr_quiet() -> Iterator[None]:
-    """The process's file descriptor 2 sent to /dev/null for the block (Python's own stderr
-    flushed first): kineto prints a ``USDT: ... profiler_start`` / ``profiler_stop`` line at
-    every profiler start and stop whatever KINETO_LOG_LEVEL says (torch 2.14), noise on a
-    user's console. Keep the block short: anything else written to fd 2 meanwhile is lost."""
-    sys.stderr.flush()
-    try:
-        saved = os.dup(2)
-    except OSError:  # no fd 2 to quiet
-        yield
-        return
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 class TensorProbe:

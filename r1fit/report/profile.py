@@ -7,18 +7,39 @@ x 512 decode steps on a GPU is millions of kernel events."""
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from r1fit.memory.probe import native_stderr_quiet
-
 log = logging.getLogger("r1fit")
 
 #: rows of the table
 PROFILE_ROWS = 60
+
+
+@contextmanager
+def native_stderr_quiet() -> Iterator[None]:
+    """The process's file descriptor 2 sent to /dev/null for the block (Python's own stderr
+    flushed first): kineto prints a ``USDT: ... profiler_start`` / ``profiler_stop`` line at
+    every profiler start and stop whatever KINETO_LOG_LEVEL says (torch 2.14), noise on a
+    user's console. Keep the block short: anything else written to fd 2 meanwhile is lost."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no fd 2 to quiet
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def profile_file(out: Path, step: int) -> Path:

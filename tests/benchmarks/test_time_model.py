@@ -40,9 +40,9 @@ def test_the_verdict(monkeypatch, capsys):
     import r1fit.memory.rates as rates
 
     monkeypatch.setattr(tm, "GRID", {"a": [], "b": []})
-    monkeypatch.setattr(rates, "load_calibration", lambda device: object())
+    monkeypatch.setattr(rates, "load_calibration", lambda device, threads=None: object())
     monkeypatch.setattr(tm, "cpu_ticks", lambda: None)  # no /proc: no run is disturbed
-    monkeypatch.setattr(tm, "predict", lambda overrides: {
+    monkeypatch.setattr(tm, "predict", lambda overrides, processes=1: {
         "generate": 0.5, "score": 0.0, "update": 0.5, "step": 1.0, "source": "test"})
     measured = {"a": 1 / 1.05, "b": 1 / 1.2}
     monkeypatch.setattr(tm, "measure", lambda name, overrides, steps: {
@@ -53,3 +53,41 @@ def test_the_verdict(monkeypatch, capsys):
     measured["b"] = 1 / 1.4
     assert tm.main([]) == 1
     assert "MISSED" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name,processes", [("fsdp2-small-lora-g8-32-kl", 2),
+                                            ("small-lora-g8-64", 1)])
+def test_two_process_configurations_run_under_torchrun(monkeypatch, tmp_path, name, processes):
+    """The fsdp2- configurations run under torchrun with 2 workers, OMP_NUM_THREADS left to it
+    (a thread each), and are planned for 2 processes: their collectives in the step."""
+    import json
+    from pathlib import Path
+
+    seen = {}
+
+    def child(command, what, script, env=None):
+        seen["command"], seen["env"] = command, env
+        out = Path(next(c for c in command if c.startswith("train.output_dir=")).split("=", 1)[1])
+        out.mkdir(parents=True)
+        row = {"reward_mean": 0.0, "seconds_generate": 1.0, "seconds_score": 0.0,
+               "seconds_update": 2.0}
+        (out / "metrics.jsonl").write_text("\n".join(json.dumps(row) for _ in range(3)))
+        return ""
+
+    monkeypatch.setattr(tm, "run_child", child)
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert tm.measure(name, tm.GRID[name], 3)["step"] == 3.0
+    assert tm.PROCESSES.get(name, 1) == processes
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    assert (seen["command"][1:5] == launcher) is (processes == 2)
+    assert "OMP_NUM_THREADS" not in seen["env"]
+
+
+def test_a_two_process_plan_holds_the_collectives(use_tiny_cache):
+    from r1fit.config import load_config
+    from r1fit.memory.planner import plan_memory
+
+    overrides = tm.GRID["fsdp2-small-lora-g8-32-kl"]
+    plan = plan_memory(load_config(None, [*tm.COMMON, *overrides]), device_type="cpu", gpus=2)
+    assert plan.time["details"]["collectives_seconds"] > 0
+    assert tm.predict(overrides, 2)["step"] == pytest.approx(plan.time["step_seconds"])
