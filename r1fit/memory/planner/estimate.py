@@ -882,9 +882,10 @@ def fsdp_buffers(f: ModelFacts, cfg: Config, dtype: str, b: int, cuda: bool) -> 
 def fsdp_traffic(f: ModelFacts, cfg: Config, gpus: int, device_type: str) -> Traffic | None:
     """FSDP2's collectives over ``gpus`` processes, unit by unit as :func:`fsdp_buffers` plans
     them (None on one process): every unit gathered in a forward; the decoder layers (and a
-    training vision tower's blocks) gathered again in a backward, and their gradients
-    reduce-scattered, the root's too under full fine-tuning (float32 on CUDA, as stored on a
-    CPU); under full fine-tuning with a KL term, the reference's own units in its pass."""
+    training vision tower's blocks, else its last one) gathered again in a backward, and their
+    gradients reduce-scattered, the root's too under full fine-tuning (float32 on CUDA, as
+    stored on a CPU); under full fine-tuning with a KL term, the reference's own units in its
+    pass (checked against the collectives a 2-process gloo run makes, counted call by call)."""
     if gpus < 2:
         return None
     dtype = run_dtype(cfg, f)
@@ -904,14 +905,18 @@ def fsdp_traffic(f: ModelFacts, cfg: Config, gpus: int, device_type: str) -> Tra
         grads = [(layers, f.layer_params * reduced),
                  (blocks if vision_trains else 0, f.vision_block_params * reduced),
                  (1, root * reduced)]
+    # a backward runs through the decoder layers and a training tower's blocks; FSDP2's backward
+    # prefetch gathers a frozen tower's last block too (the unit before the first layer)
+    regathered = blocks if vision_trains else min(blocks, 1)
+    reference = not lora and cfg.algo.beta > 0
     return Traffic(
         processes=gpus, units=layers + blocks + 1,
         gather_bytes=layers * u.layer_unit + blocks * u.block_unit + u.root_unit,
-        backward_units=layers + (blocks if vision_trains else 0),
-        backward_bytes=layers * u.layer_unit + (blocks * u.block_unit if vision_trains else 0),
+        backward_units=layers + regathered,
+        backward_bytes=layers * u.layer_unit + regathered * u.block_unit,
         reduce_units=sum(n for n, _ in grads), reduce_bytes=sum(n * x for n, x in grads),
-        reference_bytes=f.params * b if not lora and cfg.algo.beta > 0 else 0,
-        overlapped=cuda)
+        reference_bytes=f.params * b if reference else 0, overlapped=cuda,
+        root_bytes=u.root_unit, reference_root_bytes=f.root_params * b if reference else 0)
 
 
 @dataclass(frozen=True)

@@ -141,10 +141,13 @@ class Traffic:
 
     - a whole gather (``gather_bytes`` over ``units`` collectives): a forward of the policy, and
       generation's, which gathers every unit once before its first token (``gathered()``);
+    - the root (``root_bytes``) is not resharded after a forward: a log-prob pass gathers it
+      once, an update once per micro-batch (its backward reshards it);
     - a backward re-gathers the units it runs through (``backward_bytes`` over
-      ``backward_units``: the decoder layers, the vision blocks where the tower trains; the root
-      stays gathered from its forward) and reduce-scatters their gradients (``reduce_bytes``
-      over ``reduce_units``);
+      ``backward_units``: the decoder layers, the vision blocks where the tower trains, else the
+      last vision block, which FSDP2's backward prefetch gathers after the first decoder layer's
+      backward though no gradient reaches it; the root stays gathered from its forward) and
+      reduce-scatters their gradients (``reduce_bytes`` over ``reduce_units``);
     - the reference of full fine-tuning is a model of its own, sharded alike
       (``reference_bytes``; with LoRA the reference pass gathers the policy's units);
     - ``overlapped``: FSDP2 runs its collectives on streams of their own beside the compute
@@ -160,6 +163,8 @@ class Traffic:
     reduce_bytes: int
     reference_bytes: int
     overlapped: bool
+    root_bytes: int = 0  # the root's own parameters, of ``gather_bytes``
+    reference_root_bytes: int = 0  # the full fine-tuning reference's root, of its bytes
 
 
 @dataclass(frozen=True)
@@ -396,19 +401,31 @@ def with_collectives(s: TimeShape, compute: float, comm: float, exposed: float) 
 
 def pass_collectives(s: TimeShape, rates: DeviceRates, *, backward: bool,
                      reference: bool = False) -> tuple[float, float]:
-    """(seconds, exposed seconds) of one micro-batch's collectives: a forward's whole gather
-    (the full fine-tuning reference's own units with ``reference``) and, with ``backward``, the
-    re-gathered units and their gradients' reduce-scatters; exposed: the first unit's gather and
-    the last unit's reduce-scatter (see :func:`with_collectives`)."""
+    """(seconds, exposed seconds) of a pass's collectives over the process's micro-batches.
+    Every micro-batch's forward gathers every unit but the root, which FSDP2 does not reshard
+    after a forward: a log-prob pass (no backward; the full fine-tuning reference's own units
+    with ``reference``) gathers it once, an update's backward reshards it, so each micro-batch
+    gathers it again; with ``backward``, each micro-batch also re-gathers the units its
+    backward runs through and reduce-scatters their gradients. Exposed: each micro-batch's
+    first unit's gather and last unit's reduce-scatter (see :func:`with_collectives`)."""
     t = s.traffic
     if t is None:
         return 0.0, 0.0
-    gather = t.reference_bytes if reference and t.reference_bytes else t.gather_bytes
-    comm = collective_seconds(t, rates, gather, t.units)
-    exposed = comm / t.units
+    micro_batches = math.ceil(s.rows / max(s.micro_batch, 1))
+    whole, root = ((t.reference_bytes, t.reference_root_bytes) if reference and t.reference_bytes
+                   else (t.gather_bytes, t.root_bytes))
     if backward:
-        comm += collective_seconds(t, rates, t.backward_bytes, t.backward_units)
-        scatter = collective_seconds(t, rates, t.reduce_bytes, t.reduce_units, reduce=True)
+        gathers, count = micro_batches * whole, micro_batches * t.units
+    else:
+        gathers = micro_batches * (whole - root) + root
+        count = micro_batches * (t.units - 1) + 1
+    comm = collective_seconds(t, rates, gathers, count)
+    exposed = micro_batches * comm / count
+    if backward:
+        comm += collective_seconds(t, rates, micro_batches * t.backward_bytes,
+                                   micro_batches * t.backward_units)
+        scatter = collective_seconds(t, rates, micro_batches * t.reduce_bytes,
+                                     micro_batches * t.reduce_units, reduce=True)
         comm += scatter
         exposed += scatter / max(t.reduce_units, 1)
     return comm, exposed
@@ -458,18 +475,15 @@ def logprob_seconds(s: TimeShape, rates: DeviceRates, groups: list[GroupShape]) 
     """The ``logprobs`` phase: the reference's pass (with LoRA the base layers alone: peft's
     ``disable_adapter`` runs no adapter, so no adapter products, launches or float32 cast) and
     with ``algo.kl_in_reward`` the policy's (r1fit/train/grpo.py, before the first update)."""
-    micro_batches = math.ceil(s.rows / max(s.micro_batch, 1))
     seconds = 0.0
     if s.reference_pass:
         base = replace(s, shape=replace(s.shape, lora_matrix=0), lora_linears_per_layer=0,
                        adapter_cast=False)
-        comm, exposed = pass_collectives(s, rates, backward=False, reference=True)
         seconds += with_collectives(s, forward_pass_seconds(base, rates, groups),
-                                    micro_batches * comm, micro_batches * exposed)
+                                    *pass_collectives(s, rates, backward=False, reference=True))
     if s.policy_pass:
-        comm, exposed = pass_collectives(s, rates, backward=False)
         seconds += with_collectives(s, forward_pass_seconds(s, rates, groups),
-                                    micro_batches * comm, micro_batches * exposed)
+                                    *pass_collectives(s, rates, backward=False))
     return seconds
 
 
@@ -500,11 +514,10 @@ def update_seconds(s: TimeShape, rates: DeviceRates, groups: list[GroupShape]) -
                + _elementwise(s, rates, tokens, train=True)
                + s.checkpointed_fraction * _elementwise(s, rates, tokens)
                + _adapter_cast(s, rates, tokens, 1 + s.checkpointed_fraction) + head)
-    comm, exposed = pass_collectives(s, rates, backward=True)
     # the gradient norm's all-reduce over the processes (clipping)
     norm = rates.collective_s if s.traffic is not None else 0.0
     return s.iterations * (
-        with_collectives(s, compute, micro_batches * comm, micro_batches * exposed)
+        with_collectives(s, compute, *pass_collectives(s, rates, backward=True))
         + rates.update_s + optimizer + norm)
 
 
@@ -578,12 +591,11 @@ def time_plan(s: TimeShape, rates: DeviceRates, cfg: Config, *, processes: int =
 
 def step_collectives(s: TimeShape, rates: DeviceRates, gather: float) -> float:
     """Seconds of a step's FSDP2 collectives, overlapped or not (``gather``: generation's)."""
-    micro_batches = math.ceil(s.rows / max(s.micro_batch, 1))
     forward = pass_collectives(s, rates, backward=False)[0]
     reference = pass_collectives(s, rates, backward=False, reference=True)[0]
     update = pass_collectives(s, rates, backward=True)[0]
-    return gather + micro_batches * (reference * s.reference_pass + forward * s.policy_pass
-                                     + s.iterations * update)
+    return gather + reference * s.reference_pass + forward * s.policy_pass \
+        + s.iterations * update
 
 
 def _advice(s: TimeShape, cfg: Config, phases: dict[str, float], dominant: str) -> list[str]:

@@ -23,9 +23,11 @@ from r1fit.memory.planner.timing import (
     evaluation_count,
     generation_seconds,
     micro_groups,
+    pass_collectives,
     prompts_in_chunk,
     run_shape,
     time_plan,
+    whole_gather_seconds,
 )
 from r1fit.memory.rates import DeviceRates
 
@@ -509,13 +511,15 @@ def test_a_step_over_several_processes_by_hand():
     exposed = 2 * (GATHER / 3 + SCATTER / 2)
     assert cuda.phases["update"] == pytest.approx(2 * per_micro_batch + exposed
                                                   + 1200 * 28 / 1e10 + 10 * 1e-6 + 1e-3)
-    # the reference's pass: a forward's gather per micro-batch (its own units under full
-    # fine-tuning, reference_bytes), on a CPU after its compute
+    # the reference's pass (its own units under full fine-tuning: 3,000 bytes, its root 1,000):
+    # each micro-batch gathers the 2 layers, the root once for the pass (FSDP2 reshards it after
+    # a backward only): 5 gathers of 2 x 2,000 + 1,000 bytes, on a CPU after its compute
     ref = time_plan(replace(STEP, engine="hf", reference_pass=True,
-                            traffic=replace(TRAFFIC, reference_bytes=3000)), LINKED, cfg)
+                            traffic=replace(TRAFFIC, reference_bytes=3000,
+                                            reference_root_bytes=1000)), LINKED, cfg)
     alone = time_plan(replace(STEP, engine="hf", reference_pass=True), LINKED, cfg)
     assert ref.phases["logprobs"] == pytest.approx(
-        alone.phases["logprobs"] + 2 * (3e-3 + 3000 * 0.75 / 1e6 + 2.5 * 3000 / 1e10))
+        alone.phases["logprobs"] + 5e-3 + 5000 * 0.75 / 1e6 + 2.5 * 5000 / 1e10)
     # the static engine runs on one process only; vLLM's weight sync is left out
     vllm = time_plan(replace(STEP, engine="vllm", traffic=TRAFFIC), LINKED, cfg)
     assert vllm.phases["generate"] == pytest.approx(
@@ -540,9 +544,11 @@ def test_fsdp_traffic_of_a_plan(use_tiny_cache, values):
     assert t.processes == 4 and t.overlapped
     assert t.units == layers + blocks + 1
     assert t.gather_bytes == units.unsharded_weights
-    assert t.backward_units == layers + (blocks if trains else 0)
-    assert t.backward_bytes == layers * units.layer_unit + (blocks * units.block_unit
-                                                            if trains else 0)
+    # a frozen tower's last block is gathered by FSDP2's backward prefetch
+    assert t.backward_units == layers + (blocks if trains else 1)
+    assert t.backward_bytes == layers * units.layer_unit + (blocks if trains else 1) * \
+        units.block_unit
+    assert t.root_bytes == units.root_unit
     if lora:
         assert t.reduce_bytes == 8 * facts.lora_in_plus_out * 4
         assert t.reduce_units == layers and t.reference_bytes == 0
@@ -550,6 +556,7 @@ def test_fsdp_traffic_of_a_plan(use_tiny_cache, values):
         assert t.reduce_bytes == 4 * (facts.params - (0 if trains else facts.vision_params))
         assert t.reduce_units == layers + (blocks if trains else 0) + 1
         assert t.reference_bytes == facts.params * 2
+        assert t.reference_root_bytes == facts.root_params * 2
     on_cpu = fsdp_traffic(facts, cfg, 4, "cpu")
     assert not on_cpu.overlapped and on_cpu.gather_bytes == 2 * t.gather_bytes  # float32
     plan = plan_memory(cfg, device_type="cpu", gpus=2)
@@ -572,3 +579,49 @@ def test_a_cpu_plan_for_processes_reads_their_threads(monkeypatch, device, gpus,
     else:
         monkeypatch.setenv("OMP_NUM_THREADS", env)
     assert process_threads(device, gpus) == threads
+
+
+#: FSDP2's collectives per step on rank 0, counted call by call (count, bytes) in 2-process gloo
+#: runs of builtin:tiny with ``MEASURED_RUN`` (torch.distributed's all-gathers and
+#: reduce-scatters wrapped, 2026-11-29): generation's gather, a log-prob pass's gathers, an
+#: update's gathers (forward and backward) and reduce-scatters
+MEASURED_RUN = ["train.prompts_per_step=2", "algo.num_generations=4", "memory.micro_batch=2",
+                "algo.max_new_tokens=8", "data.eval=null"]
+MEASURED_TRAFFIC = {
+    "full": (["algo.beta=0"], (5, 1_448_192), None, (18, 4_156_928), (10, 2_896_384)),
+    "full-kl": (["algo.beta=0.04"], (5, 1_448_192), (9, 2_078_464), (18, 4_156_928),
+                (10, 2_896_384)),
+    "lora-kl": (["model.lora.r=8", "algo.beta=0.04"], (5, 1_513_728), (9, 2_209_536),
+                (16, 4_085_760), (4, 131_072)),
+    "full-frozen-tower": (["algo.beta=0", "model.freeze_vision=true"], (5, 1_448_192), None,
+                          (16, 3_823_616), (6, 969_216)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MEASURED_TRAFFIC))
+def test_the_collectives_are_the_ones_fsdp2_makes(use_tiny_cache, name):
+    """On rates that turn a collective's seconds into its count (1 s each, nothing else) or its
+    bytes (each process moves half of them at 0.5 B/s), the model's collectives per phase are the
+    counts and bytes a 2-process run made."""
+    values, generate, logprobs, gathers, scatters = MEASURED_TRAFFIC[name]
+    cfg = load_config(None, [*MEASURED_RUN, *values])
+    facts = model_facts(cfg.model.path, cfg.model.lora.target)
+    step = replace(run_shape(facts, cfg, prompt_shape(cfg, facts), rows=4, generation_batch=4,
+                             micro_batch=2, completion=8, engine="hf", device_type="cpu",
+                             dtype="float32"),
+                   reference_pass=cfg.algo.beta > 0,
+                   traffic=fsdp_traffic(facts, cfg, 2, "cpu"))
+    free = replace(RATES, copy_bytes_per_s=1e30, fresh_copy_bytes_per_s=1e30)
+    counting = replace(free, collective_s=1.0, link_bytes_per_s=1e30)
+    weighing = replace(free, collective_s=0.0, link_bytes_per_s=0.5)
+    for measured, forward in ((generate, None), (logprobs, False)):
+        if measured is None:
+            continue
+        got = [whole_gather_seconds(step, r) if forward is None else
+               pass_collectives(step, r, backward=False, reference=True)[0]
+               for r in (counting, weighing)]
+        assert got == pytest.approx(list(measured))
+    update = [pass_collectives(step, r, backward=True)[0] for r in (counting, weighing)]
+    assert update == pytest.approx([gathers[0] + scatters[0], gathers[1] + scatters[1]])
+    t = step.traffic
+    assert (2 * t.reduce_units, 2 * t.reduce_bytes) == scatters
