@@ -49,9 +49,9 @@ Over several processes (torchrun, FSDP2: :class:`Traffic`), each collective cost
 the bytes each process sends and receives ((n-1)/n of the whole tensor's) over the link's bus
 bandwidth, and FSDP2's copies in and out at the rate of a copy into new memory (the link
 measured by :mod:`r1fit.memory.link`, else a data sheet's). ``generate`` gathers the policy once (the HF
-engine's ``gathered()``); each micro-batch of a log-prob pass gathers every unit, of an update
-also the units its backward runs through, and reduce-scatters their gradients; an update
-all-reduces the gradient norm. On CUDA FSDP2 runs them on streams of their own beside the
+engine's ``gathered()``); each micro-batch of a log-prob pass gathers every unit (the root once a
+pass), of an update every unit and the units its backward runs through, and reduce-scatters their
+gradients; an update all-reduces the gradient norm. On CUDA FSDP2 runs them on streams of their own beside the
 compute: a phase takes the longer of the two plus what cannot overlap (a pass's first gather,
 its last reduce-scatter); on a CPU they run in turn with the compute.
 
