@@ -222,6 +222,15 @@ class VllmEngine:
             self.llm.sleep(level=self.spec.sleep_level)
             self._awake = False
 
+    def wake(self) -> None:
+        """Wake a sleeping engine whose weights still hold the policy's (level 1 kept them in
+        host memory); what was cached before its sleep is forgotten."""
+        if self.sleeps and not self._awake:
+            self.llm.wake_up()
+            self.llm.llm_engine.reset_encoder_cache()
+            self.llm.reset_prefix_cache()
+            self._awake = True
+
     def close(self) -> None:
         """Shut the engine down (its memory and the process groups it made) while the run's own
         process group still exists; vLLM would otherwise do it at interpreter exit."""

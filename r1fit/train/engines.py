@@ -4,7 +4,8 @@
 ``static``: r1fit's static-cache engine on the policy itself (:mod:`r1fit.rollout.static_engine`:
 CUDA graphs on CUDA, LoRA merged for generation); one process.
 ``vllm``: one colocated vLLM engine per process; the policy's weights are streamed into it before
-the first rollout after each update, and it sleeps (CUDA) while the policy trains.
+the first rollout after each update, and it sleeps (CUDA) from the end of a step's generation
+through its updates.
 Both sample row i with seed ``row_seeds(...)[i]``, each with its own sampler, so the two engines
 give different (equally valid) completions for the same seeds.
 
@@ -85,6 +86,10 @@ class RolloutEngine(Protocol):
         """Greedy trajectories (evaluation with tools)."""
         ...
 
+    def idle(self) -> None:
+        """The step's generation is over: free what generating holds while the policy trains."""
+        ...
+
     def updated(self) -> None:
         """The policy's weights changed."""
         ...
@@ -124,6 +129,9 @@ class Rollouts:
 
     def generation_layout(self) -> GenerationLayout:
         return GenerationLayout()
+
+    def idle(self) -> None:
+        """Nothing to free: the policy itself generates."""
 
 
 class HFRollouts(Rollouts):
@@ -281,6 +289,8 @@ class VllmRollouts(Rollouts):
             with timed(times, "seconds_weight_sync"), torch.no_grad():
                 engine.load_weights(full_named_weights(self.run.model))
             self.stale = False
+        else:  # asleep since the last generation (idle) with the policy unchanged
+            engine.wake()
         yield
 
     def generate(self, rows: Sequence[Prompt], seeds: Sequence[int]
@@ -318,11 +328,18 @@ class VllmRollouts(Rollouts):
         trajectory's turns: its own); the weights it was synced with are merged."""
         return GenerationLayout(sys.maxsize if self.tools is None else None, merged=True)
 
-    def updated(self) -> None:
-        """The policy changed: sync before the next rollout; free the engine's memory meanwhile."""
-        self.stale = True
+    def idle(self) -> None:
+        """Generation is over for the step: the engine sleeps (CUDA, ``rollout.vllm.sleep_level``
+        > 0) through the log-prob passes and the updates, as the memory plan counts it. At level
+        2 its weights are dropped, so the next ``ready`` syncs them again."""
         if self._engine is not None:
             self._engine.sleep()
+            if self._engine.sleeps and self.spec.sleep_level >= 2:
+                self.stale = True
+
+    def updated(self) -> None:
+        """The policy changed: sync before the next rollout."""
+        self.stale = True
 
     def close(self) -> None:
         if self._engine is not None:

@@ -208,6 +208,7 @@ def grpo_step(trainer: Trainer, step: int, times: dict[str, float]
         with timed(times, "seconds_score"):
             batch = score_rollout(batch, trainer.scorer, run.processor, trainer.advantage)
         draws.add(batch)
+    engine.idle()  # vLLM sleeps through the log-prob passes and updates (the plan counts so)
     # the kept groups, their rows split evenly over the processes again
     rollout = draws.kept(prompts_per_step, trainer.advantage.estimator)
     if rollout is None:  # no group with differing rewards: nothing to learn from

@@ -86,3 +86,93 @@ def test_sft_evaluates_on_the_engine_its_config_resolves(use_tiny_cache, tmp_pat
     assert len(static_evals) == 3 and static_evals == hf_evals
     assert static_evals[-1]["eval/format"] == 1.0  # the answers compared are formatted ones
     assert len(static_answers) == 36 and static_answers == hf_answers
+
+
+class FakeVllm:
+    """A vLLM engine's sleep and sync calls, recorded (CUDA's sleep mode, which a CPU has not)."""
+
+    def __init__(self, calls: list[str], sleeps: bool = True) -> None:
+        self.calls, self.sleeps, self.awake = calls, sleeps, True
+
+    def load_weights(self, weights) -> None:
+        self.calls.append("sync")
+        self.awake = True
+
+    def sleep(self) -> None:
+        if self.sleeps and self.awake:
+            self.calls.append("sleep")
+            self.awake = False
+
+    def wake(self) -> None:
+        if self.sleeps and not self.awake:
+            self.calls.append("wake")
+            self.awake = True
+
+
+@pytest.mark.parametrize("level,expected", [
+    # level 1 keeps the weights in host memory: woken for a second draw of the same policy
+    (1, ["sync", "sleep", "sync", "sleep", "wake", "sleep"]),
+    # level 2 drops them: synced again instead
+    (2, ["sync", "sleep", "sync", "sleep", "sync", "sleep"]),
+])
+def test_the_vllm_engine_sleeps_from_the_end_of_generation(monkeypatch, level, expected):
+    """The engine sleeps once a step's generation is over (idle), not after the update: the
+    log-prob passes and updates run without its weights and KV cache, as the memory plan counts
+    them. The next generation wakes it, synced when the policy changed or its weights went."""
+    from contextlib import ExitStack
+
+    from r1fit.train import engines
+
+    monkeypatch.setattr(engines, "full_named_weights", lambda model: iter(()))
+    calls: list[str] = []
+    rollouts = object.__new__(engines.VllmRollouts)
+    rollouts.run = SimpleNamespace(model=None)
+    rollouts.spec = SimpleNamespace(sleep_level=level)
+    rollouts._engine, rollouts.stale = FakeVllm(calls), True
+
+    def generation() -> None:
+        with ExitStack() as stack:
+            stack.enter_context(rollouts.ready({}))
+
+    generation()  # step 1's generation, the engine synced
+    rollouts.idle()  # the step's log-prob passes and updates
+    rollouts.updated()
+    generation()  # step 2: the new policy synced
+    rollouts.idle()
+    generation()  # a second draw of step 2 (dynamic sampling), the policy unchanged
+    rollouts.idle()
+    assert calls == expected
+
+
+def test_a_grpo_step_idles_its_engine_before_the_log_prob_passes(use_tiny_cache, tmp_path,
+                                                                 monkeypatch):
+    """In a real GRPO step the engine's idle comes after the last generation and before the
+    log-prob passes and the update; updated() after the update."""
+    from r1fit.cli import main
+    from r1fit.train import grpo
+
+    calls: list[str] = []
+    real_engine, real_logprobs, real_update = grpo.rollout_engine, grpo.add_logprobs, \
+        grpo.policy_update
+
+    def engine(*args, **kwargs):
+        inner = real_engine(*args, **kwargs)
+        for name in ("idle", "updated"):
+            method = getattr(inner, name)
+            monkeypatch.setattr(inner, name, lambda m=method, n=name: (calls.append(n), m())[1])
+        rollout = inner.rollout
+        monkeypatch.setattr(inner, "rollout", lambda *a, **k: (calls.append("generate"),
+                                                               rollout(*a, **k))[1])
+        return inner
+
+    monkeypatch.setattr(grpo, "rollout_engine", engine)
+    monkeypatch.setattr(grpo, "add_logprobs",
+                        lambda *a, **k: (calls.append("logprobs"), real_logprobs(*a, **k))[1])
+    monkeypatch.setattr(grpo, "policy_update",
+                        lambda *a, **k: (calls.append("update"), real_update(*a, **k))[1])
+    assert main(["train", f"train.output_dir={tmp_path / 'run'}", "train.max_steps=1",
+                 "train.prompts_per_step=2", "algo.num_generations=4", "algo.max_new_tokens=4",
+                 "sft.format_warmup_steps=0", "data.eval=null", "eval.before_train=false",
+                 "checkpoint.every=0", "report.to=[]", "algo.beta=0",
+                 "rollout.min_new_tokens=4"]) == 0
+    assert calls[:5] == ["generate", "idle", "logprobs", "update", "updated"]
