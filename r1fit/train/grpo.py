@@ -62,6 +62,7 @@ from r1fit.rollout.dynamic import StepDraws
 from r1fit.rollout.generate import SamplingSettings
 from r1fit.rollout.record import Rollout
 from r1fit.rollout.score import AdvantageSettings, finished_rows, kl_in_reward, loss_counts, score_rollout
+from r1fit.rollout.vllm_engine import require_vllm
 from r1fit.train.engines import RolloutEngine, rollout_engine
 from r1fit.train.evaluate import evaluate, log_evaluation
 from r1fit.train.forward import add_logprobs, longest_row, micro_batches, run_logprobs
@@ -99,6 +100,8 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
     # the rewards first: a misspelt reward or a broken plugin fails in seconds, not after the
     # model loads and the format warm-up runs
     scorer = RewardScorer(cfg.rewards)
+    if cfg.rollout.engine == "vllm":  # and a missing vLLM, not at the first rollout
+        require_vllm()
     run = start_run(cfg, "grpo")
     algo = cfg.algo
     if cfg.sft.format_warmup_steps and not run.checkpoints.phase_done("warmup"):

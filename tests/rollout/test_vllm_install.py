@@ -34,3 +34,39 @@ def test_tested_version_is_accepted(monkeypatch):
     fake = types.SimpleNamespace(__version__="0.32.1")
     monkeypatch.setitem(sys.modules, "vllm", fake)
     assert import_vllm() is fake
+
+
+def test_a_run_refuses_a_missing_vllm_before_loading_its_model(monkeypatch, tmp_path, capsys):
+    """rollout.engine=vllm without vLLM: r1fit train and r1fit eval stop with the one line before
+    the model loads (and before the format warm-up's SFT steps), not at the first rollout."""
+    import importlib.util
+
+    from r1fit.cli import main
+    from r1fit.train import eval_command, grpo
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "vllm" else real(name, *a))
+    monkeypatch.setattr(grpo, "start_run", lambda *a, **k: pytest.fail("the run started"))
+    monkeypatch.setattr(eval_command, "start_session",
+                        lambda *a, **k: pytest.fail("the model loaded"))
+    for command in (["train", f"train.output_dir={tmp_path / 'run'}"],
+                    ["eval", "--out", str(tmp_path / "eval")]):
+        assert main([*command, "rollout.engine=vllm"]) == 2
+        assert capsys.readouterr().err.startswith("r1fit: error: rollout.engine=vllm needs vLLM")
+
+
+@pytest.mark.parametrize("version,refused", [("0.32.0", False), ("0.31.9", True)])
+def test_the_early_check_reads_the_installed_version(monkeypatch, version, refused):
+    import importlib.metadata
+
+    from r1fit.rollout.vllm_engine import require_vllm
+
+    monkeypatch.setattr(importlib.metadata, "packages_distributions", lambda: {"vllm": ["vllm"]})
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: version)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())
+    if refused:
+        with pytest.raises(RolloutEngineError, match=rf"^vLLM {version} is installed"):
+            require_vllm()
+    else:
+        require_vllm()
