@@ -7,10 +7,13 @@ per layer). Each row is sampled with its own seed (``row_seeds``) through
 ``SamplingParams(seed=...)``, so a row's completion depends on its prompt, seed and the weights,
 not on the process or the other rows, and a resumed run samples what the uninterrupted one did.
 The engine's log-probs of the sampled tokens come back with the completions (after temperature,
-as the trainer computes them). :meth:`VllmEngine.generate_turn` is one turn of the multi-turn
-loop with tools (:func:`r1fit.rollout.turns.run_trajectories`): stopped after ``</tool_call>``.
+as the trainer computes them; with top_p < 1 of the renormalised nucleus it sampled from, vLLM's
+``processed_logprobs``, where the trainer's are not truncated: docs/vllm.md).
+:meth:`VllmEngine.generate_turn` is one turn of the multi-turn loop with tools
+(:func:`r1fit.rollout.turns.run_trajectories`): stopped after ``</tool_call>``.
 
-On CUDA the engine sleeps while the policy trains (``rollout.vllm.sleep_level``); vLLM has no
+On CUDA the engine sleeps from the end of a step's generation through its updates
+(``rollout.vllm.sleep_level``); vLLM has no
 sleep mode on CPU, where it keeps its memory.
 """
 
@@ -194,7 +197,8 @@ class VllmEngine:
             model=str(spec.folder), dtype=str(spec.dtype).removeprefix("torch."), seed=spec.seed,
             max_model_len=spec.max_model_len, enable_prefix_caching=True,
             enforce_eager=(not on_cuda) if spec.enforce_eager is None else spec.enforce_eager,
-            # log-probs after temperature, as the trainer computes them
+            # log-probs after temperature, as the trainer computes them (and after top-p: the
+            # distribution sampled from, docs/vllm.md)
             logprobs_mode="processed_logprobs",
             limit_mm_per_prompt={"image": spec.max_images, "video": 0},
             enable_sleep_mode=self.sleeps)

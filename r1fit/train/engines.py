@@ -270,6 +270,8 @@ class VllmRollouts(Rollouts):
         self.spec, self.text_config = spec, model.config.get_text_config()
         self._engine: VllmEngine | None = None
         self.stale = True  # the engine holds the checkpoint's weights, not the policy's
+        if (said := nucleus_warning(settings.top_p, cfg.algo.tis_cap)) is not None:
+            log.warning(said)
 
     @property
     def engine(self) -> VllmEngine:
@@ -344,6 +346,18 @@ class VllmRollouts(Rollouts):
     def close(self) -> None:
         if self._engine is not None:
             self._engine.close()
+
+
+def nucleus_warning(top_p: float, tis_cap: float | None) -> str | None:
+    """What a vLLM run with top-p sampling and truncated importance sampling is told: the
+    engine's log-probs are of the renormalised nucleus it sampled from (vLLM's
+    processed_logprobs), so TIS also weighs each token by its nucleus mass; None otherwise."""
+    if top_p >= 1 or not tis_cap:
+        return None
+    return (f"rollout.engine=vllm with algo.top_p={top_p} and algo.tis_cap={tis_cap}: the "
+            "engine's log-probs are of the nucleus it sampled from, so truncated importance "
+            "sampling also weighs each token by its nucleus mass, which the hf engine does not "
+            "(docs/vllm.md); algo.tis_cap=0 turns it off")
 
 
 def rollout_engine(run: Session, settings: SamplingSettings,

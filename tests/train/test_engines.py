@@ -176,3 +176,14 @@ def test_a_grpo_step_idles_its_engine_before_the_log_prob_passes(use_tiny_cache,
                  "checkpoint.every=0", "report.to=[]", "algo.beta=0",
                  "rollout.min_new_tokens=4"]) == 0
     assert calls[:5] == ["generate", "idle", "logprobs", "update", "updated"]
+
+
+@pytest.mark.parametrize("top_p,cap,said", [(0.9, 2.0, True), (1.0, 2.0, False),
+                                            (0.9, 0.0, False), (0.9, None, False)])
+def test_a_vllm_run_with_top_p_and_tis_is_told_what_tis_weighs(top_p, cap, said):
+    from r1fit.train.engines import nucleus_warning
+
+    warning = nucleus_warning(top_p, cap)
+    assert (warning is not None) is said
+    if said:
+        assert "nucleus mass" in warning and "algo.tis_cap=0 turns it off" in warning
