@@ -13,36 +13,51 @@ ENGINES = ("hf", "static", "vllm")
 STATIC_ATTENTION = ("sdpa", "eager")
 
 
+#: model types whose weights r1fit's sync hands to vLLM under names vLLM loads, checked on CPU
+#: (tests/rollout: the engine's log-probs equal the trainer's after a sync); Gemma 3's vision
+#: tower is named otherwise by transformers v5 than by vLLM, and its sync fails
+VLLM_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+
 def vllm_installed() -> bool:
     """Whether vLLM can be imported here (without importing it: that would load torch)."""
     return importlib.util.find_spec("vllm") is not None
 
 
 def resolve_engine(setting: str, *, device_type: str, distributed: bool,
-                   attention: str = "sdpa", vllm: bool = True) -> tuple[str, str]:
+                   attention: str = "sdpa", vllm: bool = True,
+                   model_type: str | None = None) -> tuple[str, str]:
     """``(engine, why)``: ``setting`` itself, or for ``auto`` the fastest engine that runs here:
-    vLLM where it is installed and the device is CUDA (unless ``vllm`` is False: not an engine
-    this caller takes), else the static-cache engine on CUDA (in one process, sdpa or eager
-    attention: what it runs), else Hugging Face generate. ``attention``:
-    model.attn_implementation."""
+    vLLM where it is installed, the device is CUDA and the model's type is one r1fit's weight
+    sync serves (``VLLM_MODEL_TYPES``; unless ``vllm`` is False: not an engine this caller
+    takes), else the static-cache engine on CUDA (in one process, sdpa or eager attention: what
+    it runs), else Hugging Face generate. ``attention``: model.attn_implementation;
+    ``model_type``: the model's config.model_type (None: not known, not checked)."""
+    synced = model_type is None or model_type in VLLM_MODEL_TYPES
     if setting in ENGINES:
         if setting == "static":
             refuse_static(distributed=distributed, attention=attention)
+        if setting == "vllm" and not synced:
+            raise ConfigError(f"rollout.engine=vllm does not run {model_type} models yet (r1fit's "
+                              f"weight sync serves {', '.join(VLLM_MODEL_TYPES)}): set "
+                              "rollout.engine=static (CUDA) or hf")
         return setting, "set"
     if setting != "auto":
         raise ConfigError(f"rollout.engine must be auto, {', '.join(ENGINES)}; got {setting!r}")
     if device_type != "cuda":
         return "hf", f"on {device_type} (CUDA graphs{' and vLLM' if vllm else ''} need a CUDA device)"
-    if vllm and vllm_installed():
+    if vllm and synced and vllm_installed():
         return "vllm", "vLLM is installed and the device is CUDA"
-    without = "vLLM is not installed and " if vllm else ""
+    no_vllm = ("vLLM not installed" if not vllm_installed() else
+               f"vLLM's weight sync does not serve {model_type}")
+    without = f"{no_vllm} and " if vllm else ""
     if distributed:
         return "hf", (f"{without}the static engine runs in one process only "
                       "(FSDP's gathered weights move every step)")
     if attention not in STATIC_ATTENTION:
         return "hf", (f"{without}the static engine takes sdpa or eager "
                       f"attention, not {attention}")
-    return "static", ("CUDA, vLLM not installed: " if vllm else "CUDA: ") + \
+    return "static", (f"CUDA, {no_vllm}: " if vllm else "CUDA: ") + \
         "the static-cache engine with CUDA graphs"
 
 

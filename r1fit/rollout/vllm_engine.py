@@ -219,7 +219,7 @@ class VllmEngine:
         except Exception as exc:
             if self.llm is not None:
                 self.close()
-            raise RolloutEngineError(f"vLLM cannot run {spec.folder}: "
+            raise RolloutEngineError(f"vLLM cannot run {spec.folder}: {type(exc).__name__}: "
                                      f"{one_line(exc, 300, first_line=True)}") from exc
         log.info("vLLM %s engine for %s on %s (%s, KV cache %s, %d torch threads)",
                  vllm.__version__, spec.folder, spec.device, kwargs["dtype"],
@@ -234,7 +234,13 @@ class VllmEngine:
         tensor at a time, then forget every cache computed with the old ones."""
         if self.sleeps and not self._awake:
             self.llm.wake_up(tags=["weights"])  # the KV cache comes back after the weights
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        except Exception as exc:  # a name vLLM's model does not have, a shape it does not take
+            raise RolloutEngineError(f"vLLM could not take the policy's weights: "
+                                     f"{type(exc).__name__}: {one_line(exc, 300, first_line=True)}"
+                                     f" (rollout.engine=static or hf generate from the policy "
+                                     f"itself)") from exc
         # image features and prompt blocks cached under the old weights would be reused
         self.llm.llm_engine.reset_encoder_cache()
         self.llm.reset_prefix_cache()

@@ -366,7 +366,8 @@ def rollout_engine(run: Session, settings: SamplingSettings,
     for multi-turn rollouts."""
     name, why = resolve_engine(run.cfg.rollout.engine, device_type=run.device.type,
                                distributed=run.world.distributed,
-                               attention=run.cfg.model.attn_implementation)
+                               attention=run.cfg.model.attn_implementation,
+                               model_type=unwrap(run.model).config.model_type)
     log.info("rollout.engine=%s%s", name, "" if why == "set" else f" (auto: {why})")
     if isinstance(run, Run):  # a training run (r1fit eval's session keeps no checkpoints)
         check_resumed_engine(run, name, why)

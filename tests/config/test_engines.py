@@ -71,3 +71,35 @@ def test_sft_evaluates_on_the_static_engine_where_it_runs_and_never_on_vllm(monk
         sft_engine("static", device_type="cuda", distributed=True)
     with pytest.raises(ConfigError, match="rollout.engine must be auto"):
         sft_engine("fast", device_type="cuda", distributed=False)
+
+
+def test_vllm_serves_the_model_types_its_weight_sync_was_checked_on(monkeypatch):
+    """Gemma 3's vision tower has other names in transformers v5 than in vLLM, and its weight
+    sync fails: auto takes the static engine instead (saying why), and rollout.engine=vllm is
+    refused with one line; a model type not known (None) is not checked."""
+    monkeypatch.setattr(engines, "vllm_installed", lambda: True)
+    for model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", None):
+        assert resolve_engine("auto", device_type="cuda", distributed=False,
+                              model_type=model_type)[0] == "vllm"
+        assert resolve_engine("vllm", device_type="cuda", distributed=False,
+                              model_type=model_type) == ("vllm", "set")
+    name, why = resolve_engine("auto", device_type="cuda", distributed=False,
+                               model_type="gemma3")
+    assert (name, why) == ("static", "CUDA, vLLM's weight sync does not serve gemma3: the "
+                                     "static-cache engine with CUDA graphs")
+    name, why = resolve_engine("auto", device_type="cuda", distributed=True, model_type="gemma3")
+    assert name == "hf" and why.startswith("vLLM's weight sync does not serve gemma3 and ")
+    with pytest.raises(ConfigError, match=r"^rollout.engine=vllm does not run gemma3 models yet"):
+        resolve_engine("vllm", device_type="cuda", distributed=False, model_type="gemma3")
+
+
+def test_the_plan_resolves_the_engine_for_the_model_s_type(use_tiny_cache, monkeypatch):
+    """r1fit plan reads the model's type from its config: the built-in Gemma 3 is planned on the
+    static engine where vLLM is installed, a Qwen2-VL model on vLLM."""
+    from r1fit.config import load_config
+    from r1fit.memory.planner import plan_memory
+
+    monkeypatch.setattr(engines, "vllm_installed", lambda: True)
+    for path, engine in (("builtin:tiny-gemma3", "static"), ("builtin:tiny-qwen2vl", "vllm")):
+        cfg = load_config(None, [f"model.path={path}", "data.eval=null"])
+        assert plan_memory(cfg, device_type="cuda").details["engine"] == engine, path

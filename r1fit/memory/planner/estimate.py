@@ -551,7 +551,8 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
                                         and cfg.model.lora.compute_dtype == "model"))
     engine_name, engine_why = resolve_engine(cfg.rollout.engine, device_type=device_type,
                                              distributed=s.gpus > 1,
-                                             attention=cfg.model.attn_implementation)
+                                             attention=cfg.model.attn_implementation,
+                                             model_type=f.model_type or None)
     if s.tokens is not None:  # packed by tokens: the most rows a micro-batch takes, how many
         cut = step.token_cut()
         s = replace(s, micro=cut.rows)

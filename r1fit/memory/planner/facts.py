@@ -125,6 +125,8 @@ class ModelFacts:
     #: the layers transformers' activation checkpointing switches, in module order: "t" a decoder
     #: layer, "v" a vision block, "o" another
     checkpoint_order: str = ""
+    #: the config's model_type (qwen2_5_vl, gemma3, ...): which engines run it
+    model_type: str = ""
     #: the input embedding's gradient can go into its .grad in place (a plain nn.Embedding:
     #: r1fit/algorithms/embedding.py)
     embedding_into_grad: bool = False
@@ -250,7 +252,8 @@ def _facts(source: str, checkpoint: str, path: str, lora_target: str) -> ModelFa
     block_sizes = [_numel(unit.parameters()) for unit in blocks]
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     return ModelFacts(
-        name=path, config_dtype=str(dtype).removeprefix("torch."), config_dtype_from=dtype_from,
+        name=path, model_type=config.model_type,
+        config_dtype=str(dtype).removeprefix("torch."), config_dtype_from=dtype_from,
         hub_config="" if source == checkpoint else os.path.join(source, "config.json"),
         params=_numel(params), param_tensors=len(params),
         vision_params=_numel(vision_params),
