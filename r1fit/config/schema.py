@@ -538,8 +538,9 @@ class RolloutConfig:
         "rollout; pip install -e '.[vllm]'; Qwen2-VL, Qwen2.5-VL and Qwen3-VL models: Gemma 3 is "
         "refused, its weight sync fails), or 'auto': vllm where it is installed, the device is "
         "CUDA and the model is one of those, else static on CUDA (hf under torchrun or with "
-        "flash attention), else hf; the run log says which and why. `r1fit sft` evaluates on static or hf, never vllm: auto and vllm "
-        "take static where it runs (CUDA, one process), else hf.")
+        "flash attention), else hf; the run log says which and why. `r1fit sft` evaluates on "
+        "static or hf, never vllm: auto and vllm take static where it runs (CUDA, one process), "
+        "else hf.")
     share_prefill: bool | Literal["auto"] = opt(
         "auto", "rollout.engine=hf: prefill each distinct prompt of a generation batch once (its "
         "image tokens and vision tower included) and copy its KV cache to the rows that share "
