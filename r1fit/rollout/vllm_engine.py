@@ -305,12 +305,14 @@ class VllmEngine:
     def generate_turn(self, rows: Sequence[Prompt], seeds: Sequence[int] | None,
                       limits: Sequence[int], previous: Sequence[int] | None = None, *,
                       temperature: float, top_p: float, eos: Sequence[int],
-                      blocked: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                      blocked: Sequence[int], min_new_tokens: int = 0
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One turn of each row for :func:`~r1fit.rollout.turns.run_trajectories` (its
         ``GenerateTurn`` once the keywords are bound): row i generates at most ``limits[i]``
         tokens and stops right after the token whose text completes ``</tool_call>`` (kept whole,
         also when its text runs past the tag) or at an ``eos`` token (kept). ``seeds=None`` is
-        greedy, else row i samples with ``seeds[i]``, whatever rows share its batch. Each row's
+        greedy, else row i samples with ``seeds[i]``, whatever rows share its batch; no ``eos``
+        before ``min_new_tokens`` tokens of the turn (at most its limit), as the HF turn. Each row's
         turn comes with the engine's log-prob of each of its tokens (as :meth:`generate`'s), which
         truncated importance sampling and ``engine_logp_diff`` read.
 
@@ -327,7 +329,8 @@ class VllmEngine:
         params = [sampling_params(
             None if seeds is None else seeds[i], max_tokens=limits[i], temperature=temperature,
             top_p=top_p, eos=eos, blocked=blocked, stop=[TOOL_CALL_CLOSE],
-            include_stop_str_in_output=True, logprobs=0) for i in range(len(rows))]
+            min_tokens=min(min_new_tokens, limits[i]), include_stop_str_in_output=True,
+            logprobs=0) for i in range(len(rows))]
         tokenizer = self.llm.get_tokenizer()
 
         def decode(ids: list[int]) -> str:

@@ -318,7 +318,8 @@ class VllmRollouts(Rollouts):
         s, ids = self.settings, self.run.ids
         greedy = seeds is None
         turn = partial(self.engine.generate_turn, temperature=1.0 if greedy else s.temperature,
-                       top_p=1.0 if greedy else s.top_p, eos=ids.eos, blocked=ids.blocked)
+                       top_p=1.0 if greedy else s.top_p, eos=ids.eos, blocked=ids.blocked,
+                       min_new_tokens=0 if greedy else s.min_new_tokens)
         return self.tools.run_rows(turn, rows, seeds, max(len(rows), 1), evaluation=greedy)
 
     def greedy_trajectories(self, prompts: Sequence[Prompt]) -> list[Trajectory]:

@@ -309,3 +309,22 @@ def test_a_context_with_a_tool_image_generates_as_hf_does(setup, noisy):
         turn_fn(engine, ids)([two_crops], None, [12])
     with pytest.raises(RolloutEngineError, match="max_model_len=512"):
         turn_fn(engine, ids)([grown], None, [512 - grown.length + 1])
+
+
+@pytest.mark.vllm
+def test_a_turn_holds_min_new_tokens_as_the_hf_turn(setup, noisy, monkeypatch):
+    """rollout.min_new_tokens reaches each turn (no end token before it, at most the turn's
+    limit), as the HF turn's minimum does; with every row's minimum at its limit, each turn
+    runs to it."""
+    from r1fit.rollout import vllm_engine
+
+    engine, _, _, ids, prompts = setup
+    engine.load_weights(full_named_weights(noisy))
+    asked = []
+    real = vllm_engine.sampling_params
+    monkeypatch.setattr(vllm_engine, "sampling_params",
+                        lambda *a, **k: (asked.append(k.get("min_tokens")), real(*a, **k))[1])
+    turn = functools.partial(turn_fn(engine, ids), min_new_tokens=5)
+    turns = lists(turn(prompts, row_seeds(0, 0, 0, 3), [1, 4, 9]))
+    assert asked == [1, 4, 5]
+    assert all(len(t) >= n for t, n in zip(turns, [1, 4, 5]))
