@@ -125,7 +125,7 @@ def test_model_the_engine_cannot_run_is_one_line_before_training(use_tiny_cache,
     done = launch(out, reward_plugin, "model.path=builtin:tiny", "sft.format_warmup_steps=0")
     assert done.returncode == 2
     last = done.stderr.strip().splitlines()[-1]
-    assert re.fullmatch(r"r1fit: error: vLLM cannot run \S+tiny-v\d+: Unsupported CPU attention "
+    assert re.fullmatch(r"r1fit: error: vLLM cannot run \S+tiny-v\d+: RuntimeError: Unsupported CPU attention "
                         r"configuration: head_dim=16 .*", last), last
     assert not (out / "metrics.jsonl").exists() or not step_rows(out)
 
