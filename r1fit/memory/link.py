@@ -17,6 +17,7 @@ import multiprocessing
 import queue
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,9 +42,9 @@ class Link:
     backend: str
 
 
-def _best(run: object, device: torch.device) -> float:
-    """The fastest of ``REPEATS`` timed calls of ``run`` after two untimed, in seconds."""
-    assert callable(run)
+def _best(run: Callable[[], object], device: torch.device) -> float:
+    """The fastest of ``REPEATS`` timed calls of ``run`` after two untimed, in seconds, each
+    started together on both processes (a barrier)."""
     best = float("inf")
     for i in range(2 + REPEATS):
         dist.barrier()

@@ -471,14 +471,7 @@ def measure_fresh_copy(device: torch.device, nbytes: int, repeats: int = 3) -> f
     """Bytes/s of copying ``nbytes`` into a tensor allocated for it (read + write counted): on a
     CPU the first write of every page faults it in (FSDP2's buffers, new for each collective)."""
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    best = float("inf")
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        torch.empty_like(src).copy_(src)
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * src.numel() * 4 / max(best, 1e-9)
+    return 2 * src.numel() * 4 / _best(lambda: torch.empty_like(src).copy_(src), device, repeats)
 
 
 def measure_launch(device: torch.device, ops: int = 2000) -> float:

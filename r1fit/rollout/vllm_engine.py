@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from r1fit.config.engines import vllm_share_problem
+from r1fit.config.engines import vllm_installed, vllm_share_problem
 from r1fit.data.batch import Prompt, cut_after_eos
 from r1fit.errors import R1fitError, one_line
 from r1fit.tools import TOOL_CALL_CLOSE
@@ -65,9 +65,8 @@ def require_vllm() -> None:
     """Refuse a missing or untested vLLM before a run loads its model (vLLM itself starts at the
     first rollout): from the installed packages' metadata, without importing it."""
     import importlib.metadata
-    import importlib.util
 
-    if importlib.util.find_spec("vllm") is None:
+    if not vllm_installed():
         raise _missing("No module named 'vllm'")
     for distribution in importlib.metadata.packages_distributions().get("vllm", []):
         try:

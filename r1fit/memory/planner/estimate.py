@@ -529,9 +529,7 @@ def _estimate(f: ModelFacts, cfg: Config, prompt: PromptShape, s: Sizes,
     stored = _DTYPE_BYTES.get(dtype, 4)
     fsdp, cuda = s.gpus > 1, device_type == "cuda"
     states = persistent_states(f, cfg, s.gpus, stored)
-    # FSDP (gpus > 1), set up as r1fit/distributed/parallelize.py does: on CUDA, weights stored in
-    # float32 are gathered, and computed with, in bfloat16; on CPU nothing is cast
-    b = 2 if fsdp and cuda and stored == F32 else stored
+    b = gathered_bytes(stored, cuda) if fsdp else stored
     buffers = fsdp_buffers(f, cfg, dtype, b, cuda) if fsdp else FsdpBuffers()
     lora = cfg.model.lora.r > 0
     step = StepShape(facts=f, b=b, lora_r=cfg.model.lora.r, prompt=prompt,
@@ -880,6 +878,13 @@ def fsdp_buffers(f: ModelFacts, cfg: Config, dtype: str, b: int, cuda: bool) -> 
         gathering=max(layer_unit, block_unit, root_unit))
 
 
+def gathered_bytes(stored: int, cuda: bool) -> int:
+    """Bytes per element FSDP2 gathers and computes a weight stored in ``stored`` bytes in, as
+    r1fit/distributed/parallelize.py sets it up: on CUDA float32 weights in bfloat16; on a CPU
+    nothing is cast."""
+    return 2 if cuda and stored == F32 else stored
+
+
 def fsdp_traffic(f: ModelFacts, cfg: Config, gpus: int, device_type: str) -> Traffic | None:
     """FSDP2's collectives over ``gpus`` processes, unit by unit as :func:`fsdp_buffers` plans
     them (None on one process): every unit gathered in a forward; the decoder layers (and a
@@ -892,7 +897,7 @@ def fsdp_traffic(f: ModelFacts, cfg: Config, gpus: int, device_type: str) -> Tra
     dtype = run_dtype(cfg, f)
     stored = _DTYPE_BYTES.get(dtype, 4)
     cuda = device_type == "cuda"
-    b = 2 if cuda and stored == F32 else stored
+    b = gathered_bytes(stored, cuda)
     u = fsdp_buffers(f, cfg, dtype, b, cuda)
     layers, blocks = f.text.layers, (f.vision.depth if f.vision else 0)
     lora = cfg.model.lora.r > 0

@@ -550,8 +550,8 @@ def time_plan(s: TimeShape, rates: DeviceRates, cfg: Config, *, processes: int =
     rollout = replace(s, generation_batch=max(s.rows, 1)) if s.engine == "vllm" else s
     prefill, decode = (0.0, 0.0) if training_only else \
         generation_seconds(rollout, rates, s.rows, s.completion)
-    # FSDP: the HF engine gathers the policy whole before generating (vLLM's weight sync is
-    # left out)
+    # FSDP: the HF engine gathers the policy whole before generating, and before an evaluation
+    # (vLLM's weight sync is left out)
     gather = whole_gather_seconds(s, rates) if s.engine == "hf" else 0.0
     groups = micro_groups(s)
     saved = s.trainable * (s.bytes_per_element + 8)
@@ -567,8 +567,7 @@ def time_plan(s: TimeShape, rates: DeviceRates, cfg: Config, *, processes: int =
         eval_shape = replace(s, generation_batch=cfg.eval.batch, group=1, shares_prompts=False)
         eval_seconds = sum(generation_seconds(
             eval_shape, rates, math.ceil(eval_rows / processes),
-            s.completion if eval_completion is None else eval_completion)) + (
-            whole_gather_seconds(s, rates) if s.engine == "hf" else 0.0)
+            s.completion if eval_completion is None else eval_completion)) + gather
         evaluations = evaluation_count(steps, every, cfg.eval.before_train)
     run = steps * step + evaluations * (eval_seconds or 0.0)
     dominant = max(phases, key=phases.__getitem__)
