@@ -62,7 +62,8 @@ RESUME_SAFE = ("train.output_dir", "train.overwrite", "train.device", "train.max
                "train.deterministic",
                "train.early_stop_patience", "sft.steps", "checkpoint.", "eval.", "memory.",
                "data.eval", "rollout.vllm.kv_cache_memory", "rollout.vllm.gpu_memory_utilization",
-               "rollout.vllm.sleep_level", "rollout.share_prefill", "report.")
+               "rollout.vllm.sleep_level", "rollout.share_prefill", "rollout.tool_workers",
+               "report.")
 # safe to change, but the continued run is no longer bit-identical to an uninterrupted one
 # (memory.gradient_checkpointing and checkpoint_every recompute the same numbers: a LoRA-dropout
 # run with and without gave the same bits on CPU)

@@ -568,6 +568,11 @@ class RolloutConfig:
     tool_timeout: float = opt(
         10.0, "With tools: seconds one tool call may run before its result is an error (the "
         "call's thread is abandoned, not killed: see docs/tools.md).", gt=0)
+    tool_workers: int = opt(
+        8, "With tools: the rows whose tool calls run at once after each turn, on threads (each "
+        "row's calls in order). A turn's calls wait for the slowest; with one worker they run one "
+        "after another. A tool must be safe to call from several threads; 1 if it is not. The "
+        "step's wall seconds of tool calls are logged as tools/seconds.", ge=1)
     vllm: VllmConfig = opt(VllmConfig(), "Settings of rollout.engine=vllm.")
     static: StaticConfig = opt(StaticConfig(), "Settings of rollout.engine=static.")
 

@@ -28,6 +28,7 @@ TREND = 0.1          # ... each moving by at least this much
 ENTROPY_FRACTION = 0.1  # entropy collapse: below this fraction of the early entropy
 ENTROPY_FLOOR = 0.01    # ... or below this many nats per token, whatever it started at
 SLOW = 2.0  # a phase this many times its predicted seconds (r1fit/memory/prediction.py)
+TOOL_SECONDS = "tools/seconds"  # a step's tool calls' wall time, within seconds_generate
 
 
 def grpo_rows(rows: Rows) -> list[dict[str, Any]]:
@@ -125,18 +126,23 @@ def slow_phase(rows: Rows) -> str | None:
     """A phase of the last ``RECENT`` steps (median) over ``SLOW`` times the time model's
     prediction, where the prediction read rates measured on this machine
     (``predicted_calibrated``); the first steps' one-off work (allocation, graph capture) is
-    outvoted by the median."""
+    outvoted by the median. Generation is judged without its tool calls' wall time
+    (``tools/seconds``), which the time model leaves out: a slow tool is not a slow machine."""
     timed = [r for r in rows if r.get("predicted_calibrated") == 1][-RECENT:]
     if len(timed) < RECENT:
         return None
     slow = []
     for key in sorted(k for k in timed[-1] if k.startswith("predicted_seconds_")):
-        measured, predicted = (series(timed, k) for k in (key.removeprefix("predicted_"), key))
+        name = key.removeprefix("predicted_")
+        measured, predicted = series(timed, name), series(timed, key)
+        tools = name == "seconds_generate" and len(series(timed, TOOL_SECONDS)) == len(measured)
+        if tools:
+            measured = [m - t for m, t in zip(measured, series(timed, TOOL_SECONDS))]
         if len(measured) < RECENT or not predicted:
             continue
         now, expected = statistics.median(measured), statistics.median(predicted)
         if expected > 0 and now > SLOW * expected:
-            slow.append(f"{key.removeprefix('predicted_')} {now:.3g} s against "
+            slow.append(f"{name}{' less tools/seconds' if tools else ''} {now:.3g} s against "
                         f"{expected:.3g} s ({now / expected:.1f}x)")
     if not slow:
         return None

@@ -18,6 +18,10 @@ number, the stream :class:`~r1fit.rollout.generate.SeededSampler` draws one unif
 position), so a trajectory does not depend on which other trajectories share its batch, nor on
 when they finish; a finished trajectory leaves the batch.
 
+After each turn the calls of every row that goes on run together on ``workers`` threads (each
+row's calls in their order, each under the runner's timeout); a trajectory does not depend on
+the worker count either, for tools that are deterministic given their arguments and the row.
+
 Budgets, as the config documents them: a trajectory ends when a turn ends with an end-of-sequence
 token (``eos``), runs to ``max_new_tokens`` without a complete call (``max_new_tokens``), writes a
 call in its ``max_turns``-th turn (``max_turns``: that turn's calls are not run) or reaches
@@ -30,7 +34,10 @@ still answer.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -248,11 +255,13 @@ def tool_context(prompt: Prompt) -> ToolContext:
 
 def run_trajectories(generate_turn: GenerateTurn, processor: Any, prompts: Sequence[Prompt],
                      seeds: Sequence[int] | None, runner: ToolRunner, budgets: TurnBudgets, *,
-                     eos: Sequence[int], contexts: Sequence[ToolContext] | None = None
-                     ) -> list[Trajectory]:
+                     eos: Sequence[int], contexts: Sequence[ToolContext] | None = None,
+                     workers: int = 1) -> list[Trajectory]:
     """One trajectory per prompt, in order. ``seeds``: one per row (``row_seeds``), None for
     greedy; ``eos``: the end-of-sequence ids; ``contexts``: what the tools see of each row
-    (default: :func:`tool_context`)."""
+    (default: :func:`tool_context`); ``workers``: rows whose tool calls run at once after each
+    turn (each row's calls in order; 1: one call at a time). The calls' wall seconds are added to
+    ``runner.stats.seconds``."""
     if seeds is not None and len(seeds) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts, {len(seeds)} seeds")
     if contexts is None:
@@ -260,31 +269,56 @@ def run_trajectories(generate_turn: GenerateTurn, processor: Any, prompts: Seque
     trajectories = [Trajectory(prompt) for prompt in prompts]
     open_rows = list(range(len(prompts)))
     previous: list[int] | None = None  # each open row's place among the last turn's rows
-    while open_rows:
-        limits = [min(budgets.max_new_tokens, budgets.tokens - trajectories[i].length)
-                  for i in open_rows]
-        turn_seeds = None if seeds is None else \
-            [turn_seed(seeds[i], trajectories[i].num_turns) for i in open_rows]
-        turns = generate_turn([trajectories[i].context() for i in open_rows], turn_seeds, limits,
-                              previous)
-        still_open = []
-        for i, turn in zip(open_rows, turns, strict=True):
-            tokens, logp = turn if isinstance(turn, tuple) else (turn, None)
-            if _take_turn(trajectories[i], tokens, logp, processor, runner, contexts[i], budgets,
-                          eos):
-                still_open.append(i)
-        place = {i: k for k, i in enumerate(open_rows)}
-        previous = [place[i] for i in still_open]
-        open_rows = still_open
+    with _calls_pool(workers) as pool:
+        while open_rows:
+            limits = [min(budgets.max_new_tokens, budgets.tokens - trajectories[i].length)
+                      for i in open_rows]
+            turn_seeds = None if seeds is None else \
+                [turn_seed(seeds[i], trajectories[i].num_turns) for i in open_rows]
+            turns = generate_turn([trajectories[i].context() for i in open_rows], turn_seeds,
+                                  limits, previous)
+            calling: list[tuple[int, Turn]] = []  # the rows that go on, with their turn
+            for i, turn in zip(open_rows, turns, strict=True):
+                tokens, logp = turn if isinstance(turn, tuple) else (turn, None)
+                held = _policy_turn(trajectories[i], tokens, logp, processor, budgets, eos)
+                if held is not None:
+                    calling.append((i, held))
+            start = time.perf_counter()
+            answers = _map(pool, lambda row: _answer(trajectories[row[0]], row[1].calls, runner,
+                                                     contexts[row[0]], budgets), calling)
+            runner.stats.seconds += time.perf_counter() - start
+            still_open = [i for (i, turn), results in zip(calling, answers, strict=True)
+                          if _tool_turn(trajectories[i], turn, results, processor, budgets)]
+            place = {i: k for k, i in enumerate(open_rows)}
+            previous = [place[i] for i in still_open]
+            open_rows = still_open
     return trajectories
 
 
-def _take_turn(trajectory: Trajectory, tokens: torch.Tensor, logp: torch.Tensor | None,
-               processor: Any, runner: ToolRunner, context: ToolContext, budgets: TurnBudgets,
-               eos: Sequence[int]) -> bool:
-    """Append one policy turn (``logp``: the engine's log-probs of its tokens, if any), and its
-    tool turn when the policy goes on; False when the trajectory ended (``trajectory.ended``
-    says why)."""
+@contextmanager
+def _calls_pool(workers: int) -> Iterator[ThreadPoolExecutor | None]:
+    """Threads for the rows' tool calls (None for one at a time), shut down on the way out."""
+    if workers <= 1:
+        yield None
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="r1fit-tool-rows") as pool:
+        yield pool
+
+
+def _map(pool: ThreadPoolExecutor | None, fn: Callable[[Any], Any], items: Sequence[Any]
+         ) -> list[Any]:
+    """``fn`` of each item, in order: on ``pool``'s threads, else here (a worker's exception is
+    raised here, as :meth:`ThreadPoolExecutor.map` raises it)."""
+    if pool is None or len(items) < 2:
+        return [fn(item) for item in items]
+    return list(pool.map(fn, items))
+
+
+def _policy_turn(trajectory: Trajectory, tokens: torch.Tensor, logp: torch.Tensor | None,
+                 processor: Any, budgets: TurnBudgets, eos: Sequence[int]) -> Turn | None:
+    """Append one policy turn (``logp``: the engine's log-probs of its tokens, if any): its
+    :class:`Turn`, calls parsed, when the trajectory goes on to run them; None when it ended
+    (``trajectory.ended`` says why)."""
     text = processor.tokenizer.decode(tokens.tolist(), skip_special_tokens=True)
     ending = _ending(tokens, text, eos)
     trajectory._append(tokens, True, {}, logp)
@@ -293,7 +327,7 @@ def _take_turn(trajectory: Trajectory, tokens: torch.Tensor, logp: torch.Tensor 
         trajectory.turns.append(turn)
         trajectory.ended = "eos" if ending == "eos" else (
             "max_trajectory_tokens" if trajectory.length >= budgets.tokens else "max_new_tokens")
-        return False
+        return None
     calls = tuple(parse_tool_calls(text)) or (
         MalformedCall(f"{TOOL_CALL_CLOSE} without {TOOL_CALL_OPEN}", text),)
     turn = replace(turn, calls=calls)
@@ -301,8 +335,14 @@ def _take_turn(trajectory: Trajectory, tokens: torch.Tensor, logp: torch.Tensor 
         trajectory.turns.append(turn)  # the policy has no turn left to read the results in
         trajectory.ended = "max_turns" if trajectory.num_turns >= budgets.max_turns \
             else "max_trajectory_tokens"
-        return False
-    results = _answer(trajectory, calls, runner, context, budgets)
+        return None
+    return turn
+
+
+def _tool_turn(trajectory: Trajectory, turn: Turn, results: Sequence[ToolResult],
+               processor: Any, budgets: TurnBudgets) -> bool:
+    """Append ``turn`` (the policy's, whose calls gave ``results``) and its tool turn; False
+    when the tool turn leaves no room for another policy turn (the trajectory ends)."""
     ids, extras, image_inputs, images = tool_turn_tokens(processor, results)
     turn = replace(turn, results=tuple(results))
     if trajectory.length + int(ids.shape[0]) >= budgets.tokens:

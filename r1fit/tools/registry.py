@@ -105,6 +105,9 @@ class ToolStats:
 
     tools: dict[str, ToolCounts] = field(default_factory=dict)
     malformed: int = 0
+    #: wall seconds the rollouts spent running calls (every row's of a turn at once, with
+    #: several workers), since the counts were last zeroed
+    seconds: float = 0.0
     _abandoned: list[threading.Thread] = field(default_factory=list, repr=False)
 
     @property
@@ -114,13 +117,15 @@ class ToolStats:
         return len(self._abandoned)
 
     def metrics(self) -> dict[str, float]:
-        """``tools/<name>/calls|errors|timeouts``, ``tools/malformed`` and ``tools/stuck``."""
+        """``tools/<name>/calls|errors|timeouts``, ``tools/malformed``, ``tools/stuck`` and
+        ``tools/seconds``."""
         out: dict[str, float] = {}
         for name, counts in sorted(self.tools.items()):
             for what in ("calls", "errors", "timeouts"):
                 out[f"tools/{name}/{what}"] = float(getattr(counts, what))
         out["tools/malformed"] = float(self.malformed)
         out["tools/stuck"] = float(self.stuck)
+        out["tools/seconds"] = float(self.seconds)
         return out
 
 
@@ -178,6 +183,8 @@ class ToolRunner:
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
         self.stats = ToolStats(tools={name: ToolCounts() for name in self.functions})
         self._logged: set[str] = set()
+        # run() is called from several threads at once (a turn's rows: rollout.tool_workers)
+        self._lock = threading.Lock()
 
     def run_text(self, text: str, context: ToolContext) -> list[ToolResult]:
         """The results of every tool call in ``text`` (a completion), in order; ``[]`` when it
@@ -185,20 +192,20 @@ class ToolRunner:
         return [self.run(call, context) for call in parse_tool_calls(text)]
 
     def run(self, call: ToolCall | MalformedCall, context: ToolContext) -> ToolResult:
-        """One call's result; never raises for the policy's or the tool's failures."""
+        """One call's result; never raises for the policy's or the tool's failures. Safe to call
+        from several threads at once (the tool itself must be too)."""
         if isinstance(call, MalformedCall):
-            self.stats.malformed += 1
+            self._count(None)
             return ToolResult.failure("", call.reason)
         fn = self.functions.get(call.name)
         if fn is None:
-            self.stats.malformed += 1
+            self._count(None)
             known = ", ".join(sorted(self.functions)) or "none"
             return ToolResult.failure("", f"unknown tool {call.name!r} (tools: {known})")
-        counts = self.stats.tools[call.name]
-        counts.calls += 1
+        self._count(call.name, "calls")
         problem = self._bad_arguments(fn, call)
         if problem is not None:
-            counts.errors += 1
+            self._count(call.name, "errors")
             return ToolResult.failure(call.name, problem)
         def parts(context: ToolContext, **arguments: Any) -> tuple[ToolPart, ...]:
             # the return value read in the tool's own time too: a lazily opened image is decoded
@@ -207,13 +214,24 @@ class ToolRunner:
 
         outcome = _run_in_thread(parts, context, call.arguments, self.timeout, call.name)
         if not outcome.finished:
-            counts.timeouts += 1
-            self.stats._abandoned.append(outcome.thread)
+            self._count(call.name, "timeouts", abandoned=outcome.thread)
             return ToolResult.failure(call.name, f"timed out after {self.timeout:g} s")
         if outcome.error is not None:  # the tool raised, or returned what cannot be used
-            counts.errors += 1
+            self._count(call.name, "errors")
             return ToolResult.failure(call.name, self._describe(call.name, outcome))
         return ToolResult(call.name, outcome.value)
+
+    def _count(self, name: str | None, what: str = "", *,
+               abandoned: threading.Thread | None = None) -> None:
+        """Add one to tool ``name``'s ``what`` count (None: a malformed call), under the lock."""
+        with self._lock:
+            if name is None:
+                self.stats.malformed += 1
+                return
+            counts = self.stats.tools[name]
+            setattr(counts, what, getattr(counts, what) + 1)
+            if abandoned is not None:
+                self.stats._abandoned.append(abandoned)
 
     @staticmethod
     def _bad_arguments(fn: ToolFn, call: ToolCall) -> str | None:
@@ -232,10 +250,12 @@ class ToolRunner:
         assert error is not None
         if isinstance(error, ToolArgumentError):
             return one_line(error)
-        if name not in self._logged:
+        with self._lock:
+            first = name not in self._logged
+            self._logged.add(name)
+        if first:
             # once per tool: a broken tool fails on every call, and identical tracebacks by the
             # thousand would bury the training log
-            self._logged.add(name)
             logger.warning("tool %r raised:\n%s(further errors of tool %r are counted, not "
                            "logged)", name, outcome.trace, name)
         return f"raised {type(error).__name__}: {one_line(error)}"

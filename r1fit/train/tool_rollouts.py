@@ -15,7 +15,7 @@ from typing import Any
 
 from r1fit.config import Config
 from r1fit.data.batch import Prompt
-from r1fit.processes import all_sum
+from r1fit.processes import all_max, all_sum
 from r1fit.rollout.record import Trajectory
 from r1fit.rollout.turns import (
     GenerateTurn,
@@ -37,7 +37,8 @@ def tool_runner(cfg: Config) -> ToolRunner:
 class ToolTotals:
     """The run's ``tools/...`` counts (calls, errors, timeouts per tool, malformed calls) summed
     over every process, saved by rank 0 and restored on resume; ``tools/stuck`` (abandoned
-    threads still running) is this moment's, summed over processes.
+    threads still running) is this moment's, summed over processes; ``tools/seconds`` this
+    step's wall seconds of tool calls (within ``seconds_generate``), the slowest process's.
 
     Each process's :class:`ToolStats` counts from its last :meth:`step`, or restore: loading a
     state also zeroes them, so an OOM-redone step (its state restored) and a resumed run count
@@ -50,18 +51,19 @@ class ToolTotals:
     def step(self) -> dict[str, float]:
         """The counts after this step: every process's calls since the last step added."""
         local = self.stats.metrics()
-        stuck = local.pop("tools/stuck")
+        stuck, seconds = local.pop("tools/stuck"), local.pop("tools/seconds")
         keys = sorted(local)
         summed = all_sum([local[k] for k in keys] + [stuck])
         for key, value in zip(keys, summed):
             self.totals[key] = self.totals.get(key, 0.0) + value
         self._zero()
-        return {**self.totals, "tools/stuck": summed[-1]}
+        return {**self.totals, "tools/stuck": summed[-1], "tools/seconds": all_max([seconds])[0]}
 
     def _zero(self) -> None:
         for counts in self.stats.tools.values():
             counts.calls = counts.errors = counts.timeouts = 0
         self.stats.malformed = 0
+        self.stats.seconds = 0.0
 
     def state_dict(self) -> dict[str, Any]:
         return {"totals": dict(self.totals)}
@@ -87,6 +89,7 @@ class ToolTurns:
         self.budgets = TurnBudgets(cfg.rollout.max_turns, cfg.rollout.max_tool_calls,
                                    max_new_tokens, cfg.data.max_images,
                                    cfg.rollout.max_trajectory_tokens)
+        self.workers = cfg.rollout.tool_workers
 
     def run_rows(self, generate_turn: GenerateTurn, rows: Sequence[Prompt],
                  seeds: Sequence[int] | None, batch_size: int, *, evaluation: bool = False
@@ -100,5 +103,6 @@ class ToolTurns:
                 generate_turn, self.run.processor, chunk,
                 None if seeds is None else seeds[start:start + batch_size],
                 self.eval_runner if evaluation else self.runner, self.budgets,
-                eos=self.run.ids.eos, contexts=[tool_context(p) for p in chunk])
+                eos=self.run.ids.eos, contexts=[tool_context(p) for p in chunk],
+                workers=self.workers)
         return out

@@ -33,6 +33,8 @@ def test_grpo_runs_the_tool_and_rewards_see_its_calls(use_tiny_cache, tool_calli
         calls = row["tools/zoom/calls"] - calls_before
         calls_before = row["tools/zoom/calls"]
         assert row["tools/zoom/errors"] == 0 and row["tools/malformed"] == 0
+        # this step's tool calls' wall time, within generation's
+        assert 0 < row["tools/seconds"] < row["seconds_generate"]
         assert row["reward/toolreward:calls"] == pytest.approx(calls / 8)
         assert 0 < calls < 8  # the even-seeded rows call (not all, not none, here)
         assert row["tool_calls_mean"] == pytest.approx(calls / 8)

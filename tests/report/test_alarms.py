@@ -84,6 +84,17 @@ def test_slow_phase_names_the_phase_and_needs_a_calibrated_prediction():
         [{k: v for k, v in r.items() if not k.startswith("predicted_")} for r in rows])
 
 
+def test_slow_phase_leaves_the_tool_calls_time_out_of_generation():
+    """The time model leaves tool calls out, so a run with slow tools judges generation less
+    its tools/seconds: 2.5 s of which 1.5 s in tools is 1.0 s of model work, as predicted."""
+    rows = with_values(with_values(healthy(), "seconds_generate", lambda s: 2.5),
+                       "tools/seconds", lambda s: 1.5)
+    assert "slow_phase" not in check_alarms(rows)
+    slower = with_values(rows, "seconds_generate", lambda s: 4.0)
+    assert check_alarms(slower)["slow_phase"].startswith(
+        "slow steps: seconds_generate less tools/seconds 2.5 s against 0.8 s (3.1x)")
+
+
 def test_length_collapse_needs_enough_steps_and_a_real_drop():
     rows = [{"step": s, "reward_mean": 0, "completion_len_mean": v}
             for s, v in enumerate([100, 100, 100, 100, 100, 40, 35, 31], 1)]

@@ -204,6 +204,73 @@ def test_budgets_end_trajectories_with_their_reason(processor, eos, script, chan
     assert len(trajectory.policy_mask) == trajectory.length
 
 
+ROW_TOOLS = """
+import threading, time
+
+MEETING = threading.Barrier(4, timeout=3)
+
+def meet(context):
+    MEETING.wait()  # broken (an error result) unless 4 rows call at once
+    return "met"
+
+def echo(context, word, wait=0.0):
+    time.sleep(wait)
+    return f"echo {word}"
+"""
+
+
+@pytest.fixture
+def row_tools(tmp_path, monkeypatch) -> str:
+    name = f"row_tools_{tmp_path.name.replace('-', '_')}"  # a fresh module (barrier) per test
+    (tmp_path / f"{name}.py").write_text(ROW_TOOLS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+def test_a_turns_rows_call_their_tools_at_once(processor, eos, row_tools):
+    """rollout.tool_workers: the rows' calls of a turn run on threads together (4 rows meet at a
+    barrier that one-at-a-time calls would break), and the wall time is counted."""
+    scripts = {f"test#{i}": [call("meet"), ANSWER] for i in range(4)}
+    tools = ToolRunner((f"{row_tools}:meet",), timeout=5.0, min_pixels=28 * 28,
+                       max_pixels=56 * 56)
+    out = run_trajectories(ScriptedPolicy(processor, scripts, eos[0]), processor,
+                           prompts_for(processor, 4), None, tools, budgets(), eos=eos, workers=4)
+    assert [t.turns[0].results[0].parts for t in out] == [("met",)] * 4
+    assert (tools.stats.tools["meet"].calls, tools.stats.tools["meet"].errors) == (4, 0)
+    assert tools.stats.seconds > 0
+
+
+def test_the_workers_change_no_trajectory(processor, eos, row_tools):
+    """With several workers, each row's calls still run in order and every trajectory, result
+    and count is the one-at-a-time run's, whatever order the calls finish in."""
+    def script(i: int) -> list[str]:
+        calls = [call("echo", word=f"r{i}c{k}", wait=0.01 * ((i * 7 + k) % 4)) for k in range(3)]
+        first = "".join(calls[:2]) if i % 2 else calls[0]  # two calls in one turn: in order
+        return [first, CROP if i % 3 else call("echo"), calls[2], ANSWER]
+
+    scripts = {f"test#{i}": script(i) for i in range(6)}
+    runs = []
+    for workers in (1, 3):
+        tools = ToolRunner((f"{row_tools}:echo", "crop"), timeout=5.0, min_pixels=28 * 28,
+                           max_pixels=56 * 56)
+        out = run_trajectories(ScriptedPolicy(processor, scripts, eos[0]), processor,
+                               prompts_for(processor, 6), None, tools, budgets(max_turns=5),
+                               eos=eos, workers=workers)
+        runs.append((out, tools.stats))
+    (one, one_stats), (many, many_stats) = runs
+    for a, b in zip(one, many, strict=True):
+        assert torch.equal(a.token_ids, b.token_ids)
+        assert torch.equal(a.policy_mask, b.policy_mask)
+        assert a.turns == b.turns and a.ended == b.ended
+        assert a.image_inputs.keys() == b.image_inputs.keys()
+        assert all(torch.equal(a.image_inputs[k], b.image_inputs[k]) for k in a.image_inputs)
+    assert [r.parts for r in one[1].turns[0].results] == [("echo r1c0",), ("echo r1c1",)]
+    assert one[0].turns[1].results[0].parts[0].startswith("error: ")  # echo without its word
+    assert one_stats.tools == many_stats.tools and one_stats.malformed == many_stats.malformed
+    echoed = sum(r.name == "echo" for t in one for turn in t.turns for r in turn.results)
+    assert one_stats.tools["echo"].calls == echoed == 16
+
+
 def test_the_token_budget_cuts_a_turn_and_drops_a_tool_turn_that_leaves_no_room(processor, eos):
     (cut,), _, _ = run(processor, eos, {"test#0": [CROP, ANSWER * 20]}, max_trajectory_tokens=150)
     assert cut.length == 150 and cut.turns[1].tokens == 150 - cut.turns[0].tokens - \

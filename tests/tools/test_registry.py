@@ -209,11 +209,35 @@ class TestRun:
 
 def test_stats_metrics():
     stats = ToolStats(tools={"zoom": ToolCounts(4, 1, 2), "crop": ToolCounts(3, 0, 0)},
-                      malformed=5)
+                      malformed=5, seconds=1.5)
     assert stats.metrics() == {
         "tools/crop/calls": 3.0, "tools/crop/errors": 0.0, "tools/crop/timeouts": 0.0,
         "tools/zoom/calls": 4.0, "tools/zoom/errors": 1.0, "tools/zoom/timeouts": 2.0,
-        "tools/malformed": 5.0, "tools/stuck": 0.0}
+        "tools/malformed": 5.0, "tools/stuck": 0.0, "tools/seconds": 1.5}
+
+
+def test_calls_from_many_threads_are_each_counted_once(plugin):
+    """run() is called by a turn's rows at once (rollout.tool_workers): every call, error and
+    malformed call is counted exactly once, and a broken tool's traceback logged once."""
+    tools = runner("zoom", f"{plugin}:broken")
+    calls = [call("zoom", x=0.5, y=0.5), call("broken"), call("nope"), call("zoom", x=2)] * 50
+    start = threading.Barrier(8)
+
+    def worker(k: int) -> None:
+        start.wait(5)
+        for c in calls[k::8]:
+            tools.run(c, CONTEXT)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    stats = tools.stats
+    assert (stats.tools["zoom"].calls, stats.tools["zoom"].errors) == (100, 50)
+    assert (stats.tools["broken"].calls, stats.tools["broken"].errors) == (50, 50)
+    assert stats.malformed == 50
+    assert tools._logged == {"broken"}
 
 
 def test_logging_is_quiet_for_a_clean_call(caplog):

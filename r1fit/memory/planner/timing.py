@@ -55,7 +55,8 @@ gradients; an update all-reduces the gradient norm. On CUDA FSDP2 runs them on s
 compute: a phase takes the longer of the two plus what cannot overlap (a pass's first gather,
 its last reduce-scatter); on a CPU they run in turn with the compute.
 
-Left out: tool calls' own time, the weight sync of vLLM (over several processes too),
+Left out: tool calls' own time (a run logs it as ``tools/seconds``; the slow-phase alarm takes
+it out of generation), the weight sync of vLLM (over several processes too),
 evaluation when the eval set's size is not known before loading it, and dynamic sampling's
 extra draws (``algo.dynamic_sampling``: up to ``algo.max_resample_batches``
 generations and scorings a step; one drawn batch per step is timed).
