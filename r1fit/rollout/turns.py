@@ -47,8 +47,6 @@ from PIL import Image
 from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from r1fit.data.batch import Prompt, collate, cut_after_eos, pad_rows
-from r1fit.data.conversation import after_assistant_tokens
-from r1fit.data.specials import escaped, special_tokens
 from r1fit.models.load import unwrap
 from r1fit.processes import all_sum
 from r1fit.rollout.generate import (
@@ -69,8 +67,8 @@ from r1fit.tools import (
     ToolResult,
     ToolRunner,
     parse_tool_calls,
-    tool_turn_content,
 )
+from r1fit.tools.conversation import tool_turn_tokens
 
 #: tokens at the end of a row decoded to look for ``</tool_call>``; more than any tokenizer
 #: splits the tag into
@@ -121,22 +119,53 @@ class GenerateTurn(Protocol):
 class StopAtToolCall(StoppingCriteria):
     """Per row of a batch whose turns start at column ``start``: done once the turn's text holds
     ``</tool_call>`` (the last ``STOP_WINDOW`` tokens decoded) or the turn has ``limits[i]``
-    tokens. ``stops[i]``: the turn's length where row i stopped (None while running)."""
+    tokens. ``stops[i]``: the turn's length where row i stopped (None while running).
+
+    The tag's text ends with its last character, so only a token whose text holds that character
+    can complete it: a step decodes just the rows whose newest token is one of those
+    (:func:`closing_tokens`), found on the device with one read, not every row's tail."""
 
     def __init__(self, tokenizer: Any, start: int, limits: Sequence[int]) -> None:
         self.tokenizer, self.start, self.limits = tokenizer, start, list(limits)
         self.stops: list[int | None] = [None] * len(self.limits)
+        self._closing: torch.Tensor | None = None  # on the batch's device, made on first use
 
     def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
         n = int(input_ids.shape[1]) - self.start
+        if self._closing is None:
+            self._closing = closing_tokens(self.tokenizer).to(input_ids.device)
+        newest = input_ids[:, -1].clamp(0, int(self._closing.shape[0]) - 1)
+        maybe = set(torch.nonzero(self._closing[newest]).flatten().tolist()) if n > 0 else set()
         for i, row in enumerate(input_ids):
             if self.stops[i] is not None:
                 continue
-            tail = row[self.start + max(0, n - STOP_WINDOW):].tolist()
-            if n >= self.limits[i] or TOOL_CALL_CLOSE in self.tokenizer.decode(
-                    tail, skip_special_tokens=True):
+            if n >= self.limits[i]:
+                self.stops[i] = n
+            elif i in maybe and TOOL_CALL_CLOSE in self.tokenizer.decode(
+                    row[self.start + max(0, n - STOP_WINDOW):].tolist(), skip_special_tokens=True):
                 self.stops[i] = n
         return torch.tensor([s is not None for s in self.stops], device=input_ids.device)
+
+
+#: the vocabulary's tokens that can complete ``</tool_call>``, per tokenizer (by id: one scan of
+#: a 151,936-token vocabulary takes a fraction of a second)
+_CLOSING: dict[int, tuple[Any, torch.Tensor]] = {}
+
+
+def closing_tokens(tokenizer: Any) -> torch.Tensor:
+    """A boolean tensor over the token ids and one more (False, for any id past the vocabulary):
+    True for a token whose text, decoded alone as :class:`StopAtToolCall` decodes, holds the
+    last character of ``</tool_call>``."""
+    held = _CLOSING.get(id(tokenizer))
+    if held is not None and held[0] is tokenizer:
+        return held[1]
+    size = len(tokenizer)
+    texts = tokenizer.batch_decode([[i] for i in range(size)], skip_special_tokens=True)
+    # one more entry, False, stands for every id past the vocabulary (a model's padded rows)
+    mask = torch.tensor([TOOL_CALL_CLOSE[-1] in text for text in texts] + [False],
+                        dtype=torch.bool)
+    _CLOSING[id(tokenizer)] = (tokenizer, mask)
+    return mask
 
 
 def hf_generate_turn(model: Any, tokenizer: Any, settings: SamplingSettings, ids: TokenIds,
@@ -193,25 +222,6 @@ def static_generate_turn(decoder: StaticDecoder, tokenizer: Any, settings: Sampl
                                 room=room if previous is None else None)
 
     return generate
-
-
-def tool_turn_tokens(processor: Any, results: Sequence[ToolResult]
-                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor],
-                                list[Image.Image]]:
-    """The tool turn of ``results`` as the chat template writes it after an assistant turn's text
-    (closing that turn, the user turn of results, the next assistant turn's opening), encoded by
-    the processor with its images: ``(ids, per-token extras, image tensors, images)``. SFT on
-    tool demonstrations encodes their tool turns by the same function. Text that would read as
-    one of the model's special tokens is made plain first (:func:`r1fit.data.specials.escaped`):
-    a tool's output never becomes an image placeholder or a turn's end."""
-    specials = special_tokens(processor.tokenizer)
-    results = [replace(result, parts=tuple(escaped(part, specials) if isinstance(part, str)
-                                           else part for part in result.parts))
-               for result in results]
-    content, images = tool_turn_content(results)
-    ids, extras, image_inputs = after_assistant_tokens(
-        processor, [{"role": "user", "content": content}], images)
-    return ids, extras, image_inputs, images
 
 
 def _ending(tokens: torch.Tensor, text: str, eos: Sequence[int]) -> str:

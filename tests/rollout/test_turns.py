@@ -371,6 +371,47 @@ def test_stop_at_tool_call_stops_each_row_where_the_tag_closes(processor):
     assert [d[0] for d in done] == [n - start >= closed for n in range(start + 1, width + 1)]
 
 
+def test_stop_at_tool_call_decodes_only_rows_whose_newest_token_can_close_the_tag(processor):
+    """The newest token must hold ">" for the tag to close: every other row is left undecoded
+    (the same stops as decoding every row: the test above), ids past the vocabulary too."""
+    from r1fit.rollout.turns import closing_tokens
+
+    tok = processor.tokenizer
+    closing = closing_tokens(tok)
+    assert closing.shape == (len(tok) + 1,) and not closing[-1]
+    assert closing_tokens(tok) is closing  # made once per tokenizer
+    for i in closing.nonzero().flatten().tolist()[:50]:
+        assert ">" in tok.decode([i], skip_special_tokens=True)
+    greater = tok.convert_tokens_to_ids(">") if ">" in tok.get_vocab() else None
+    if greater is not None:
+        assert closing[greater]
+    decoded = []
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def decode(self, ids, **kwargs):
+            decoded.append(list(ids))
+            return self.inner.decode(ids, **kwargs)
+
+        def __len__(self):
+            return len(self.inner)
+
+        def batch_decode(self, *args, **kwargs):
+            return self.inner.batch_decode(*args, **kwargs)
+
+    words = tok("no call at all -> just <b> words", add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([words, words])
+    ids[1, -1] = len(tok) + 5  # a padded row of the model's vocabulary: never a closing token
+    stop = StopAtToolCall(Counting(tok), 2, limits=[100, 100])
+    for n in range(3, ids.shape[1] + 1):
+        stop(ids[:, :n], None)
+    closers = [sum(bool(closing[min(t, len(tok))]) for t in row[2:]) for row in ids.tolist()]
+    assert closers[0] >= 2  # "->" and "<b>", in both rows
+    assert len(decoded) == sum(closers) and stop.stops == [None, None]
+
+
 def test_turn_seeds_differ_per_turn_and_row():
     seeds = row_seeds(0, 1, 0, 3)
     drawn = {turn_seed(seed, turn) for seed in seeds for turn in range(4)}
