@@ -12,7 +12,9 @@ a fresh child process, every completion forced to ``algo.max_new_tokens`` tokens
 (``rollout.min_new_tokens``, as the plan takes them), no evaluation or checkpoint, and takes the
 median over the steps after the first (warm-up) of ``seconds_generate + seconds_score +
 seconds_update`` (the update's time holds the reference's log-probs). A configuration with tools
-is predicted at the turns its run took (:func:`at_measured_turns`). The ``fsdp2-``
+is predicted at the turns its run took (:func:`at_measured_turns`); ``zoom-sft-tools-g8-96`` runs
+``configs/zoom-tools.yaml`` from a policy that calls its tool (``benchkit.zoom_policy``, trained
+once, about 4 minutes), so its trajectories take more than one turn. The ``fsdp2-``
 configurations run under ``torchrun --nproc-per-node 2`` (gloo, FSDP2, a thread per worker as
 torchrun sets it; rank 0's steps are timed) against the plan for 2 processes (``--gpus 2``) on
 the 1-thread calibration, made first when missing: the collectives' term. The machine's other
@@ -49,6 +51,10 @@ TINY, SMALL = "model.path=builtin:tiny", "model.path=builtin:small-realvocab"
 BENCH, CUT3B = "model.path=builtin:bench-1024", "model.path=builtin:bench-3b-cut"
 
 
+#: stands for the tool-calling policy's folder in GRID (built when a configuration needs it)
+ZOOM_POLICY = "@zoom-policy"
+
+
 def _forced(tokens: int) -> list[str]:
     return [f"algo.max_new_tokens={tokens}", f"rollout.min_new_tokens={tokens}"]
 
@@ -81,6 +87,10 @@ GRID: dict[str, list[str]] = {
     "3b-cut-lora-g4-16": [CUT3B, "model.dtype=bfloat16", "model.lora.r=16",
                           "algo.num_generations=4", "memory.micro_batch=4", *_forced(16),
                           "algo.beta=0", "train.prompts_per_step=1"],
+    # a policy that calls its tool (benchkit.zoom_policy, configs/zoom-tools.yaml): turns
+    "zoom-sft-tools-g8-96": [f"model.path={ZOOM_POLICY}", "algo.num_generations=8",
+                             "memory.micro_batch=8", *_forced(96), "algo.beta=0",
+                             "data.shapes.image_size=112", "data.max_pixels=12544"],
     # two processes (torchrun, gloo, FSDP2): the collectives' term
     "fsdp2-bench-full-g8-32": [BENCH, "algo.num_generations=8", "memory.micro_batch=4",
                                *_forced(32), "algo.beta=0"],
@@ -89,18 +99,23 @@ GRID: dict[str, list[str]] = {
 }
 #: the configurations run under ``torchrun --nproc-per-node N`` (the others in one process)
 PROCESSES = {"fsdp2-bench-full-g8-32": 2, "fsdp2-small-lora-g8-32-kl": 2}
+#: the configurations run from a config file (the others from the overrides alone)
+CONFIGS = {"zoom-sft-tools-g8-96": benchkit.ZOOM_CONFIG}
 
 
 def measure(name: str, overrides: list[str], steps: int) -> dict[str, float]:
     """Median seconds per phase and per step over the steps after the first of a run (of rank
-    0 under torchrun, whose workers run a thread each: ``OMP_NUM_THREADS`` left to torchrun)."""
+    0 under torchrun, whose workers run a thread each: ``OMP_NUM_THREADS`` left to torchrun);
+    with tools also the median of the steps' ``turns_mean``."""
     processes = PROCESSES.get(name, 1)
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    config = [str(CONFIGS[name])] if name in CONFIGS else []
     with tempfile.TemporaryDirectory(prefix=f"time_model_{name}_") as folder:
         out = Path(folder) / "run"
         command = [sys.executable, *(launcher if processes > 1 else []), "-m", "r1fit", "train",
-                   f"train.output_dir={out}", f"train.max_steps={steps}", *COMMON, *overrides]
+                   *config, f"train.output_dir={out}", f"train.max_steps={steps}", *COMMON,
+                   *overrides]
         run_child(command, f"{name}: r1fit train", "r1fit", env=env)
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "reward_mean" in r][1:]  # the first step warms up
@@ -109,34 +124,55 @@ def measure(name: str, overrides: list[str], steps: int) -> dict[str, float]:
     step = statistics.median(sum(r.get(f"seconds_{key}", 0.0)
                                  for key in ("generate", "score", "update")) for r in rows)
     turns = [r["turns_mean"] for r in rows if r.get("turns_mean") is not None]
-    return {**phases, "step": step, **({"turns": max(turns)} if turns else {})}
+    return {**phases, "step": step, **({"turns": statistics.median(turns)} if turns else {})}
 
 
-def at_measured_turns(overrides: list[str], measured: dict[str, float]) -> list[str]:
-    """A configuration with tools planned at the turns its run took (the most a step's rows
-    averaged, each turn ``algo.max_new_tokens`` long: ``rollout.max_trajectory_tokens``): the
-    plan before launch takes the whole trajectory budget, an upper bound, as every completion
-    at ``algo.max_new_tokens`` is; here, as the other configurations' forced lengths do, the
-    prediction is given the shape the run had."""
+def at_measured_turns(overrides: list[str], measured: dict[str, float],
+                      config: Path | None = None) -> tuple[list[str], float | None]:
+    """A configuration with tools planned at the turns its run took, (overrides, turns): the
+    plan before launch times ``rollout.max_turns`` turns of the trajectory budget, an upper
+    bound, as it takes every completion at ``algo.max_new_tokens``; here, as the other
+    configurations' forced lengths do, the prediction is given the shape the run had: the
+    steps' mean policy turns (``r1fit plan --turns``), each of ``algo.max_new_tokens``, and a
+    budget (``rollout.max_trajectory_tokens``) of the longest such trajectory, which the
+    update pads a micro-batch to: as many whole turns, with their tool turns between."""
     if "turns" not in measured:
-        return overrides
-    tokens = next(int(v.split("=")[1]) for v in overrides if v.startswith("algo.max_new_tokens="))
-    return [*overrides, f"rollout.max_trajectory_tokens={math.ceil(measured['turns'] * tokens)}"]
+        return overrides, None
+    from r1fit.config import load_config
+    from r1fit.memory.planner.facts import model_facts, prompt_shape, tool_turn_shape
+
+    turns = max(measured["turns"], 1.0)
+    cfg = load_config(config, [*COMMON, *overrides])
+    facts = model_facts(cfg.model.path, cfg.model.lora.target)
+    whole = math.ceil(turns)
+    tool = tool_turn_shape(cfg, facts, prompt_shape(cfg, facts), turns).tokens
+    budget = math.ceil(whole * cfg.algo.max_new_tokens + (whole - 1) * tool)
+    return [*overrides, f"rollout.max_trajectory_tokens={budget}"], turns
 
 
-def predict(overrides: list[str], processes: int = 1) -> dict[str, float]:
+def predict(overrides: list[str], processes: int = 1, turns: float | None = None,
+            config: Path | None = None) -> dict[str, float]:
     """The plan's step for a run on ``processes`` processes (each with torchrun's one thread:
-    the 1-thread calibration)."""
+    the 1-thread calibration), with tools at ``turns`` mean turns (default: the budget's)."""
     from r1fit.config import load_config
     from r1fit.memory.planner import plan_memory
     from r1fit.memory.prediction import StepPrediction
 
-    plan = plan_memory(load_config(None, [*COMMON, *overrides]), device_type="cpu",
-                       gpus=processes)
+    plan = plan_memory(load_config(config, [*COMMON, *overrides]), device_type="cpu",
+                       gpus=processes, turns=turns)
     # the phases under the keys a run measures them by (the update's holds the log-prob pass)
     seconds = StepPrediction.of(plan.time, "grpo").seconds
     return {**{key.removeprefix("seconds_"): value for key, value in seconds.items()},
             "step": plan.time["step_seconds"], "source": plan.time["source"]}
+
+
+def resolved(overrides: list[str]) -> list[str]:
+    """``overrides`` with :data:`ZOOM_POLICY` replaced by the tool-calling policy's folder
+    (trained first when it is not cached: ``benchkit.zoom_policy``)."""
+    if not any(ZOOM_POLICY in v for v in overrides):
+        return overrides
+    folder = str(benchkit.zoom_policy())
+    return [v.replace(ZOOM_POLICY, folder) for v in overrides]
 
 
 def _own_seconds() -> float:
@@ -179,11 +215,14 @@ def run(args: argparse.Namespace) -> int:
     ticks = os.sysconf("SC_CLK_TCK")
     results = []
     for name in names:
+        overrides = resolved(GRID[name])  # before the clock: it may train the tool policy
         before, mine, began = cpu_ticks(), _own_seconds(), time.perf_counter()
-        measured = measure(name, GRID[name], args.steps)
+        measured = measure(name, overrides, args.steps)
         seconds = time.perf_counter() - began
         after = cpu_ticks()
-        predicted = predict(at_measured_turns(GRID[name], measured), PROCESSES.get(name, 1))
+        config = CONFIGS.get(name)
+        shaped, turns = at_measured_turns(overrides, measured, config)
+        predicted = predict(shaped, PROCESSES.get(name, 1), turns, config)
         # the run is a child: its CPU time is this process's children's, not another job's
         others = None if before is None or after is None else max(
             0.0, ((after[0] - before[0]) / ticks - (_own_seconds() - mine)) / seconds)

@@ -6,16 +6,16 @@ cached, then about 30 s a run):
 
     python benchmarks/tool_workers.py            # --latency 0.1 --workers 8 --steps 3 --repeats 3
 
-The policy: builtin:tiny after ``r1fit sft configs/zoom-tools.yaml sft.steps=600`` (a random-weight
-policy writes no call; after these steps about two thirds of the rows call the zoom), kept under
-``--cache``. The tools, each called ``zoom`` as the policy learned: the built-in zoom, and the same
-behind a fixed wait of ``--latency`` seconds (a remote service's round trip; a module written at
-run time, ``remote_tools:zoom``). Each arm (tool x 1 or ``--workers`` workers) runs
-``r1fit train configs/zoom-tools.yaml`` from that policy for ``--steps`` steps, the arms interleaved,
-``--repeats`` times. Reported per arm: the medians, over the steps after the first and the
-repeats, of ``tools/seconds`` (the step's wall time of tool calls) and ``seconds_generate``. A run
-beside more than ``--max-other-cores`` busy cores of other processes is marked disturbed and left
-out of the medians.
+The policy: builtin:tiny after ``r1fit sft configs/zoom-tools.yaml sft.steps=600`` (a
+random-weight policy writes no call; after these steps about two thirds of the rows call the
+zoom), kept under ``--cache`` (``benchkit.zoom_policy``). The tools, each called ``zoom`` as the
+policy learned: the built-in zoom, and the same behind a fixed wait of ``--latency`` seconds (a
+remote service's round trip; a module written at run time, ``remote_tools:zoom``). Each arm
+(tool x 1 or ``--workers`` workers) runs ``r1fit train configs/zoom-tools.yaml`` from that
+policy for ``--steps`` steps, the arms interleaved, ``--repeats`` times. Reported per arm: the
+medians, over the steps after the first and the repeats, of ``tools/seconds`` (the step's wall
+time of tool calls) and ``seconds_generate``. A run beside more than ``--max-other-cores`` busy
+cores of other processes is marked disturbed and left out of the medians.
 
 Targets: with the latency tool, ``--workers`` workers' ``tools/seconds`` at most a quarter of one
 worker's; every step's turns, calls and rewards equal across the worker counts (the trajectories
@@ -38,8 +38,7 @@ import benchkit
 from benchkit import BenchmarkError, cpu_ticks, positive, run_child
 
 NAME = "tool_workers"
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "zoom-tools.yaml"
-SFT_STEPS = 600
+CONFIG = benchkit.ZOOM_CONFIG
 SPEEDUP_TARGET = 4.0
 #: the figures that must not depend on the worker count, per step
 SAME = ("turns_mean", "tool_calls_mean", "tool_errors_mean", "reward_mean", "loss")
@@ -55,19 +54,6 @@ def zoom(context, x, y, factor=2.0, image=0):
 """
 REMOTE_TOOL = "remote_tools:zoom"
 COMMON = ["eval.every=0", "eval.before_train=false", "checkpoint.every=0", "train.overwrite=true"]
-
-
-def policy(cache: Path) -> Path:
-    """The SFT'd tool-calling policy's folder, trained once into ``cache``."""
-    final = cache / f"zoom-sft-{SFT_STEPS}" / "final"
-    if (final / "config.json").is_file():
-        return final
-    print(f"training the policy: r1fit sft {CONFIG.name} sft.steps={SFT_STEPS} (about 4 min)",
-          flush=True)
-    run_child([sys.executable, "-m", "r1fit", "sft", str(CONFIG), f"sft.steps={SFT_STEPS}",
-               f"train.output_dir={final.parent}", "train.overwrite=true"], "the SFT policy",
-              "r1fit")
-    return final
 
 
 def _own_seconds() -> float:
@@ -109,7 +95,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                                             "not timed)")
     p.add_argument("--repeats", type=positive, default=3)
     p.add_argument("--max-other-cores", type=float, default=0.3)
-    p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "r1fit" / "benchmarks",
+    p.add_argument("--cache", type=Path, default=benchkit.CACHE,
                    help="where the SFT policy is kept")
     p.add_argument("--json", help="also write the results here")
     return p.parse_args(argv)
@@ -120,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         raise BenchmarkError("--steps must be at least 2 (the first step is not timed)")
     if args.workers < 2:
         raise BenchmarkError("--workers must be at least 2 (it is compared with one)")
-    model = policy(args.cache)
+    model = benchkit.zoom_policy(args.cache)
     arms = [(tool, w) for tool in (REMOTE_TOOL, "zoom") for w in (1, args.workers)]
     runs: dict[tuple[str, int], list[dict]] = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory(prefix="tool_workers_") as folder:

@@ -181,7 +181,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
               f"({why})", file=sys.stderr)
         cfg = cfg.with_values(chosen)
     plan = plan_memory(cfg, device_memory_bytes=budget, gpus=ns.gpus,
-                       device_type=device_type, kind=kind, faster=True)
+                       device_type=device_type, kind=kind, faster=True, turns=ns.turns)
     if ns.json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
@@ -308,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sft", action="store_true",
                    help="plan a step of `r1fit sft` (sft.batch_size rows, answers of "
                         "sft.max_answer_tokens tokens) instead of a GRPO step of `r1fit train`")
+    p.add_argument("--turns", type=float, metavar="T",
+                   help="with tools: time the trajectories at this mean of policy turns (a "
+                        "run's turns_mean) instead of rollout.max_turns, the most they may take")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     text = ("print each key's value and where it came from (default, preset, file, override), "
             "or the key reference")

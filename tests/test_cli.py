@@ -119,6 +119,19 @@ def test_plan_bad_device_memory_is_one_line(capsys):
                                                "give a unit, e.g. 80GiB")
 
 
+def test_plan_with_tools_says_its_turns_and_times_a_runs_turns(capsys, use_tiny_cache):
+    tools = ["tools=[zoom]", "data.max_images=2", "rollout.max_turns=3", "train.device=cpu"]
+    assert main(["plan", *tools]) == 0
+    assert "with tools: a trajectory of " in capsys.readouterr().out
+    assert main(["plan", *tools, "--turns", "1.5"]) == 0
+    out = capsys.readouterr().out
+    assert "with tools: a trajectory of 1.5 policy turns" in out
+    assert "each later turn prefilling the whole context" in out  # hf on a CPU
+    assert main(["plan", *tools, "--turns", "4"]) == 2
+    assert capsys.readouterr().err.strip() == ("r1fit: error: --turns: got 4, expected a number "
+                                               "from 1 to rollout.max_turns (3)")
+
+
 def _truncated_model(tiny_dir, folder):
     """builtin:tiny with its weights file cut in half."""
     import os

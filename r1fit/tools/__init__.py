@@ -1,7 +1,8 @@
 """Tools a policy calls in the middle of its answer ("thinking with images"): the call format
 (calls.py), the tool API (api.py), the built-in ``crop`` and ``zoom`` (builtin.py), the registry
 and the runner with its timeout and counts (registry.py), the tool turn appended to a conversation
-(conversation.py), and SFT's tool demonstrations (demonstrations.py). See docs/tools.md.
+(conversation.py: its messages, and its tokens as a rollout appends them), and SFT's tool
+demonstrations (demonstrations.py). See docs/tools.md.
 
 GRPO runs them in its multi-turn rollouts (r1fit/rollout/turns.py, r1fit/train/tool_rollouts.py)
 when ``tools`` are configured.

@@ -24,10 +24,14 @@ turns it into vision tokens like any prompt image.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
+import torch
 from PIL import Image
 
+from r1fit.data.conversation import after_assistant_tokens
+from r1fit.data.specials import escaped, special_tokens
 from r1fit.tools.api import ToolResult
 
 TOOL_RESPONSE_OPEN = "<tool_response>\n"
@@ -77,3 +81,22 @@ def append_tool_turn(messages: Sequence[dict[str, Any]], images: Sequence[Image.
              {"role": "assistant", "content": [{"type": "text", "text": assistant_text}]},
              {"role": "user", "content": content}]
     return grown, [*images, *shown]
+
+
+def tool_turn_tokens(processor: Any, results: Sequence[ToolResult]
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor],
+                                list[Image.Image]]:
+    """The tool turn of ``results`` as the chat template writes it after an assistant turn's text
+    (closing that turn, the user turn of results, the next assistant turn's opening), encoded by
+    the processor with its images: ``(ids, per-token extras, image tensors, images)``. SFT on
+    tool demonstrations encodes their tool turns by the same function. Text that would read as
+    one of the model's special tokens is made plain first (:func:`r1fit.data.specials.escaped`):
+    a tool's output never becomes an image placeholder or a turn's end."""
+    specials = special_tokens(processor.tokenizer)
+    results = [replace(result, parts=tuple(escaped(part, specials) if isinstance(part, str)
+                                           else part for part in result.parts))
+               for result in results]
+    content, images = tool_turn_content(results)
+    ids, extras, image_inputs = after_assistant_tokens(
+        processor, [{"role": "user", "content": content}], images)
+    return ids, extras, image_inputs, images

@@ -12,8 +12,8 @@ tm = load_script("time_model")
 def test_every_configuration_is_a_valid_config():
     from r1fit.config import load_config
 
-    for overrides in tm.GRID.values():
-        load_config(None, [*tm.COMMON, *overrides])
+    for name, overrides in tm.GRID.items():
+        load_config(tm.CONFIGS.get(name), [*tm.COMMON, *overrides])
 
 
 # the built-ins planned here are cheap to build (bench-1024 and 3b-cut would take seconds each)
@@ -26,13 +26,24 @@ def test_a_configuration_is_planned_with_its_time(name, use_tiny_cache):
 
 def test_a_tools_run_is_predicted_at_the_turns_it_took(use_tiny_cache):
     tools = tm.GRID["tiny-full-g8-tools"]
-    assert tm.at_measured_turns(tools, {"step": 1.0}) == tools  # no turns logged: no tools
-    one = tm.at_measured_turns(tools, {"step": 1.0, "turns": 1.0})
-    assert one[-1] == "rollout.max_trajectory_tokens=32"  # one turn of algo.max_new_tokens=32
-    assert tm.at_measured_turns(tools, {"step": 1.0, "turns": 1.25})[-1] == \
-        "rollout.max_trajectory_tokens=40"
-    # one turn of the budget: a third of the default three turns' tokens to generate
-    assert tm.predict(one)["generate"] < tm.predict(tools)["generate"] / 2
+    assert tm.at_measured_turns(tools, {"step": 1.0}) == (tools, None)  # no turns: no tools
+    one, turns = tm.at_measured_turns(tools, {"step": 1.0, "turns": 1.0})
+    assert turns == 1.0 and one[-1] == "rollout.max_trajectory_tokens=32"  # one turn of 32
+    # 1.25 turns: the longest trajectory, which the update pads to, is two turns and the tool
+    # turn between them (the tiny tokenizer's framing and a 56 px zoom: 47 tokens)
+    more, turns = tm.at_measured_turns(tools, {"step": 1.0, "turns": 1.25})
+    assert turns == 1.25 and more[-1] == "rollout.max_trajectory_tokens=111"
+    # the budget's four turns generate more than one turn, a quarter more than that one
+    planned, measured, longer = tm.predict(tools), tm.predict(one, turns=1.0), \
+        tm.predict(more, turns=1.25)
+    assert measured["generate"] < longer["generate"] < planned["generate"]
+
+
+def test_the_tool_policy_stands_in_for_its_placeholder(monkeypatch, tmp_path):
+    monkeypatch.setattr(tm.benchkit, "zoom_policy", lambda: tmp_path / "final")
+    overrides = tm.resolved(tm.GRID["zoom-sft-tools-g8-96"])
+    assert overrides[0] == f"model.path={tmp_path / 'final'}"
+    assert tm.resolved(["model.path=builtin:tiny"]) == ["model.path=builtin:tiny"]
 
 
 def test_the_verdict(monkeypatch, capsys):
@@ -42,7 +53,7 @@ def test_the_verdict(monkeypatch, capsys):
     monkeypatch.setattr(tm, "GRID", {"a": [], "b": []})
     monkeypatch.setattr(rates, "load_calibration", lambda device, threads=None: object())
     monkeypatch.setattr(tm, "cpu_ticks", lambda: None)  # no /proc: no run is disturbed
-    monkeypatch.setattr(tm, "predict", lambda overrides, processes=1: {
+    monkeypatch.setattr(tm, "predict", lambda overrides, processes=1, turns=None, config=None: {
         "generate": 0.5, "score": 0.0, "update": 0.5, "step": 1.0, "source": "test"})
     measured = {"a": 1 / 1.05, "b": 1 / 1.2}
     monkeypatch.setattr(tm, "measure", lambda name, overrides, steps: {

@@ -797,12 +797,13 @@ def test_tools_plan_a_whole_trajectory_of_images(capsys):
 
 
 def test_the_planner_imports_nothing_above_its_layer():
-    # function-level imports included: the planner reads models and data, prints with
+    # function-level imports included: the planner reads models and data (a tool turn encoded as
+    # r1fit.tools encodes it), prints with
     # report.blocks, measures a CPU kernel's workspace with the tensor probe (planner/kernels.py),
     # times a step with the FLOP count and the device's rates (planner/timing.py), and never
     # reaches up into train or checkpoint
     allowed = ("r1fit.config", "r1fit.units", "r1fit.errors", "r1fit.algorithms", "r1fit.data",
-               "r1fit.models",
+               "r1fit.tools", "r1fit.models",
                "r1fit.report.blocks", "r1fit.memory.planner", "r1fit.memory.probe",
                "r1fit.memory.flops", "r1fit.memory.rates")
     imported = []

@@ -97,7 +97,7 @@ from r1fit.memory.planner.formulas import (
     vision_other_saved_per_patch,
 )
 from r1fit.memory.planner.kernels import conv_backward_workspace
-from r1fit.memory.planner.timing import Traffic, run_shape, time_plan
+from r1fit.memory.planner.timing import Traffic, run_shape, time_plan, turn_fields
 from r1fit.units import format_bytes, parse_bytes
 
 #: Headroom kept free of the budget: a plan "fits" when its peak is at most (1 - margin) x budget,
@@ -277,7 +277,8 @@ def completion_tokens(cfg: Config) -> int:
 
 
 def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_type: str = "cuda",
-                gpus: int = 1, kind: str = "grpo", faster: bool = False) -> Plan:
+                gpus: int = 1, kind: str = "grpo", faster: bool = False,
+                turns: float | None = None) -> Plan:
     """Predict the peak memory per device of one step of ``cfg``: of GRPO (``kind="grpo"``,
     ``r1fit train``) or of supervised fine-tuning (``"sft"``, ``r1fit sft``: see
     :func:`sft_step`).
@@ -287,6 +288,8 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
     r1fit.memory.probe measures). ``gpus``: the GPUs of a torchrun job; with more than one the
     model is sharded by FSDP2 and the plan is for one of them (see the module docstring).
     ``faster``: also plan the configurations :func:`faster_fits` tries (``plan.faster``).
+    ``turns``: with tools, time the trajectories at this mean of policy turns (a run's
+    ``turns_mean``) instead of ``rollout.max_turns`` (the memory plan keeps the budget).
     """
     if device_type not in ("cuda", "cpu"):
         raise ConfigError(f"device type: got {device_type!r}, expected 'cuda' or 'cpu'")
@@ -299,6 +302,12 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
     asked, cfg = cfg, view(cfg)
     if gpus < 1:
         raise ConfigError(f"--gpus: got {gpus}, expected a number >= 1")
+    if turns is not None and (not cfg.tools or not 1 <= turns <= cfg.rollout.max_turns):
+        raise ConfigError(
+            f"--turns: got {turns:g}, expected a number from 1 to rollout.max_turns "
+            f"({cfg.rollout.max_turns})" if cfg.tools else
+            "--turns: a step of r1fit sft generates no trajectory" if kind == "sft" else
+            "--turns: the config has no tools (one turn per row)")
     if device_memory_bytes is None:
         device_memory_bytes = parse_bytes(cfg.memory.budget or DEFAULT_DEVICE_MEMORY)
     facts = model_facts(cfg.model.path, cfg.model.lora.target)
@@ -371,9 +380,10 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
                 notes=notes)
     plan.advice = _advice(plan, facts, asked, view, prompt, sizes, device_type, usable)
     plan.time = _time(plan, facts, cfg, prompt, device_type, kind,
-                      eval_completion=sizes.evaluation[1] or None)
+                      eval_completion=sizes.evaluation[1] or None, turns=turns)
     if faster and plan.fits and plan.time:
-        plan.faster = faster_fits(plan, asked, device_type=device_type, gpus=gpus, kind=kind)
+        plan.faster = faster_fits(plan, asked, device_type=device_type, gpus=gpus, kind=kind,
+                                  turns=turns)
     return plan
 
 
@@ -383,15 +393,15 @@ FASTER_BY = 0.05
 FASTER_SHOWN = 4
 
 
-def faster_fits(plan: Plan, asked: Config, *, device_type: str, gpus: int, kind: str
-                ) -> list[dict[str, Any]]:
+def faster_fits(plan: Plan, asked: Config, *, device_type: str, gpus: int, kind: str,
+                turns: float | None = None) -> list[dict[str, Any]]:
     """Configurations of ``asked`` that fit the same device and that the time model predicts
     at least :data:`FASTER_BY` faster than ``plan``, fastest first (at most
     :data:`FASTER_SHOWN`): fewer generation chunks or micro-batches (each at the size ``auto``
     would pick), both, gradient checkpointing off, LoRA's adapters computing in a 16-bit
     model's dtype (alone and with those sizes), the static engine where Hugging Face generate
-    runs on one GPU. Each: its config ``values``, ``step_seconds``, ``speedup`` and
-    ``peak_bytes``."""
+    runs on one GPU (each timed at ``turns``, as ``plan``). Each: its config ``values``,
+    ``step_seconds``, ``speedup`` and ``peak_bytes``."""
     d = plan.details
     rows = int(d["rows_per_gpu"])
     tried: list[dict[str, Any]] = []
@@ -426,7 +436,7 @@ def faster_fits(plan: Plan, asked: Config, *, device_type: str, gpus: int, kind:
     for values in tried:
         try:
             other = plan_memory(asked.with_values(values), device_memory_bytes=plan.budget_bytes,
-                                device_type=device_type, gpus=gpus, kind=kind)
+                                device_type=device_type, gpus=gpus, kind=kind, turns=turns)
         except ConfigError:
             continue  # a combination the config refuses (its own validation says why)
         seconds = float(other.time.get("step_seconds") or 0.0)
@@ -438,11 +448,13 @@ def faster_fits(plan: Plan, asked: Config, *, device_type: str, gpus: int, kind:
 
 
 def _time(plan: Plan, facts: ModelFacts, cfg: Config, prompt: PromptShape, device_type: str,
-          kind: str, eval_completion: int | None = None) -> dict[str, Any]:
+          kind: str, eval_completion: int | None = None, turns: float | None = None
+          ) -> dict[str, Any]:
     """The time model's prediction for the planned step (its sizes, engine and shared-prefix
     layout: 'auto' as planned), on this machine's calibrated rates for ``device_type``, else
     data sheets; ``eval_completion``: the tokens an evaluation generates (r1fit sft's
-    evaluations: algo.max_new_tokens, not its answers' cap)."""
+    evaluations: algo.max_new_tokens, not its answers' cap); ``turns``: with tools, the
+    trajectories' mean policy turns to time (default rollout.max_turns)."""
     from r1fit.memory.rates import device_rates  # torch: at plan time, not with the planner
 
     d = plan.details
@@ -454,6 +466,10 @@ def _time(plan: Plan, facts: ModelFacts, cfg: Config, prompt: PromptShape, devic
                               completion=d["completion_tokens"], engine=d["engine"],
                               device_type=device_type, dtype=d["compute_dtype"]),
                     traffic=fsdp_traffic(facts, cfg, d["gpus"], device_type))
+    if turns is not None:
+        shape = replace(shape, **turn_fields(facts, planned, prompt,
+                                             completion=d["completion_tokens"],
+                                             engine=d["engine"], turns=turns))
     return time_plan(shape, device_rates(device_type, threads=process_threads(device_type,
                                                                           d["gpus"])),
                      cfg, processes=d["gpus"],

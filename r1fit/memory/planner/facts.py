@@ -151,6 +151,7 @@ class PromptShape:
     image_tokens: int
     patches: int  # vision-encoder patches of one prompt's images
     how: str
+    images: int = 0  # the prompt's images
 
 
 
@@ -440,7 +441,8 @@ def prompt_shape(cfg: Config, facts: ModelFacts) -> PromptShape:
                        image_tokens=images * tokens_per_image,
                        patches=round(images * tokens_per_image * patches_per_token),
                        how=f"estimated: {QUESTION_TOKENS} question tokens, "
-                           f"{CHARS_PER_TOKEN} characters per system-prompt token")
+                           f"{CHARS_PER_TOKEN} characters per system-prompt token",
+                       images=images)
 
 
 def _image_estimate(cfg: Config, v: VisionDims | None, shapes: bool) -> tuple[int, float]:
@@ -465,6 +467,89 @@ def trajectory_patches(cfg: Config, facts: ModelFacts, prompt: PromptShape) -> i
         return None
     tokens, patches_per_token = _image_estimate(cfg, facts.vision, shapes=False)
     return max(prompt.patches, cfg.data.max_images * round(tokens * patches_per_token))
+
+
+@dataclass(frozen=True)
+class ToolTurnShape:
+    """A trajectory's turns as the time model takes them (with tools): ``turns`` policy turns
+    (a mean over rows where measured: row k+1's turn runs for the fraction ``turns - k`` of
+    rows, at most all), each tool turn ``text`` tokens of the template around its results and
+    ``images`` images (a mean) of ``image_tokens`` tokens and ``image_patches`` vision patches
+    each."""
+
+    turns: float = 1.0
+    text: int = 0
+    images: float = 0.0
+    image_tokens: int = 0
+    image_patches: int = 0
+
+    @property
+    def tokens(self) -> float:
+        """Tokens of one tool turn."""
+        return self.text + self.images * self.image_tokens
+
+
+#: tokens of a tool turn's framing when the model has no processor to encode it: Qwen's
+#: <|im_end|>, a user turn of <tool_response> tags, the next assistant turn's opening
+TOOL_TURN_TEXT_TOKENS = 16
+
+
+def tool_turn_shape(cfg: Config, facts: ModelFacts, prompt: PromptShape,
+                    turns: float | None = None) -> ToolTurnShape:
+    """The turns of one trajectory (:class:`ToolTurnShape`; one without tools): ``turns``, by
+    default as many whole policy turns of ``algo.max_new_tokens`` and the tool turns between
+    them as the trajectory's budget holds (a fraction of one more where it holds part of it),
+    at most ``rollout.max_turns``. Each tool turn: its framing (encoded by the model's
+    processor where it has one) and the images the tools may still show, ``data.max_images``
+    less the prompt's, one per tool turn at most, at ``data.max_pixels``."""
+    if not cfg.tools:
+        return ToolTurnShape()
+    left = max(cfg.data.max_images - prompt.images, 0) if facts.vision is not None else 0
+    text, image_tokens, patches = _tool_turn_tokens(cfg, facts)
+
+    def at(k: float) -> ToolTurnShape:
+        images = min(left, k - 1) / (k - 1) if k > 1 else 0.0
+        return ToolTurnShape(turns=k, text=text, images=images, image_tokens=image_tokens,
+                             image_patches=patches)
+
+    if turns is not None:
+        return at(float(turns))
+    most, per_turn = cfg.rollout.max_turns, cfg.algo.max_new_tokens
+    budget = cfg.rollout.max_trajectory_tokens or most * per_turn
+    shape = at(float(most))
+    for _ in range(8):  # a tool turn's images depend on the turns they are spread over (converges)
+        shape = at(min(float(most), max(1.0, (budget + shape.tokens) / (per_turn + shape.tokens))))
+    return shape
+
+
+def _tool_turn_tokens(cfg: Config, facts: ModelFacts) -> tuple[int, int, int]:
+    """(the framing's tokens, one image's tokens, its patches) of a tool turn: encoded by the
+    model's processor as a rollout encodes it (r1fit/rollout/turns.py), else estimated."""
+    if facts.processor is not None and facts.vision is not None:
+        try:
+            return _encoded_tool_turn(cfg, facts)
+        except Exception as err:  # noqa: BLE001 - a processor that is not Qwen-like
+            log.debug("plan: encoding a tool turn failed (%s); estimating instead", err)
+    if facts.vision is None:
+        return TOOL_TURN_TEXT_TOKENS, 0, 0
+    tokens, patches_per_token = _image_estimate(cfg, facts.vision, shapes=False)
+    return TOOL_TURN_TEXT_TOKENS, tokens + 2, round(tokens * patches_per_token)  # + start/end
+
+
+def _encoded_tool_turn(cfg: Config, facts: ModelFacts) -> tuple[int, int, int]:
+    from PIL import Image
+
+    from r1fit.data.images import fit_pixel_budget
+    from r1fit.tools.api import ToolResult
+    from r1fit.tools.conversation import tool_turn_tokens
+
+    d = cfg.data
+    side = _image_side(cfg, shapes=False)
+    image = fit_pixel_budget(Image.new("RGB", (side, side)), d.min_pixels, d.max_pixels)
+    text = tool_turn_tokens(facts.processor, [ToolResult("tool", ("",))])[0]
+    ids, _, inputs, _ = tool_turn_tokens(facts.processor, [ToolResult("tool", (image,))])
+    return (int(text.shape[0]), int(ids.shape[0]) - int(text.shape[0]),
+            _patches(inputs, facts.vision))
 
 
 def _image_side(cfg: Config, shapes: bool) -> int:
@@ -501,7 +586,8 @@ def _encoded_prompt(cfg: Config, facts: ModelFacts, images: int, shapes: bool) -
     image_tokens = (int((best.input_ids == facts.image_token_id).sum())
                     if facts.image_token_id is not None else 0)
     return PromptShape(tokens=best.length + extra, image_tokens=image_tokens,
-                       patches=_patches(best.image_inputs, facts.vision), how=how)
+                       patches=_patches(best.image_inputs, facts.vision), how=how,
+                       images=len(best.sample.images))
 
 
 def _patches(image_inputs: dict[str, Any], vision: VisionDims | None) -> int:

@@ -153,6 +153,15 @@ def time_blocks(t: dict[str, Any], cfg: Config) -> list[Any]:
         f"step {format_seconds(t['step_seconds'])}, {t['tokens_per_second']:,.0f} completion "
         f"tokens/s; "
         f"run ({run}): {format_seconds(t['run_seconds'])}; {t['dominant']} dominates"]
+    d = t["details"]
+    if d.get("turns"):
+        blocks.append(f"  with tools: a trajectory of {d['turns']:.3g} policy turns (as many as "
+                      f"its budget holds, at most rollout.max_turns, or --turns) of up to "
+                      f"{d['turn_tokens']:.0f} tokens each, tool turns of about "
+                      f"{d['tool_turn_tokens']:.0f} tokens"
+                      + (", each later turn prefilling the whole context" if d.get("refill")
+                         else "")
+                      + "; the tool calls' own time is not counted (a run logs tools/seconds)")
     if t.get("link"):
         collectives = t["details"].get("collectives_seconds", 0.0)
         blocks.append(f"  FSDP2's collectives {format_seconds(collectives)} a step (in the "

@@ -25,7 +25,10 @@ process's do):
   tower included), then one decode step per token after the first, at the chunk's mean context,
   each with the sampler over every row's vocabulary (the calibrated seconds per logit) and, on
   HF generate, its own loop's cost per step (calibrated); HF generate with LoRA
-  runs peft's adapters unmerged (their calibrated cost per adapted Linear);
+  runs peft's adapters unmerged (their calibrated cost per adapted Linear); with tools as turns
+  (:func:`turn_fields`: as many whole turns as the trajectory's budget holds, or a run's mean),
+  each later one for the share of rows that reach it, after a prefill of its tool turn
+  (the kept cache) or of the whole context (HF generate), tool images through the tower;
 - ``score``: the reward functions, ``SCORE_SECONDS_PER_ROW`` per row (string work);
 - ``logprobs``: the reference's forward (``algo.beta`` > 0; under full fine-tuning its own model,
   with LoRA the policy's base layers under peft's ``disable_adapter``: no adapter work) and, with
@@ -75,6 +78,7 @@ from r1fit.memory.planner.facts import (
     group_runs,
     run_dtype,
     shares_prompt_cache,
+    tool_turn_shape,
 )
 
 if TYPE_CHECKING:  # torch's modules: imported where a plan is timed, not with the planner
@@ -217,6 +221,18 @@ class TimeShape:
     vision_checkpointed_fraction: float = 0.0
     #: FSDP2's collectives over several processes (None: one process)
     traffic: Traffic | None = None
+    #: with tools: the trajectory's turns (a mean where measured), each policy turn
+    #: ``turn_tokens`` long, each tool turn ``tool_tokens`` tokens and ``tool_images`` images of
+    #: ``tool_patches`` vision patches each (means over tool turns)
+    turns: float = 1.0
+    turn_tokens: float = 0.0
+    tool_tokens: float = 0.0
+    tool_images: float = 0.0
+    tool_patches: int = 0
+    #: each turn after the first prefills the row's whole context (HF generate; the static
+    #: engine without its kept cache, or when a tool turn shows images), else only what the
+    #: tool turn added
+    refill: bool = False
 
 
 def run_shape(facts: ModelFacts, cfg: Config, prompt: PromptShape, *, rows: int,
@@ -225,7 +241,9 @@ def run_shape(facts: ModelFacts, cfg: Config, prompt: PromptShape, *, rows: int,
     """The :class:`TimeShape` of one planned step (the memory plan's sizes and engine; FSDP2's
     collectives, over several processes, are added by the planner: ``traffic``).
     ``memory.share_prefix`` is read as set; 'auto' is timed as off (the per-row path): the
-    planner passes ``cfg`` with the value the memory plan planned (``details["share_prefix"]``)."""
+    planner passes ``cfg`` with the value the memory plan planned (``details["share_prefix"]``).
+    With tools, a trajectory of ``rollout.max_turns`` policy turns fills the ``completion``
+    budget (:func:`turn_fields`)."""
     lora = cfg.model.lora.r > 0
     base = facts.shape
     assert base is not None, "model facts without a FLOP shape"
@@ -240,6 +258,7 @@ def run_shape(facts: ModelFacts, cfg: Config, prompt: PromptShape, *, rows: int,
     layers_ckpt, blocks_ckpt = facts.checkpointed(cfg.memory.checkpoint_every)
     depth = facts.vision.depth if facts.vision else 0
     return TimeShape(
+        **turn_fields(facts, cfg, prompt, completion=completion, engine=engine),
         shape=shape, layers=t.layers, vision_blocks=depth,
         hidden=t.hidden, kv_bytes_per_token=2 * t.kv_dim * t.layers * b, vocab=t.vocab,
         weight_bytes=(base.text_matrix + base.head) * b, bytes_per_element=b, dtype=dtype,
@@ -269,6 +288,26 @@ def run_shape(facts: ModelFacts, cfg: Config, prompt: PromptShape, *, rows: int,
         lora_out=sum(o for _, o in facts.lora_linears) if lora else 0,
         trainable_tensors=2 * facts.lora_layers if lora else facts.param_tensors - (
             0 if vision_trains else facts.vision_param_tensors))
+
+
+def turn_fields(facts: ModelFacts, cfg: Config, prompt: PromptShape, *, completion: int,
+                engine: str, turns: float | None = None) -> dict[str, Any]:
+    """:class:`TimeShape`'s turn fields: with tools, ``turns`` policy turns (default
+    ``rollout.max_turns``, the most; a run's mean ``turns_mean`` to time the turns it took)
+    filling the ``completion`` budget, each policy turn up to ``algo.max_new_tokens``, the tool
+    turns as :func:`~r1fit.memory.planner.facts.tool_turn_shape` takes them; without, one turn
+    of ``completion`` tokens."""
+    if not cfg.tools:
+        return {"turn_tokens": float(completion)}
+    tools = tool_turn_shape(cfg, facts, prompt, turns)
+    # the policy's tokens of a turn: the budget less the tool turns, shared by the turns
+    turn_tokens = min(float(cfg.algo.max_new_tokens),
+                      max(completion - (tools.turns - 1) * tools.tokens, tools.turns)
+                      / tools.turns)
+    return {"turns": tools.turns, "turn_tokens": turn_tokens, "tool_tokens": tools.tokens,
+            "tool_images": tools.images, "tool_patches": tools.image_patches,
+            "refill": engine == "hf" or (engine == "static" and (
+                not cfg.rollout.static.keep_cache or tools.images > 0))}
 
 
 def _work(flops: float, nbytes: float, s: TimeShape, rates: DeviceRates,
@@ -332,10 +371,15 @@ def prompts_in_chunk(s: TimeShape, start: int, rows: int) -> int:
 def generation_seconds(s: TimeShape, rates: DeviceRates, rows: int, completion: int
                        ) -> tuple[float, float]:
     """(prefill, decode) seconds of ``rows`` rows generated ``s.generation_batch`` at a time
-    (chunks from row 0), ``completion`` tokens each."""
+    (chunks from row 0), ``completion`` tokens each; with tools (``s.turns`` > 1, at the step's
+    own ``completion``) as turns: the first from the prompt, each later one for the share of
+    the chunk's rows that reach it, after a prefill of its tool turn or of the whole context
+    (``s.refill``)."""
     from r1fit.memory.flops import forward_flops
 
     prefill = decode = 0.0
+    turns = s.turns if s.turns > 1 and completion == s.completion else 1.0
+    tokens = s.turn_tokens if turns > 1 else float(completion)  # the policy's, a turn
     patches = (s.patches,) if s.patches else ()
     one = forward_flops(s.shape, context=0, tokens=s.prompt, head_tokens=1, patches=patches)
     for start in range(0, rows, s.generation_batch):
@@ -343,29 +387,71 @@ def generation_seconds(s: TimeShape, rates: DeviceRates, rows: int, completion: 
         n = prompts_in_chunk(s, start, chunk)
         prefill += _work(n * one, s.weight_bytes, s, rates) + _forward_overhead(
             s, rates, vision=bool(patches)) + _elementwise(s, rates, n * s.prompt)
-        steps = max(completion - 1, 0)
-        if not steps:
-            continue
-        context = s.prompt + completion / 2  # the mean context of the decode steps
-        matrices = s.shape.text_matrix + s.shape.head + (s.shape.lora_matrix
-                                                         if s.unmerged_lora else 0)
-        flops = 2 * chunk * matrices + 4 * s.shape.attention_width * chunk * context
-        cached = (n * s.prompt + chunk * completion / 2 if s.prompt_cache_shared
-                  else chunk * context)  # tokens whose keys and values a step reads
-        nbytes = s.weight_bytes + cached * s.kv_bytes_per_token
-        if s.graphs:
-            fixed = s.layers * rates.launch_s  # one replay: about a launch per layer
-        else:
-            fixed = s.layers * rates.layer_overhead_s() + (
-                _adapters(s, rates) if s.unmerged_lora else 0.0)
-        per_logit = rates.sample_s_per_logit  # the sampler over every row's whole vocabulary
-        if s.engine == "hf":
-            fixed += rates.generate_step_s  # generate's own loop, processors, criteria
-            # and its processors and copies over the vocabulary, the sampler among them
-            per_logit = max(per_logit, rates.generate_s_per_logit)
-        decode += steps * (_work(flops, nbytes, s, rates, rows=chunk) + fixed
-                           + chunk * s.vocab * per_logit)
+        decode += decode_seconds(s, rates, chunk, s.prompt, tokens, prompts=n)
+        for k in range(1, math.ceil(turns)):
+            live = chunk * min(turns - k, 1.0)  # rows whose trajectory reaches turn k + 1
+            context = s.prompt + k * (tokens + s.tool_tokens)  # before its policy tokens
+            prefill += turn_prefill_seconds(s, rates, live, context, k)
+            decode += decode_seconds(s, rates, live, context, tokens)
     return prefill, decode
+
+
+def decode_seconds(s: TimeShape, rates: DeviceRates, rows: float, context: float,
+                   tokens: float, *, prompts: int = 0) -> float:
+    """Seconds of ``rows`` rows decoding ``tokens`` tokens each after ``context`` (the first
+    token came from the prefill): one step per token after the first at the mean context,
+    each with the sampler over every row's vocabulary (the calibrated seconds per logit) and,
+    on HF generate, its own loop's cost per step (calibrated); HF generate with LoRA runs
+    peft's adapters unmerged. ``prompts``: distinct prompts whose cache the rows share (the
+    static engine's shared-prompt layout)."""
+    steps = max(tokens - 1, 0)
+    if not steps or rows <= 0:
+        return 0.0
+    mean = context + tokens / 2  # the mean context of the decode steps
+    matrices = s.shape.text_matrix + s.shape.head + (s.shape.lora_matrix
+                                                     if s.unmerged_lora else 0)
+    flops = 2 * rows * matrices + 4 * s.shape.attention_width * rows * mean
+    cached = (prompts * context + rows * tokens / 2 if s.prompt_cache_shared
+              else rows * mean)  # tokens whose keys and values a step reads
+    nbytes = s.weight_bytes + cached * s.kv_bytes_per_token
+    if s.graphs:
+        fixed = s.layers * rates.launch_s  # one replay: about a launch per layer
+    else:
+        fixed = s.layers * rates.layer_overhead_s() + (
+            _adapters(s, rates) if s.unmerged_lora else 0.0)
+    per_logit = rates.sample_s_per_logit  # the sampler over every row's whole vocabulary
+    if s.engine == "hf":
+        fixed += rates.generate_step_s  # generate's own loop, processors, criteria
+        # and its processors and copies over the vocabulary, the sampler among them
+        per_logit = max(per_logit, rates.generate_s_per_logit)
+    return steps * (_work(flops, nbytes, s, rates, rows=max(round(rows), 1)) + fixed
+                    + rows * s.vocab * per_logit)
+
+
+def turn_prefill_seconds(s: TimeShape, rates: DeviceRates, rows: float, context: float,
+                         turn: int) -> float:
+    """Seconds of the prefill before policy turn ``turn + 1`` of ``rows`` rows whose context
+    then holds ``context`` tokens: with ``s.refill`` the whole context (the prompt's images and
+    the ``turn`` tool turns' so far through the vision tower), else the tool turn and the
+    policy's last token after the kept cache (the tool turn's images through the tower)."""
+    from r1fit.memory.flops import forward_flops
+
+    if rows <= 0:
+        return 0.0
+    tool_vision = (forward_flops(s.shape, context=0, tokens=0, head_tokens=0,
+                                 patches=(s.tool_patches,)) if s.tool_patches else 0)
+    if s.refill:
+        new, cached = context, 0.0
+        images = turn * s.tool_images
+        prompt_patches = (s.patches,) if s.patches else ()
+    else:
+        new, cached = s.tool_tokens + 1, context - s.tool_tokens - 1
+        images, prompt_patches = s.tool_images, ()
+    per_row = forward_flops(s.shape, context=round(cached), tokens=round(new), head_tokens=1,
+                            patches=prompt_patches) + images * tool_vision
+    vision = bool(prompt_patches) or images > 0
+    return _work(rows * per_row, s.weight_bytes, s, rates) + _forward_overhead(
+        s, rates, vision=vision) + _elementwise(s, rates, rows * new)
 
 
 def collective_seconds(t: Traffic, rates: DeviceRates, nbytes: float, count: int, *,
@@ -438,7 +524,8 @@ def micro_groups(s: TimeShape) -> list[GroupShape]:
     and that micro-batch's completions of it (:func:`r1fit.memory.flops.group_shapes`)."""
     from r1fit.memory.flops import GroupShape
 
-    patches = (s.patches,) if s.patches else ()
+    patches = ((s.patches,) if s.patches else ()) + (s.tool_patches,) * round(
+        (s.turns - 1) * s.tool_images)  # with tools, the tool turns' images too
     if not s.share_prefix:
         return [GroupShape(s.prompt, (s.completion,), patches)] * s.rows
     size = max(s.micro_batch, 1)
@@ -578,11 +665,15 @@ def time_plan(s: TimeShape, rates: DeviceRates, cfg: Config, *, processes: int =
                     eval_seconds=eval_seconds, dominant=dominant, source=rates.source,
                     advice=_advice(s, cfg, phases, dominant),
                     details={"prefill_seconds": prefill, "decode_seconds": decode,
+                             **({"turns": s.turns, "turn_tokens": s.turn_tokens,
+                                 "tool_turn_tokens": s.tool_tokens, "refill": float(s.refill)}
+                                if s.turns > 1 else {}),
                              **({"collectives_seconds": step_collectives(s, rates, gather)}
                                 if s.traffic is not None else {}),
                              "decode_step_seconds": decode / max(
                                  math.ceil(s.rows / rollout.generation_batch)
-                                 * max(s.completion - 1, 1), 1)},
+                                 * max(s.turns * (s.turn_tokens - 1) if s.turns > 1
+                                       else s.completion - 1, 1), 1)},
                     warmup_steps=0 if training_only else cfg.sft.format_warmup_steps,
                     link=(f"{s.traffic.processes} processes, "
                           f"{rates.link_bytes_per_s / 1e9:,.2f} GB/s: {rates.link_source}"

@@ -107,6 +107,104 @@ def test_generation_by_hand():
     assert prefill2 == pytest.approx(2 * (22_600 / 4e9 + 2 * FIXED + 2 * 10 * EW))
 
 
+# STEP as two turns of 5 policy tokens with a 3-token tool turn between them (13 in all)
+TURNS = replace(STEP, completion=13, turns=2.0, turn_tokens=5.0, tool_tokens=3.0)
+FIRST_PREFILL = 45_200 / 4e9 + 2 * FIXED + 2 * 20 * EW  # as in test_generation_by_hand
+FIRST_DECODE = 4 * (23_200 / 4e9 + 2 * FIXED + SAMPLE)
+# turn 2 after 18 tokens (10 + 5 + 3): 4 steps of 8 rows at a mean context of 20.5,
+# 2 x 8 x 1200 + 4 x 10 x 8 x 20.5 = 25,760 FLOPs
+SECOND_DECODE = 4 * (25_760 / 4e9 + 2 * FIXED + SAMPLE)
+
+
+def test_turns_by_hand():
+    # the whole context again (HF generate): 8 rows x (2 x 1000 x 18 + 2 x 200 + 4 x 10 x 171)
+    # = 8 x 43,240 FLOPs, 2 layers' fixed cost, element-wise work over 8 x 18 tokens
+    refill = FIRST_PREFILL + 345_920 / 4e9 + 2 * FIXED + 2 * 144 * EW
+    prefill, decode = generation_seconds(replace(TURNS, refill=True), RATES, 8, 13)
+    assert prefill == pytest.approx(refill)
+    assert decode == pytest.approx(FIRST_DECODE + SECOND_DECODE)
+    # the kept cache: the tool turn and the policy's last token, 4 tokens after 14 cached,
+    # 8 x (2 x 1000 x 4 + 2 x 200 + 4 x 10 x (4 x 14 + 10)) = 8 x 11,040 FLOPs
+    kept, _ = generation_seconds(TURNS, RATES, 8, 13)
+    assert kept == pytest.approx(FIRST_PREFILL + 88_320 / 4e9 + 2 * FIXED + 2 * 32 * EW)
+    # 1.5 turns on average: half the rows take the second turn (4 rows: 2 x 4 x 1200 + 4 x 10
+    # x 4 x 20.5 = 12,880 FLOPs a step, over the sampler of 4 rows)
+    half_prefill, half = generation_seconds(replace(TURNS, turns=1.5, refill=True), RATES, 8, 13)
+    assert half_prefill == pytest.approx(FIRST_PREFILL + 172_960 / 4e9 + 2 * FIXED + 2 * 72 * EW)
+    assert half == pytest.approx(FIRST_DECODE + 4 * (12_880 / 4e9 + 2 * FIXED + SAMPLE / 2))
+    # an evaluation's own completion length is generated as one turn
+    assert generation_seconds(TURNS, RATES, 8, 5) == generation_seconds(STEP, RATES, 8, 5)
+
+
+def test_a_tool_turns_images_go_through_the_tower_again_when_refilled():
+    vision = replace(SHAPE, vision_matrix=50, vision_merger=10, merge=4, vision_attention_width=2)
+    step = replace(TURNS, shape=vision, patches=16, tool_images=1.0, tool_patches=8)
+    # one image of 8 patches: 2 x 50 x 8 + 2 x 10 x 2 + 4 x 2 x 64 = 1,352 FLOPs; the prompt's
+    # 16: 2 x 50 x 16 + 2 x 10 x 4 + 4 x 2 x 256 = 3,728
+    kept, _ = generation_seconds(step, RATES, 8, 13)
+    no_image, _ = generation_seconds(replace(step, tool_images=0.0), RATES, 8, 13)
+    assert kept - no_image == pytest.approx(8 * 1_352 / 4e9)
+    refill, _ = generation_seconds(replace(step, refill=True), RATES, 8, 13)
+    refill_text, _ = generation_seconds(replace(step, refill=True, tool_images=0.0), RATES, 8, 13)
+    assert refill - refill_text == pytest.approx(8 * 1_352 / 4e9)
+    # ... and the update's sequences hold both images
+    assert micro_groups(step)[0].patches == (16, 8)
+    assert micro_groups(replace(step, turns=1.4))[0].patches == (16,)  # 0.4 of an image: none
+
+
+def test_the_turns_of_a_plan_with_tools(use_tiny_cache):
+    """configs/zoom-tools.yaml's shape on builtin:tiny: a tool turn is what the processor
+    encodes for the zoom's 112 px image (59 tokens, 64 patches), and the budget's turns are as
+    many whole turns of 96 tokens, tool turns between, as its 3 x 96 tokens hold."""
+    from PIL import Image
+
+    from r1fit.memory.planner.facts import tool_turn_shape
+    from r1fit.tools import ToolResult
+    from r1fit.tools.conversation import tool_turn_tokens
+
+    cfg = load_config(None, ["tools=[zoom]", "data.max_images=2", "rollout.max_turns=3",
+                             "algo.max_new_tokens=96", "data.max_pixels=12544",
+                             "data.shapes.image_size=112"])
+    facts = model_facts(cfg.model.path, cfg.model.lora.target)
+    prompt = prompt_shape(cfg, facts)
+    assert prompt.images == 1
+    ids, _, inputs, _ = tool_turn_tokens(facts.processor,
+                                         [ToolResult("zoom", (Image.new("RGB", (112, 112)),))])
+    one = tool_turn_shape(cfg, facts, prompt, turns=2.0)  # one tool turn: the zoom's image
+    assert one.images == 1.0 and one.tokens == ids.shape[0] == 59
+    assert one.image_patches == int(inputs["image_grid_thw"].prod()) == 64
+    planned = tool_turn_shape(cfg, facts, prompt)
+    assert planned.turns == pytest.approx((288 + planned.tokens) / (96 + planned.tokens))
+    assert 2 < planned.turns < 3 and planned.images == pytest.approx(1 / (planned.turns - 1))
+    # a budget of one turn holds one turn; no tools, no turns
+    assert tool_turn_shape(cfg.with_values({"rollout.max_trajectory_tokens": 96}), facts,
+                           prompt).turns == 1.0
+    assert tool_turn_shape(cfg.with_values({"tools": []}), facts, prompt).turns == 1.0
+    # the plan: HF generate prefills each later turn's whole context; --turns times fewer
+    plan = plan_memory(cfg, device_type="cpu")
+    details = plan.time["details"]
+    assert details["turns"] == pytest.approx(planned.turns) and details["refill"] == 1.0
+    assert details["turn_tokens"] == pytest.approx(96, abs=1)
+    fewer = plan_memory(cfg, device_type="cpu", turns=1.5)
+    assert fewer.time["phases"]["generate"] < plan.time["phases"]["generate"]
+    assert fewer.peak_bytes == plan.peak_bytes  # the memory plan keeps the budget
+
+
+@pytest.mark.parametrize("values, turns, message", [
+    ([], 5.0, "--turns: got 5, expected a number from 1 to rollout.max_turns (3)"),
+    ([], 0.5, "--turns: got 0.5, expected a number from 1 to rollout.max_turns (3)"),
+    (["tools=[]"], 2.0, "--turns: the config has no tools (one turn per row)"),
+])
+def test_turns_out_of_range_are_refused(use_tiny_cache, values, turns, message):
+    from r1fit.config import ConfigError
+
+    cfg = load_config(None, ["tools=[zoom]", "data.max_images=2", "rollout.max_turns=3",
+                             *values])
+    with pytest.raises(ConfigError) as info:
+        plan_memory(cfg, device_type="cpu", turns=turns)
+    assert str(info.value) == message
+
+
 def test_a_step_by_hand():
     cfg = load_config(None, ["train.max_steps=10", "eval.every=4", "data.eval=builtin:shapes"])
     t = time_plan(STEP, RATES, cfg, eval_rows=16)
