@@ -511,8 +511,9 @@ class StaticConfig:
     keep_cache: bool = opt(
         True, "With tools: keep each trajectory's KV cache across its turns and prefill only "
         "what a turn adds (the policy's last token and the tool turn), instead of prefilling the "
-        "whole conversation every turn. A tool turn that shows images is prefilled whole (the "
-        "images' positions and attention follow the model's own rules). Same tokens either way "
+        "whole conversation every turn; a tool turn's images go through the vision tower with it, "
+        "placed by the model's own position rule (Qwen-VL), or on Gemma 3, whose image tokens "
+        "attend both ways, the turn is prefilled whole. Same tokens either way "
         "(tests/rollout/test_turns.py).")
     share_prompt: bool = opt(
         False, "Hold each prompt's KV cache once for its algo.num_generations rows instead of "

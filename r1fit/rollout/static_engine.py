@@ -36,8 +36,10 @@ streams, so for the same seeds the two engines give different, equally valid com
 kept across its turns. The next turn keeps each row's cached tokens that are still a prefix of
 its grown context, moves them (one gather per layer) so that every row's context ends at the
 same column, and prefills only the rest (the policy's last token and the tool turn) as one
-padded block whose padding writes to a scratch column; a tool turn that shows images is
-prefilled whole (the images' positions and attention are the model's own rules).
+padded block whose padding writes to a scratch column. A tool turn's images go through the
+vision tower with it, at the positions the model's own rule gives them in the whole context
+(Qwen-VL's ``get_rope_index``); a model without such a rule (Gemma 3, whose image tokens attend
+to each other both ways) prefills such a turn whole.
 
 **Shared prompts** (``share_prompt``, :mod:`r1fit.rollout.shared_prompts`): each distinct prompt
 of a single-turn call is held once for (up to ``prompt_places`` of) its rows, and a decode step
@@ -72,6 +74,7 @@ from r1fit.rollout.prefill import (
     keeps_logits,
     own_position_rule,
     prefill_forward,
+    rope_holders,
     token_keys,
 )
 from r1fit.rollout.shared_prompts import (
@@ -148,6 +151,22 @@ def _rounded(need: int, old: int, step: int) -> int:
     """A buffer length that holds ``need`` columns and the ``old`` length, rounded up to
     ``step``."""
     return max(old, -(-need // step) * step)
+
+
+#: the per-token input that marks a prompt's image (1) and video (2) tokens (transformers 5's
+#: Qwen-VL and Gemma 3 processors)
+MM_TYPES = "mm_token_type_ids"
+
+
+def _image_tokens(row: Prompt) -> torch.Tensor:
+    """Which of ``row``'s tokens are image tokens (all False without the processor's marks)."""
+    types = row.token_inputs.get(MM_TYPES)
+    return types == 1 if types is not None else torch.zeros(row.length, dtype=torch.bool)
+
+
+def seen_keys(seen: Sequence[tuple[torch.Tensor, dict[str, torch.Tensor]] | None]) -> list[str]:
+    """The image tensors' keys of the rows' rests that show images, in order."""
+    return list(dict.fromkeys(k for shown in seen if shown is not None for k in shown[1]))
 
 
 class EngineUnsupported(R1fitError, ValueError):
@@ -809,31 +828,21 @@ class StaticDecoder:
         """Continue the rows of the kept call: keep each row's cached tokens that are still a
         prefix of its context, moved so that every row's context ends at the same column (the
         width a whole prefill would have, so the decode steps write one column for all rows),
-        and prefill only the rest of each context (the policy's last token and the tool turn).
-        The logits of the rows' first token [rows, vocab] float32, or None where this cannot be
-        done: the rest holds image tokens (their positions and attention are the model's own
-        rules), the buffers are too small, a row is unknown."""
+        and prefill only the rest of each context (the policy's last token and the tool turn,
+        its images through the vision tower, placed by the model's own position rule). The
+        logits of the rows' first token [rows, vocab] float32, or None where this cannot be
+        done (:meth:`_plan_row`; the buffers are too small)."""
         n = len(rows)
         if not self.keys or n > self.capacity:
             return None
-        blocked = torch.tensor(self.ids.blocked) if self.ids.blocked else None  # host side
-        plans = []  # per row: (slot, cached columns' start, common prefix, rest, rest's position)
-        for row, p in zip(rows, previous, strict=True):
-            if not 0 <= p < len(kept.slots):
-                return None
-            cached, ids = kept.ids[p], row.input_ids
-            shared = min(len(cached), len(ids) - 1)  # at least one token is fed
-            differ = torch.nonzero(cached[:shared] != ids[:shared])
-            if len(differ):
-                shared = int(differ[0])
-            rest = ids[shared:]
-            if blocked is not None and (torch.isin(rest, blocked).any()
-                                        or torch.isin(cached[shared:], blocked).any()):
-                return None
-            if any(bool(v[shared:].any()) for v in row.token_inputs.values()):
-                return None
-            plans.append((kept.slots[p], kept.ends[p] - len(cached), shared, rest,
-                          kept.next_positions[p] - (len(cached) - shared)))
+        planned = [self._plan_row(model, row, p, kept) for row, p in zip(rows, previous,
+                                                                          strict=True)]
+        if any(x is None for x in planned):
+            return None
+        # per row: (slot, cached columns' start, common prefix, rest, rest's position), and the
+        # rest's images where it shows some
+        plans = [x[0] for x in planned if x is not None]
+        seen = [x[1] for x in planned if x is not None]
         width = max(row.length for row in rows)
         if width + steps + 1 > self.length:
             return None
@@ -852,10 +861,19 @@ class StaticDecoder:
         # the block: each row's rest right-aligned at width, padded on the left; a pad's keys
         # and values go to the scratch column (the last), which only pads read
         input_ids = torch.full((n, block), self.ids.pad, dtype=torch.long)
-        positions = torch.zeros(n, block, dtype=torch.long)
-        for r, (_, _, _, rest, first) in enumerate(plans):
+        # positions by M-RoPE's three axes (text: three equal ones), from each row's rule
+        positions = torch.zeros(3, n, block, dtype=torch.long)
+        for r, ((_, _, _, rest, first), shown) in enumerate(zip(plans, seen, strict=True)):
             input_ids[r, block - len(rest):] = rest
-            positions[r, block - len(rest):] = first + torch.arange(len(rest))
+            positions[:, r, block - len(rest):] = (first + torch.arange(len(rest))
+                                                   if shown is None else shown[0])
+        vision: dict[str, Any] = {}
+        if any(shown is not None for shown in seen):  # the rests' images, in row order
+            for key in seen_keys(seen):
+                vision[key] = torch.cat([shown[1][key] for shown in seen
+                                         if shown is not None]).to(dev)
+        else:
+            positions = positions[0]  # text alone: the positions every model takes
         queries = width - block + torch.arange(block, device=dev)  # the block's columns
         real = torch.arange(block, device=dev).unsqueeze(0) >= (block - sizes).unsqueeze(1)
         scratch = length - 1
@@ -870,12 +888,71 @@ class StaticDecoder:
             kwargs["logits_to_keep"] = 1
         logits = model(input_ids=input_ids.to(dev),
                        attention_mask=self._kinds(reads.unsqueeze(1), queries.unsqueeze(-1)),
-                       position_ids=positions.to(dev), **kwargs).logits[:, -1].float()
+                       position_ids=positions.to(dev), **vision, **kwargs).logits[:, -1].float()
         self.mask.zero_()
         self.mask[:n, 0, 0] = (columns >= begin.unsqueeze(1)) & (columns < width)
-        self.positions[:n] = positions[:, -1].to(dev) + 1
+        # a rest ends with text (the assistant turn's opening): its three axes are equal
+        self.positions[:n] = positions.reshape(-1, n, block)[0, :, -1].to(dev) + 1
         self.base.fill_(width - 1)
         return logits
+
+    def _plan_row(self, model: Any, row: Prompt, p: int, kept: KeptRows) -> tuple[
+            tuple[int, int, int, torch.Tensor, int],
+            tuple[torch.Tensor, dict[str, torch.Tensor]] | None] | None:
+        """How row ``row`` continues row ``p`` of the kept call (see :meth:`_append`), or None
+        where it cannot: an unknown row, a placeholder outside the rest's whole images, another
+        per-token input in the rest, images the model's rule cannot place."""
+        if not 0 <= p < len(kept.slots):
+            return None
+        cached, ids = kept.ids[p], row.input_ids
+        shared = min(len(cached), len(ids) - 1)  # at least one token is fed
+        differ = torch.nonzero(cached[:shared] != ids[:shared])
+        if len(differ):
+            shared = int(differ[0])
+        rest = ids[shared:]
+        images = _image_tokens(row)[shared:]
+        if self.ids.blocked:
+            blocked = torch.tensor(self.ids.blocked)  # host side
+            if torch.isin(rest, blocked)[~images].any() or \
+                    torch.isin(cached[shared:], blocked).any():
+                return None
+        if any(bool(v[shared:].any()) for k, v in row.token_inputs.items() if k != MM_TYPES):
+            return None
+        shown = self._rest_images(model, row, shared) if images.any() else None
+        if images.any() and shown is None:
+            return None
+        return ((kept.slots[p], kept.ends[p] - len(cached), shared, rest,
+                 kept.next_positions[p] - (len(cached) - shared)), shown)
+
+    def _rest_images(self, model: Any, row: Prompt, shared: int
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+        """For a row whose context after its first ``shared`` tokens holds whole images (a tool
+        turn's): that rest's positions [3, rest] by the model's own rule (Qwen-VL's
+        ``get_rope_index``) over the whole context, and the rest's images' tensors. None where
+        it cannot be done: no such rule (a model whose images attend otherwise), an image cut
+        by ``shared``, videos."""
+        rule = next((m for m in (model, *rope_holders(model)) if hasattr(m, "get_rope_index")),
+                    None)
+        types = row.token_inputs.get(MM_TYPES)
+        grid, pixels = row.image_inputs.get("image_grid_thw"), row.image_inputs.get("pixel_values")
+        if rule is None or types is None or grid is None or pixels is None or (types > 1).any():
+            return None
+        patches = grid.prod(-1)  # per image
+        total = int((types == 1).sum())
+        if not total or int(patches.sum()) % total:
+            return None
+        tokens = (patches // (int(patches.sum()) // total)).cumsum(0)  # image tokens so far
+        before = int((types[:shared] == 1).sum())
+        whole = int((tokens <= before).sum())  # the images wholly inside the kept part
+        if before != (int(tokens[whole - 1]) if whole else 0):
+            return None  # an image starts in the kept part and ends in the rest
+        positions, _ = rule.get_rope_index(
+            row.input_ids[None].to(self.device), mm_token_type_ids=types[None].to(self.device),
+            image_grid_thw=grid.to(self.device),
+            attention_mask=torch.ones(1, row.length, dtype=torch.long, device=self.device))
+        return (positions[:, 0, shared:].cpu(),
+                {"pixel_values": pixels[int(patches[:whole].sum()):],
+                 "image_grid_thw": grid[whole:]})
 
     def _mark_stopped(self, stop: Stop, live: int, made: int) -> None:
         """Set the finished flag of every running row whose last tokens hold the stop text

@@ -401,6 +401,68 @@ def test_kept_cache_gives_the_tokens_of_a_whole_prefill(family, builtin_folder, 
         third, seeds=None, batch_size=2, settings=settings))
 
 
+def _grown_with_image(rows, turns, processor, sizes):
+    """Each row's context grown by its turn and a tool turn showing an image (a zoom's result:
+    ``sizes[i]`` px square), as a trajectory's context holds it (its image's tokens marked,
+    its tensors after the prompt's)."""
+    from PIL import Image
+
+    from r1fit.tools import ToolResult
+    from r1fit.tools.conversation import tool_turn_tokens
+
+    out = []
+    for row, tokens, size in zip(rows, turns, sizes, strict=True):
+        ids, extras, images, _ = tool_turn_tokens(
+            processor, [ToolResult("zoom", (Image.new("RGB", (size, size), (200, 30, 90)),))])
+        extra = torch.cat([tokens, ids])
+        token_inputs = {k: torch.cat([v, torch.zeros(len(tokens), dtype=v.dtype),
+                                      extras[k].to(v.dtype)])
+                        for k, v in row.token_inputs.items()}
+        image_inputs = {k: torch.cat([row.image_inputs[k], images[k]]) for k in images}
+        out.append(Prompt(torch.cat([row.input_ids, extra]), token_inputs, image_inputs,
+                          row.sample))
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kept_cache_appends_a_tool_turns_image(family, builtin_folder, tiny_dir):
+    """A tool turn that shows an image (zooms of two sizes) is appended to the kept cache, its
+    image through the vision tower at the positions the model's rule gives it in the whole
+    context: the greedy tokens of the contexts prefilled whole, and of HF generate, on each
+    Qwen-VL family; a third turn after it appends again. Gemma 3's image tokens attend to each
+    other both ways, which a causal block cannot do: it prefills the turn whole."""
+    from transformers import AutoProcessor
+
+    folder = tiny_dir if family == "tiny" else builtin_folder(family)
+    model, ids, rows = setup(folder)
+    processor = AutoProcessor.from_pretrained(folder)
+    settings = SamplingSettings(max_new_tokens=12, greedy=True)
+    engine = StaticDecoder(model, ids, CPU, sync_every=2)
+    first = engine.generate(rows, seeds=None, batch_size=len(rows), settings=settings,
+                            keep=True, room=400)
+    previous = [4, 1, 6]
+    contexts = _grown_with_image([rows[i] for i in previous], [first[i] for i in previous],
+                                 processor, [56, 84, 56])
+    gemma = family == "tiny-gemma3"
+    shown = "pixel_values" if gemma else "image_grid_thw"  # a row per image
+    assert all(int(c.image_inputs[shown].shape[0]) == 2 for c in contexts)
+    kept = engine.generate(contexts, seeds=None, batch_size=len(rows), settings=settings,
+                           keep=True, previous=previous)
+    assert (engine.appended, engine.refilled) == ((0, 1) if gemma else (1, 0))
+    whole = StaticDecoder(model, ids, CPU).generate(contexts, seeds=None, batch_size=3,
+                                                    settings=settings)
+    hf = [generate_completions(model, [c], seeds=None, batch_size=1, settings=settings,
+                               ids=ids, device=CPU)[0] for c in contexts]
+    assert _same(kept, whole), [(a.tolist(), b.tolist()) for a, b in zip(kept, whole)]
+    assert _same(kept, hf)
+    third = _grown_with_image(contexts[:2], kept[:2], processor, [84, 56])
+    again = engine.generate(third, seeds=None, batch_size=len(rows), settings=settings,
+                            previous=[0, 1])
+    assert engine.appended == (0 if gemma else 2)
+    assert _same(again, StaticDecoder(model, ids, CPU).generate(
+        third, seeds=None, batch_size=2, settings=settings))
+
+
 def test_kept_cache_sampled_and_where_the_context_differs(tiny):
     """Sampled rows continue the kept cache with the tokens a whole prefill gives them; a row
     whose context no longer starts with its turn (a scripted turn replaced it) keeps only the

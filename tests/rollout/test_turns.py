@@ -596,11 +596,11 @@ def test_the_static_engine_gives_hfs_trajectories(tiny):
         assert hf.ended == static.ended
 
 
-def test_the_static_engine_keeps_the_cache_across_text_tool_turns(tiny):
-    """Greedy, tool turns of text only (a call to a tool that does not exist, a malformed call:
-    error results): with the cache kept across turns each turn prefills only what it adds, and
+def test_the_static_engine_keeps_the_cache_across_tool_turns(tiny):
+    """Greedy, tool turns of text (a call to a tool that does not exist, a malformed call:
+    error results) and an image: with the cache kept across turns each turn prefills only what it adds, and
     the trajectories equal those of prefilling every turn whole, and HF generate's. Rows leave
-    at different turns; a turn whose tool turn shows an image (the crop) is prefilled whole."""
+    at different turns; a turn whose tool turn shows an image (the crop) is appended too."""
     from r1fit.rollout.static_engine import StaticDecoder
     from r1fit.rollout.turns import static_generate_turn
 
@@ -637,8 +637,8 @@ def test_the_static_engine_keeps_the_cache_across_text_tool_turns(tiny):
                                      budgets(max_new_tokens=30, max_trajectory_tokens=600),
                                      eos=ids.eos)
     assert [t.num_turns for t in out["hf"]] == [3, 2, 3], [t.ended for t in out["hf"]]
-    # turn 1: the crop's image in row 2's context: prefilled whole; turn 2 (rows 0, 2): appended
-    assert (kept.appended, kept.refilled) == (1, 1)
+    # turn 1, the crop's image in row 2's tool turn among them, and turn 2 (rows 0, 2): appended
+    assert (kept.appended, kept.refilled) == (2, 0)
     for name in ("whole", "kept"):
         for hf, static in zip(out["hf"], out[name], strict=True):
             assert torch.equal(hf.token_ids, static.token_ids), name

@@ -25,6 +25,9 @@ QUESTION_TOKENS = 64
 #: of an English system prompt.
 CHAT_TEMPLATE_TOKENS = 21
 CHARS_PER_TOKEN = 4
+#: the model types whose image tokens have positions of their own rule (M-RoPE) and attend
+#: causally, as the text does
+M_ROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 #: Shapes questions sampled to find the longest builtin:shapes prompt.
 SHAPES_SAMPLES = 16
 
@@ -127,6 +130,14 @@ class ModelFacts:
     checkpoint_order: str = ""
     #: the config's model_type (qwen2_5_vl, gemma3, ...): which engines run it
     model_type: str = ""
+
+    @property
+    def places_images(self) -> bool:
+        """Whether the model places image tokens by its own position rule with causal attention
+        (Qwen-VL's M-RoPE ``get_rope_index``), so the static engine appends a tool turn's image
+        to a kept cache; Gemma 3's image tokens attend both ways, and such a turn is prefilled
+        whole (r1fit/rollout/static_engine.py)."""
+        return self.model_type in M_ROPE_MODEL_TYPES
     #: the input embedding's gradient can go into its .grad in place (a plain nn.Embedding:
     #: r1fit/algorithms/embedding.py)
     embedding_into_grad: bool = False

@@ -230,8 +230,8 @@ class TimeShape:
     tool_images: float = 0.0
     tool_patches: int = 0
     #: each turn after the first prefills the row's whole context (HF generate; the static
-    #: engine without its kept cache, or when a tool turn shows images), else only what the
-    #: tool turn added
+    #: engine without its kept cache, or when a tool turn shows images to a model that does not
+    #: place them by its own rule: Gemma 3), else only what the tool turn added
     refill: bool = False
 
 
@@ -307,7 +307,8 @@ def turn_fields(facts: ModelFacts, cfg: Config, prompt: PromptShape, *, completi
     return {"turns": tools.turns, "turn_tokens": turn_tokens, "tool_tokens": tools.tokens,
             "tool_images": tools.images, "tool_patches": tools.image_patches,
             "refill": engine == "hf" or (engine == "static" and (
-                not cfg.rollout.static.keep_cache or tools.images > 0))}
+                not cfg.rollout.static.keep_cache
+                or (tools.images > 0 and not facts.places_images)))}
 
 
 def _work(flops: float, nbytes: float, s: TimeShape, rates: DeviceRates,

@@ -188,6 +188,11 @@ def test_the_turns_of_a_plan_with_tools(use_tiny_cache):
     fewer = plan_memory(cfg, device_type="cpu", turns=1.5)
     assert fewer.time["phases"]["generate"] < plan.time["phases"]["generate"]
     assert fewer.peak_bytes == plan.peak_bytes  # the memory plan keeps the budget
+    # the static engine appends each tool turn, its image too, to the kept cache: less prefill
+    static = plan_memory(cfg.with_values({"rollout.engine": "static"}), device_type="cpu")
+    assert static.time["details"]["refill"] == 0.0
+    assert static.time["details"]["prefill_seconds"] < details["prefill_seconds"]
+    assert facts.places_images
 
 
 @pytest.mark.parametrize("values, turns, message", [
@@ -723,3 +728,14 @@ def test_the_collectives_are_the_ones_fsdp2_makes(use_tiny_cache, name):
     assert update == pytest.approx([gathers[0] + scatters[0], gathers[1] + scatters[1]])
     t = step.traffic
     assert (2 * t.reduce_units, 2 * t.reduce_bytes) == scatters
+
+
+def test_which_models_place_a_tool_turns_image_by_their_own_rule(use_tiny_cache):
+    """Qwen-VL's M-RoPE rule places an appended image; Gemma 3's image tokens attend both
+    ways, so the static engine prefills such a turn whole, and the plan times it so."""
+    assert model_facts("builtin:tiny").places_images
+    gemma = model_facts("builtin:tiny-gemma3")
+    assert not gemma.places_images
+    cfg = load_config(None, ["model.path=builtin:tiny-gemma3", "tools=[zoom]",
+                             "data.max_images=2", "rollout.engine=static"])
+    assert plan_memory(cfg, device_type="cpu").time["details"]["refill"] == 1.0
