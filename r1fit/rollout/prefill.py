@@ -134,15 +134,19 @@ def prefill_forward(model: Any, inputs: dict[str, torch.Tensor]
     """``inputs`` (token columns padded on the left, and their image tensors) through the model's
     forward into a new ``DynamicCache``, only the last column's logits computed: ``(output,
     cache, the modules holding the M-RoPE offsets)``. A stale offset from an earlier call is
-    cleared first; a model without its own position rule gets positions counted from each row's
-    first real token, as ``generate`` counts them (its forward alone would count padding too)."""
+    cleared first; a model without its own position rule, or a batch without images or videos,
+    gets positions counted from each row's first real token, as ``generate`` counts them (its
+    forward alone would count padding too)."""
     base = unwrap(model)
     cache = DynamicCache(config=base.config)
     holders = rope_holders(model)
     for module in holders:
         module.rope_deltas = None
     kwargs: dict[str, Any] = {cache_argument(base): cache, "use_cache": True}
-    if not own_position_rule(model):
+    # Qwen-VL's rule places a batch's tokens only where it has images or videos; a text-only
+    # batch would be counted from its first column, padding included (transformers 5)
+    if not own_position_rule(model) or not any(
+            inputs.get(key) is not None for key in ("image_grid_thw", "video_grid_thw")):
         mask = inputs["attention_mask"]
         kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill_(mask == 0, 0)
     if keeps_logits(base):

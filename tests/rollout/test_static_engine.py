@@ -463,6 +463,44 @@ def test_kept_cache_appends_a_tool_turns_image(family, builtin_folder, tiny_dir)
         third, seeds=None, batch_size=2, settings=settings))
 
 
+class Capturing(StaticDecoder):
+    """The engine, keeping each step's logits (before the blocked ids are set to -inf)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.logits: list[torch.Tensor] = []
+
+    def _pick(self, logits, rows, settings):
+        self.logits.append(logits[:rows].clone())
+        return super()._pick(logits, rows, settings)
+
+
+@pytest.mark.parametrize("family", ("tiny", "tiny-qwen3vl"))
+def test_a_text_only_padded_batch_is_placed_as_each_row_alone(family, builtin_folder, tiny_dir):
+    """Prompts without images, padded on the left: Qwen-VL's own rule places no text-only batch
+    (transformers counts from the first column, padding too), so the prefill counts each row
+    from its first real token: every step's logits are those of the row run alone."""
+    from transformers import AutoProcessor
+
+    folder = tiny_dir if family == "tiny" else builtin_folder(family)
+    model, ids, rows = setup(folder)
+    processor = AutoProcessor.from_pretrained(folder)
+    text = encode_prompts(processor, [replace(r.sample, images=[]) for r in rows[::2]],
+                          "Think, then answer.")
+    assert len({row.length for row in text}) > 1  # some rows are padded
+    engine = Capturing(model, ids, CPU)
+    out = engine.generate(text, seeds=None, batch_size=4,
+                          settings=SamplingSettings(max_new_tokens=3, greedy=True))
+    for i, row in enumerate(text):
+        grown = torch.cat([row.input_ids, out[i][:1]])[None]
+        with torch.no_grad():
+            alone = model(input_ids=grown).logits[0, -2:].float()
+        for step in (0, 1):
+            got = engine.logits[step][i]
+            shown = torch.isfinite(got)
+            torch.testing.assert_close(got[shown], alone[step][shown], rtol=1e-4, atol=1e-5)
+
+
 def test_kept_cache_sampled_and_where_the_context_differs(tiny):
     """Sampled rows continue the kept cache with the tokens a whole prefill gives them; a row
     whose context no longer starts with its turn (a scripted turn replaced it) keeps only the
