@@ -380,7 +380,8 @@ def plan_memory(cfg: Config, *, device_memory_bytes: int | None = None, device_t
                 notes=notes)
     plan.advice = _advice(plan, facts, asked, view, prompt, sizes, device_type, usable)
     plan.time = _time(plan, facts, cfg, prompt, device_type, kind,
-                      eval_completion=sizes.evaluation[1] or None, turns=turns)
+                      eval_completion=sizes.evaluation[1] or None, turns=turns,
+                      tools=asked if kind == "sft" and asked.tools else None)
     if faster and plan.fits and plan.time:
         plan.faster = faster_fits(plan, asked, device_type=device_type, gpus=gpus, kind=kind,
                                   turns=turns)
@@ -448,13 +449,14 @@ def faster_fits(plan: Plan, asked: Config, *, device_type: str, gpus: int, kind:
 
 
 def _time(plan: Plan, facts: ModelFacts, cfg: Config, prompt: PromptShape, device_type: str,
-          kind: str, eval_completion: int | None = None, turns: float | None = None
-          ) -> dict[str, Any]:
+          kind: str, eval_completion: int | None = None, turns: float | None = None,
+          tools: Config | None = None) -> dict[str, Any]:
     """The time model's prediction for the planned step (its sizes, engine and shared-prefix
     layout: 'auto' as planned), on this machine's calibrated rates for ``device_type``, else
     data sheets; ``eval_completion``: the tokens an evaluation generates (r1fit sft's
     evaluations: algo.max_new_tokens, not its answers' cap); ``turns``: with tools, the
-    trajectories' mean policy turns to time (default rollout.max_turns)."""
+    trajectories' mean policy turns to time (default rollout.max_turns); ``tools``: the config
+    whose tools an evaluation runs where the step has none (r1fit sft's)."""
     from r1fit.memory.rates import device_rates  # torch: at plan time, not with the planner
 
     d = plan.details
@@ -470,11 +472,14 @@ def _time(plan: Plan, facts: ModelFacts, cfg: Config, prompt: PromptShape, devic
         shape = replace(shape, **turn_fields(facts, planned, prompt,
                                              completion=d["completion_tokens"],
                                              engine=d["engine"], turns=turns))
+    eval_turns = None if tools is None or not eval_completion else turn_fields(
+        facts, tools, prompt, completion=eval_completion, engine=d["engine"], turns=turns)
     return time_plan(shape, device_rates(device_type, threads=process_threads(device_type,
                                                                           d["gpus"])),
                      cfg, processes=d["gpus"],
                      eval_rows=cfg.data.eval_size if cfg.data.eval else None,
-                     training_only=kind == "sft", eval_completion=eval_completion).to_dict()
+                     training_only=kind == "sft", eval_completion=eval_completion,
+                     eval_turns=eval_turns).to_dict()
 
 
 def process_threads(device_type: str, gpus: int) -> int | None:

@@ -222,8 +222,8 @@ class TimeShape:
     #: FSDP2's collectives over several processes (None: one process)
     traffic: Traffic | None = None
     #: with tools: the trajectory's turns (a mean where measured), each policy turn
-    #: ``turn_tokens`` long, each tool turn ``tool_tokens`` tokens and ``tool_images`` images of
-    #: ``tool_patches`` vision patches each (means over tool turns)
+    #: ``turn_tokens`` long (0: ``completion``), each tool turn ``tool_tokens`` tokens and
+    #: ``tool_images`` images of ``tool_patches`` vision patches each (means over tool turns)
     turns: float = 1.0
     turn_tokens: float = 0.0
     tool_tokens: float = 0.0
@@ -379,8 +379,9 @@ def generation_seconds(s: TimeShape, rates: DeviceRates, rows: int, completion: 
     from r1fit.memory.flops import forward_flops
 
     prefill = decode = 0.0
-    turns = s.turns if s.turns > 1 and completion == s.completion else 1.0
-    tokens = s.turn_tokens if turns > 1 else float(completion)  # the policy's, a turn
+    own = completion == s.completion  # the step's shape (an evaluation may generate others)
+    turns = s.turns if own else 1.0
+    tokens = (s.turn_tokens or float(completion)) if own else float(completion)  # a turn's
     patches = (s.patches,) if s.patches else ()
     one = forward_flops(s.shape, context=0, tokens=s.prompt, head_tokens=1, patches=patches)
     for start in range(0, rows, s.generation_batch):
@@ -390,10 +391,14 @@ def generation_seconds(s: TimeShape, rates: DeviceRates, rows: int, completion: 
             s, rates, vision=bool(patches)) + _elementwise(s, rates, n * s.prompt)
         decode += decode_seconds(s, rates, chunk, s.prompt, tokens, prompts=n)
         for k in range(1, math.ceil(turns)):
-            live = chunk * min(turns - k, 1.0)  # rows whose trajectory reaches turn k + 1
+            share = min(turns - k, 1.0)  # of the rows, those whose trajectory reaches turn k + 1
+            # the turn runs when one of the chunk's rows reaches it (rows taken as independent):
+            # then for share / reach of them, its fixed costs paid once
+            reach = 1 - (1 - share) ** chunk
+            live = chunk * share / reach
             context = s.prompt + k * (tokens + s.tool_tokens)  # before its policy tokens
-            prefill += turn_prefill_seconds(s, rates, live, context, k)
-            decode += decode_seconds(s, rates, live, context, tokens)
+            prefill += reach * turn_prefill_seconds(s, rates, live, context, k)
+            decode += reach * decode_seconds(s, rates, live, context, tokens)
     return prefill, decode
 
 
@@ -629,12 +634,15 @@ def evaluation_count(steps: int, every: int, before: bool) -> int:
 
 def time_plan(s: TimeShape, rates: DeviceRates, cfg: Config, *, processes: int = 1,
               eval_rows: int | None = None, training_only: bool = False,
-              eval_completion: int | None = None) -> TimePlan:
+              eval_completion: int | None = None,
+              eval_turns: dict[str, Any] | None = None) -> TimePlan:
     """One step's predicted seconds by phase, and the run's (``eval_rows``: rows of the eval
     set, at most ``data.eval_size``, each evaluation generating them greedily ``eval.batch`` at
     a time, ``eval_completion`` tokens each: the evaluation's own, as
-    :func:`r1fit.memory.planner.estimate.evaluation_shape` gives it, default ``s.completion``;
-    ``training_only``: a step of ``r1fit sft``, an update and no rollout)."""
+    :func:`r1fit.memory.planner.estimate.evaluation_shape` gives it, default ``s.completion``,
+    as ``eval_turns`` (:func:`turn_fields`: with tools the evaluation's turns, where the step
+    has none: r1fit sft's); ``training_only``: a step of ``r1fit sft``, an update and no
+    rollout)."""
     # vLLM takes all of the process's rows in one call (r1fit/train/engines.py VllmRollouts)
     rollout = replace(s, generation_batch=max(s.rows, 1)) if s.engine == "vllm" else s
     prefill, decode = (0.0, 0.0) if training_only else \
@@ -653,10 +661,13 @@ def time_plan(s: TimeShape, rates: DeviceRates, cfg: Config, *, processes: int =
     steps, every = run_steps(cfg, training_only)
     evaluations, eval_seconds = 0, None
     if eval_rows is not None and cfg.data.eval:
-        eval_shape = replace(s, generation_batch=cfg.eval.batch, group=1, shares_prompts=False)
+        eval_shape = replace(s, generation_batch=cfg.eval.batch, group=1, shares_prompts=False,
+                             **({"completion": eval_completion or s.completion, **eval_turns}
+                                if eval_turns else {}))
         eval_seconds = sum(generation_seconds(
             eval_shape, rates, math.ceil(eval_rows / processes),
-            s.completion if eval_completion is None else eval_completion)) + gather
+            eval_shape.completion if eval_completion is None or eval_turns
+            else eval_completion)) + gather
         evaluations = evaluation_count(steps, every, cfg.eval.before_train)
     run = steps * step + evaluations * (eval_seconds or 0.0)
     dominant = max(phases, key=phases.__getitem__)
@@ -668,12 +679,12 @@ def time_plan(s: TimeShape, rates: DeviceRates, cfg: Config, *, processes: int =
                     details={"prefill_seconds": prefill, "decode_seconds": decode,
                              **({"turns": s.turns, "turn_tokens": s.turn_tokens,
                                  "tool_turn_tokens": s.tool_tokens, "refill": float(s.refill)}
-                                if s.turns > 1 else {}),
+                                if s.tool_tokens else {}),
                              **({"collectives_seconds": step_collectives(s, rates, gather)}
                                 if s.traffic is not None else {}),
                              "decode_step_seconds": decode / max(
                                  math.ceil(s.rows / rollout.generation_batch)
-                                 * max(s.turns * (s.turn_tokens - 1) if s.turns > 1
+                                 * max(s.turns * (s.turn_tokens - 1) if s.tool_tokens
                                        else s.completion - 1, 1), 1)},
                     warmup_steps=0 if training_only else cfg.sft.format_warmup_steps,
                     link=(f"{s.traffic.processes} processes, "

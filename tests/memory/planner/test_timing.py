@@ -127,11 +127,20 @@ def test_turns_by_hand():
     # 8 x (2 x 1000 x 4 + 2 x 200 + 4 x 10 x (4 x 14 + 10)) = 8 x 11,040 FLOPs
     kept, _ = generation_seconds(TURNS, RATES, 8, 13)
     assert kept == pytest.approx(FIRST_PREFILL + 88_320 / 4e9 + 2 * FIXED + 2 * 32 * EW)
-    # 1.5 turns on average: half the rows take the second turn (4 rows: 2 x 4 x 1200 + 4 x 10
-    # x 4 x 20.5 = 12,880 FLOPs a step, over the sampler of 4 rows)
+    # 1.5 turns on average: half the rows take the second turn, which runs when one of the 8
+    # does (1 - 0.5 ** 8 of the time), then for 4 / that of them (2 x 1200 + 4 x 10 x 20.5 =
+    # 3,220 FLOPs a row and step, the sampler over 100 logits a row)
+    reach = 1 - 0.5 ** 8
+    rows = 4 / reach
     half_prefill, half = generation_seconds(replace(TURNS, turns=1.5, refill=True), RATES, 8, 13)
-    assert half_prefill == pytest.approx(FIRST_PREFILL + 172_960 / 4e9 + 2 * FIXED + 2 * 72 * EW)
-    assert half == pytest.approx(FIRST_DECODE + 4 * (12_880 / 4e9 + 2 * FIXED + SAMPLE / 2))
+    assert half_prefill == pytest.approx(FIRST_PREFILL + reach * (
+        rows * 43_240 / 4e9 + 2 * FIXED + 2 * rows * 18 * EW))
+    assert half == pytest.approx(FIRST_DECODE + reach * 4 * (
+        rows * 3_220 / 4e9 + 2 * FIXED + rows * 100 * 1e-9))
+    # a turn few rows reach costs about one row's turn each time it runs: its fixed costs are
+    # not paid in full for a thousandth of the rows
+    _, rare = generation_seconds(replace(TURNS, turns=1.001), RATES, 8, 13)
+    assert rare - FIRST_DECODE < 0.01 * (SECOND_DECODE)
     # an evaluation's own completion length is generated as one turn
     assert generation_seconds(TURNS, RATES, 8, 5) == generation_seconds(STEP, RATES, 8, 5)
 
@@ -188,6 +197,15 @@ def test_the_turns_of_a_plan_with_tools(use_tiny_cache):
     fewer = plan_memory(cfg, device_type="cpu", turns=1.5)
     assert fewer.time["phases"]["generate"] < plan.time["phases"]["generate"]
     assert fewer.peak_bytes == plan.peak_bytes  # the memory plan keeps the budget
+    # a run that never calls its tool: one turn of algo.max_new_tokens, not of the budget
+    one = plan_memory(cfg, device_type="cpu", turns=1.0)
+    assert (one.time["details"]["turns"], one.time["details"]["turn_tokens"]) == (1.0, 96)
+    assert one.time["phases"]["generate"] < fewer.time["phases"]["generate"]
+    # r1fit sft's evaluations run the tools too: timed as the GRPO run's are
+    graded = cfg.with_values({"data.eval": "builtin:shapes", "eval.batch": 8})
+    sft = plan_memory(graded, device_type="cpu", kind="sft")
+    assert sft.time["eval_seconds"] == pytest.approx(
+        plan_memory(graded, device_type="cpu").time["eval_seconds"])
     # the static engine appends each tool turn, its image too, to the kept cache: less prefill
     static = plan_memory(cfg.with_values({"rollout.engine": "static"}), device_type="cpu")
     assert static.time["details"]["refill"] == 0.0
