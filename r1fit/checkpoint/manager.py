@@ -69,7 +69,9 @@ RESUME_SAFE = ("train.output_dir", "train.overwrite", "train.device", "train.max
 # run with and without gave the same bits on CPU)
 RESUME_NOT_EXACT = ("train.max_steps", "sft.steps", "memory.micro_batch",
                     "memory.generation_batch", "memory.logits_chunk", "memory.fused_loss",
-                    "memory.share_prefix", "rollout.share_prefill", "train.deterministic")
+                    "memory.share_prefix", "rollout.share_prefill", "train.deterministic",
+                    # the same for tools that end within their timeout at either count
+                    "rollout.tool_workers")
 
 
 #: trainer_state's "resolved" key of the rollout engine the run generated with

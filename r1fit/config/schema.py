@@ -572,8 +572,10 @@ class RolloutConfig:
     tool_workers: int = opt(
         8, "With tools: the rows whose tool calls run at once after each turn, on threads (each "
         "row's calls in order). A turn's calls wait for the slowest; with one worker they run one "
-        "after another. A tool must be safe to call from several threads; 1 if it is not. The "
-        "step's wall seconds of tool calls are logged as tools/seconds.", ge=1)
+        "after another. For tools that wait (a server, a sandbox); set 1 for a tool that is not "
+        "safe to call from several threads, or that computes in Python (several share its GIL, "
+        "and one near rollout.tool_timeout may pass it). The step's wall seconds of tool calls "
+        "are logged as tools/seconds.", ge=1)
     vllm: VllmConfig = opt(VllmConfig(), "Settings of rollout.engine=vllm.")
     static: StaticConfig = opt(StaticConfig(), "Settings of rollout.engine=static.")
 

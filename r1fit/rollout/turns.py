@@ -20,7 +20,9 @@ when they finish; a finished trajectory leaves the batch.
 
 After each turn the calls of every row that goes on run together on ``workers`` threads (each
 row's calls in their order, each under the runner's timeout); a trajectory does not depend on
-the worker count either, for tools that are deterministic given their arguments and the row.
+the worker count either, for tools that are deterministic given their arguments and the row and
+end within their timeout. A timeout is wall time: tools that hold Python's GIL share it when
+several run, each taking longer than alone, and one near its timeout may pass it (logged once).
 
 Budgets, as the config documents them: a trajectory ends when a turn ends with an end-of-sequence
 token (``eos``), runs to ``max_new_tokens`` without a complete call (``max_new_tokens``), writes a
@@ -34,10 +36,12 @@ still answer.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -69,6 +73,8 @@ from r1fit.tools import (
     parse_tool_calls,
 )
 from r1fit.tools.conversation import tool_turn_tokens
+
+log = logging.getLogger("r1fit.rollout")
 
 #: tokens at the end of a row decoded to look for ``</tool_call>``; more than any tokenizer
 #: splits the tag into
@@ -231,12 +237,16 @@ def _ending(tokens: torch.Tensor, text: str, eos: Sequence[int]) -> str:
 
 
 def _answer(trajectory: Trajectory, calls: Sequence[ToolCall | MalformedCall],
-            runner: ToolRunner, context: ToolContext, budgets: TurnBudgets) -> list[ToolResult]:
+            runner: ToolRunner, context: ToolContext, budgets: TurnBudgets,
+            stop: threading.Event | None = None) -> list[ToolResult]:
     """The results of one turn's calls: run while the call budget lasts, an error result past it;
-    an image result past the image budget becomes an error result."""
+    an image result past the image budget becomes an error result. Once ``stop`` is set (the
+    rollout was interrupted) no further call starts: the results are partial, and unused."""
     results = []
     held = len(trajectory.prompt.sample.images) + len(trajectory.images)
     for call in calls:
+        if stop is not None and stop.is_set():
+            break
         name = call.name if isinstance(call, ToolCall) else ""
         if trajectory.calls_run >= budgets.max_tool_calls:
             results.append(ToolResult.failure(name, f"not run: the trajectory's "
@@ -279,7 +289,7 @@ def run_trajectories(generate_turn: GenerateTurn, processor: Any, prompts: Seque
     trajectories = [Trajectory(prompt) for prompt in prompts]
     open_rows = list(range(len(prompts)))
     previous: list[int] | None = None  # each open row's place among the last turn's rows
-    with _calls_pool(workers) as pool:
+    with _RowCalls(workers) as row_calls:
         while open_rows:
             limits = [min(budgets.max_new_tokens, budgets.tokens - trajectories[i].length)
                       for i in open_rows]
@@ -293,10 +303,13 @@ def run_trajectories(generate_turn: GenerateTurn, processor: Any, prompts: Seque
                 held = _policy_turn(trajectories[i], tokens, logp, processor, budgets, eos)
                 if held is not None:
                     calling.append((i, held))
-            start = time.perf_counter()
-            answers = _map(pool, lambda row: _answer(trajectories[row[0]], row[1].calls, runner,
-                                                     contexts[row[0]], budgets), calling)
+            start, timeouts = time.perf_counter(), _timeouts(runner)
+            answers = row_calls.map(lambda row: _answer(
+                trajectories[row[0]], row[1].calls, runner, contexts[row[0]], budgets,
+                row_calls.stop), calling)
             runner.stats.seconds += time.perf_counter() - start
+            if workers > 1 and _timeouts(runner) > timeouts:
+                _warn_concurrent_timeouts(runner, workers)
             still_open = [i for (i, turn), results in zip(calling, answers, strict=True)
                           if _tool_turn(trajectories[i], turn, results, processor, budgets)]
             place = {i: k for k, i in enumerate(open_rows)}
@@ -305,23 +318,60 @@ def run_trajectories(generate_turn: GenerateTurn, processor: Any, prompts: Seque
     return trajectories
 
 
-@contextmanager
-def _calls_pool(workers: int) -> Iterator[ThreadPoolExecutor | None]:
-    """Threads for the rows' tool calls (None for one at a time), shut down on the way out."""
-    if workers <= 1:
-        yield None
+class _RowCalls:
+    """A turn's tool calls of its rows, ``workers`` rows at once on threads (each row's calls in
+    order; one worker: here, one after another). When the rollout is interrupted (an exception
+    here, KeyboardInterrupt included) no further call starts and the calls running are not
+    waited for: each ends within its timeout, its result unused."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.stop = threading.Event()
+        self.pool: ThreadPoolExecutor | None = None
+
+    def __enter__(self) -> _RowCalls:
+        if self.workers > 1:
+            self.pool = ThreadPoolExecutor(max_workers=self.workers,
+                                           thread_name_prefix="r1fit-tool-rows")
+        return self
+
+    def __exit__(self, kind: Any, *rest: Any) -> None:
+        if kind is not None:
+            self.stop.set()
+        if self.pool is not None:
+            self.pool.shutdown(wait=kind is None, cancel_futures=kind is not None)
+
+    def map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+        """``fn`` of each item, in order (a worker's exception is raised here)."""
+        if self.pool is None or len(items) < 2:
+            return [fn(item) for item in items]
+        futures = [self.pool.submit(fn, item) for item in items]
+        try:
+            return [future.result() for future in futures]
+        except BaseException:
+            self.stop.set()
+            for future in futures:
+                future.cancel()
+            raise
+
+
+def _timeouts(runner: ToolRunner) -> int:
+    return sum(counts.timeouts for counts in runner.stats.tools.values())
+
+
+#: runners already warned that their calls time out while several run at once
+_WARNED: weakref.WeakSet[ToolRunner] = weakref.WeakSet()
+
+
+def _warn_concurrent_timeouts(runner: ToolRunner, workers: int) -> None:
+    """Once per runner: calls timed out while ``workers`` rows ran theirs at once."""
+    if runner in _WARNED:
         return
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="r1fit-tool-rows") as pool:
-        yield pool
-
-
-def _map(pool: ThreadPoolExecutor | None, fn: Callable[[Any], Any], items: Sequence[Any]
-         ) -> list[Any]:
-    """``fn`` of each item, in order: on ``pool``'s threads, else here (a worker's exception is
-    raised here, as :meth:`ThreadPoolExecutor.map` raises it)."""
-    if pool is None or len(items) < 2:
-        return [fn(item) for item in items]
-    return list(pool.map(fn, items))
+    _WARNED.add(runner)
+    log.warning("tool calls timed out (rollout.tool_timeout %g s) while %d rows ran theirs at "
+                "once (rollout.tool_workers): tools that hold Python's GIL share it, each taking "
+                "longer than alone; with rollout.tool_workers=1 they run one after another",
+                runner.timeout, workers)
 
 
 def _policy_turn(trajectory: Trajectory, tokens: torch.Tensor, logp: torch.Tensor | None,

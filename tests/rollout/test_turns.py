@@ -4,6 +4,7 @@ and tool errors with a scripted policy, and the tiny model's trajectories alone 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -216,6 +217,17 @@ def meet(context):
 def echo(context, word, wait=0.0):
     time.sleep(wait)
     return f"echo {word}"
+
+STARTED = []
+
+def slow(context):
+    STARTED.append(1)
+    time.sleep(0.6)
+    return "slow"
+
+def late(context):
+    time.sleep(2.0)
+    return "late"
 """
 
 
@@ -269,6 +281,42 @@ def test_the_workers_change_no_trajectory(processor, eos, row_tools):
     assert one_stats.tools == many_stats.tools and one_stats.malformed == many_stats.malformed
     echoed = sum(r.name == "echo" for t in one for turn in t.turns for r in turn.results)
     assert one_stats.tools["echo"].calls == echoed == 16
+
+
+def test_an_interrupted_turn_starts_no_further_call(processor, eos, row_tools):
+    """An exception in the rows' calls (here a KeyboardInterrupt from the runner, as Ctrl-C
+    would raise it) reaches the caller, and the rows still running start no further call: at
+    most one call of each of the 3 other rows that were running when it came (not their 3)."""
+    import importlib
+
+    class Interrupted(ToolRunner):
+        def run(self, call, context):
+            if call.name == "stop":
+                time.sleep(0.05)  # the other rows' first calls are under way
+                raise KeyboardInterrupt
+            return super().run(call, context)
+
+    scripts = {f"test#{i}": [call("stop") if i == 0 else call("slow") * 3, ANSWER]
+               for i in range(8)}
+    tools = Interrupted((f"{row_tools}:slow",), timeout=5.0, min_pixels=28 * 28,
+                        max_pixels=56 * 56)
+    tools.functions["stop"] = tools.functions["slow"]
+    with pytest.raises(KeyboardInterrupt):
+        run_trajectories(ScriptedPolicy(processor, scripts, eos[0]), processor,
+                         prompts_for(processor, 8), None, tools, budgets(), eos=eos, workers=4)
+    assert len(importlib.import_module(row_tools).STARTED) <= 3
+
+
+def test_timeouts_while_rows_call_at_once_are_said_once(processor, eos, row_tools, caplog):
+    scripts = {f"test#{i}": [call("late"), call("late"), ANSWER] for i in range(4)}
+    tools = ToolRunner((f"{row_tools}:late",), timeout=0.2, min_pixels=28 * 28,
+                       max_pixels=56 * 56)
+    with caplog.at_level("WARNING", logger="r1fit.rollout"):
+        run_trajectories(ScriptedPolicy(processor, scripts, eos[0]), processor,
+                         prompts_for(processor, 4), None, tools, budgets(), eos=eos, workers=4)
+    assert tools.stats.tools["late"].timeouts == 8
+    said = [r.getMessage() for r in caplog.records if "rollout.tool_workers" in r.getMessage()]
+    assert len(said) == 1 and "4 rows ran theirs at once" in said[0]
 
 
 def test_the_token_budget_cuts_a_turn_and_drops_a_tool_turn_that_leaves_no_room(processor, eos):
