@@ -345,7 +345,15 @@ class _RowCalls:
         """``fn`` of each item, in order (a worker's exception is raised here)."""
         if self.pool is None or len(items) < 2:
             return [fn(item) for item in items]
-        futures = [self.pool.submit(fn, item) for item in items]
+
+        def guarded(item: Any) -> Any:
+            try:
+                return fn(item)
+            except BaseException:
+                self.stop.set()  # before this thread takes the next row
+                raise
+
+        futures = [self.pool.submit(guarded, item) for item in items]
         try:
             return [future.result() for future in futures]
         except BaseException:
