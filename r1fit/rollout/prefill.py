@@ -124,9 +124,16 @@ def keeps_logits(model: Any) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
+def position_rule(model: Any) -> Any:
+    """The module whose ``get_rope_index`` computes the model's positions itself (Qwen-VL's),
+    or None."""
+    return next((m for m in (unwrap(model), *rope_holders(model))
+                 if hasattr(m, "get_rope_index")), None)
+
+
 def own_position_rule(model: Any) -> bool:
     """Whether the model computes its positions itself (Qwen-VL's ``get_rope_index``)."""
-    return any(hasattr(m, "get_rope_index") for m in (unwrap(model), *rope_holders(model)))
+    return position_rule(model) is not None
 
 
 def prefill_forward(model: Any, inputs: dict[str, torch.Tensor]

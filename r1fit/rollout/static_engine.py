@@ -73,8 +73,8 @@ from r1fit.rollout.prefill import (
     distinct_prompts,
     keeps_logits,
     own_position_rule,
+    position_rule,
     prefill_forward,
-    rope_holders,
     token_keys,
 )
 from r1fit.rollout.shared_prompts import (
@@ -162,11 +162,6 @@ def _image_tokens(row: Prompt) -> torch.Tensor:
     """Which of ``row``'s tokens are image tokens (all False without the processor's marks)."""
     types = row.token_inputs.get(MM_TYPES)
     return types == 1 if types is not None else torch.zeros(row.length, dtype=torch.bool)
-
-
-def seen_keys(seen: Sequence[tuple[torch.Tensor, dict[str, torch.Tensor]] | None]) -> list[str]:
-    """The image tensors' keys of the rows' rests that show images, in order."""
-    return list(dict.fromkeys(k for shown in seen if shown is not None for k in shown[1]))
 
 
 class EngineUnsupported(R1fitError, ValueError):
@@ -867,12 +862,10 @@ class StaticDecoder:
             input_ids[r, block - len(rest):] = rest
             positions[:, r, block - len(rest):] = (first + torch.arange(len(rest))
                                                    if shown is None else shown[0])
-        vision: dict[str, Any] = {}
-        if any(shown is not None for shown in seen):  # the rests' images, in row order
-            for key in seen_keys(seen):
-                vision[key] = torch.cat([shown[1][key] for shown in seen
-                                         if shown is not None]).to(dev)
-        else:
+        shown_images = [shown[1] for shown in seen if shown is not None]
+        vision = {key: torch.cat([images[key] for images in shown_images]).to(dev)
+                  for key in ("pixel_values", "image_grid_thw")} if shown_images else {}
+        if not shown_images:
             positions = positions[0]  # text alone: the positions every model takes
         queries = width - block + torch.arange(block, device=dev)  # the block's columns
         real = torch.arange(block, device=dev).unsqueeze(0) >= (block - sizes).unsqueeze(1)
@@ -931,8 +924,7 @@ class StaticDecoder:
         ``get_rope_index``) over the whole context, and the rest's images' tensors. None where
         it cannot be done: no such rule (a model whose images attend otherwise), an image cut
         by ``shared``, videos."""
-        rule = next((m for m in (model, *rope_holders(model)) if hasattr(m, "get_rope_index")),
-                    None)
+        rule = position_rule(model)
         types = row.token_inputs.get(MM_TYPES)
         grid, pixels = row.image_inputs.get("image_grid_thw"), row.image_inputs.get("pixel_values")
         if rule is None or types is None or grid is None or pixels is None or (types > 1).any():

@@ -661,13 +661,11 @@ def time_plan(s: TimeShape, rates: DeviceRates, cfg: Config, *, processes: int =
     steps, every = run_steps(cfg, training_only)
     evaluations, eval_seconds = 0, None
     if eval_rows is not None and cfg.data.eval:
+        completion = s.completion if eval_completion is None else eval_completion
         eval_shape = replace(s, generation_batch=cfg.eval.batch, group=1, shares_prompts=False,
-                             **({"completion": eval_completion or s.completion, **eval_turns}
-                                if eval_turns else {}))
+                             **({"completion": completion, **eval_turns} if eval_turns else {}))
         eval_seconds = sum(generation_seconds(
-            eval_shape, rates, math.ceil(eval_rows / processes),
-            eval_shape.completion if eval_completion is None or eval_turns
-            else eval_completion)) + gather
+            eval_shape, rates, math.ceil(eval_rows / processes), completion)) + gather
         evaluations = evaluation_count(steps, every, cfg.eval.before_train)
     run = steps * step + evaluations * (eval_seconds or 0.0)
     dominant = max(phases, key=phases.__getitem__)
