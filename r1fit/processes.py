@@ -99,10 +99,15 @@ def init_distributed(device_type: str) -> World:
         raise DistributedError(f"{why} but {exc.args[0]} is not set; start the processes with "
                                "torchrun") from exc
     if not dist.is_initialized():
-        backend = "nccl" if device_type == "cuda" else "gloo"
+        timeout = datetime.timedelta(minutes=30)
         if device_type == "cuda":
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+            # device_id binds the group to this GPU: NCCL's barrier then needs no guess of the
+            # device (it warns without one)
+            dist.init_process_group("nccl", timeout=timeout,
+                                    device_id=torch.device("cuda", local_rank))
+        else:
+            dist.init_process_group("gloo", timeout=timeout)
     _WORLD = World(rank=rank, size=size, local_rank=local_rank, grouped=grouped)
     return _WORLD
 
@@ -118,8 +123,27 @@ def close_distributed(*, barrier: bool = False) -> None:
     if _WORLD.distributed and dist.is_initialized():
         if barrier:
             dist.barrier()
-        dist.destroy_process_group()
+            dist.destroy_process_group()
+        elif dist.get_backend() == "nccl":
+            # a failed rank may leave collectives its peers never matched; NCCL's destroy waits
+            # for them (torch's own note: "for a bad program, a hang is expected" there), so the
+            # rank would hang until the group's timeout instead of exiting for torchrun to see
+            abort_group()
+        else:
+            dist.destroy_process_group()
     _WORLD = World()
+
+
+def abort_group() -> None:
+    """Tear the default process group down without waiting for its pending collectives (NCCL's
+    abort; torch has it as a private function only), or destroy it where this torch lacks one."""
+    from torch.distributed import distributed_c10d
+
+    abort = getattr(distributed_c10d, "_abort_process_group", None)
+    if abort is not None:
+        abort()
+    else:
+        dist.destroy_process_group()
 
 
 def pick_device(name: str) -> torch.device:
@@ -132,9 +156,18 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
-def device_for(device_type: str, w: World) -> torch.device:
-    """One GPU per process (``cuda:<local rank>``); every process shares the CPU."""
-    return torch.device(f"cuda:{w.local_rank}") if device_type == "cuda" else torch.device("cpu")
+def device_for(requested: torch.device, w: World) -> torch.device:
+    """The process's device for ``train.device`` (as :func:`pick_device` reads it): over several
+    processes one GPU each (``cuda:<local rank>``), one process the GPU asked for (``cuda:N``,
+    else ``cuda:0``); made the current device, so that what runs on "the current device" (CUDA
+    graphs, memory statistics, the RNG state a checkpoint keeps) runs on it. Every process
+    shares the CPU."""
+    if requested.type != "cuda":
+        return torch.device("cpu")
+    index = w.local_rank if w.distributed else (requested.index or 0)
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return device
 
 
 def _comm_device() -> torch.device:

@@ -73,7 +73,10 @@ class RngState:
             "torch": torch.get_rng_state(),
         }
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state_all()
+            # the run's device only (the current one: r1fit.processes sets it), not every
+            # visible one: restored by position, those would not survive a resume where fewer
+            # GPUs are visible or they are listed in another order
+            state["cuda"] = torch.cuda.get_rng_state()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -84,8 +87,12 @@ class RngState:
                              "state": {"key": np.asarray(n["key"], dtype=np.uint32), "pos": n["pos"]},
                              "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
         torch.set_rng_state(state["torch"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(list(state["cuda"]))
+        saved = state.get("cuda")
+        if isinstance(saved, (list, tuple)):  # a checkpoint of every visible device's states
+            index = torch.cuda.current_device() if torch.cuda.is_available() else len(saved)
+            saved = saved[index] if index < len(saved) else None
+        if saved is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(saved)
 
     def restart(self, point: Any) -> str:
         """New streams for resuming at ``point`` (a ResumePoint) without this rank's saved

@@ -66,3 +66,41 @@ def test_every_split_is_checked_before_loading():
         check_split(cfg, "grpo", two)
     check_split(load_config(None, ["algo.num_generations=4", "sft.batch_size=3",
                                    "sft.format_warmup_steps=0"]), "grpo", two)
+
+
+def test_one_process_runs_on_the_gpu_it_was_given(monkeypatch):
+    from r1fit.processes import device_for
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    assert device_for(torch.device("cpu"), World()) == torch.device("cpu")
+    assert device_for(torch.device("cuda", 1), World()) == torch.device("cuda", 1)
+    assert device_for(torch.device("cuda"), World()) == torch.device("cuda", 0)
+    # under torchrun a process takes its local rank's GPU, whatever train.device names
+    assert device_for(torch.device("cuda", 1), World(rank=3, size=4, local_rank=3)) == \
+        torch.device("cuda", 3)
+    assert chosen == [torch.device("cuda", 1), torch.device("cuda", 0), torch.device("cuda", 3)]
+
+
+def test_a_failed_nccl_rank_aborts_instead_of_waiting_for_its_peers(monkeypatch):
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    import r1fit.processes as processes
+
+    calls = []
+    monkeypatch.setattr(processes, "_WORLD", World(rank=0, size=2))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda: "nccl")
+    monkeypatch.setattr(dist, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.append("destroy"))
+    monkeypatch.setattr(distributed_c10d, "_abort_process_group", lambda: calls.append("abort"))
+    processes.close_distributed(barrier=False)
+    assert calls == ["abort"] and not processes.world().distributed
+    monkeypatch.setattr(processes, "_WORLD", World(rank=0, size=2))
+    processes.close_distributed(barrier=True)  # a finished run waits for the others, then leaves
+    assert calls == ["abort", "barrier", "destroy"]
+    monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(processes, "_WORLD", World(rank=0, size=2))
+    processes.close_distributed(barrier=False)  # gloo's destroy does not wait
+    assert calls[-1] == "destroy"

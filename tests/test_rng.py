@@ -68,3 +68,20 @@ def test_draws_inside_rng_untouched_leave_the_global_stream_where_it_was():
         with rng_untouched(device):
             torch.randn(100)
         assert torch.equal(torch.rand(4), expected)
+
+
+def test_cuda_state_is_the_run_devices_own(monkeypatch):
+    """Only the current (run's) device's CUDA state is restored; a checkpoint of every visible
+    device's states (the older layout) gives that device's by its index, or nothing where the
+    resuming machine's device index was not saved."""
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s: restored.append(int(s[0])))
+    base = RngState().state_dict()
+    for saved, expected in ((torch.tensor([5]), [5]),
+                            ([torch.tensor([6]), torch.tensor([7])], [7]),
+                            ([torch.tensor([8])], [])):
+        restored.clear()
+        RngState().load_state_dict({**base, "cuda": saved})
+        assert restored == expected

@@ -250,7 +250,7 @@ def numerics_check(spec: RunSpec) -> list[Verdict]:
     from r1fit.data.build import build_datasets
     from r1fit.distributed.loading import load_policy_on_ranks
     from r1fit.models.packing import check_packing
-    from r1fit.processes import device_for, world
+    from r1fit.processes import device_for, pick_device, world
     from r1fit.rng import seed_everything
     from r1fit.rollout.generate import (
         SamplingSettings,
@@ -262,7 +262,7 @@ def numerics_check(spec: RunSpec) -> list[Verdict]:
     from r1fit.rollout.prefill import prefill_check
 
     cfg = spec_config(spec)
-    device = device_for(_device_type(cfg), world())
+    device = device_for(pick_device(cfg.train.device), world())
     seed_everything(cfg.train.seed)
     model, processor, _ = load_policy_on_ranks(cfg.model, device, activation_checkpointing=False)
     try:

@@ -198,10 +198,10 @@ def start_run(cfg: Config, kind: str) -> Run:
     resume point and touches the output folder; the others follow its decision."""
     started = time.perf_counter()
     require_trackers(cfg.report.to)  # every process: a missing package stops all before starting
-    device_type = pick_device(cfg.train.device).type
-    w = init_distributed(device_type)
+    requested = pick_device(cfg.train.device)
+    w = init_distributed(requested.type)
     check_split(cfg, kind, w)
-    device = device_for(device_type, w)
+    device = device_for(requested, w)
     setup_logging(None)  # the terminal first: choosing the resume point may warn
     decision: tuple[Any, ...] = (None, None, None)
     with EarlyLog() as early:
