@@ -65,10 +65,12 @@ ones); the whole run stops starting stages when ``--budget`` seconds are spent:
 - ``fsdp``: the multi-GPU code paths on one card (about 2 minutes): the resume stage's run under
   ``torchrun --standalone --nproc-per-node 1`` with ``R1FIT_ONE_PROCESS_GROUP=1``, so the one
   process joins an NCCL process group (gloo in the smoke) and runs rank-0 loading from the meta
-  device, FSDP2 with its bf16 mixed-precision policy, sharded checkpoints of CUDA tensors and the
-  collectives over one rank; NCCL cannot put two ranks on one device, so communication between
-  devices does not run. 3 steps uninterrupted; the same SIGKILLed (torchrun and its worker) once
-  checkpoint 1 is saved, then resumed; the same 3 steps without torchrun. Target: the backend is
+  device, FSDP2 with its bf16 mixed-precision policy, sharded checkpoints of CUDA tensors and
+  r1fit's collectives over one rank; NCCL cannot put two ranks on one device, so communication
+  between devices does not run (over one rank FSDP2 copies where it would all-gather and
+  reduce-scatter). 3 steps uninterrupted; the same SIGKILLed (torchrun and its worker) once
+  checkpoint 1 is saved, then resumed; the same 3 steps without torchrun where the stage's time
+  leaves room (``PLAIN_ROOM``); each result is kept as its runs end. Target: the backend is
   NCCL, and the resumed run's every step (metrics, timings and memory aside) and final weights
   equal the uninterrupted torchrun run's bit for bit (``train.deterministic=true``). Printed:
   the torchrun run's peak against the plan for one process (which leaves FSDP out) and the plain
@@ -1180,11 +1182,15 @@ def stage_fsdp(args: argparse.Namespace, work: Path) -> StageResult:
     checkpoint every step, ``train.deterministic=true``) under ``torchrun --nproc-per-node 1``
     in a process group of its own (:func:`launch`: NCCL on a GPU, gloo in the smoke), so that
     rank-0 loading from the meta device, FSDP2 with its mixed precision, the sharded checkpoints
-    and the collectives run as over several GPUs, with no communication between devices. Runs:
-    uninterrupted; SIGKILLed (torchrun and its worker) once checkpoint 1 is saved, then resumed;
-    the same run without torchrun. Reported: the backend, the resume against the uninterrupted
-    run (every step's metrics and the final weights, bit for bit), the torchrun run's peak
-    against the plan for one process, and its step time against the plain run's."""
+    and r1fit's own collectives run as over several GPUs. Not the devices' communication: on
+    one rank FSDP2 copies where it would all-gather and reduce-scatter (torch skips those
+    collectives for a group of one), and rank-0 loading sends nothing. Runs: uninterrupted;
+    SIGKILLed (torchrun and its worker) once checkpoint 1 is saved, then resumed; the same run
+    without torchrun, where the stage's time leaves room for it. Reported as each run ends (a
+    run cut by the deadline loses its own rows, not the others'): the backend, the torchrun run's
+    peak against the plan for one process, the resume against the uninterrupted run (every
+    step's metrics and the final weights, bit for bit), and the step time against the plain
+    run's."""
     from r1fit.doctor.selfcheck import compare_runs
 
     gpu = scale_of(args).gpu
@@ -1200,44 +1206,41 @@ def stage_fsdp(args: argparse.Namespace, work: Path) -> StageResult:
                                    else STAGES["fsdp"][1] - 15 if gpu else 600)
     straight = train_torchrun(values, work / "torchrun", "fsdp torchrun", env=env,
                               deadline=deadline)
-    train_torchrun(values, work / "killed", "fsdp torchrun killed", env=env, deadline=deadline,
-                   kill_after=KILL_AFTER)
-    resumed = train_torchrun(values, work / "killed", "fsdp torchrun resumed", env=env,
-                             deadline=deadline)
-    plain = train(values, work / "plain", "fsdp plain", env=env,
-                  timeout=max(deadline - time.monotonic(), 1.0))
     result = StageResult()
     backend = process_group(straight)
     want = "nccl" if gpu else "gloo"
     result.data.update(backend=backend, sharding=straight.lines("FSDP2:"),
-                       seconds={"torchrun": straight.seconds, "plain": plain.seconds})
+                       seconds={"torchrun": straight.seconds})
     result.add("fsdp process group (torchrun, 1 process)",
-               f"{backend or 'none'} backend; {(straight.lines('FSDP2:') or ['no FSDP2 line'])[0]}",
-               want, backend == want)
-    resumed_at = resumed.lines("resumed grpo at step")
-    problem = resume_problem(resumed_at, KILL_AFTER)
-    differences = [problem] if problem else compare_runs(straight.out, resumed.out)
-    result.data.update(resume_differences=differences, resumed=resumed_at)
-    result.add("fsdp kill and resume (torchrun, deterministic=true)",
-               f"{'identical' if not differences else 'DIFFER'}: killed (SIGKILL to torchrun and "
-               f"its worker) after checkpoint-{KILL_AFTER}, "
-               f"{resumed_at[0] if resumed_at else 'not resumed'}; every step's metrics (timings "
-               f"and memory aside) and the final weights compared bit for bit with the "
-               f"uninterrupted torchrun run" + (f": {'; '.join(differences)}" if differences
-                                                 else ""),
-               "identical", not differences)
+               f"{backend or 'none'} backend; {(straight.lines('FSDP2:') or ['no FSDP2 line'])[0]}"
+               "; one rank: FSDP2's all-gathers and reduce-scatters are copies", want,
+               backend == want)
     plan = plan_of(values, gpu=gpu, run_dir=work / "torchrun")
     error = plan_verdict(plan["allocated"], straight.peak())[0]
-    plain_error = plan_verdict(plan["allocated"], plain.peak())[0]
-    result.data.update(plan=plan, peak_bytes=straight.peak(), plain_peak_bytes=plain.peak(),
-                       plan_error=error, plain_plan_error=plain_error)
+    result.data.update(plan=plan, peak_bytes=straight.peak(), plan_error=error)
     # no target: the plan for one process leaves FSDP out (r1fit plan --gpus 1), and the gap is
     # what sharding costs on one device (the policy gathered whole for generation beside its
     # shards)
     result.add("fsdp peak (torchrun) vs plan for one process",
                f"plan {plan['allocated'] / MIB:,.1f} MiB vs measured {straight.peak() / MIB:,.1f}"
-               f" MiB: {error:+.1%} (the plain run's peak {plain.peak() / MIB:,.1f} MiB: "
-               f"{plain_error:+.1%})")
+               f" MiB: {error:+.1%}")
+    fsdp_resume(result, values, work, env=env, deadline=deadline, straight=straight)
+    # the plain run last (no target of its own): only where it can end before the deadline
+    room = deadline - time.monotonic()
+    if room < PLAIN_ROOM * straight.seconds:
+        result.add("fsdp plain run (no torchrun)", f"not run: {max(room, 0):.0f} s left of the "
+                   f"stage, the torchrun run took {straight.seconds:.0f} s")
+        return result
+    try:
+        plain = train(values, work / "plain", "fsdp plain", env=env, timeout=max(room, 1.0))
+    except BenchmarkError as exc:
+        result.add("fsdp plain run (no torchrun)", f"FAILED: {exc}", "runs", False)
+        return result
+    plain_error = plan_verdict(plan["allocated"], plain.peak())[0]
+    result.data.update(plain_peak_bytes=plain.peak(), plain_plan_error=plain_error)
+    result.data["seconds"]["plain"] = plain.seconds
+    result.add("fsdp plain run's peak vs the same plan",
+               f"measured {plain.peak() / MIB:,.1f} MiB: {plain_error:+.1%}")
     times = step_times(straight.rows), step_times(plain.rows)
     result.data.update(step_seconds={"torchrun": times[0], "plain": times[1]})
     result.add("fsdp step time (torchrun / plain)", time_ratio_line(*times))
@@ -1247,6 +1250,41 @@ def stage_fsdp(args: argparse.Namespace, work: Path) -> StageResult:
     result.add("fsdp torchrun vs plain run", "identical metrics and final weights" if not apart
                else f"differ (float rounding under FSDP?): {apart[0]}")
     return result
+
+
+#: the fsdp stage runs its plain run only with this many times the torchrun run's seconds left
+#: (the plain run loads and steps as fast or faster; the margin covers a slower load)
+PLAIN_ROOM = 1.3
+
+
+def fsdp_resume(result: StageResult, values: list[str], work: Path, *, env: dict[str, str],
+                deadline: float, straight: RunOutput) -> None:
+    """The fsdp stage's kill-and-resume under torchrun against its uninterrupted run
+    ``straight``: the row, or a failed one when a run of it fails or meets the deadline."""
+    from r1fit.doctor.selfcheck import compare_runs
+
+    item = "fsdp kill and resume (torchrun, deterministic=true)"
+    try:
+        train_torchrun(values, work / "killed", "fsdp torchrun killed", env=env,
+                       deadline=deadline, kill_after=KILL_AFTER)
+        resumed = train_torchrun(values, work / "killed", "fsdp torchrun resumed", env=env,
+                                 deadline=deadline)
+    except BenchmarkError as exc:
+        result.add(item, f"FAILED: {exc}", "identical", False)
+        return
+    resumed_at = resumed.lines("resumed grpo at step")
+    problem = resume_problem(resumed_at, KILL_AFTER)
+    differences = [problem] if problem else compare_runs(straight.out, resumed.out)
+    result.data.update(resume_differences=differences, resumed=resumed_at)
+    result.data["seconds"]["resumed"] = resumed.seconds
+    result.add(item,
+               f"{'identical' if not differences else 'DIFFER'}: killed (SIGKILL to torchrun and "
+               f"its worker) after checkpoint-{KILL_AFTER}, "
+               f"{resumed_at[0] if resumed_at else 'not resumed'}; every step's metrics (timings "
+               f"and memory aside) and the final weights compared bit for bit with the "
+               f"uninterrupted torchrun run" + (f": {'; '.join(differences)}" if differences
+                                                 else ""),
+               "identical", not differences)
 
 
 def train_torchrun(values: list[str], out: Path, what: str, *, env: dict[str, str],
@@ -1273,7 +1311,8 @@ def train_torchrun(values: list[str], out: Path, what: str, *, env: dict[str, st
                 break
             time.sleep(0.005)
     finally:
-        for pid in [proc.pid, *descendants(proc.pid)]:
+        # torchrun itself only while it runs (once reaped its pid may be another process's)
+        for pid in [*([proc.pid] if proc.returncode is None else []), *descendants(proc.pid)]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:  # it had ended
@@ -1281,7 +1320,8 @@ def train_torchrun(values: list[str], out: Path, what: str, *, env: dict[str, st
         code = proc.wait()
         benchkit.append_log(LOG, f"{what} (exit {code})", output.read_text(errors="replace"))
     if kill_after and error is None and not checkpoint.is_dir():
-        error = f"{what}: it ended (exit {code}) before {checkpoint.name} was saved"
+        error = (f"{what}: it ended (exit {code}) before {checkpoint.name} was saved:\n"
+                 + benchkit.failure_text(output.read_text(errors="replace")))
     if error is None and not kill_after and code != 0:
         error = f"{what} failed (exit {code}):\n" + benchkit.failure_text(
             output.read_text(errors="replace"))

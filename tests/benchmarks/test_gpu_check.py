@@ -138,6 +138,35 @@ def test_the_fsdp_stage_reads_the_backend_and_times_steps_after_the_first(tmp_pa
         "2.00x: 5.50 s vs 2.75 s a step after the first (generate 1.50x, update 8.00x)")
 
 
+def test_the_fsdp_stage_keeps_what_ended_when_a_later_run_fails_or_has_no_time(tmp_path,
+                                                                              monkeypatch):
+    """The stage's rows come as its runs end: a kill-and-resume that fails leaves the backend and
+    the plan rows, and the plain run is left out, not cut, where the time left cannot hold it."""
+    import argparse
+
+    log = "INFO r1fit: 1 processes (this is rank 0), gloo backend\nFSDP2: 2 units\n"
+    straight = gc.RunOutput(tmp_path, [{"step": 1, "peak_memory_bytes": 100}], log, 50.0)
+
+    def torchrun(values, out, what, **kwargs):
+        if "killed" in what:
+            raise gc.BenchmarkError(f"{what}: stopped at the stage's deadline")
+        return straight
+
+    monkeypatch.setattr(gc, "train_torchrun", torchrun)
+    monkeypatch.setattr(gc, "train", lambda *a, **k: pytest.fail("no time for the plain run"))
+    monkeypatch.setattr(gc, "plan_of", lambda *a, **k: {"allocated": 110})
+    args = argparse.Namespace(cpu_smoke=True, models=str(tmp_path), deadline=None)
+    monkeypatch.setattr(gc, "seconds_left", lambda args: 60.0)  # < 1.3 x the run's 50 s
+    result = gc.stage_fsdp(args, tmp_path)
+    rows = {r.item: r for r in result.rows}
+    assert rows["fsdp process group (torchrun, 1 process)"].met is True
+    assert rows["fsdp peak (torchrun) vs plan for one process"].value.endswith("+10.0%")
+    resume = rows["fsdp kill and resume (torchrun, deterministic=true)"]
+    assert resume.met is False and "stopped at the stage's deadline" in resume.value
+    assert rows["fsdp plain run (no torchrun)"].value.startswith("not run: ")
+    assert rows["fsdp plain run (no torchrun)"].met is None
+
+
 def test_the_torchrun_launch_is_one_process_in_a_group_of_its_own():
     argv, env = gc.launch("train", ["train.max_steps=3"], torchrun=True)
     assert argv[1:8] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
