@@ -350,9 +350,13 @@ class StaticDecoder:
         self.capacity = self.length = 0
         self.keys: list[torch.Tensor] = []  # per layer [rows, kv heads, length, head dim]
         self.values: list[torch.Tensor] = []
-        # by (rows, prompt slots read: 0 in the plain layout)
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # by (sampling settings, rows, prompt slots read: 0 in the plain layout)
+        self._graphs: dict[tuple[Any, ...], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
+        # the one side stream every warm-up and capture runs on: cuBLAS keeps a workspace per
+        # (handle, stream) for the process's life, so a new stream per capture (torch hands out
+        # 32 in turn) would leave up to 32 of them behind
+        self._stream: Any = None
         self._fingerprint: tuple[int, ...] = ()
         self._settings: tuple[Any, ...] | None = None
         self.captures = 0  # graphs captured so far (a test reads it)
@@ -552,11 +556,13 @@ class StaticDecoder:
     def _replay(self, model: Any, rows: int, settings: SamplingSettings, out: torch.Tensor) -> None:
         """Step on the graph of bucket ``rows``, captured on first use (one eager warm-up step
         first, whose effects are undone: the step's state is restored before capture)."""
-        key = (rows, 0 if self._slots is None else int(self._slots.mask.shape[0]))
+        key = (self._settings, rows, 0 if self._slots is None else int(self._slots.mask.shape[0]))
         graph = self._graphs.get(key)
         if graph is None:
             saved = [t.clone() for t in (self.counter, self.current, self.done, self.mask)]
-            stream = torch.cuda.Stream(self.device)
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
+            stream = self._stream
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 self._step(model, rows, settings, out)
@@ -566,7 +572,7 @@ class StaticDecoder:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream):
                 self._step(model, rows, settings, out)
             self._graphs[key] = graph
             self.captures += 1
@@ -961,14 +967,18 @@ class StaticDecoder:
             self.done[torch.tensor(hits, device=self.device)] = True
 
     def _bind(self, model: Any, settings: SamplingSettings) -> None:
-        """Drop the captured graphs when what they captured changed: the weights' addresses, the
-        sampling settings (baked into the graph), or the model object."""
-        fingerprint = (id(model), *(p.data_ptr() for p in model.parameters()))
+        """Drop the captured graphs when what they read changed: the addresses of the weights
+        or buffers (a rotary table replaced by assignment would leave a graph reading the old
+        one), or the model object. The sampling settings (baked into a graph) select among the
+        graphs instead: an evaluation's greedy graphs and a rollout's sampled ones both stay."""
+        fingerprint = (id(model), *(p.data_ptr() for p in model.parameters()),
+                       *(b.data_ptr() for b in model.buffers()))
         self._min_new.fill_(settings.min_new_tokens)  # read on the device: no recapture
-        key = (settings.greedy, settings.temperature, settings.top_p, settings.min_new_tokens > 0)
-        if fingerprint != self._fingerprint or key != self._settings:
+        self._settings = (settings.greedy, settings.temperature, settings.top_p,
+                          settings.min_new_tokens > 0)
+        if fingerprint != self._fingerprint:
             if self._graphs:
-                log.info("rollout.engine=static: %s changed, CUDA graphs recaptured",
-                         "the weights' addresses" if key == self._settings else "sampling")
+                log.info("rollout.engine=static: the weights' addresses changed, CUDA graphs "
+                         "recaptured")
             self._graphs.clear()
-            self._fingerprint, self._settings = fingerprint, key
+            self._fingerprint = fingerprint

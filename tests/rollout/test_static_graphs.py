@@ -80,8 +80,10 @@ class EmulatedGraph:
 
 
 class _Stream:
+    made = 0  # streams the engine made (a test resets it)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
+        _Stream.made += 1
 
     def wait_stream(self, other: Any) -> None:
         pass
@@ -93,7 +95,7 @@ def _on_stream(stream: Any) -> Iterator[None]:
 
 
 @contextmanager
-def _capture(graph: EmulatedGraph, pool: Any = None) -> Iterator[None]:
+def _capture(graph: EmulatedGraph, pool: Any = None, stream: Any = None) -> Iterator[None]:
     recorder = Capture()
     with recorder:
         yield
@@ -104,9 +106,11 @@ def _capture(graph: EmulatedGraph, pool: Any = None) -> Iterator[None]:
 @pytest.fixture
 def emulated_cuda(monkeypatch):
     """The torch.cuda calls of the engine's ``_replay``, on CPU, with emulated graphs."""
+    current = _Stream()
+    _Stream.made = 0
     monkeypatch.setattr(torch.cuda, "Stream", _Stream)
     monkeypatch.setattr(torch.cuda, "stream", _on_stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
     monkeypatch.setattr(torch.cuda, "CUDAGraph", EmulatedGraph)
     monkeypatch.setattr(torch.cuda, "graph", _capture)
@@ -171,6 +175,28 @@ def test_replayed_graphs_give_the_eager_tokens(family, emulated_cuda, builtin_fo
     got = compacting.generate(rows, seeds=None, batch_size=8, settings=settings, limits=limits)
     assert _same(got, want) and same_state(compacting, eager)
     assert compacting.captures == len(compacting._graphs) == 3  # buckets of 8, 2 and 1 rows
+
+
+def test_greedy_and_sampled_calls_keep_their_own_graphs(emulated_cuda, tiny):
+    """An evaluation's greedy calls between a rollout's sampled ones recapture nothing: each
+    setting's graphs stay (they share the pool), and every capture warms up on one stream (a
+    new stream per capture would leave a cuBLAS workspace behind each). Moving a buffer (as an
+    assignment of a rotary table would) drops them."""
+    model, ids, rows = tiny
+    sampled = SamplingSettings(max_new_tokens=6, temperature=1.0, top_p=1.0)
+    greedy = SamplingSettings(max_new_tokens=6, greedy=True)
+    engine, eager = graphed(model, ids), StaticDecoder(model, ids, CPU)
+    for step, settings in enumerate((sampled, greedy, sampled, greedy)):
+        seeds = None if settings.greedy else row_seeds(3, step, 0, len(rows))
+        want = eager.generate(rows, seeds=seeds, batch_size=len(rows), settings=settings)
+        got = engine.generate(rows, seeds=seeds, batch_size=len(rows), settings=settings)
+        assert _same(got, want), step
+    assert engine.captures == len(engine._graphs) == 2 and _Stream.made == 1
+    name, buffer = next((n, b) for n, b in model.named_buffers())
+    owner = model.get_submodule(name.rpartition(".")[0])
+    owner.register_buffer(name.rpartition(".")[2], buffer.clone(), persistent=False)
+    engine.generate(rows, seeds=None, batch_size=len(rows), settings=greedy)
+    assert engine.captures == 3 and len(engine._graphs) == 1
 
 
 @pytest.mark.parametrize("share_prompt", [False, True], ids=["rows", "shared-prompts"])

@@ -696,7 +696,8 @@ def engine_memory(f: ModelFacts, cfg: Config, stored: int, cuda: bool, budget: i
     the trajectory's budget; default algo.max_new_tokens)."""
     if engine == "static":
         return static_engine_memory(f, cfg, stored, prompt_tokens, rows,
-                                    cfg.algo.max_new_tokens if completion is None else completion)
+                                    cfg.algo.max_new_tokens if completion is None else completion,
+                                    graphs=cuda and cfg.rollout.static.cuda_graphs is not False)
     if engine != "vllm":
         return EngineMemory()
     v = cfg.rollout.vllm
@@ -747,18 +748,22 @@ STATIC_COMPLETION_STEP = 16
 
 
 def static_engine_memory(f: ModelFacts, cfg: Config, stored: int, prompt_tokens: int,
-                         generation_rows: int, completion: int) -> EngineMemory:
+                         generation_rows: int, completion: int, *, graphs: bool = False
+                         ) -> EngineMemory:
     """rollout.engine=static (r1fit/rollout/static_engine.py): a static KV cache of the most rows
     it generates at once (memory.generation_batch, or eval.batch when larger) x the prompt's
     planned tokens plus the completion (with tools the trajectory: each turn's context grows to
     it) and one scratch column, rounded up to 64 columns; the decode step's
     workspace (:func:`static_step_bytes`: [rows x vocab] tensors, the largest of a step's
-    intermediates, which its CUDA graph's pool keeps); with LoRA a copy of every adapted base
-    weight (the merge is undone by copying it back, bit-exact)."""
+    intermediates, which its CUDA graph's pool keeps) and, with ``graphs`` (CUDA graphs on),
+    the cuBLAS workspaces of its side stream and its captures (:data:`STATIC_GRAPH_STREAMS`);
+    with LoRA a copy of every adapted base weight (the merge is undone by copying it back,
+    bit-exact)."""
     t = f.text
     eval_rows = cfg.eval.batch if cfg.data.eval else 0
     rows = max(generation_rows, eval_rows, 1)
-    graphs = rows * t.vocab * static_step_bytes(stored, cfg.algo.top_p)
+    workspaces = STATIC_GRAPH_STREAMS * cublas_workspaces() // CUBLAS_THREADS if graphs else 0
+    graphs_bytes = rows * t.vocab * static_step_bytes(stored, cfg.algo.top_p) + workspaces
     backup = sum(i * o for i, o in f.lora_linears) * stored if cfg.model.lora.r > 0 else 0
     if shares_prompt_cache(f, cfg):
         # rollout.static.share_prompt: a prompt slot per group of a chunk (one more where a
@@ -770,7 +775,13 @@ def static_engine_memory(f: ModelFacts, cfg: Config, stored: int, prompt_tokens:
     else:
         # one column more: the scratch column an appended tool turn's padding writes to
         kv = kv_cache_bytes(t, stored, rows, _static_columns(prompt_tokens + completion + 1))
-    return EngineMemory(weights=backup, kv_cache=kv, graphs=graphs, static=True)
+    return EngineMemory(weights=backup, kv_cache=kv, graphs=graphs_bytes, static=True)
+
+
+#: streams on which the static engine's captured steps run matmuls besides the loop's own, each
+#: with a cuBLAS workspace of its own: the side stream its warm-ups run on (one per engine, in
+#: PyTorch's allocator) and its captures' (allocated in the graphs' pool at the first capture)
+STATIC_GRAPH_STREAMS = 2
 
 
 def _static_columns(tokens: int, step: int = STATIC_LENGTH_STEP) -> int:

@@ -206,21 +206,27 @@ def test_vllm_engine_adds_its_weight_copy_and_kv_pool(facts):
         EngineMemory(4 * 3_232, CPU_ENGINE_KV_BYTES, sleeps=False)
 
 
-def test_static_engine_holds_its_cache_its_step_workspace_and_a_lora_backup(facts):
+def test_static_engine_holds_its_cache_its_step_workspace_and_a_lora_backup(facts, monkeypatch):
     """3 rows of a 10-token prompt + 30 new tokens, bfloat16: the cache is 64 columns (40
     rounded up to 64) x 2 layers x K and V x kv_dim 16 x 2 bytes per row; the decode step's
     workspace is [3 x 100] logits in bf16, their float32 copy (worked on in place) and one more
     float32 tensor, with top_p < 1 the filter's 22 bytes an entry more; with LoRA the adapted
     32 x 32 weight's copy."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # the default workspace
     cfg = Config().with_values({"rollout.engine": "static", "algo.max_new_tokens": 30,
                                 "eval.batch": 2})
     got = engine_memory(facts, cfg, stored=2, cuda=True, budget=1 << 30, engine="static",
                         prompt_tokens=10, rows=3)
+    streams = 2 * (32 << 20)  # CUDA graphs: the side stream's and the captures' cuBLAS workspaces
     assert got == EngineMemory(weights=0, kv_cache=3 * 64 * 2 * 2 * 16 * 2,
-                               graphs=3 * 100 * (2 + 4 + 4), static=True)
+                               graphs=3 * 100 * (2 + 4 + 4) + streams, static=True)
     nucleus = engine_memory(facts, cfg.with_values({"algo.top_p": 0.9}), stored=2, cuda=True,
                             budget=1 << 30, engine="static", prompt_tokens=10, rows=3)
-    assert nucleus.graphs == 3 * 100 * (2 + 4 + 4 + 22)
+    assert nucleus.graphs == 3 * 100 * (2 + 4 + 4 + 22) + streams
+    eager = engine_memory(facts, cfg.with_values({"rollout.static.cuda_graphs": False}),
+                          stored=2, cuda=True, budget=1 << 30, engine="static", prompt_tokens=10,
+                          rows=3)
+    assert eager.graphs == 3 * 100 * (2 + 4 + 4)
     lora = engine_memory(facts, cfg.with_values({"model.lora.r": 4}), stored=2, cuda=True,
                          budget=1 << 30, engine="static", prompt_tokens=10, rows=3)
     assert lora.weights == 32 * 32 * 2 and lora.kv_cache == got.kv_cache
