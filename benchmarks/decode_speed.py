@@ -45,7 +45,9 @@ TURN_NEW_TOKENS = 32
 #: kinds of a decode step's kernels (or, on CPU, operators), by fragments of their lowercased
 #: names; the first kind that matches wins (a fused attention kernel's name holds "gemm" too)
 KERNEL_KINDS = (
-    ("attention", ("fmha", "flash", "attention", "attn")),
+    # cuDNN's fused attention: cudnn_generated_fort_native_sdpa_sm90_... (torch prefers it on
+    # Hopper with a recent cuDNN)
+    ("attention", ("fmha", "flash", "attention", "attn", "sdpa", "cudnn")),
     ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "splitk", "aten::mm", "aten::addmm",
                 "aten::bmm", "aten::matmul")),
     ("fused (triton)", ("triton",)),
@@ -231,7 +233,7 @@ def measure(  # noqa: PLR0913 -- the benchmark's knobs, all keywords
                    "graphs": engine.graphs, "captures": engine.captures,
                    "cache_bytes": engine.cache_bytes(),
                    "peak_allocated_bytes": peak, "roofline_fraction": roofline,
-                   "graphs_error": error},
+                   "graphs_error": error, **decode_attention_backend(engine, n)},
     }
     result["speedup_tokens_per_second"] = (
         None if hf_result is None else
@@ -401,6 +403,28 @@ def turn_timings(engine: Any, whole: Any, rows: Sequence[Any], seeds: Sequence[i
             "appended": engine.appended, "same_tokens": same}
 
 
+def decode_attention_backend(engine: Any, rows: int) -> dict[str, Any]:
+    """The kernel torch's sdpa dispatch picks for the engine's decode attention (a query of each
+    KV head's group of query heads over the whole cache, a boolean mask; r1fit's
+    ``decode_attention``), and the cuDNN version it ran with: which attention the profile's
+    "attention" row is."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    keys = engine.keys[0][:rows]
+    heads = int(engine._text_config.num_attention_heads)
+    query = torch.zeros(rows, keys.shape[1], heads // keys.shape[1], keys.shape[3],
+                        dtype=keys.dtype, device=keys.device)
+    found: dict[str, Any] = {"cudnn_version": torch.backends.cudnn.version()}
+    try:
+        choice = torch._fused_sdp_choice(query, keys, keys, attn_mask=engine.mask[:rows],
+                                         dropout_p=0.0, is_causal=False, scale=None)
+        found["sdpa_backend"] = SDPBackend(choice).name
+    except Exception as exc:  # noqa: BLE001 -- a private function: a name, not a crash
+        found["sdpa_backend"] = f"unknown ({type(exc).__name__}: {exc})"
+    return found
+
+
 def kernel_kind(name: str) -> str:
     """The kind (:data:`KERNEL_KINDS`) of a kernel or operator name; "other" when none matches."""
     low = name.lower()
@@ -502,7 +526,9 @@ def lines(name: str, r: dict[str, Any]) -> list[str]:
         f"{'' if st['graphs'] else ' (eager)'}{' compiled' if r.get('compile') else ''}"
         + (f"; CUDA graphs FAILED: {st['graphs_error']}" if st.get("graphs_error") else ""),
         f"  roofline: {r['bytes_per_decode_step'] / 2**30:.2f} GiB per step at "
-        f"{r['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s -> {st['roofline_fraction']:.0%}",
+        f"{r['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s -> {st['roofline_fraction']:.0%}; "
+        f"decode attention: sdpa picks {st.get('sdpa_backend', '?')} (cuDNN "
+        f"{st.get('cudnn_version')})",
         *([f"  {name}: {why}" for name, part in (("second turn", r.get("turn")),
                                                   ("shared prompts", r.get("shared")),
                                                   ("profile", st.get("profile")))

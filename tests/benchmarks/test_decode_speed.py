@@ -39,6 +39,7 @@ CPU = torch.device("cpu")
     ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
     ("aten::mul", "elementwise"),
     ("cudaGraphLaunch", "other"),
+    ("cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128_4x1x1_kernel0_0", "attention"),
 ])
 def test_kernel_kinds(name, kind):
     assert decode_speed.kernel_kind(name) == kind
@@ -81,6 +82,18 @@ def test_the_profile_counts_a_decode_steps_operators(tiny_dir):
     shown = [k["ms_per_step"] for k in got["top"]]
     assert shown == sorted(shown, reverse=True) and all(c > 0 for c in calls.values())
     assert any(line.startswith("    ") for line in decode_speed.profile_lines(got))
+
+
+def test_the_decode_attention_backend_is_named(tiny_dir):
+    """The sdpa kernel for the engine's decode attention shape (on CPU: the flash kernel for CPU,
+    which takes a mask), read after a call has sized the cache."""
+    model, ids, rows = tiny_rows(tiny_dir, 2)
+    engine = StaticDecoder(model, ids, CPU)
+    engine.generate(rows, seeds=row_seeds(0, 1, 0, len(rows)), batch_size=len(rows),
+                    settings=settings(2))
+    got = decode_speed.decode_attention_backend(engine, len(rows))
+    assert got == {"cudnn_version": torch.backends.cudnn.version(),
+                   "sdpa_backend": "FLASH_ATTENTION"}
 
 
 def test_shared_timings_compare_the_two_layouts_on_the_same_rows(tiny_dir):
