@@ -100,28 +100,34 @@ DECODE_ATTENTION = "r1fit_static_decode"
 def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                      value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
                      scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """sdpa for a one-token decode step without copying the keys per query head: transformers'
-    sdpa path repeats each KV head for its group of query heads whenever a mask is given (on
-    CUDA), which reads and writes the whole cache ``heads / kv heads`` times per layer per step.
-    Here the group's query heads become the query length of one KV head (a one-token query has
-    no causal order within it), so the cache is read once. A step of the shared-prompt layout
-    (its prompts' half passed as ``r1fit_prompts``) goes to :func:`shared_prompt_attention`.
-    Anything else (prefill, no mask, no grouping) goes to transformers' own sdpa function."""
+    """sdpa over the static cache without copying the keys per query head: transformers' sdpa
+    path repeats each KV head for its group of query heads whenever a mask is given (on CUDA),
+    which reads and writes the whole cache ``heads / kv heads`` times per layer: per decode
+    step, and for an appended tool turn a transient of that size per layer. Here a KV head's
+    group of query heads becomes one longer query (query ``l`` of the group's ``g``-th head at
+    row ``g * length + l``, its mask row repeated per head: each query's softmax is its own),
+    so the cache is read once. A step of the shared-prompt layout (its prompts' half passed as
+    ``r1fit_prompts``) goes to :func:`shared_prompt_attention`. Anything else (prefill, no
+    mask, no grouping, a mask per head) goes to transformers' own sdpa function."""
     shared = kwargs.pop(SHARED_KEYWORD, None)
     b, heads, length, dim = query.shape
     if shared is not None and length == 1 and attention_mask is not None:
         return shared_prompt_attention(module, query, key, value, attention_mask, shared,
                                        scaling=scaling), None
     kv_heads = key.shape[1]
-    if length != 1 or attention_mask is None or attention_mask.ndim != 4 or kv_heads == heads:
+    if attention_mask is None or attention_mask.ndim != 4 or attention_mask.shape[1] != 1 \
+            or kv_heads == heads:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
+    group = heads // kv_heads
     # query head h uses KV head h // group (transformers' repeat_kv order)
-    grouped = query.reshape(b, kv_heads, heads // kv_heads, dim)
-    out = F.scaled_dot_product_attention(grouped, key, value,
-                                         attn_mask=attention_mask[:, :, :, :key.shape[-2]],
-                                         dropout_p=0.0, scale=scaling)
-    return out.reshape(b, heads, 1, dim).transpose(1, 2).contiguous(), None
+    grouped = query.reshape(b, kv_heads, group * length, dim)
+    mask = attention_mask[:, :, :, :key.shape[-2]]
+    if length > 1:
+        mask = mask.repeat(1, 1, group, 1)
+    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, dropout_p=0.0,
+                                         scale=scaling)
+    return out.reshape(b, heads, length, dim).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(DECODE_ATTENTION, decode_attention)
@@ -885,9 +891,11 @@ class StaticDecoder:
         kwargs: dict[str, Any] = {self._cache_name: cache, "use_cache": True}
         if self._keep_logits:
             kwargs["logits_to_keep"] = 1
-        logits = model(input_ids=input_ids.to(dev),
-                       attention_mask=self._kinds(reads.unsqueeze(1), queries.unsqueeze(-1)),
-                       position_ids=positions.to(dev), **vision, **kwargs).logits[:, -1].float()
+        with decode_attention_on(self._text_config):  # the cache read once per KV head
+            logits = model(input_ids=input_ids.to(dev),
+                           attention_mask=self._kinds(reads.unsqueeze(1), queries.unsqueeze(-1)),
+                           position_ids=positions.to(dev), **vision,
+                           **kwargs).logits[:, -1].float()
         self.mask.zero_()
         self.mask[:n, 0, 0] = (columns >= begin.unsqueeze(1)) & (columns < width)
         # a rest ends with text (the assistant turn's opening): its three axes are equal

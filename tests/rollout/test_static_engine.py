@@ -352,6 +352,28 @@ def test_decode_attention_equals_sdpa_with_repeated_heads():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_decode_attention_of_an_appended_block_equals_sdpa_with_repeated_heads():
+    """A block of 4 query tokens (an appended tool turn), 8 query heads on 2 KV heads, a mask of
+    its own per query (causal within the block, a padded row): the grouped path gives
+    transformers' sdpa result with no copy of the keys per head."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from r1fit.rollout.static_engine import decode_attention
+
+    torch.manual_seed(1)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 4, True
+    query = torch.randn(3, 8, 4, 16, dtype=torch.float64)
+    key, value = (torch.randn(3, 2, 12, 16, dtype=torch.float64) for _ in range(2))
+    columns, queries = torch.arange(12), 6 + torch.arange(4)  # the block at columns 6..9
+    mask = (columns[None, None, None, :] <= queries[None, None, :, None]).repeat(3, 1, 1, 1)
+    mask[1, ..., :3] = False  # padding on the left of row 1
+    got, _ = decode_attention(module, query, key, value, mask, scaling=0.3)
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    assert got.shape == want.shape == (3, 4, 8, 16)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def _grown(rows, turns, text_ids):
     """Each row's context grown by its turn and a tool turn's text (new Prompt objects: a row of
     the next turn is its own conversation)."""
