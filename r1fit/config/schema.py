@@ -500,10 +500,11 @@ class StaticConfig:
     compile: bool | None = opt(
         None, "Run the decode step's forward through torch.compile before capturing it (fused "
         "kernels: fewer launches per layer): the first batch-size bucket compiles with static "
-        "shapes, the next with a dynamic batch that the later buckets share (3 compiles at "
-        "most). Costs compile time at the first rollouts (62 s for Qwen2.5-VL-3B on an H200, "
-        "which then decoded 1.6x as fast). null: on CUDA yes, on CPU no. Where the compile "
-        "fails, generation goes on without it (logged).")
+        "shapes, the next with a dynamic batch that the later buckets share (one more for a "
+        "call of a single row, and one when the cache grows). Costs compile time at the "
+        "first rollouts (62 s for Qwen2.5-VL-3B on an H200, which then decoded 1.6x as fast). "
+        "null: on CUDA yes, on CPU no. Where the compile fails, generation goes on without it "
+        "(logged).")
     sync_every: int = opt(
         16, "Decode steps between the host's looks at which rows have finished (the only host "
         "synchronisation of decoding): there generation stops when every row has, and the rows "

@@ -537,8 +537,10 @@ class StaticDecoder:
         if self._compiled is None or self._compiled[0] is not model:
             # dynamic=None: the first bucket (the largest, most of the tokens) compiles with
             # static shapes; the first other size recompiles with a dynamic batch, which every
-            # later bucket reuses (size 1 is specialised once more): 3 compiles at most, not
-            # one per bucket (measured on CPU: sizes 4, 2, 1, 3 -> 3 graphs)
+            # later bucket reuses (compaction makes no 1-row bucket, which would be specialised
+            # once more; a call of one row still is): not one compile per bucket (measured on
+            # CPU: sizes 4, 2, 1, 3 -> 3 graphs); a cache that grows recompiles once more, with
+            # a dynamic length
             self._compiled = (model, torch.compile(model, dynamic=None))
             self._compiled_rows = set()
         try:
@@ -585,8 +587,10 @@ class StaticDecoder:
         graph.replay()
 
     def _bucket(self, live: int) -> int:
-        """The smallest batch-size bucket (a power of two, or the capacity) holding ``live``."""
-        size = 1
+        """The smallest batch-size bucket (a power of two from 2, or the capacity) holding
+        ``live``. No bucket of one row: torch.compile specialises a batch of 1 (a compile of its
+        own, about a minute for a 3B model on a GPU, for a tail that runs as fast in a pair)."""
+        size = 2
         while size < live:
             size *= 2
         return min(size, self.capacity)
