@@ -153,6 +153,9 @@ def pick_device(name: str) -> torch.device:
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DistributedError(f"train.device={name} but CUDA is not available on this machine")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise DistributedError(f"train.device={name} but this machine has "
+                               f"{torch.cuda.device_count()} CUDA device(s) (cuda:0 is the first)")
     return device
 
 

@@ -1,7 +1,10 @@
 """Config: the demo by default (its preset over defaults made for real models), YAML +
 overrides, each key's source, one-line errors naming the key."""
 
+import re
+
 import pytest
+import torch
 
 from r1fit.config import (
     Config,
@@ -307,3 +310,27 @@ def test_tool_settings_are_checked_in_one_line(overrides, message):
         load_config(None, overrides)
     assert message in str(excinfo.value)
     assert "\n" not in str(excinfo.value)
+
+
+@pytest.mark.parametrize("name", ["tpu", "mps", "meta", "cuda:x", "cuda:-1", "CPU", ""])
+def test_train_device_names_a_cpu_or_a_cuda_gpu(name):
+    with pytest.raises(ConfigError, match=rf"train.device: got '{re.escape(name)}', expected"):
+        load_config(None, [f"train.device={name}"])
+
+
+def test_a_cuda_index_the_machine_lacks_is_one_line(monkeypatch):
+    from r1fit.processes import DistributedError, pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert pick_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(DistributedError, match="train.device=cuda:2 but this machine has 2 CUDA"):
+        pick_device("cuda:2")
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("data:\n  system_prompt: caf\xe9\n".encode("latin-1"))
+    # "data:\n  system_prompt: caf" is 26 bytes: the 27th, byte 26, is latin-1's e acute
+    with pytest.raises(ConfigError, match=r"latin1.yaml: not a UTF-8 text file \(byte 26: "):
+        load_config(path)

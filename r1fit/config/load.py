@@ -36,7 +36,11 @@ class _UniqueKeys(yaml.SafeLoader):
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        return yaml.load(path.read_text(), Loader=_UniqueKeys) or {}  # noqa: S506 (a safe loader)
+        return yaml.load(path.read_text(encoding="utf-8"),  # noqa: S506 (a safe loader)
+                         Loader=_UniqueKeys) or {}
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a UTF-8 text file (byte {exc.start}: "
+                          f"{exc.object[exc.start:exc.start + 1]!r})") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""

@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -717,6 +718,7 @@ class Config:
         if not self.checkpoint.resume.strip():
             raise ConfigError("checkpoint.resume: got an empty value, expected 'auto', 'never' or a "
                               "checkpoint folder")
+        _check_device(self.train.device)
         _check_tools(self)
         doubled = sorted({name for name in self.report.to if self.report.to.count(name) > 1})
         if doubled:  # each would log every point twice (or fail, for W&B's second run)
@@ -767,6 +769,14 @@ def uneven_split(n: int, what: str, size: int) -> str | None:
     if n % size == 0:
         return None
     return f"{n} {what} do not split evenly over {size} processes; make it a multiple of {size}"
+
+
+def _check_device(name: str) -> None:
+    """``train.device``: 'auto', 'cpu', 'cuda' or 'cuda:N' (whether this machine has it is the
+    run's to say: a plan may be made elsewhere)."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):
+        raise ConfigError(f"train.device: got {name!r}, expected 'auto', 'cpu', 'cuda' or "
+                          "'cuda:N' (r1fit runs on CPUs and CUDA GPUs)")
 
 
 def _check_shapes(cfg: Config) -> None:
