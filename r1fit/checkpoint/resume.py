@@ -263,7 +263,7 @@ def _continue_metrics(point: Path, out: Path, lines: int) -> None:
     """Make ``out/metrics.jsonl`` the first ``lines`` rows of the checkpoint's run, so the resumed
     run appends without duplicated or missing steps."""
     source = point.parent / "metrics.jsonl"
-    rows = source.read_text(encoding="utf-8").splitlines(keepends=True) if source.is_file() else []
+    rows = source.read_bytes().splitlines(keepends=True) if source.is_file() else []
     if len(rows) < lines:
         log.warning("%s has %d rows, the checkpoint recorded %d; the earlier rows are missing",
                     source, len(rows), lines)
@@ -271,5 +271,19 @@ def _continue_metrics(point: Path, out: Path, lines: int) -> None:
     if dropped:
         log.info("metrics.jsonl: dropping %d rows written after %s (they will be redone)",
                  dropped, point.name)
+    kept, damaged = [], []
+    for number, row in enumerate(rows[:lines], 1):
+        try:  # a row cut short (a full disk, a crash mid-write) or garbled on disk
+            text = row.decode("utf-8")
+            json.loads(text)
+        except ValueError:  # UnicodeDecodeError is one
+            damaged.append(number)
+            continue
+        # a row with no end of line: the resumed run's first row would join it
+        kept.append(text if text.endswith("\n") else text + "\n")
+    if damaged:
+        log.warning("%s: %d damaged rows left out (line%s %s: not a JSON row of UTF-8 text)",
+                    source, len(damaged), "s" * (len(damaged) > 1),
+                    ", ".join(map(str, damaged[:10])) + (", ..." if len(damaged) > 10 else ""))
     # the only copy of the run's history: replaced whole or not at all
-    write_text_atomic(out / "metrics.jsonl", "".join(rows[:lines]))
+    write_text_atomic(out / "metrics.jsonl", "".join(kept))

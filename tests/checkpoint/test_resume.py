@@ -97,6 +97,32 @@ def test_a_newer_checkpoint_skipped_as_damaged_is_set_aside_and_best_and_latest_
     assert (out / "metrics.jsonl").read_text() == "".join(rows[:2])
 
 
+def test_damaged_metrics_rows_are_left_out_and_the_last_row_ends_its_line(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The checkpoint recorded 4 rows; on disk the 2nd holds a byte that is not UTF-8 and the
+    4th, the last, was cut mid-write (no end of line): the resumed run's history keeps rows 1
+    and 3, each on its own line, so the next row it appends is a row of its own; the warning
+    names the damaged lines. (Before, a bad byte stopped the resume with a traceback and the
+    cut row swallowed the next step's.)"""
+    import torch
+
+    from r1fit.checkpoint.manager import CheckpointManager
+
+    cfg = load_config(None, [f"train.output_dir={tmp_path}", "checkpoint.keep=0"])
+    manager = CheckpointManager(tmp_path, cfg, "sft", resume=None)
+    manager.add_model("model", torch.nn.Linear(2, 2, bias=False))
+    (tmp_path / "metrics.jsonl").write_text("")
+    manager.save("sft", 1, {name: Box(1) for name in ("optimizer", "scheduler", "rng")},
+                 metrics_lines=4)
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1}\n{"step": 2, "tag": "\xff"}\n'
+                                             b'{"step": 3}\n{"step": 4, "loss": 0.')
+    with caplog.at_level("WARNING", logger="r1fit"):
+        out, resume = open_output_dir(cfg, "sft")
+    assert resume is not None and resume.path.name == "checkpoint-1"
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 3}\n'
+    assert "2 damaged rows left out (lines 2, 4: not a JSON row of UTF-8 text)" in caplog.text
+
+
 def test_resuming_from_a_renamed_copy_inside_the_output_folder(tmp_path: Path) -> None:
     """checkpoint.resume=out/keep-step1 (a copy of checkpoint-1 under a name with no step in it):
     the run resumes at step 1 from it, checkpoint-2 goes (it lies after the point) and
