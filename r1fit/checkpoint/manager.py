@@ -271,6 +271,7 @@ class CheckpointManager:
         self.resolved: dict[str, str] = {}
         best_file = out / "best"
         self.best = json.loads(best_file.read_text()) if best_file.is_file() else None
+        self._best_missing_said = False  # keep_best_by's metric missing from a saved step, said
         self.last_saved: Path | None = None
         self.stop_requested = False  # SIGTERM/SIGUSR1 (pre-emption): save after this step, stop
         if cfg.checkpoint.every and threading.current_thread() is threading.main_thread():
@@ -476,7 +477,18 @@ class CheckpointManager:
 
     def _update_best(self, name: str, metrics: dict[str, Any]) -> None:
         key = self.cfg.checkpoint.keep_best_by
-        if not key or metrics.get(key) is None:
+        if not key:
+            return
+        if metrics.get(key) is None:
+            if not self._best_missing_said:  # once: a typo would otherwise keep no best unsaid
+                self._best_missing_said = True
+                import difflib
+
+                close = difflib.get_close_matches(key, list(metrics), n=3)
+                log.warning("checkpoint.keep_best_by=%s: %s's step logged no such metric%s; a "
+                            "checkpoint is kept as best only at a step that logs it (an "
+                            "evaluation's, for eval/ metrics)", key, name,
+                            f" (close: {', '.join(close)})" if close else "")
             return
         value = float(metrics[key])
         better = (self.best is None or

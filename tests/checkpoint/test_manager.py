@@ -82,6 +82,22 @@ def test_retention_keeps_the_newest_and_the_best(tmp_path):
         "checkpoint": "checkpoint-2", "metric": "eval/accuracy", "value": 0.9}
 
 
+def test_a_keep_best_by_metric_no_step_logs_is_said_once_with_close_names(tmp_path, caplog):
+    """A typo ('eval/acuracy') kept no best checkpoint and said nothing: the first saved step
+    without the metric says so once, with the row's close names; no best file appears."""
+    m = manager(tmp_path, "checkpoint.every=1", "checkpoint.keep=0",
+                "checkpoint.keep_best_by=eval/acuracy")
+    with caplog.at_level("WARNING", logger="r1fit"):
+        for step in (1, 2):
+            m.save("sft", step, {"sampler": Box(step)},
+                   metrics={"eval/accuracy": 0.5, "loss": 1.0})
+    said = [r.getMessage() for r in caplog.records if "keep_best_by" in r.getMessage()]
+    assert said == ["checkpoint.keep_best_by=eval/acuracy: checkpoint-1's step logged no such "
+                    "metric (close: eval/accuracy); a checkpoint is kept as best only at a step "
+                    "that logs it (an evaluation's, for eval/ metrics)"]
+    assert not (tmp_path / "best").exists()
+
+
 def test_min_mode_and_keep_all(tmp_path):
     m = manager(tmp_path, "checkpoint.every=1", "checkpoint.keep=0",
                 "checkpoint.keep_best_by=loss", "checkpoint.keep_best_mode=min")
