@@ -196,6 +196,8 @@ def _text(value: Any, what: str) -> str:
     """A turn's or column's text: a non-empty string, or a number (VLM-R1 writes numeric answers)."""
     if isinstance(value, bool) or not isinstance(value, str | int | float):
         raise BadRowError(f"{what} must be a string, got {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):  # JSON's NaN, a parquet null
+        raise BadRowError(f"{what} is {value} (not a finite number)")
     text = value if isinstance(value, str) else str(value)
     if not text.strip():
         raise BadRowError(f"{what} is empty")

@@ -197,6 +197,9 @@ def test_each_row_is_asked_for_its_image_column() -> None:
      "'focus' [-1, 0, 4, 4] is not a box"),
     ({"problem": "q", "solution": "a", "focus": [0.1, 0.1, 0.2, 0.2]},
      "has a 'focus' box but no image"),
+    # JSON's NaN and Infinity (Python's json reads them), a parquet column's null as a float
+    ({"problem": "q", "solution": float("nan")}, "'solution' is nan (not a finite number)"),
+    ({"problem": float("inf"), "solution": "a"}, "'problem' is inf (not a finite number)"),
 ])
 def test_bad_rows_say_what_is_wrong(raw: dict, reason: str) -> None:
     # the format is the source's, detected on its first row: these rows are later ones
