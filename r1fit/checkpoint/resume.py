@@ -99,11 +99,11 @@ def open_output_dir(cfg: Any, kind: str) -> tuple[Path, ResumePoint | None]:
         return out, point
     except OSError as exc:
         raise CheckpointError(f"train.output_dir={cfg.train.output_dir}: cannot create or use the "
-                              f"output folder: {_os_reason(exc)}; choose another "
+                              f"output folder: {os_reason(exc)}; choose another "
                               "train.output_dir") from exc
 
 
-def _os_reason(exc: OSError) -> str:
+def os_reason(exc: OSError) -> str:
     """What went wrong and where, e.g. ``/a/b is a file, not a folder`` for a path below a file."""
     if exc.filename is None:
         return one_line(exc)

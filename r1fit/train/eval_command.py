@@ -55,7 +55,7 @@ from r1fit.checkpoint.manager import (
     run_config,
     verify,
 )
-from r1fit.checkpoint.resume import EVAL_FOLDER
+from r1fit.checkpoint.resume import EVAL_FOLDER, os_reason
 from r1fit.checkpoint.sharded import load_model_weights
 from r1fit.config import Config, ConfigError
 from r1fit.data.build import build_eval_set
@@ -216,12 +216,18 @@ def evaluate_model(cfg: Config, model: str | None = None, out: Path | None = Non
     if cfg.rollout.engine == "vllm":  # and a missing vLLM
         require_vllm()
     folder = output_folder(cfg, source, out)
-    folder.mkdir(parents=True, exist_ok=True)
+    unfinished = (folder / "config.json").exists()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(run_config(cfg, "eval"), indent=2))
+    except OSError as exc:
+        where = f"--out {out}" if out is not None else f"train.output_dir={cfg.train.output_dir}"
+        raise ConfigError(f"{where}: cannot write the evaluation's folder: {os_reason(exc)}"
+                          ) from exc
     setup_logging(folder)
-    if (folder / "config.json").exists():
+    if unfinished:
         log.info("eval: --out %s held an unfinished evaluation (no summary.json): written over",
                  folder)
-    (folder / "config.json").write_text(json.dumps(run_config(cfg, "eval"), indent=2))
     session = start_session(cfg, source)
     algo = cfg.algo
     # the rollouts' settings: greedy answers take their max_new_tokens alone

@@ -190,6 +190,9 @@ def test_what_model_and_out_refuse_is_one_line(use_tiny_cache, tmp_path, capsys)
         (["--model", str(tmp_path / "empty")], "not a model folder (config.json), a LoRA adapter "
                                                "folder"),
         (["--out", str(tmp_path / "full")], "not a new or empty folder"),
+        (["--out", str(tmp_path / "full" / "x" / "out")],
+         f"--out {tmp_path / 'full' / 'x' / 'out'}: cannot write the evaluation's folder: "
+         f"{tmp_path / 'full' / 'x'} is a file, not a folder"),
         (["--model", str(tmp_path / "missing")], f"model folder '{tmp_path / 'missing'}' does "
                                                  "not exist"),
         (["--model", str(tmp_path / "full" / "x")], "is a file; expected a model folder"),
