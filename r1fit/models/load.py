@@ -10,6 +10,7 @@ token, end of turn, stop tokens, vision tower, FSDP units), never from its name.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import warnings
@@ -35,6 +36,8 @@ from r1fit.errors import one_line
 from r1fit.models.builtin import BUILTIN_PREFIX, ensure_builtin, shipped_config
 from r1fit.models.errors import ModelConfigError
 from r1fit.models.vision_attention import batch_vision_segments
+
+log = logging.getLogger("r1fit.models")
 
 #: Linear layers of a decoder layer that LoRA may adapt (Qwen2/2.5/3-VL and Gemma 3 name them alike).
 LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -79,6 +82,24 @@ def resolve_model_path(path: str) -> str:
     if path.startswith(("/", "./", "../", "~")) or path.count("/") > 1:
         raise ModelConfigError(f"model folder {path!r} does not exist")
     return path
+
+
+def check_loading_info(info: dict[str, Any], path: str) -> None:
+    """Refuse a model whose weights lack tensors its config.json's model has: transformers
+    initialises them at random and only prints a table, so the run would train (or an
+    evaluation score) a partly random model. Tensors the weights hold beyond the model are
+    logged: they are left out."""
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise ModelConfigError(
+            f"cannot load model {path!r}: its weights lack {len(missing)} tensor"
+            f"{'s' * (len(missing) > 1)} of the model its config.json describes (first: "
+            f"{missing[0]}), which would start random; config.json and the weights do not match")
+    unexpected = sorted(info.get("unexpected_keys") or ())
+    if unexpected:
+        log.warning("model %s: %d tensors of its weights belong to no part of the model its "
+                    "config.json describes and are left out (first: %s)", path, len(unexpected),
+                    unexpected[0])
 
 
 def load_failure(what: str, path: str, err: BaseException) -> str:
@@ -644,14 +665,21 @@ def _from_pretrained(
         batch_vision_segments(skeleton)
         return skeleton
     try:
-        model = AutoModelForImageTextToText.from_pretrained(
+        model, info = AutoModelForImageTextToText.from_pretrained(
             folder, dtype=_DTYPES[dtype], attn_implementation=attn_implementation,
-            device_map=str(torch.device(device)),
+            device_map=str(torch.device(device)), output_loading_info=True,
         )
     except SafetensorError as err:  # a truncated or corrupt weights file; it does not say which
         raise ModelConfigError(bad_weights_message(folder, path, err)) from err
     except (OSError, ValueError, KeyError, ImportError) as err:
         raise ModelConfigError(load_failure("cannot load model", path, err)) from err
+    except RuntimeError as err:
+        if "mismatched" not in str(err):  # out of memory and the like: not the folder's fault
+            raise
+        raise ModelConfigError(f"cannot load model {path!r}: its weights' shapes differ from "
+                               "those its config.json describes (a config.json of another "
+                               "model size?)") from err
+    check_loading_info(info, path)
     check_logits_are_the_head(model, path)
     # sdpa vision attention in one call a layer, not one per image or window
     batch_vision_segments(model)

@@ -144,6 +144,40 @@ def test_truncated_weights_are_one_line_naming_the_file(tiny_dir: Path, tmp_path
         load_frozen(str(folder), dtype="float32", device="cpu")
 
 
+def _edited_copy(tiny_dir: Path, dest: Path, edit: Any) -> Path:
+    """A copy of builtin:tiny whose config.json's text config ``edit`` changes."""
+    shutil.copytree(tiny_dir, dest)
+    config = json.loads((dest / "config.json").read_text())
+    edit(config.get("text_config", config))
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
+def test_weights_that_do_not_fill_the_configs_model_are_one_line(tiny_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    """A config.json of another model than its weights: one more layer than the weights hold
+    (transformers starts those tensors random and prints a table, so the run trained a partly
+    random model) or wider layers (transformers raises a RuntimeError): both refused in one
+    line; the reference's load too."""
+    def more_layers(text: dict) -> None:
+        text["num_hidden_layers"] += 1
+        text["layer_types"] = [*text["layer_types"], text["layer_types"][-1]]
+
+    def wider(text: dict) -> None:
+        text["intermediate_size"] *= 2
+
+    deeper = _edited_copy(tiny_dir, tmp_path / "deeper", more_layers)
+    with pytest.raises(ModelConfigError, match=r"its weights lack 12 tensors of the model its "
+                       r"config.json describes \(first: model.language_model.layers.2.") as info:
+        _load(deeper)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ModelConfigError, match="its weights lack 12 tensors"):
+        load_frozen(str(deeper), dtype="float32", device="cpu")
+    with pytest.raises(ModelConfigError, match=r"its weights' shapes differ from those its "
+                       r"config.json describes"):
+        _load(_edited_copy(tiny_dir, tmp_path / "wider", wider))
+
+
 def test_truncated_builtin_says_how_to_rebuild(tiny_dir: Path, tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     cache = tmp_path / "cache"
