@@ -63,6 +63,7 @@ from r1fit.data.errors import DataError
 from r1fit.distributed.loading import load_on_ranks
 from r1fit.memory.autofit import resolve_checkpointing, resolve_sizes
 from r1fit.memory.telemetry import reset_peak, step_memory
+from r1fit.models.errors import ModelConfigError
 from r1fit.models.load import ADAPTER_CONFIG, load_adapter, load_policy, resolve_model_path
 from r1fit.processes import DistributedError, pick_device, world
 from r1fit.progress import progress_bar
@@ -169,6 +170,27 @@ def output_folder(cfg: Config, source: ModelSource, out: Path | None) -> Path:
     return folder
 
 
+def other_base(adapter: str, path: str) -> str | None:
+    """The base another than ``path`` (model.path) that the LoRA adapter folder ``adapter`` was
+    trained on (its adapter_config.json's ``base_model_name_or_path``), logged as a warning: the
+    adapter is scored on model.path's weights, which may be another model of the same shapes.
+    None where they are one (the same string, or the same folder once resolved) or the adapter
+    names none."""
+    base = read_json_object(Path(adapter).expanduser() / ADAPTER_CONFIG).get(
+        "base_model_name_or_path")
+    if not isinstance(base, str) or not base or base == path:
+        return None
+    try:
+        same = Path(resolve_model_path(path)).resolve() == Path(base).expanduser().resolve()
+    except (ModelConfigError, OSError):
+        same = False
+    if same:
+        return None
+    log.warning("eval: --model %s is a LoRA adapter trained on %s, scored on model.path=%s: "
+                "unless that is the same model, pass model.path=%s", adapter, base, path, base)
+    return base
+
+
 def start_session(cfg: Config, source: ModelSource) -> Session:
     """The data (checked before the model loads), the chunk sizes the run would use, the model."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -190,6 +212,7 @@ def start_session(cfg: Config, source: ModelSource) -> Session:
             freeze_vision=False, dtype=m.dtype, device=where, gradient_checkpointing=False,
             attn_implementation=m.attn_implementation)
         if source.kind == "adapter":
+            other_base(source.path, m.path)
             model = load_adapter(model, source.path)
         elif source.kind == "checkpoint":
             try:

@@ -218,3 +218,25 @@ def test_the_page_of_an_evaluation_with_tools_opens_in_chromium(use_tiny_cache, 
     colours = Image.open(shot).convert("RGB").getcolors(maxcolors=1 << 20)
     assert colours is not None and len(colours) > 20  # text, tables and images, not blank
     assert console == []
+
+
+def test_an_adapter_scored_on_another_base_is_said(use_tiny_cache, tiny_dir, tmp_path, caplog):
+    """A LoRA adapter names its base (adapter_config.json): model.path that resolves to it is
+    quiet (builtin:tiny and its cache folder are one), another model is a warning naming both."""
+    from r1fit.train.eval_command import other_base
+
+    adapter = tmp_path / "final"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {"r": 4, "base_model_name_or_path": str(tiny_dir)}))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    with caplog.at_level("WARNING", logger="r1fit"):
+        assert other_base(str(adapter), "builtin:tiny") is None
+        assert other_base(str(adapter), str(tiny_dir)) is None
+        assert not caplog.records
+        assert other_base(str(adapter), str(other)) == str(tiny_dir)
+    assert caplog.records[-1].getMessage() == (
+        f"eval: --model {adapter} is a LoRA adapter trained on {tiny_dir}, scored on "
+        f"model.path={other}: unless that is the same model, pass model.path={tiny_dir}")
