@@ -169,7 +169,8 @@ class RewardScorer:
         fn = self.functions[name]
         try:
             value = fn(completion, solution, **info)
-        except Exception:  # noqa: BLE001 - a buggy reward must not stop training
+        except (Exception, SystemExit):  # noqa: BLE001 - a buggy reward must not stop training
+            # (nor end the run unsaid with its sys.exit: a reward error, counted and logged)
             return 0.0, f"reward {name!r} raised on sample {index}:\n{traceback.format_exc()}"
         score = _as_float(value)
         if score is None:

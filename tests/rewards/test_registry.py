@@ -31,6 +31,11 @@ PLUGIN_SOURCE = textwrap.dedent(
             raise RuntimeError("plugin exploded on " + completion)
         return 1.0
 
+    def exits_on_b(completion, solution, **info):
+        if "b" in completion:
+            raise SystemExit(3)  # a script's sys.exit left in a reward
+        return 1.0
+
     def nan_on_b(completion, solution, **info):
         return math.nan if "b" in completion else 0.5
 
@@ -174,6 +179,15 @@ class TestScore:
         assert len(records) == 1  # 3 failures over 2 calls, one log line
         assert records[0].levelno == logging.WARNING
         assert "plugin exploded on b1" in records[0].getMessage()
+
+    def test_a_reward_that_calls_sys_exit_is_a_reward_error(self, plugin: str) -> None:
+        """SystemExit is no Exception: it ended the run with its exit code and no line naming
+        the reward. It is a reward error, counted and logged, like any other raise."""
+        name = f"{plugin}:exits_on_b"
+        result = RewardScorer({name: 1.0}).score(["a", "b"], ["", ""], infos(2))
+        torch.testing.assert_close(result.total, torch.tensor([1.0, 0.0]))
+        assert result.errors == 1 and "SystemExit: 3" in (result.first_error or "")
+        assert f"reward '{name}' raised on sample 1" in (result.first_error or "")
 
     def test_nan_and_non_number_returns(
         self, plugin: str, caplog: pytest.LogCaptureFixture
