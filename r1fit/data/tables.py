@@ -172,7 +172,11 @@ def _load_hf(spec: str, path: Path, split: str | None, default_split: str) -> Li
     except DataError:
         raise
     except Exception as exc:  # noqa: BLE001 - datasets raises many types; each means "cannot read"
-        raise DataError(f"{spec}: cannot load it with datasets ({one_line(exc, 300)})") from None
+        cause = exc  # datasets wraps the reason ("An error occurred while generating the dataset")
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        why = one_line(exc, 150) + ("" if cause is exc else f": {one_line(cause, 200)}")
+        raise DataError(f"{spec}: cannot load it with datasets ({why})") from None
 
 
 def open_table(spec: str, *, default_split: str) -> Table:
@@ -194,4 +198,9 @@ def open_table(spec: str, *, default_split: str) -> Table:
     if not path.exists() and (text.startswith((".", "/", "~")) or text.count("/") != 1):
         raise DataError(f"{spec}: not found (neither a file or folder here nor a hub id "
                         "'owner/name')")
+    if path.is_file() and suffix not in (".parquet", ".arrow"):
+        # datasets would take it for a hub id and say it cannot reach the hub
+        raise DataError(f"{spec}: a {path.suffix or 'suffix-less'} file; r1fit reads .jsonl, "
+                        ".json, .parquet and .arrow files, save_to_disk folders, folders of data "
+                        "files and hub ids")
     return _load_hf(spec, path, split or None, default_split)

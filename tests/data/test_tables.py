@@ -165,6 +165,22 @@ def test_errors_name_the_source(tmp_path) -> None:
     with pytest.raises(DataError, match=re.escape("d.jsonl@train: a .jsonl file has no splits")):
         (tmp_path / "d.jsonl").write_text("{}\n")
         open_table(f"{tmp_path / 'd.jsonl'}@train", default_split="train")
+    # a file of another kind: named as such (datasets took it for a hub id it could not reach)
+    (tmp_path / "rows.txt").write_text("q\ta\n")
+    with pytest.raises(DataError, match=re.escape(f"{tmp_path / 'rows.txt'}: a .txt file; r1fit "
+                                                  "reads .jsonl, .json, .parquet and .arrow")):
+        open_table(str(tmp_path / "rows.txt"), default_split="train")
+
+
+def test_a_folder_datasets_cannot_read_says_why(tmp_path) -> None:
+    """datasets wraps the reason in "An error occurred while generating the dataset": the
+    message carries the reason too (here, two files whose columns differ)."""
+    (tmp_path / "rows").mkdir()
+    (tmp_path / "rows" / "a.jsonl").write_text('{"problem": "q", "solution": "a"}\n')
+    (tmp_path / "rows" / "b.jsonl").write_text('{"question": "q", "answer": 1}\n')
+    with pytest.raises(DataError, match=r"rows: cannot load it with datasets \(.*: .*column") as info:
+        open_table(str(tmp_path / "rows"), default_split="train")
+    assert "\n" not in str(info.value)
 
 
 def test_a_folder_of_data_files_loads_like_a_hub_repository(tmp_path) -> None:
