@@ -72,6 +72,31 @@ def run_entries(out: Path) -> tuple[list[Path], list[Path]]:
     return ours, theirs
 
 
+def refuse_foreign(out: Path) -> None:
+    """A folder that holds no run of r1fit's but entries a run writes (a model folder's
+    config.json, someone's final/) is refused: the run would write over them. A run stopped
+    before its first step (its own config.json and log) is no such folder."""
+    if not out.is_dir() or holds_run(out):
+        return
+    ours, _ = run_entries(out)
+    if not ours or _run_config(out / "config.json"):
+        return
+    names = ", ".join(child.name for child in ours[:5])
+    raise CheckpointError(f"train.output_dir={out} holds {names}, which no r1fit run wrote (a "
+                          "model's folder?) and a run would write over; choose a new or empty "
+                          "train.output_dir")
+
+
+def _run_config(path: Path) -> bool:
+    """Whether ``path`` is a run's config.json (:func:`run_config`: which command, then every
+    key)."""
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and saved.get("kind") in ("grpo", "sft")
+
+
 def holds_run(out: Path) -> bool:
     metrics = out / "metrics.jsonl"
     return (metrics.is_file() and metrics.stat().st_size > 0) or bool(list_checkpoints(out))
@@ -93,6 +118,7 @@ def open_output_dir(cfg: Any, kind: str) -> tuple[Path, ResumePoint | None]:
     write the run's ``config.json``. Raises :class:`CheckpointError` when it cannot, an OS error
     included (a path below a regular file, no permission, a read-only folder)."""
     try:
+        refuse_foreign(Path(cfg.train.output_dir))
         hold_output_dir(Path(cfg.train.output_dir))  # one run at a time in a folder
         out, point = _open_output_dir(cfg, kind)
         (out / "config.json").write_text(json.dumps(run_config(cfg, kind), indent=2))

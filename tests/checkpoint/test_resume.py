@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -60,12 +61,21 @@ def test_other_os_errors_name_the_path_and_the_reason(tmp_path: Path,
 def test_the_run_config_is_written_and_a_failed_write_is_one_line(tmp_path: Path) -> None:
     out, _ = _open(tmp_path / "run")
     assert json.loads((out / "config.json").read_text())["kind"] == "grpo"
-    # a folder that cannot take the file (as root, a read-only folder would still take it)
+    # a disk that cannot take the file (as root, a read-only folder would still take it)
     other = tmp_path / "other"
-    (other / "config.json").mkdir(parents=True)
-    with pytest.raises(CheckpointError, match=rf"^train\.output_dir={other}: cannot create or use "
-                                              r"the output folder: .*config\.json"):
-        _open(other)
+    real = Path.write_text
+
+    def full(path: Path, *args: Any, **kwargs: Any) -> int:
+        if path.name == "config.json":
+            raise OSError(28, "No space left on device", str(path))
+        return real(path, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Path, "write_text", full)
+        with pytest.raises(CheckpointError, match=rf"^train\.output_dir={other}: cannot create or "
+                                                  r"use the output folder: .*config\.json: No "
+                                                  "space left on device"):
+            _open(other)
 
 
 def test_a_newer_checkpoint_skipped_as_damaged_is_set_aside_and_best_and_latest_follow(
@@ -121,6 +131,26 @@ def test_damaged_metrics_rows_are_left_out_and_the_last_row_ends_its_line(
     assert resume is not None and resume.path.name == "checkpoint-1"
     assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 3}\n'
     assert "2 damaged rows left out (lines 2, 4: not a JSON row of UTF-8 text)" in caplog.text
+
+
+def test_a_folder_that_is_no_runs_is_refused_untouched(tmp_path: Path) -> None:
+    """train.output_dir naming a model's folder (its config.json, no run in it) wrote the run's
+    config.json over the model's, and the run's final/ over any there: refused, nothing
+    written. A run stopped before its first step (its own config.json) is taken again."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"architectures": ["Qwen2_5_VLForConditionalGeneration"]}')
+    (model / "model.safetensors").write_bytes(b"weights")
+    before = {p.name: p.read_bytes() for p in model.iterdir()}
+    with pytest.raises(CheckpointError, match=f"train.output_dir={model} holds config.json, which "
+                       "no r1fit run wrote"):
+        _open(model)
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before
+    stopped = tmp_path / "stopped"
+    _open(stopped)  # writes its config.json, then stops before any step
+    (stopped / "log.txt").write_text("started\n")
+    out, resume = _open(stopped)
+    assert out == stopped and resume is None
 
 
 def test_resuming_from_a_renamed_copy_inside_the_output_folder(tmp_path: Path) -> None:
@@ -195,8 +225,15 @@ def test_overwrite_keeps_r1fit_evals_results_and_says_whose_they_are(
 
 
 def test_overwrite_without_a_previous_run_deletes_nothing(tmp_path: Path) -> None:
+    """No run in the folder: train.overwrite deletes nothing; a log of the user's, which the
+    run would write into, is refused, and one beside a stopped run's config.json is the run's."""
     out = tmp_path / "run"
     out.mkdir()
     (out / "log.txt").write_text("a log of the user's, not a run")  # no metrics, no checkpoint
-    _open(out, "train.overwrite=true")
+    with pytest.raises(CheckpointError, match="holds log.txt, which no r1fit run wrote"):
+        _open(out, "train.overwrite=true")
     assert (out / "log.txt").read_text() == "a log of the user's, not a run"
+    (out / "notes.md").write_text("the user's")
+    (out / "log.txt").unlink()
+    _open(out, "train.overwrite=true")
+    assert (out / "notes.md").read_text() == "the user's"
