@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import signal
@@ -356,6 +357,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: OS errors that say what is wrong with the machine (a full disk or quota, a read-only file
+#: system, a permission): one line naming the file, as for any cause the user can fix
+MACHINE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns, extra = parser.parse_known_args(argv)
@@ -377,6 +383,13 @@ def main(argv: list[str] | None = None) -> int:
         return command(ns)
     except R1fitError as exc:  # a cause the user can fix: one line, no traceback
         print(f"r1fit: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if exc.errno not in MACHINE_ERRNOS:
+            raise
+        # the machine's, not r1fit's: a full disk, a read-only folder, no permission
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"r1fit: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("r1fit: interrupted", file=sys.stderr)

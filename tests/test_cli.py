@@ -215,3 +215,26 @@ def test_plan_on_a_gpu_machine_plans_its_gpus_free_memory(capsys, tmp_path, monk
     assert capsys.readouterr().err.endswith(
         "r1fit plan: planned for a CUDA device (this machine has none; train.device=cpu plans a "
         "run on this CPU)\n")
+
+
+def test_the_machines_os_errors_are_one_line(monkeypatch, capsys):
+    """A full disk mid-run (metrics, thumbnails, a report into a read-only folder) was an OSError
+    traceback: one line naming the file, exit 2. Any other OS error is raised as it is."""
+    import errno
+
+    import r1fit.cli as cli
+
+    def full(ns):
+        raise OSError(errno.ENOSPC, "No space left on device", "/runs/a/metrics.jsonl")
+
+    monkeypatch.setitem(cli.COMMANDS, "plan", full)
+    assert cli.main(["plan"]) == 2
+    assert capsys.readouterr().err == ("r1fit: error: /runs/a/metrics.jsonl: No space left on "
+                                       "device\n")
+
+    def bug(ns):
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    monkeypatch.setitem(cli.COMMANDS, "plan", bug)
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        cli.main(["plan"])
