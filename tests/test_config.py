@@ -334,3 +334,8 @@ def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path):
     # "data:\n  system_prompt: caf" is 26 bytes: the 27th, byte 26, is latin-1's e acute
     with pytest.raises(ConfigError, match=r"latin1.yaml: not a UTF-8 text file \(byte 26: "):
         load_config(path)
+
+
+def test_an_empty_output_dir_is_refused():
+    with pytest.raises(ConfigError, match="train.output_dir: got an empty value"):
+        load_config(None, ["train.output_dir="])

@@ -719,6 +719,8 @@ class Config:
             raise ConfigError("checkpoint.resume: got an empty value, expected 'auto', 'never' or a "
                               "checkpoint folder")
         _check_device(self.train.device)
+        if not self.train.output_dir.strip():  # "" would write the run into the current folder
+            raise ConfigError("train.output_dir: got an empty value, expected a folder")
         _check_tools(self)
         doubled = sorted({name for name in self.report.to if self.report.to.count(name) > 1})
         if doubled:  # each would log every point twice (or fail, for W&B's second run)
