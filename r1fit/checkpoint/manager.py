@@ -480,7 +480,9 @@ class CheckpointManager:
         if not key:
             return
         if metrics.get(key) is None:
-            if not self._best_missing_said:  # once: a typo would otherwise keep no best unsaid
+            # once: a typo would otherwise keep no best unsaid (the format warm-up's steps log no
+            # evaluation: not said there)
+            if not self._best_missing_said and not name.startswith("checkpoint-warmup"):
                 self._best_missing_said = True
                 import difflib
 

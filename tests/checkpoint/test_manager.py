@@ -88,6 +88,7 @@ def test_a_keep_best_by_metric_no_step_logs_is_said_once_with_close_names(tmp_pa
     m = manager(tmp_path, "checkpoint.every=1", "checkpoint.keep=0",
                 "checkpoint.keep_best_by=eval/acuracy")
     with caplog.at_level("WARNING", logger="r1fit"):
+        m.save("warmup", 5, {"sampler": Box(0)}, metrics={"loss": 2.0})  # no evaluation there
         for step in (1, 2):
             m.save("sft", step, {"sampler": Box(step)},
                    metrics={"eval/accuracy": 0.5, "loss": 1.0})
