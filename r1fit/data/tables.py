@@ -139,8 +139,9 @@ def _pick_split(found: Any, name: str, split: str | None, default: str) -> tuple
     names = list(found)
     choice = split or (default if default in names else names[0] if len(names) == 1 else None)
     if choice not in names:
+        base = name[:-len(f"@{split}")] if split and name.endswith(f"@{split}") else name
         raise DataError(f"{name}: {'no split ' + repr(split) if split else 'several splits'} "
-                        f"(has {names}); name one as {name}@<split>")
+                        f"(has {names}); name one as {base}@<split>")
     return found[choice], choice
 
 

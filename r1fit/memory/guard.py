@@ -38,6 +38,10 @@ log = logging.getLogger("r1fit.memory")
 T = TypeVar("T")
 _SIZE_OF_PHASE = {"generation": "generation_batch", "micro_batch": "micro_batch"}
 
+#: torch's message when the CPU allocator cannot get memory (a RuntimeError, not an
+#: OutOfMemoryError)
+CPU_ALLOCATOR_FAILED = "DefaultCPUAllocator: can't allocate memory"
+
 
 class OutOfMemory(R1fitError, RuntimeError):
     """Out of memory even at chunk size 1; the message says what to change."""
@@ -68,6 +72,13 @@ class OOMGuard:
         except torch.OutOfMemoryError:
             self.failed_phase = name
             raise
+        except RuntimeError as exc:
+            if CPU_ALLOCATOR_FAILED not in str(exc):
+                raise
+            # the CPU's out of memory (torch raises it as a plain RuntimeError): shrunk and
+            # redone as CUDA's is
+            self.failed_phase = name
+            raise torch.OutOfMemoryError(f"CPU out of memory: {one_line(exc, 200)}") from None
         if self.budget is not None and self.device.type == "cpu":
             used = peak_rss_bytes() - self.baseline
             if used > self.budget:

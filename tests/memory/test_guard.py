@@ -54,6 +54,28 @@ def test_oom_in_micro_batches_halves_micro_batch():
     assert guard.run_step(attempt, restore=[]) == 1 and guard.retries == 2
 
 
+def test_the_cpu_allocators_failure_is_an_oom_the_guard_shrinks():
+    """torch raises the CPU allocator's failure as a plain RuntimeError (a bare traceback before):
+    inside a phase it is an out-of-memory, halved and redone; other RuntimeErrors pass."""
+    guard, _ = make_guard(micro_batch=4)
+
+    def attempt() -> int:
+        with guard.phase("micro_batch"):
+            if guard.sizes.micro_batch > 2:
+                raise RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: "
+                                   "can't allocate memory: you tried to allocate 85899345920 bytes.")
+        return guard.sizes.micro_batch
+
+    assert guard.run_step(attempt, restore=[]) == 2 and guard.retries == 1
+
+    def bug() -> None:
+        with guard.phase("micro_batch"):
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        guard.run_step(bug, restore=[])
+
+
 def test_gives_up_at_size_one_with_advice():
     guard, _ = make_guard(micro_batch=2)
 
