@@ -338,11 +338,12 @@ def language_model_lora_regex(lora_target: str | Sequence[str]) -> str:
     else:
         names = list(lora_target)
     if not names:
-        raise ModelConfigError("lora_target is empty; use 'all-linear' or names from " + ", ".join(LORA_TARGETS))
+        raise ModelConfigError("model.lora.target is empty; use 'all-linear' or names from " + ", ".join(LORA_TARGETS))
     unknown = [n for n in names if n not in LORA_TARGETS]
     if unknown:
         raise ModelConfigError(
-            f"lora_target has unknown module name(s) {unknown}; choose from 'all-linear', " + ", ".join(LORA_TARGETS)
+            f"model.lora.target has unknown module name(s) {unknown}; choose from 'all-linear', "
+            + ", ".join(LORA_TARGETS)
         )
     attn = [n for n in LORA_TARGETS if n in names and n in _ATTN]
     mlp = [n for n in LORA_TARGETS if n in names and n not in _ATTN]
