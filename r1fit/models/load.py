@@ -70,6 +70,10 @@ def resolve_model_path(path: str) -> str:
         return str(ensure_builtin(path[len(BUILTIN_PREFIX) :]))
     expanded = os.path.expanduser(path)
     if os.path.isdir(expanded):
+        if run_folder := _run_folder(Path(expanded)):
+            raise ModelConfigError(f"model folder {path!r} is {run_folder}, not a model: pass the "
+                                   "run's final/ (a LoRA run's: r1fit export --merge-lora makes it "
+                                   "a model), or r1fit export a checkpoint into a model folder")
         if os.path.isfile(os.path.join(expanded, "config.json")):
             return expanded
         if os.path.isfile(os.path.join(expanded, ADAPTER_CONFIG)):
@@ -81,6 +85,10 @@ def resolve_model_path(path: str) -> str:
     # is a local folder the user mistyped, and deserves a clearer error than a hub lookup.
     if path.startswith(("/", "./", "../", "~")) or path.count("/") > 1:
         raise ModelConfigError(f"model folder {path!r} does not exist")
+    owner = path.split("/")[0]
+    if "/" in path and os.path.isdir(owner):  # "models/qwen" beside a folder models/: a typo?
+        log.warning("model path %r: no such folder here (there is a folder %s/), so it is looked "
+                    "up as a hub id", path, owner)
     return path
 
 
@@ -113,6 +121,17 @@ def load_failure(what: str, path: str, err: BaseException) -> str:
                 "image-text-to-text model, which r1fit trains through transformers' "
                 "AutoModelForImageTextToText (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma 3, ...)")
     return f"{what} {path!r}: {text}"
+
+
+def _run_folder(folder: Path) -> str | None:
+    """What r1fit run output ``folder`` is ("an r1fit checkpoint", "an r1fit run's output
+    folder"), or None: a checkpoint holds its manifest and trainer state, a run its metrics or
+    checkpoints (its config.json is the run's, no model's)."""
+    if (folder / "trainer_state.json").is_file() and (folder / "manifest.json").is_file():
+        return "an r1fit checkpoint"
+    if (folder / "metrics.jsonl").is_file() or any(folder.glob("checkpoint-*")):
+        return "an r1fit run's output folder"
+    return None
 
 
 def _adapter_folder(path: str, folder: Path) -> str:

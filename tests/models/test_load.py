@@ -115,6 +115,28 @@ def test_resolve_missing_local_folder_and_hub_id(tmp_path: Path) -> None:
         resolve_model_path("")
 
 
+def test_a_run_folder_or_checkpoint_is_no_model_path(tmp_path: Path, monkeypatch, caplog) -> None:
+    """A run's output folder and a checkpoint hold a config.json (the run's): named as what they
+    are, with the way to a model, not as a model folder missing its tokenizer. A mistyped
+    relative folder beside a real one is still a hub id, with a warning."""
+    run = tmp_path / "run"
+    (run / "checkpoint-2").mkdir(parents=True)
+    (run / "config.json").write_text('{"kind": "grpo"}')
+    (run / "metrics.jsonl").write_text("{}\n")
+    for name in ("config.json", "trainer_state.json", "manifest.json"):
+        (run / "checkpoint-2" / name).write_text("{}")
+    with pytest.raises(ModelConfigError, match=r"is an r1fit run's output folder, not a model: "
+                                               r"pass the run's final/"):
+        resolve_model_path(str(run))
+    with pytest.raises(ModelConfigError, match="is an r1fit checkpoint, not a model"):
+        resolve_model_path(str(run / "checkpoint-2"))
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level("WARNING", logger="r1fit"):
+        assert resolve_model_path("run/qwen-vl") == "run/qwen-vl"
+    assert "no such folder here (there is a folder run/), so it is looked up as a hub id" in \
+        caplog.text
+
+
 def test_unloadable_hub_id_is_one_line_naming_the_path() -> None:
     # the processor loads first (a folder without its tokenizer fails before the weights load)
     with pytest.raises(ModelConfigError, match=r"^cannot load processor for 'bad id/with spaces': "
