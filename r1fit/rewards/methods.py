@@ -198,6 +198,8 @@ _CHOICE_NAMED = re.compile(
     r"\b(?i:answer|option|choice)(?:\s+is)?\s*:?\s*"
     r"(?:[(\[]([A-Za-z])[)\]]|([A-Z])(?=\s*(?:$|[.,;:!?)\]])))"
 )
+# An option letter in brackets anywhere: "(C)", "[c]"
+_CHOICE_MARKED = re.compile(r"[(\[]([A-Za-z])[)\]]")
 # LaTeX that only frames a letter: "\boxed{B}", "\text{(B)}" (a letter in math mode)
 _LATEX_WRAPPER = re.compile(r"\\(?:boxed|text|textbf|mathrm|mathbf)\{([^{}]*)\}")
 # Characters around an answer that carry no meaning: markdown emphasis, code ticks, quotes,
@@ -217,12 +219,17 @@ def read_choice(answer: str) -> str | None:
     a marked option ("B. Paris", "(B) Paris", "B) Paris"); the answer names the letter after
     "answer", "option" or "choice" ("The answer is C", "option (b)") — there a bare letter must be
     a capital ending its clause, and two different letters named make it ambiguous (None). Any
-    other text ("I think C", "A or B") names no letter.
+    other text ("I think C", "A or B") names no letter, nor does a lead followed by another
+    bracketed option ("(B) or (C)").
     """
     text = _LATEX_WRAPPER.sub(r"\1", answer).strip(_DECORATION)
     match = _CHOICE_ALONE.fullmatch(text) or _CHOICE_LEADS.match(text)
     if match:
-        return match.group(1).upper()
+        letter = match.group(1).upper()
+        # "(B) or (C)": a lead followed by another marked option hedges (rewarding it would
+        # reward naming every option)
+        others = {m.upper() for m in _CHOICE_MARKED.findall(text[match.end():])} - {letter}
+        return None if others else letter
     named = {(m.group(1) or m.group(2)).upper() for m in _CHOICE_NAMED.finditer(text)}
     return named.pop() if len(named) == 1 else None
 

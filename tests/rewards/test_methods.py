@@ -70,6 +70,8 @@ class TestReadChoice:
         [
             "I think C",  # VLM-R1 reads C: any capital followed by the end of text
             "A or B",
+            "(B) or (C)",  # a hedge: a lead, then another bracketed option
+            "B. Paris [c]",
             "the answer is a dog",  # a lowercase bare letter is a word, not an option
             "The answer is I think B",  # "I" does not end its clause
             "The answer is A. Option B.",  # two letters named: ambiguous
