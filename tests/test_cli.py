@@ -238,3 +238,18 @@ def test_the_machines_os_errors_are_one_line(monkeypatch, capsys):
     monkeypatch.setitem(cli.COMMANDS, "plan", bug)
     with pytest.raises(OSError, match="Bad file descriptor"):
         cli.main(["plan"])
+
+
+def test_a_full_disk_without_a_file_name_says_what_was_written(monkeypatch, capsys):
+    import errno
+
+    import r1fit.cli as cli
+
+    def flush(ns):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setitem(cli.COMMANDS, "plan", flush)
+    assert cli.main(["plan"]) == 2
+    assert capsys.readouterr().err == ("r1fit: error: No space left on device (while writing the "
+                                       "run's files; a run resumes from its last complete "
+                                       "checkpoint once there is room)\n")

@@ -339,3 +339,9 @@ def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path):
 def test_an_empty_output_dir_is_refused():
     with pytest.raises(ConfigError, match="train.output_dir: got an empty value"):
         load_config(None, ["train.output_dir="])
+
+
+@pytest.mark.parametrize("value", ["[]", "''"])
+def test_an_empty_reward_method_names_the_key(value):
+    with pytest.raises(ConfigError, match="data.reward_method: got"):
+        load_config(None, [f"data.reward_method={value}"])

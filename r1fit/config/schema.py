@@ -719,8 +719,7 @@ class Config:
             raise ConfigError("checkpoint.resume: got an empty value, expected 'auto', 'never' or a "
                               "checkpoint folder")
         _check_device(self.train.device)
-        if not self.train.output_dir.strip():  # "" would write the run into the current folder
-            raise ConfigError("train.output_dir: got an empty value, expected a folder")
+        _check_not_empty(self)
         _check_tools(self)
         doubled = sorted({name for name in self.report.to if self.report.to.count(name) > 1})
         if doubled:  # each would log every point twice (or fail, for W&B's second run)
@@ -771,6 +770,17 @@ def uneven_split(n: int, what: str, size: int) -> str | None:
     if n % size == 0:
         return None
     return f"{n} {what} do not split evenly over {size} processes; make it a multiple of {size}"
+
+
+def _check_not_empty(cfg: Config) -> None:
+    """Values that must name something: an empty one was taken for nothing, unsaid."""
+    methods = cfg.data.reward_method
+    if not methods or (not isinstance(methods, str) and not all(methods)):
+        # every row would be bad, blamed on the rows
+        raise ConfigError(f"data.reward_method: got {methods!r}, expected a method name (or one "
+                          "per data.train source)")
+    if not cfg.train.output_dir.strip():  # "" would write the run into the current folder
+        raise ConfigError("train.output_dir: got an empty value, expected a folder")
 
 
 def _check_device(name: str) -> None:
