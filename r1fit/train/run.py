@@ -223,6 +223,12 @@ def start_run(cfg: Config, kind: str) -> Run:
     use_tensor_probe(cfg.memory.cpu_peak == "tensors" and device.type == "cpu")
     configure_host_allocator(cfg.memory.release_freed, cfg.memory.budget, device)
     train_set, eval_set = build_datasets(cfg)
+    if kind == "grpo" and cfg.train.early_stop_patience and (eval_set is None
+                                                             or not cfg.eval.every):
+        log.warning("train.early_stop_patience=%d has no effect: it counts evaluations during "
+                    "training, and %s", cfg.train.early_stop_patience,
+                    "there is no eval set (data.eval)" if eval_set is None else
+                    "eval.every=0 evaluates only before and after")
     # the trackers before the model: one that cannot start (no login, no server) stops the run
     # in seconds, not after a model load; they are closed if the start fails later
     trackers = start_trackers(cfg, out)

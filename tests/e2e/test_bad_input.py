@@ -189,5 +189,7 @@ def test_an_evaluation_with_no_row_it_could_score_logs_null_not_zero(use_tiny_ca
         == [(0, None, 0, 1), (3, None, 0, 1)]
     assert "eval: no row of data.eval could be answered and scored (1 bad): eval/accuracy and " \
            "eval/format are null" in (out / "log.txt").read_text()
+    assert "train.early_stop_patience=1 has no effect: it counts evaluations during training, " \
+           "and eval.every=0 evaluates only before and after" in (out / "log.txt").read_text()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 3 and "eval_accuracy_end" not in summary
