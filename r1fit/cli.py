@@ -216,6 +216,10 @@ def cmd_config(ns: argparse.Namespace) -> int:
     """``r1fit config``: each key's value and source, the resolved config as JSON, or the key
     reference."""
     if ns.reference:
+        if ns.args:  # the reference is every key's default and meaning, of no config
+            raise ConfigError(f"r1fit config --reference takes no config or overrides (got "
+                              f"{' '.join(ns.args)}); r1fit config {' '.join(ns.args)} shows "
+                              "their values")
         print(config_reference_markdown())
     elif ns.json:
         print(json.dumps(_config(ns.args).to_dict(), indent=2))

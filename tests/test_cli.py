@@ -253,3 +253,9 @@ def test_a_full_disk_without_a_file_name_says_what_was_written(monkeypatch, caps
     assert capsys.readouterr().err == ("r1fit: error: No space left on device (while writing the "
                                        "run's files; a run resumes from its last complete "
                                        "checkpoint once there is room)\n")
+
+
+def test_the_key_reference_takes_no_config(capsys):
+    assert main(["config", "--reference", "my.yaml"]) == 2
+    assert capsys.readouterr().err.startswith("r1fit: error: r1fit config --reference takes no "
+                                              "config or overrides (got my.yaml)")
