@@ -57,7 +57,10 @@ class JsonlTable(Table):
                 self._lines.append(line_no)
                 try:
                     # utf-8-sig tolerates a byte-order mark on the first line (Windows editors)
-                    self._rows.append(json.loads(raw.decode("utf-8-sig")))
+                    self._rows.append(json.loads(raw.decode("utf-8-sig"),
+                                                 object_pairs_hook=_unique_keys))
+                except DuplicateKey as exc:
+                    self._rows.append(BadRowError(str(exc)))
                 except UnicodeDecodeError as exc:
                     self._rows.append(BadRowError(f"not valid UTF-8 ({exc.reason} at byte "
                                                   f"{exc.start})"))
@@ -95,6 +98,21 @@ class ListTable(Table):
 
     def where(self, index: int) -> str:
         return f"{self.name} row {index + 1}"
+
+
+class DuplicateKey(ValueError):
+    """A JSON object that names a key twice (Python's json keeps the last, unsaid)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's dict, refusing a key given twice: which of two answers was meant is not
+    for the reader to guess."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(f"key {key!r} given twice")
+        out[key] = value
+    return out
 
 
 def _json_limit(exc: ValueError | RecursionError) -> str:

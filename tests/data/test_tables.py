@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from r1fit.data.errors import DataError
+from r1fit.data.errors import BadRowError, DataError
 from r1fit.data.rows import FormatOptions
 from r1fit.data.source import RowSource, TableSpec
 from r1fit.data.tables import open_table
@@ -207,3 +207,15 @@ def test_an_unreachable_hub_id_is_one_line(tmp_path) -> None:
     assert done.stdout.startswith("DataError someone/some-dataset@train: cannot load it with "
                                   "datasets ("), done.stdout + done.stderr[-2000:]
     assert done.stdout.count("\n") == 1
+
+
+def test_a_jsonl_row_that_names_a_key_twice_is_bad(tmp_path) -> None:
+    """Python's json keeps the last of two values of a key: which answer was meant is unknown,
+    so the row is bad, named and counted (its neighbours are read)."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"problem": "q", "solution": "1"}\n{"problem": "q", "solution": "1", '
+                    '"solution": "2"}\n')
+    table = open_table(str(path), default_split="train")
+    assert table.row(0) == {"problem": "q", "solution": "1"}
+    with pytest.raises(BadRowError, match="key 'solution' given twice"):
+        table.row(1)
