@@ -116,9 +116,18 @@ def _leave_without_finalizing() -> None:
     os._exit(0)
 
 
+#: GRPO keys ``r1fit sft`` does not read, and the SFT key it reads instead
+SFT_READS_INSTEAD = {"train.max_steps": "sft.steps", "train.learning_rate": "sft.learning_rate"}
+
+
 def cmd_train(ns: argparse.Namespace) -> int:
     """``r1fit train`` (SFT format warm-up, then GRPO) and ``r1fit sft``: run as configured."""
-    cfg = _config(ns.args)
+    cfg, sources = _resolved(ns.args)
+    if ns.command == "sft":  # an override on the command line that this command would drop
+        for key, instead in SFT_READS_INSTEAD.items():
+            if sources.get(key) == "override":
+                print(f"r1fit: warning: {key}={cfg.value(key)} has no effect on r1fit sft, which "
+                      f"reads {instead} (now {cfg.value(instead)})", file=sys.stderr)
     from r1fit.memory.telemetry import configure_cuda_allocator
 
     configure_cuda_allocator()  # before anything touches CUDA

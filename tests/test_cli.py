@@ -3,6 +3,7 @@ import json
 import pytest
 
 from r1fit.cli import main
+from r1fit.config import load_config
 
 
 def test_config_json_prints_resolved_values(capsys):
@@ -259,3 +260,20 @@ def test_the_key_reference_takes_no_config(capsys):
     assert main(["config", "--reference", "my.yaml"]) == 2
     assert capsys.readouterr().err.startswith("r1fit: error: r1fit config --reference takes no "
                                               "config or overrides (got my.yaml)")
+
+
+def test_sft_says_which_grpo_overrides_it_drops(monkeypatch, capsys):
+    """`r1fit sft train.max_steps=1` ran sft.steps steps unsaid: a warning names the key it reads
+    instead. `r1fit train` reads both: no warning."""
+    import r1fit.cli as cli
+
+    ran = []
+    monkeypatch.setattr(cli, "_run", lambda command, cfg: ran.append(command))
+    assert main(["sft", "train.max_steps=1", "train.learning_rate=0.5", "sft.steps=7"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["r1fit: warning: train.max_steps=1 has no effect on r1fit sft, which reads "
+                   "sft.steps (now 7)",
+                   "r1fit: warning: train.learning_rate=0.5 has no effect on r1fit sft, which "
+                   f"reads sft.learning_rate (now {load_config(None).sft.learning_rate})"]
+    assert main(["train", "train.max_steps=1"]) == 0 and ran == ["sft", "train"]
+    assert capsys.readouterr().err == ""
