@@ -172,7 +172,10 @@ def _open(image: str | os.PathLike[str] | bytes, how: str, failure: str) -> Imag
                 return ImageOps.exif_transpose(img)
             # the context manager closes the file; loaded pixels stay in memory
             return img
+    except Image.DecompressionBombError as exc:  # a sound file, too large to decode safely
+        raise BadRowError(f"image too large {name}: {one_line(exc)} (PIL refuses to decode it; "
+                          "resize it)") from exc
     # PIL plugins raise many types on corrupt input (OSError, SyntaxError, struct.error, IndexError,
-    # DecompressionBombError...); any of them means "this file is unusable".
+    # ...); any of them means "this file is unusable".
     except Exception as exc:  # noqa: BLE001
         raise BadRowError(f"{failure} {name}: {one_line(exc)}") from exc

@@ -169,6 +169,19 @@ def test_load_image_truncated_and_garbage(tmp_path) -> None:
         assert "\n" not in message
 
 
+def test_an_image_over_pils_pixel_limit_is_too_large_not_corrupt(tmp_path, monkeypatch) -> None:
+    """PIL refuses to decode an image over twice its MAX_IMAGE_PIXELS (a decompression bomb
+    guard): a sound file, named as too large, not as corrupt."""
+    _write_png(tmp_path / "a.png")
+    with Image.open(tmp_path / "a.png") as img:
+        pixels = img.width * img.height
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", pixels // 3)
+    for check in (load_image, verify_image):
+        with pytest.raises(BadRowError, match=rf"^image too large {tmp_path / 'a.png'}: .*PIL "
+                                              "refuses to decode it; resize it"):
+            check(tmp_path / "a.png")
+
+
 def test_verify_image(tmp_path) -> None:
     data = _write_png(tmp_path / "a.png")
     verify_image(tmp_path / "a.png")
