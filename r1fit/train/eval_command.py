@@ -212,7 +212,6 @@ def start_session(cfg: Config, source: ModelSource) -> Session:
             freeze_vision=False, dtype=m.dtype, device=where, gradient_checkpointing=False,
             attn_implementation=m.attn_implementation)
         if source.kind == "adapter":
-            other_base(source.path, m.path)
             model = load_adapter(model, source.path)
         elif source.kind == "checkpoint":
             try:
@@ -222,6 +221,8 @@ def start_session(cfg: Config, source: ModelSource) -> Session:
                                       f"{exc}") from exc
         return model.eval().requires_grad_(False), processor
 
+    if source.kind == "adapter":  # once, not per build of the model
+        other_base(source.path, m.path)
     model, processor, policy = load_on_ranks(build, device, activation_checkpointing=False)
     log.info("eval: %s on %s, model.path=%s", source.describe(), device, m.path)
     return Session(cfg, world(), device, model, processor, policy, TokenIds.of(model, processor),
