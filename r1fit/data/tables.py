@@ -94,7 +94,10 @@ class ListTable(Table):
         return len(self._rows)
 
     def row(self, index: int) -> Any:
-        return self._rows[index]
+        value = self._rows[index]
+        if isinstance(value, BadRowError):  # a JSON list's row that names a key twice
+            raise value
+        return value
 
     def where(self, index: int) -> str:
         return f"{self.name} row {index + 1}"
@@ -115,6 +118,30 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _marked_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any] | BadRowError:
+    """``_unique_keys`` for a JSON file that holds a list of rows: an object that names a key
+    twice, or holds one that does (at any depth), becomes the error itself, so that its row is
+    bad and its neighbours are read (one bad row must not stop the whole file)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if (bad := _bad_inside(value)) is not None:
+            return bad
+        if key in out:
+            return BadRowError(f"key {key!r} given twice")
+        out[key] = value
+    return out
+
+
+def _bad_inside(value: Any) -> BadRowError | None:
+    """The error a parsed JSON value carries: itself, or one inside its lists (an object's
+    own errors were raised to it when it was parsed)."""
+    if isinstance(value, BadRowError):
+        return value
+    if isinstance(value, list):
+        return next((bad for item in value if (bad := _bad_inside(item)) is not None), None)
+    return None
+
+
 def _json_limit(exc: ValueError | RecursionError) -> str:
     """Why valid-looking JSON could not be read: Python's limits on integer digits and nesting."""
     if isinstance(exc, RecursionError):
@@ -124,15 +151,17 @@ def _json_limit(exc: ValueError | RecursionError) -> str:
 
 def _json_list(path: Path, name: str) -> ListTable:
     try:
-        rows = json.loads(path.read_text(encoding="utf-8-sig"))
+        rows = json.loads(path.read_text(encoding="utf-8-sig"), object_pairs_hook=_marked_keys)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise DataError(f"{name}: not a JSON file ({one_line(exc)})") from None
     except (ValueError, RecursionError) as exc:
         raise DataError(f"{name}: not a JSON file ({_json_limit(exc)})") from None
+    if isinstance(rows, BadRowError):
+        raise DataError(f"{name}: not a JSON file of rows ({rows})")
     if not isinstance(rows, list):
         raise DataError(f"{name}: a .json source must hold a list of rows, got "
                         f"{type(rows).__name__} (one object per line is .jsonl)")
-    return ListTable(rows, name, path.parent)
+    return ListTable([_bad_inside(row) or row for row in rows], name, path.parent)
 
 
 def _undecoded_images(dataset: Any) -> Any:

@@ -219,3 +219,25 @@ def test_a_jsonl_row_that_names_a_key_twice_is_bad(tmp_path) -> None:
     assert table.row(0) == {"problem": "q", "solution": "1"}
     with pytest.raises(BadRowError, match="key 'solution' given twice"):
         table.row(1)
+
+
+def test_a_json_list_row_that_names_a_key_twice_is_bad_and_its_neighbours_are_read(
+        tmp_path) -> None:
+    """In a .json list (LLaVA's layout) as in JSONL: a row naming a key twice, at its top or in
+    a turn of its conversation, is a bad row, named; the file's other rows are read."""
+    path = tmp_path / "d.json"
+    path.write_text('[{"problem": "q", "solution": "1"},\n'
+                    ' {"problem": "q", "solution": "1", "solution": "2"},\n'
+                    ' {"conversations": [{"from": "human", "value": "a", "value": "b"}]},\n'
+                    ' {"problem": "r", "solution": "3"}]')
+    table = open_table(str(path), default_split="train")
+    assert len(table) == 4
+    assert table.row(0) == {"problem": "q", "solution": "1"}
+    with pytest.raises(BadRowError, match="key 'solution' given twice"):
+        table.row(1)
+    with pytest.raises(BadRowError, match="key 'value' given twice"):
+        table.row(2)
+    assert table.row(3) == {"problem": "r", "solution": "3"}
+    src = source(str(path))
+    assert (len(src), src.bad_rows) == (2, 2)
+    assert src.first_error == f"{path} row 2: key 'solution' given twice"
