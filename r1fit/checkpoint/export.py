@@ -25,8 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from safetensors import SafetensorError
-
 from r1fit.checkpoint.files import fsync_dir, fsync_tree, read_json_object
 from r1fit.checkpoint.manager import (
     MANIFEST,
@@ -35,6 +33,7 @@ from r1fit.checkpoint.manager import (
     TRAINER_STATE,
     CheckpointError,
     failure_reason,
+    io_failure,
     list_checkpoints,
     verify,
 )
@@ -99,11 +98,10 @@ def export(checkpoint: Path, out: Path, *, merge_lora: bool = False) -> Exported
         else:
             os.rename(partial, out)
         fsync_dir(partial.parent)
-    except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
+    except BaseException as exc:
         shutil.rmtree(partial, ignore_errors=True)
-        raise CheckpointError(f"could not export to {out}: {failure_reason(exc)}") from exc
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        if io_failure(exc):  # a full disk, as safetensors' and tokenizers' own errors too
+            raise CheckpointError(f"could not export to {out}: {failure_reason(exc)}") from exc
         raise
     total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     return Exported(out, what, base, total, note)
@@ -234,8 +232,10 @@ def save_hf_folder(model: Any, processor: Any, folder: Path) -> None:
                 shutil.rmtree(folder)
             os.rename(partial, folder)
             fsync_dir(folder.parent)
-        except (OSError, SafetensorError) as exc:
+        except BaseException as exc:
             shutil.rmtree(partial, ignore_errors=True)
+            if not io_failure(exc):
+                raise
             raise CheckpointError(f"could not write {folder}: {failure_reason(exc)}. The "
                                   "checkpoints are intact: free the space and rerun the same "
                                   "command to write it") from exc

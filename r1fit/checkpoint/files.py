@@ -49,11 +49,15 @@ def fsync_tree(root: Path) -> None:
 def write_text_atomic(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` so a reader sees either the old or the new content."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # no half-written .tmp left behind (a full disk)
+        raise
     fsync_dir(path.parent)
 
 

@@ -22,6 +22,7 @@ from r1fit.checkpoint.manager import (
     command_of,
     list_checkpoints,
     missing_for_resume,
+    read_best,
     verify,
 )
 from r1fit.report.blocks import print_blocks
@@ -98,7 +99,7 @@ def inspect_output_dir(path: Path) -> dict[str, Any]:
     ``latest`` / ``best`` markers."""
     latest_file, best_file = path / "latest", path / "best"
     latest = latest_file.read_text().strip() if latest_file.is_file() else None
-    best = read_json_object(best_file) if best_file.is_file() else None
+    best = read_best(path)
     rows = []
     for folder in list_checkpoints(path):
         info = inspect_checkpoint(folder)
@@ -113,7 +114,8 @@ def inspect_output_dir(path: Path) -> dict[str, Any]:
     return {
         "type": "output_dir", "path": str(path), "checkpoints": rows,
         "latest": latest, "latest_exists": latest in names if latest else None,
-        "best": best, "resume_from": resume_from,
+        "best": best, "best_unreadable": best_file.is_file() and best is None,
+        "resume_from": resume_from,
         "final": str(path / "final") if is_model_folder(path / "final") else None,
     }
 
@@ -217,6 +219,9 @@ def _output_dir_blocks(r: dict[str, Any]) -> list[Any]:
     if r["best"]:
         b = r["best"]
         blocks.append(f"best: {b.get('checkpoint')} ({b.get('metric')} = {b.get('value')})")
+    elif r.get("best_unreadable"):
+        blocks.append("best: the file 'best' is unreadable (a resume forgets it and keeps the "
+                      "best anew)")
     resume = r["resume_from"]
     if resume is None:
         blocks.append("checkpoint.resume=auto: no intact checkpoint to continue from")

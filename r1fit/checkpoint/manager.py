@@ -38,9 +38,18 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
 
 import r1fit
-from r1fit.checkpoint.files import fsync_dir, fsync_tree, load_state, save_state, sha256_file, write_text_atomic
+from r1fit.checkpoint.files import (
+    fsync_dir,
+    fsync_tree,
+    load_state,
+    read_json_object,
+    save_state,
+    sha256_file,
+    write_text_atomic,
+)
 from r1fit.checkpoint.sharded import load_model_weights, model_tensors, save_tensors
 from r1fit.errors import R1fitError, one_line
 from r1fit.processes import all_max, barrier, world
@@ -114,6 +123,19 @@ def failure_reason(exc: BaseException) -> str:
     return one_line(exc, 300, first_line=True)
 
 
+#: how the Rust-backed writers (tokenizers, safetensors) word an OS error: "... (os error 28)"
+_RUST_OS_ERROR = re.compile(r"\(os error \d+\)")
+
+
+def io_failure(exc: BaseException) -> bool:
+    """True for an error that says a file could not be written or read (a full disk, a
+    permission, a folder removed): OS errors, DCP's, safetensors' (its own type), and the
+    tokenizers library's bare ``Exception`` whose text ends in Rust's '(os error N)'. Anything
+    else (a bug) is not worded as a disk's problem."""
+    return isinstance(exc, (OSError, dcp.api.CheckpointException, SafetensorError)) or (
+        type(exc) is Exception and _RUST_OS_ERROR.search(str(exc)) is not None)
+
+
 def disk_note(folder: Path, needed: int) -> str:
     """``"; the disk holding FOLDER has N free"`` when that is less than ``needed`` bytes (a
     checkpoint's size): torch's writers report a full disk as other errors."""
@@ -123,6 +145,18 @@ def disk_note(folder: Path, needed: int) -> str:
         return ""
     return (f"; the disk holding {folder} has {format_bytes(free)} free, less than a checkpoint "
             f"({format_bytes(needed)})" if free < needed else "")
+
+
+def read_best(out: Path) -> dict[str, Any] | None:
+    """The ``best`` record of run folder ``out`` (``{checkpoint, metric, value}``); None when
+    there is none, or it is unreadable (a resume forgets such a file, ``r1fit inspect`` says
+    so)."""
+    record = read_json_object(out / "best")
+    fields = (record.get("checkpoint"), record.get("metric"), record.get("value"))
+    if not (isinstance(fields[0], str) and fields[0] and isinstance(fields[1], str)
+            and isinstance(fields[2], int | float) and not isinstance(fields[2], bool)):
+        return None
+    return record
 
 
 def storage_of(obj: Stateful) -> str:
@@ -269,8 +303,7 @@ class CheckpointManager:
         # what an 'auto' setting resolved to in this run (RESOLVED_ENGINE: the rollout engine),
         # kept in each checkpoint: a resume compares what it resolves to with it
         self.resolved: dict[str, str] = {}
-        best_file = out / "best"
-        self.best = json.loads(best_file.read_text()) if best_file.is_file() else None
+        self.best = read_best(out)
         self._best_missing_said = False  # keep_best_by's metric missing from a saved step, said
         self.last_saved: Path | None = None
         self.stop_requested = False  # SIGTERM/SIGUSR1 (pre-emption): save after this step, stop
@@ -327,7 +360,8 @@ class CheckpointManager:
                                      load_state(point.path, name))
                 else:
                     obj.load_state_dict(load_state(point.path, name))
-            except (ValueError, KeyError, RuntimeError, dcp.api.CheckpointException) as exc:
+            except (ValueError, KeyError, RuntimeError, SafetensorError,
+                    dcp.api.CheckpointException) as exc:
                 if isinstance(exc, CheckpointError):
                     raise
                 raise CheckpointError(f"{point.path}: cannot restore {name}: "
@@ -351,7 +385,8 @@ class CheckpointManager:
         assert self.resume is not None
         try:
             load_model_weights(self.resume.path, name, module)
-        except (ValueError, KeyError, RuntimeError, OSError, dcp.api.CheckpointException) as exc:
+        except (ValueError, KeyError, RuntimeError, OSError, SafetensorError,
+                dcp.api.CheckpointException) as exc:
             # e.g. DCP's size mismatch of a LoRA rank changed under allow_config_change
             reason = failure_reason(exc)
             hint = "" if "other model settings" in reason else \
@@ -418,9 +453,9 @@ class CheckpointManager:
                 if final.exists():  # a checkpoint of an abandoned trajectory (resumed from earlier)
                     shutil.rmtree(final)
                 os.rename(partial, final)
-                fsync_dir(self.out)
-                write_text_atomic(self.out / "latest", name + "\n")
-        except (OSError, dcp.api.CheckpointException) as exc:
+        except BaseException as exc:  # noqa: BLE001 -- io_failure picks; the rest is raised
+            if not io_failure(exc):
+                raise
             complete = [p.name for p in list_checkpoints(self.out) if not p.name.endswith(PARTIAL)
                         and p != final]
             kept = f"{complete[0]} is intact" if complete else "no earlier checkpoint exists"
@@ -433,6 +468,8 @@ class CheckpointManager:
             raise CheckpointError(f"could not save {name} in {self.out}: {failure_reason(exc)}"
                                   f"{full}; {kept}. Fix it (disk space, permissions) and rerun "
                                   "the same command to resume") from exc
+        if w.main:
+            self._point_latest(name)
         barrier()  # the checkpoint is in place for every rank
         self.last_saved = final
         if not w.main:
@@ -443,6 +480,19 @@ class CheckpointManager:
         self._update_best(name, metrics or {})
         self._retain()
         return final
+
+    def _point_latest(self, name: str) -> None:
+        """``latest`` names checkpoint ``name``, which is in place: a failure here is said as
+        what it is (the checkpoint is complete; a resume takes the newest complete one, whatever
+        ``latest`` says)."""
+        try:
+            fsync_dir(self.out)
+            write_text_atomic(self.out / "latest", name + "\n")
+        except OSError as exc:
+            raise CheckpointError(f"{name} was saved in {self.out}, but its 'latest' file could "
+                                  f"not be written: {failure_reason(exc)}. Fix it (disk space, "
+                                  f"permissions) and rerun the same command: it resumes from "
+                                  f"{name}") from exc
 
     def _write_metadata(self, partial: Path, phase: str, step: int, progress: dict[str, Any],
                         saved: list[str], json_states: dict[str, Any],

@@ -36,6 +36,7 @@ from r1fit.checkpoint.manager import (
     flatten,
     list_checkpoints,
     missing_for_resume,
+    read_best,
     read_trainer_state,
     run_config,
     verify,
@@ -224,13 +225,16 @@ def _forget_abandoned(out: Path, point: Path) -> None:
     the abandoned one."""
     write_text_atomic(out / "latest", point.name + "\n")
     best = out / "best"
-    try:
-        named = json.loads(best.read_text()).get("checkpoint") if best.is_file() else None
-    except (ValueError, AttributeError, OSError):
-        named = ""
-    if named is not None and not (out / str(named)).is_dir():
+    if not best.is_file():
+        return
+    record = read_best(out)
+    if record is None:
+        log.warning("forgetting the best-checkpoint file %s: it is unreadable (not a "
+                    "{checkpoint, metric, value} record); the best is kept anew from here", best)
+        best.unlink()
+    elif not (out / record["checkpoint"]).is_dir():
         log.warning("forgetting the best checkpoint %s: it was not kept with the resume point "
-                    "%s", named or "(unreadable)", point.name)
+                    "%s", record["checkpoint"], point.name)
         best.unlink()
 
 

@@ -139,6 +139,23 @@ def test_a_full_disk_while_writing_is_one_line(checkpoints, capsys, tmp_path, mo
     assert not out.exists() and not (tmp_path / "out.partial").exists()
 
 
+def test_a_full_disk_while_the_tokenizer_writes_is_one_line(checkpoints, capsys, tmp_path,
+                                                             monkeypatch):
+    """The tokenizers library reports ENOSPC as a bare Exception ending in '(os error 28)'."""
+    from transformers import ProcessorMixin
+
+    def full_disk(self, *args, **kwargs):
+        raise Exception("No space left on device (os error 28)")  # noqa: TRY002 -- as tokenizers
+
+    monkeypatch.setattr(ProcessorMixin, "save_pretrained", full_disk)
+    out = tmp_path / "out"
+    code, _, err = export(capsys, str(checkpoints["full"]), str(out))
+    # the weights were written first (their progress bar is on stderr too)
+    assert (code, err.splitlines()[-1]) == (2, f"r1fit: error: could not export to {out}: No "
+                                               "space left on device (os error 28)")
+    assert not out.exists() and not (tmp_path / "out.partial").exists()
+
+
 def test_corrupt_or_missing_checkpoint_is_a_one_line_error(checkpoints, capsys, tmp_path):
     ckpt = tmp_path / "checkpoint-2"
     shutil.copytree(checkpoints["full"], ckpt)
@@ -215,6 +232,15 @@ def test_a_runs_final_folder_is_written_whole_or_not_at_all(tmp_path):
             f"could not write {final}: Error while serializing: I/O error: No space left on "
             "device. The checkpoints are intact")):
         save_hf_folder(SimpleNamespace(save_pretrained=configs_then_full_disk), processor, final)
+    assert list(tmp_path.iterdir()) == []
+
+    def tokenizer_full(folder):
+        raise Exception("No space left on device (os error 28)")  # noqa: TRY002 -- as tokenizers
+
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"could not write {final}: No space left on device (os error 28). The checkpoints")):
+        save_hf_folder(SimpleNamespace(save_pretrained=writes),
+                       SimpleNamespace(save_pretrained=tokenizer_full), final)
     assert list(tmp_path.iterdir()) == []
     final.mkdir()
     (final / "stale.txt").write_text("an earlier final/")

@@ -79,6 +79,17 @@ def test_output_dir_lists_checkpoints_newest_first_with_markers(runs, capsys):
     assert report["latest"] == "checkpoint-2" and report["best"]["checkpoint"] == "checkpoint-1"
 
 
+def test_an_unreadable_best_file_is_said(runs, capsys, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(runs["full"], out)
+    (out / "best").write_text("garbage{")
+    text = inspect(capsys, out)
+    assert "best: the file 'best' is unreadable (a resume forgets it" in text
+    report = json.loads(inspect(capsys, out, "--json"))
+    assert report["best"] is None and report["best_unreadable"] is True
+    assert not any(c["best"] for c in report["checkpoints"])
+
+
 def test_corrupt_file_is_named_and_auto_resume_falls_back(runs, capsys, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(runs["full"], out)

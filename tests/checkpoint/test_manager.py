@@ -222,3 +222,108 @@ def test_a_failed_save_or_load_is_one_line_naming_the_cause(tmp_path, monkeypatc
     assert disk_note(tmp_path, 2 << 20) == (f"; the disk holding {tmp_path} has 1.00 MiB free, "
                                             "less than a checkpoint (2.00 MiB)")
     assert disk_note(tmp_path, 1 << 19) == ""
+
+
+class TensorBox(Box):
+    """A state with a tensor: saved as .json + .safetensors."""
+
+    def state_dict(self) -> dict:
+        return {"value": self.value, "t": torch.full((3,), float(self.value))}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+#: how safetensors and tokenizers (Rust) word a full disk: their own error, and a bare Exception
+RUST_FULL = "Error while serializing: I/O error: No space left on device (os error 28)"
+
+
+@pytest.mark.parametrize("failure", [
+    lambda: __import__("safetensors").SafetensorError(RUST_FULL),
+    lambda: Exception("No space left on device (os error 28)"),
+], ids=["safetensors", "tokenizers"])
+def test_a_full_disk_worded_by_a_rust_writer_is_one_line_and_the_last_checkpoint_stays(
+        tmp_path, monkeypatch, failure) -> None:
+    """safetensors reports a full disk as its SafetensorError, tokenizers' save as a bare
+    Exception: both are a failed save (one line, the partial folder removed, the last checkpoint
+    named intact), as an OSError is."""
+    import r1fit.checkpoint.manager as manager_module
+
+    m = manager(tmp_path, "checkpoint.every=1")
+    m.save("sft", 1, {"sampler": TensorBox(1)})
+
+    def full(*args, **kwargs):
+        raise failure()
+
+    monkeypatch.setattr(manager_module, "save_state", full)
+    with pytest.raises(CheckpointError) as caught:
+        m.save("sft", 2, {"sampler": TensorBox(2)})
+    message = str(caught.value)
+    assert message.startswith(f"could not save checkpoint-2 in {tmp_path}: ")
+    assert "(os error 28)" in message and "checkpoint-1 is intact" in message
+    assert "\n" not in message
+    assert names(tmp_path) == ["checkpoint-1"]
+    assert (tmp_path / "latest").read_text() == "checkpoint-1\n"
+
+
+def test_a_bug_while_saving_is_not_worded_as_a_disk_problem(tmp_path, monkeypatch) -> None:
+    import r1fit.checkpoint.manager as manager_module
+
+    m = manager(tmp_path, "checkpoint.every=1")
+
+    def bug(*args, **kwargs):
+        raise TypeError("unsupported operand")
+
+    monkeypatch.setattr(manager_module, "save_state", bug)
+    with pytest.raises(TypeError, match="unsupported operand"):
+        m.save("sft", 1, {"sampler": Box(1)})
+    # so is an Exception that is not an OS error's wording
+    monkeypatch.setattr(manager_module, "save_state",
+                        lambda *a, **k: (_ for _ in ()).throw(Exception("no tokenizer.json")))
+    with pytest.raises(Exception, match="no tokenizer.json") as caught:
+        m.save("sft", 1, {"sampler": Box(1)})
+    assert not isinstance(caught.value, CheckpointError)
+
+
+def test_latest_not_written_after_the_checkpoint_is_in_place_says_so(tmp_path,
+                                                                     monkeypatch) -> None:
+    """The checkpoint was renamed into place before ``latest`` failed: the message says it was
+    saved (not that it was not), no latest.tmp is left, and a resume takes it."""
+    import errno
+    import os
+
+    import r1fit.checkpoint.files as files_module
+    from r1fit.checkpoint.resume import find_resume_point
+
+    m = manager(tmp_path, "checkpoint.every=1")
+    m.save("sft", 1, {"sampler": Box(1)})
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("latest.tmp"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(files_module.os, "fsync", fsync)
+    with pytest.raises(CheckpointError) as caught:
+        m.save("sft", 2, {"sampler": Box(2)})
+    assert str(caught.value) == (
+        f"checkpoint-2 was saved in {tmp_path}, but its 'latest' file could not be written: No "
+        "space left on device. Fix it (disk space, permissions) and rerun the same command: it "
+        "resumes from checkpoint-2")
+    assert not (tmp_path / "latest.tmp").exists()
+    assert (tmp_path / "latest").read_text() == "checkpoint-1\n"
+    assert verify(tmp_path / "checkpoint-2") is None
+    monkeypatch.undo()
+    assert find_resume_point(tmp_path)[0] == tmp_path / "checkpoint-2"
+
+
+def test_a_state_file_safetensors_cannot_read_is_one_line_on_restore(tmp_path) -> None:
+    """A .safetensors state file damaged past what the manifest checks (rewritten with it)."""
+    m = manager(tmp_path, "checkpoint.every=1")
+    path = m.save("sft", 1, {"sampler": TensorBox(1)})
+    (path / "sampler.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbled")
+    point = ResumePoint(path, read_trainer_state(path), weights_only=False)
+    with pytest.raises(CheckpointError, match=r"checkpoint-1: cannot restore sampler: "):
+        CheckpointManager(tmp_path, m.cfg, "sft", point).restore("sft",
+                                                                 {"sampler": TensorBox(0)})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,30 @@ def test_a_newer_checkpoint_skipped_as_damaged_is_set_aside_and_best_and_latest_
     assert (out / "checkpoint-3.damaged" / "weights").is_dir()
     assert (out / "latest").read_text() == "checkpoint-2\n" and not (out / "best").exists()
     assert (out / "metrics.jsonl").read_text() == "".join(rows[:2])
+
+
+@pytest.mark.parametrize("garbled", ["garbage{", "[]", '{"checkpoint": ""}',
+                                     '{"checkpoint": "checkpoint-1", "metric": "loss"}'])
+def test_an_unreadable_best_file_is_forgotten_on_resume(tmp_path: Path, garbled: str,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """A garbled ``best`` (before: a JSONDecodeError traceback when the manager read it, and the
+    resume's own check took '' for the run folder itself and kept the file) is removed with a
+    warning; the resumed run's manager reads no best and keeps one anew."""
+    import torch
+
+    from r1fit.checkpoint.manager import CheckpointManager
+
+    cfg = load_config(None, [f"train.output_dir={tmp_path}", "checkpoint.keep=0"])
+    manager = CheckpointManager(tmp_path, cfg, "sft", resume=None)
+    manager.add_model("model", torch.nn.Linear(2, 2, bias=False))
+    (tmp_path / "metrics.jsonl").write_text("")
+    manager.save("sft", 1, {name: Box(1) for name in ("optimizer", "scheduler", "rng")})
+    (tmp_path / "best").write_text(garbled)
+    assert CheckpointManager(tmp_path, cfg, "sft", resume=None).best is None
+    with caplog.at_level(logging.WARNING, logger="r1fit"):
+        out, resume = open_output_dir(cfg, "sft")
+    assert resume is not None and not (out / "best").exists()
+    assert "forgetting the best-checkpoint file" in caplog.text and "unreadable" in caplog.text
 
 
 def test_damaged_metrics_rows_are_left_out_and_the_last_row_ends_its_line(
