@@ -349,7 +349,9 @@ class TrainConfig:
         "to an uninterrupted one; costs speed (measured by benchmarks/gpu_check.py). CPU runs "
         "are deterministic either way.")
     early_stop_patience: int = opt(0, "Stop after this many evaluations without a new best eval "
-                                   "accuracy and restore the best weights (0 = never).", ge=0)
+                                   "accuracy (0 = never). final/ holds the last step's weights; "
+                                   "checkpoint.keep_best_by=eval/accuracy keeps the best "
+                                   "evaluation's checkpoint where that step saved one.", ge=0)
 
 
 @dataclass(frozen=True)

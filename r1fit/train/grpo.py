@@ -137,8 +137,11 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
     report = LiveReport(cfg.report, run.out, main=run.world.main)  # rank 0: rollouts, alarms, page
     profile_step = step_to_profile(cfg)
     step = start
+    # a run resumed at the checkpoint where it stopped early (killed before final/ was written,
+    # or run again after it finished) has nothing left to train
+    last = start if stopped_early(cfg, loop, start) else cfg.train.max_steps
     with progress_bar("GRPO", cfg.train.max_steps, completed=start) as advance:
-        for step in range(start + 1, cfg.train.max_steps + 1):
+        for step in range(start + 1, last + 1):
             times: dict[str, float] = {}
             reset_peak(run.device)  # peak_memory_bytes is this step's peak
             with step_profile(profile_step, step, run.out, run.device, main=run.world.main):
@@ -188,6 +191,17 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
     report.finish()
     engine.close()  # last: vLLM's shutdown takes down the process groups it joined
     return summary
+
+
+def stopped_early(cfg: Any, loop: Counters, start: int) -> bool:
+    """True when the run resumed at step ``start`` had stopped early there: its evaluations had
+    not improved on the best for ``train.early_stop_patience`` of them (said in the log)."""
+    patience = cfg.train.early_stop_patience
+    if not (patience and start and loop.since_best >= patience):
+        return False
+    log.info("early stop at step %d (resumed there): eval accuracy has not improved on %.3f for "
+             "%d evaluations; nothing left to train", start, loop.best, loop.since_best)
+    return True
 
 
 def grpo_step(trainer: Trainer, step: int, times: dict[str, float]

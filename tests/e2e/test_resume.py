@@ -319,3 +319,30 @@ def test_a_resume_point_past_a_lowered_step_count_says_no_step_is_left(use_tiny_
     assert "WARNING r1fit: checkpoint-4 is at step 4, past train.max_steps=2: no step left to " \
            "train; final/ and the summary are written from it" in (out / "log.txt").read_text()
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_a_run_resumed_where_it_stopped_early_trains_no_further(use_tiny_cache, reward_plugin,
+                                                                 same_run, tmp_path,
+                                                                 monkeypatch) -> None:
+    """Killed right after the checkpoint of its early stop (before final/), or run again once
+    finished, a run stops there: before, the restored counters were tested only after a step,
+    so each rerun trained one more step and wrote final/ over."""
+    args = [*TINY, "train.max_steps=8", "sft.format_warmup_steps=2", "checkpoint.every=1",
+            "eval.every=1", "eval.before_train=false", "train.early_stop_patience=1"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert run("train", f"train.output_dir={straight}", *args) == 0
+    stop = re.search(r"early stop at step (\d+):", (straight / "log.txt").read_text())
+    assert stop is not None  # eval accuracy cannot improve at every step of a tiny run
+    stopped = int(stop.group(1))
+    assert stopped < 8
+    with monkeypatch.context() as m:
+        crash_after(m, f"checkpoint-{stopped}")
+        with pytest.raises(Crash):
+            run("train", f"train.output_dir={resumed}", *args)
+    assert run("train", f"train.output_dir={resumed}", *args) == 0
+    same_run(straight, resumed)
+    assert f"early stop at step {stopped} (resumed there)" in (resumed / "log.txt").read_text()
+    rows = read_metrics(straight / "metrics.jsonl")
+    assert run("train", f"train.output_dir={straight}", *args) == 0  # finished: run again
+    assert read_metrics(straight / "metrics.jsonl") == rows
+    assert max(r["step"] for r in rows if "reward_mean" in r) == stopped
