@@ -304,6 +304,8 @@ class CheckpointManager:
         # kept in each checkpoint: a resume compares what it resolves to with it
         self.resolved: dict[str, str] = {}
         self.best = read_best(out)
+        if resume is not None and cfg.checkpoint.keep_best_by and world().main:
+            self._best_anew()
         self._best_missing_said = False  # keep_best_by's metric missing from a saved step, said
         self.last_saved: Path | None = None
         self.stop_requested = False  # SIGTERM/SIGUSR1 (pre-emption): save after this step, stop
@@ -525,6 +527,36 @@ class CheckpointManager:
         fsync_tree(partial)
         return files
 
+    def _better(self, value: float, than: dict[str, Any] | None) -> bool:
+        return than is None or (value > than["value"] if self.cfg.checkpoint.keep_best_mode == "max"
+                                else value < than["value"])
+
+    def _best_anew(self) -> None:
+        """On resume: the best among the checkpoints kept (each holds its step's metrics), by
+        ``keep_best_by`` as it is now, in the order they were saved. The ``best`` file alone
+        can be behind them (a kill between a checkpoint's rename and its update) or name
+        another metric or mode (changed on resume, allowed): kept as it was, retention would
+        then delete the checkpoint that is the best now."""
+        key = self.cfg.checkpoint.keep_best_by
+        best: dict[str, Any] | None = None
+        for path in reversed(list_checkpoints(self.out)):
+            value = read_json_object(path / TRAINER_STATE).get("metrics", {}).get(key) \
+                if not path.name.endswith(PARTIAL) else None
+            if isinstance(value, int | float) and not isinstance(value, bool) \
+                    and self._better(float(value), best):
+                best = {"checkpoint": path.name, "metric": key, "value": float(value)}
+        if best == self.best:
+            return
+        if self.best is not None and self.best.get("metric") != key:
+            log.warning("checkpoint.keep_best_by=%s (the run kept its best by %s before): the "
+                        "best is %s among the checkpoints kept", key, self.best.get("metric"),
+                        best["checkpoint"] if best else "none yet")
+        self.best = best
+        if best is None:
+            (self.out / "best").unlink(missing_ok=True)
+        else:
+            write_text_atomic(self.out / "best", json.dumps(best) + "\n")
+
     def _update_best(self, name: str, metrics: dict[str, Any]) -> None:
         key = self.cfg.checkpoint.keep_best_by
         if not key:
@@ -543,10 +575,7 @@ class CheckpointManager:
                             f" (close: {', '.join(close)})" if close else "")
             return
         value = float(metrics[key])
-        better = (self.best is None or
-                  (value > self.best["value"] if self.cfg.checkpoint.keep_best_mode == "max"
-                   else value < self.best["value"]))
-        if better:
+        if self._better(value, self.best):
             self.best = {"checkpoint": name, "metric": key, "value": value}
             write_text_atomic(self.out / "best", json.dumps(self.best) + "\n")
 

@@ -327,3 +327,39 @@ def test_a_state_file_safetensors_cannot_read_is_one_line_on_restore(tmp_path) -
     with pytest.raises(CheckpointError, match=r"checkpoint-1: cannot restore sampler: "):
         CheckpointManager(tmp_path, m.cfg, "sft", point).restore("sft",
                                                                  {"sampler": TensorBox(0)})
+
+
+def test_a_resume_chooses_the_best_among_the_kept_checkpoints(tmp_path, caplog) -> None:
+    """The ``best`` file can lag its checkpoints (a kill after checkpoint-1's rename, before its
+    update: no file at all) or name another metric (keep_best_by changed on resume): the resume
+    chooses the best among the kept checkpoints by the setting as it is now, and retention
+    (keep=1) then keeps it. Before, checkpoint-2 became the best and checkpoint-1 was deleted."""
+    import logging
+
+    m = manager(tmp_path, "checkpoint.every=1", "checkpoint.keep=1",
+                "checkpoint.keep_best_by=reward_mean")
+    m.save("sft", 1, {"sampler": Box(1)}, metrics={"reward_mean": 0.875, "eval/accuracy": 0.25})
+    m.save("sft", 2, {"sampler": Box(2)}, metrics={"reward_mean": 0.5, "eval/accuracy": 0.5})
+    assert names(tmp_path) == ["checkpoint-2", "checkpoint-1"]
+    (tmp_path / "best").unlink()  # killed before checkpoint-1's best was written
+    point = ResumePoint(tmp_path / "checkpoint-2", read_trainer_state(tmp_path / "checkpoint-2"),
+                        weights_only=False)
+    resumed = CheckpointManager(tmp_path, m.cfg, "sft", point)
+    assert resumed.best == {"checkpoint": "checkpoint-1", "metric": "reward_mean", "value": 0.875}
+    resumed.add_model("model", torch.nn.Linear(2, 2, bias=False))
+    resumed.save("sft", 3, {"sampler": Box(3)}, metrics={"reward_mean": 0.6})
+    assert names(tmp_path) == ["checkpoint-3", "checkpoint-1"]
+    assert json.loads((tmp_path / "best").read_text())["checkpoint"] == "checkpoint-1"
+
+    # keep_best_by changed on resume: chosen anew by eval/accuracy, said
+    changed = load_config(None, [f"train.output_dir={tmp_path}", "checkpoint.every=1",
+                                 "checkpoint.keep=1", "checkpoint.keep_best_by=eval/accuracy"])
+    (tmp_path / "checkpoint-2").mkdir()  # stands in for a kept one: its state below
+    (tmp_path / "checkpoint-2" / "trainer_state.json").write_text(
+        json.dumps({"metrics": {"eval/accuracy": 0.5}}))
+    with caplog.at_level(logging.WARNING, logger="r1fit"):
+        again = CheckpointManager(tmp_path, changed, "sft", point)
+    assert again.best == {"checkpoint": "checkpoint-2", "metric": "eval/accuracy", "value": 0.5}
+    assert json.loads((tmp_path / "best").read_text()) == again.best
+    assert "checkpoint.keep_best_by=eval/accuracy (the run kept its best by reward_mean" \
+        in caplog.text
