@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from r1fit.checkpoint.files import write_text_atomic
+from r1fit.checkpoint.files import read_json_object, write_text_atomic
 from r1fit.checkpoint.lock import LOCK, hold_output_dir
 from r1fit.checkpoint.manager import (
     PARTIAL,
@@ -146,21 +146,16 @@ def _open_output_dir(cfg: Any, kind: str) -> tuple[Path, ResumePoint | None]:
     out = Path(cfg.train.output_dir)
     mode = cfg.checkpoint.resume
     if cfg.train.overwrite and out.exists() and holds_run(out):
-        ours, theirs = run_entries(out)
-        log.warning("train.overwrite=true: deleting the previous run in %s (%d entries)", out,
-                    len(ours))
-        for child in ours:
-            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
-        kept_eval = [child for child in theirs if child.name == EVAL_FOLDER]
-        theirs = [child for child in theirs if child.name != EVAL_FOLDER]
-        if kept_eval:
-            log.warning("train.overwrite=true: kept %s/ (r1fit eval's results of models evaluated "
-                        "before; delete it if they are no longer wanted)", EVAL_FOLDER)
-        if theirs:
-            names = ", ".join(child.name for child in theirs[:5])
-            more = f" and {len(theirs) - 5} more" if len(theirs) > 5 else ""
-            log.warning("train.overwrite=true: kept %d %s r1fit did not write: %s%s", len(theirs),
-                        "entry" if len(theirs) == 1 else "entries", names, more)
+        _delete_run(out, "train.overwrite=true")
+    if mode not in ("auto", "never") and Path(mode).resolve().parent != out.resolve() \
+            and holds_run(out) and find_resume_point(out)[0] is not None \
+            and _same_command(out, cfg, kind):
+        # this command ran here before (from that checkpoint) and saved checkpoints of its own:
+        # rerun after a kill, it continues them, as a run started without a path does
+        log.info("checkpoint.resume=%s: %s holds this command's run (its config.json is this "
+                 "run's), which saved checkpoints of its own: continuing from its newest", mode,
+                 out)
+        mode = "auto"
     point: Path | None = None
     damaged: set[str] = set()  # checkpoints skipped as damaged (auto): set aside, not deleted
     if mode == "auto":
@@ -169,10 +164,7 @@ def _open_output_dir(cfg: Any, kind: str) -> tuple[Path, ResumePoint | None]:
         for reason in skipped:
             log.warning("not resuming from %s", reason)
         if point is None and holds_run(out):
-            why = "; ".join(skipped) or "it was stopped before its first checkpoint"
-            raise CheckpointError(f"{out} holds a run with no complete checkpoint ({why}); pass "
-                                  "train.overwrite=true to start over, or choose another "
-                                  "train.output_dir")
+            _refuse_or_start_over(out, cfg, kind, skipped)
     elif mode != "never":
         point = Path(mode)
         if not point.is_dir():
@@ -190,9 +182,16 @@ def _open_output_dir(cfg: Any, kind: str) -> tuple[Path, ResumePoint | None]:
 
     resume = _check_resumable(point, cfg, kind)
     same_run = point.resolve().parent == out.resolve()
+    own = find_resume_point(out)[0] if not same_run and holds_run(out) else None
+    if not same_run and holds_run(out) and own is None and not list_checkpoints(out) \
+            and not (out / "final").is_dir() and _same_command(out, cfg, kind):
+        _delete_run(out, f"starting over from {point}: this command's run stopped before its "
+                         "first checkpoint (its metrics rows are redone)")
     if not same_run and holds_run(out):
-        raise CheckpointError(f"{out} already holds a run; resume from {point} into an empty "
-                              "train.output_dir, or pass train.overwrite=true")
+        its = f" (checkpoint.resume=auto continues it, from {own.name})" if own else ""
+        raise CheckpointError(f"{out} already holds a run{its}; to resume from {point}, choose an "
+                              "empty train.output_dir, or pass train.overwrite=true (deletes that "
+                              "run)")
     out.mkdir(parents=True, exist_ok=True)
     _continue_metrics(point, out, resume.state.get("metrics_lines", 0))
     if same_run:  # checkpoints after the resume point belong to the abandoned trajectory
@@ -217,6 +216,54 @@ def _open_output_dir(cfg: Any, kind: str) -> tuple[Path, ResumePoint | None]:
                 shutil.rmtree(later)
         _forget_abandoned(out, point)
     return out, resume
+
+
+def _delete_run(out: Path, why: str) -> None:
+    """Delete what r1fit wrote in ``out`` (a run's entries; ``r1fit eval``'s results and other
+    files stay, said), ``why`` leading each log line."""
+    ours, theirs = run_entries(out)
+    log.warning("%s: deleting the previous run in %s (%d entries)", why, out, len(ours))
+    for child in ours:
+        shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+    kept_eval = [child for child in theirs if child.name == EVAL_FOLDER]
+    theirs = [child for child in theirs if child.name != EVAL_FOLDER]
+    if kept_eval:
+        log.warning("%s: kept %s/ (r1fit eval's results of models evaluated before; delete it if "
+                    "they are no longer wanted)", why, EVAL_FOLDER)
+    if theirs:
+        names = ", ".join(child.name for child in theirs[:5])
+        more = f" and {len(theirs) - 5} more" if len(theirs) > 5 else ""
+        log.warning("%s: kept %d %s r1fit did not write: %s%s", why, len(theirs),
+                    "entry" if len(theirs) == 1 else "entries", names, more)
+
+
+def _same_command(out: Path, cfg: Any, kind: str) -> bool:
+    """True when the run in ``out`` was started by this command: its config.json is this run's
+    (every key, the command and ``checkpoint.resume`` included)."""
+    saved = read_json_object(out / "config.json")
+    return bool(saved) and saved == json.loads(json.dumps(run_config(cfg, kind)))
+
+
+def _refuse_or_start_over(out: Path, cfg: Any, kind: str, skipped: list[str]) -> None:
+    """``out`` holds a run and no complete checkpoint. Where this very command stopped before its
+    first save (no checkpoint folder at all, not finished), there is nothing to lose and nothing
+    to resume: it starts over, said (a requeued job killed early would otherwise need a hand).
+    Anything else is refused: damaged checkpoints are worth a look, and another config's run is
+    not this one's."""
+    finished = (out / "final").is_dir() or (out / "summary.json").is_file()
+    if not skipped and not finished and not list_checkpoints(out) \
+            and _same_command(out, cfg, kind):
+        _delete_run(out, "starting over: this command's run stopped before its first checkpoint "
+                         "(nothing to resume; its metrics rows are redone)")
+        return
+    if finished and not skipped:
+        raise CheckpointError(f"{out} holds a finished run that saved no checkpoint (checkpoint."
+                              "every=0): its final/ is the result; pass train.overwrite=true to run "
+                              "it again, or choose another train.output_dir")
+    why = "; ".join(skipped) or "it was stopped before its first checkpoint"
+    raise CheckpointError(f"{out} holds a run with no complete checkpoint ({why}); pass "
+                          "train.overwrite=true to start over, or choose another "
+                          "train.output_dir")
 
 
 def _forget_abandoned(out: Path, point: Path) -> None:

@@ -346,3 +346,68 @@ def test_a_run_resumed_where_it_stopped_early_trains_no_further(use_tiny_cache, 
     assert run("train", f"train.output_dir={straight}", *args) == 0  # finished: run again
     assert read_metrics(straight / "metrics.jsonl") == rows
     assert max(r["step"] for r in rows if "reward_mean" in r) == stopped
+
+
+def crash_before_saving(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the run die when it is about to write its first checkpoint."""
+
+    def save(self, phase, step, objects, **kw):
+        raise Crash(f"before {phase} {step}")
+
+    monkeypatch.setattr(CheckpointManager, "save", save)
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_over_with_the_same_command(
+        use_tiny_cache, reward_plugin, same_run, tmp_path, monkeypatch, capsys) -> None:
+    """Nothing to resume and nothing to lose: the same command starts over, said (a requeued job
+    killed in its first steps needed a hand before); another config's run is still refused, and
+    so is a finished run that saved no checkpoint (checkpoint.every=0), named as such."""
+    args = [*TINY, "train.max_steps=3", "sft.format_warmup_steps=0", "checkpoint.every=2",
+            "eval.every=0"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    assert run("train", f"train.output_dir={straight}", *args) == 0
+    with monkeypatch.context() as m:
+        crash_before_saving(m)
+        with pytest.raises(Crash):
+            run("train", f"train.output_dir={killed}", *args)
+    assert read_metrics(killed / "metrics.jsonl")  # its first rows were written
+    assert run("train", f"train.output_dir={killed}", *args, "algo.beta=0.3") == 2
+    assert "holds a run with no complete checkpoint (it was stopped before its first " \
+        "checkpoint)" in capsys.readouterr().err
+    assert run("train", f"train.output_dir={killed}", *args) == 0
+    same_run(straight, killed)
+    assert "starting over: this command's run stopped before its first checkpoint" in \
+        (killed / "log.txt").read_text()
+
+    capsys.readouterr()
+    once = [*args, "checkpoint.every=0"]
+    assert run("train", f"train.output_dir={tmp_path / 'once'}", *once) == 0
+    assert run("train", f"train.output_dir={tmp_path / 'once'}", *once) == 2
+    assert "holds a finished run that saved no checkpoint (checkpoint.every=0): its final/ is " \
+        "the result" in capsys.readouterr().err
+
+
+def test_a_run_started_from_a_checkpoint_path_resumes_with_the_same_command(
+        use_tiny_cache, reward_plugin, same_run, tmp_path, monkeypatch, capsys) -> None:
+    """``checkpoint.resume=PATH`` into a new folder, killed after that folder's own checkpoint:
+    the same command continues from it (before: refused, advising train.overwrite=true, which
+    deletes it). Another config's run in the folder is still refused, naming resume=auto."""
+    args = [*TINY, "train.max_steps=4", "sft.format_warmup_steps=0", "checkpoint.every=1",
+            "eval.every=0"]
+    source = tmp_path / "source"
+    assert run("train", f"train.output_dir={source}", *args, "train.max_steps=1") == 0
+    start = [*args, f"checkpoint.resume={source / 'checkpoint-1'}"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert run("train", f"train.output_dir={straight}", *start) == 0
+    with monkeypatch.context() as m:
+        crash_after(m, "checkpoint-3")
+        with pytest.raises(Crash):
+            run("train", f"train.output_dir={resumed}", *start)
+    capsys.readouterr()
+    assert run("train", f"train.output_dir={resumed}", *start, "eval.every=2") == 2
+    assert "holds a run (checkpoint.resume=auto continues it, from checkpoint-3); to resume " \
+        f"from {source / 'checkpoint-1'}, choose an empty" in capsys.readouterr().err
+    assert run("train", f"train.output_dir={resumed}", *start) == 0
+    same_run(straight, resumed)
+    log = (resumed / "log.txt").read_text()
+    assert "holds this command's run" in log and "resumed grpo at step 3" in log
