@@ -402,9 +402,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # the machine's, not r1fit's: a full disk, a read-only folder, no permission
         where = f"{exc.filename}: " if exc.filename else ""
-        # a write that names no file (a flush of metrics.jsonl): say what was going on
-        doing = "" if exc.filename else (" (while writing the run's files; a run resumes from "
-                                         "its last complete checkpoint once there is room)")
+        # a write that names no file: say what was going on
+        doing = "" if exc.filename or ns.command not in ("train", "sft") else (
+            " (while writing the run's files; a run resumes from its last complete checkpoint "
+            "once there is room)")
         print(f"r1fit: error: {where}{exc.strerror or exc}{doing}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -4,7 +4,10 @@ corrupt file, a run that cannot resume). The CLI prints any :class:`R1fitError` 
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 class R1fitError(Exception):
@@ -23,3 +26,15 @@ def one_line(exc: BaseException, limit: int | None = None, *, first_line: bool =
         text = text.splitlines()[0] if text else ""
     text = re.sub(r"\s+", " ", text).strip()
     return text[:limit] if text else type(exc).__name__
+
+
+@contextmanager
+def naming(path: str | os.PathLike[str]) -> Iterator[None]:
+    """An OS error inside that names no file (a flush, an image library's write) is raised
+    again naming ``path``: a full disk then says which file it stopped."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None and exc.errno is not None:
+            raise OSError(exc.errno, exc.strerror or one_line(exc), os.fspath(path)) from exc
+        raise

@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 
@@ -249,11 +250,52 @@ def test_a_full_disk_without_a_file_name_says_what_was_written(monkeypatch, caps
     def flush(ns):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setitem(cli.COMMANDS, "plan", flush)
-    assert cli.main(["plan"]) == 2
+    monkeypatch.setitem(cli.COMMANDS, "train", flush)
+    assert cli.main(["train"]) == 2
     assert capsys.readouterr().err == ("r1fit: error: No space left on device (while writing the "
                                        "run's files; a run resumes from its last complete "
                                        "checkpoint once there is room)\n")
+    # a command that runs no training does not talk of resuming one
+    for command in ("report", "eval"):
+        monkeypatch.setitem(cli.COMMANDS, command, flush)
+        assert cli.main([command, "x"] if command == "report" else [command]) == 2
+        assert capsys.readouterr().err == "r1fit: error: No space left on device\n"
+
+
+def test_os_errors_that_name_no_file_are_raised_naming_it(tmp_path):
+    """A flush of metrics.jsonl, PIL's save of a rollout image, the report page: a full disk
+    names the file, and the report leaves no half page behind."""
+    import errno
+
+    import pytest
+    from PIL import Image
+
+    import r1fit.report.html as html_module
+    from r1fit.errors import naming
+    from r1fit.report.rollouts import save_thumbnail
+
+    with pytest.raises(OSError) as caught, naming(tmp_path / "metrics.jsonl"):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert (caught.value.errno, caught.value.filename) == (errno.ENOSPC,
+                                                           str(tmp_path / "metrics.jsonl"))
+    with pytest.raises(OSError) as caught:
+        save_thumbnail(Image.new("RGB", (8, 8)), tmp_path / "missing", "r1")
+    assert caught.value.filename is not None
+
+    page = tmp_path / "report.html"
+    real = Path.write_text
+
+    def full(self, *args, **kwargs):
+        real(self, "half a page")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(html_module, "build_report", lambda run_dir, out: "<html></html>")
+        mp.setattr(Path, "write_text", full)
+        with pytest.raises(OSError) as caught:
+            html_module.write_report(tmp_path, page)
+    assert caught.value.filename == str(tmp_path / "report.html.partial")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_key_reference_takes_no_config(capsys):

@@ -426,7 +426,7 @@ class CheckpointManager:
             if w.main:
                 if partial.exists():
                     shutil.rmtree(partial)
-                partial.mkdir(parents=True)
+                partial.mkdir()  # not parents: a run folder removed under the run is not remade
             barrier()
             # every rank: its shards of the weights and optimizer moments, its per-rank states
             tensors = {model_name: model_tensors(module)

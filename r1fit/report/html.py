@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from r1fit.errors import R1fitError
+from r1fit.errors import R1fitError, naming
 from r1fit.report.alarms import AlarmWatch, check_alarms, grpo_rows
 from r1fit.report.metrics import counters, plain, read_json_lines
 from r1fit.report.rollouts import read_rollouts, save_rollout
@@ -394,8 +394,13 @@ def write_report(run_dir: Path, out: Path | None = None) -> Path:
     page = build_report(run_dir, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")
-    partial.write_text(page, encoding="utf-8")
-    partial.replace(out)
+    try:
+        with naming(partial):
+            partial.write_text(page, encoding="utf-8")
+        partial.replace(out)
+    except BaseException:
+        partial.unlink(missing_ok=True)  # no half page left behind (a full disk)
+        raise
     return out
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -13,7 +14,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
-from r1fit.errors import one_line
+from r1fit.errors import R1fitError, naming, one_line
 
 log = logging.getLogger("r1fit.report")
 
@@ -36,6 +37,10 @@ class RowSink(Protocol):
     def close(self) -> None: ...
 
 
+class OutputRemoved(R1fitError):
+    """The run's metrics file was deleted while the run wrote it (its folder removed)."""
+
+
 class MetricsWriter:
     """Appends metric rows and flushes each one, so a crash loses at most the row being written."""
 
@@ -54,8 +59,15 @@ class MetricsWriter:
 
     def write(self, row: dict[str, Any]) -> None:
         if self._file is not None:
-            self._file.write(json.dumps({k: plain(v) for k, v in row.items()}) + "\n")
-            self._file.flush()
+            with naming(self.path):
+                self._file.write(json.dumps({k: plain(v) for k, v in row.items()}) + "\n")
+                self._file.flush()
+            if os.fstat(self._file.fileno()).st_nlink == 0:
+                # rows written into a file no folder holds are lost, and the next checkpoint
+                # would make the folder anew, holding no metrics, log or lock
+                raise OutputRemoved(f"{self.path} was deleted while the run wrote it (its "
+                                    "folder removed?); stopping: no further row or checkpoint "
+                                    "would be seen")
         if self.trackers is not None:
             self.trackers.write(row)
         self.lines += 1

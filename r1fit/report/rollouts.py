@@ -19,6 +19,7 @@ from typing import Any
 
 from PIL import Image
 
+from r1fit.errors import naming
 from r1fit.report.metrics import counters, plain, read_json_lines
 from r1fit.report.sinks import sample_rows
 from r1fit.rollout.record import Rollout, Trajectory, Turn
@@ -62,7 +63,8 @@ def save_thumbnail(image: Image.Image, folder: Path, stem: str) -> str:
     """Save a small RGB copy of ``image`` as ``folder/<stem>.png``; return the file's name."""
     small = image.convert("RGB")
     small.thumbnail((THUMBNAIL, THUMBNAIL))
-    small.save(folder / f"{stem}.png")
+    with naming(folder / f"{stem}.png"):
+        small.save(folder / f"{stem}.png")
     return f"{stem}.png"
 
 

@@ -12,6 +12,7 @@ resume where its library allows it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -257,7 +258,16 @@ class WandbSink:
         self.run.log({"samples": table, "step": step})
 
     def close(self) -> None:
-        self.run.finish()
+        try:
+            self.run.finish()
+        except Exception:
+            # its service is gone (killed, crashed): wandb's own exit hook would try the same at
+            # exit and print a whole traceback; tearing down unregisters that hook
+            import wandb
+
+            with contextlib.suppress(Exception):
+                wandb.teardown()
+            raise
 
 
 class TrackioSink:
@@ -372,7 +382,7 @@ class Trackers:
             self._each(lambda sink: sink.samples(rollout.step, rows))
 
     def close(self) -> None:
-        self._each(lambda sink: sink.close())
+        self._each(_close)
         self.sinks = []
 
     def _each(self, call: Callable[[Sink], None]) -> None:
@@ -383,6 +393,15 @@ class Trackers:
                 log.warning("report.to: %s failed and gets nothing more from this run: %s: %s",
                             sink.name, type(exc).__name__, one_line(exc, 300))
                 self.sinks.remove(sink)
+                if call is not _close:
+                    # closed now, quietly: a tracker left open reports its broken connection
+                    # again at exit (wandb's atexit hook printed a whole traceback)
+                    with contextlib.suppress(Exception):
+                        sink.close()
+
+
+def _close(sink: Sink) -> None:
+    sink.close()
 
 
 def open_trackers(cfg: Any, out: Path) -> Trackers:

@@ -66,3 +66,33 @@ def test_grpo_step_rows_leave_out_other_rows_and_can_keep_a_steps_last_row(tmp_p
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert grpo_step_rows(path) == [rows[0], rows[2], rows[3]]
     assert grpo_step_rows(path, last_per_step=True) == [rows[0], rows[3]]
+
+
+def test_a_metrics_file_deleted_under_the_run_stops_it(tmp_path) -> None:
+    """Its folder removed mid-run: the rows went into a file no folder holds, and the next
+    checkpoint remade the folder holding no metrics, log or lock; now the next row stops the run
+    with one line naming the file, and a save does not remake the folder."""
+    import shutil
+
+    import pytest
+    import torch
+
+    from r1fit.checkpoint.manager import CheckpointError, CheckpointManager
+    from r1fit.config import load_config
+    from r1fit.report.metrics import OutputRemoved
+
+    out = tmp_path / "run"
+    out.mkdir()
+    writer = MetricsWriter(out / "metrics.jsonl")
+    writer.write({"step": 1})
+    cfg = load_config(None, [f"train.output_dir={out}", "checkpoint.every=1"])
+    manager = CheckpointManager(out, cfg, "sft", resume=None)
+    manager.add_model("model", torch.nn.Linear(2, 2, bias=False))
+    shutil.rmtree(out)
+    with pytest.raises(OutputRemoved, match=f"^{out / 'metrics.jsonl'} was deleted while the run "
+                                            "wrote it"):
+        writer.write({"step": 2})
+    with pytest.raises(CheckpointError, match=f"could not save checkpoint-2 in {out}: "):
+        manager.save("sft", 2, {})
+    assert not out.exists()
+    writer.close()

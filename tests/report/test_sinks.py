@@ -331,10 +331,26 @@ def test_failing_tracker_warns_once_and_the_others_go_on(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "report.to: wandb failed and gets nothing more from this run: ConnectionError: server "
         "went away"]
-    assert len(broken.rows) == 1 and not broken.closed
+    # closed when dropped (quietly: its close may fail too), so it says nothing more at exit
+    assert len(broken.rows) == 1 and broken.closed
     assert kept.closed and [step for step, _ in kept.rows] == [1, 2, 0, 1, 2]
     # numbers only: None, NaN and text are left out
     assert kept.rows[3][1] == {"step": 1, "loss": 0.5, "reward/format": 1}
+
+
+def test_a_dropped_tracker_whose_close_fails_is_not_said_twice(caplog):
+    class Dead(Recorder):
+        def close(self):
+            raise ConnectionResetError("Connection lost")
+
+    dead = Dead("wandb", fail_at=0)
+    trackers = Trackers([dead])
+    with caplog.at_level(logging.WARNING, logger="r1fit.report"):
+        trackers.write(ROWS[0])
+        trackers.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "report.to: wandb failed and gets nothing more from this run: ConnectionError: server "
+        "went away"]
 
 
 def test_grpo_run_sends_every_step_key_and_samples_to_tensorboard(use_tiny_cache, tmp_path):
