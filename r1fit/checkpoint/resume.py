@@ -245,14 +245,14 @@ def _same_command(out: Path, cfg: Any, kind: str) -> bool:
 
 
 def _refuse_or_start_over(out: Path, cfg: Any, kind: str, skipped: list[str]) -> None:
-    """``out`` holds a run and no complete checkpoint. Where this very command stopped before its
-    first save (no checkpoint folder at all, not finished), there is nothing to lose and nothing
-    to resume: it starts over, said (a requeued job killed early would otherwise need a hand).
+    """``out`` holds a run and no complete checkpoint. Where this very command stopped before or
+    during its first save (no checkpoint but a half-written one, not finished), there is nothing
+    to lose and nothing to resume: it starts over, said (a requeued job killed early would otherwise need a hand).
     Anything else is refused: damaged checkpoints are worth a look, and another config's run is
     not this one's."""
     finished = (out / "final").is_dir() or (out / "summary.json").is_file()
-    if not skipped and not finished and not list_checkpoints(out) \
-            and _same_command(out, cfg, kind):
+    saves = [p for p in list_checkpoints(out) if not p.name.endswith(PARTIAL)]  # not cut short
+    if not saves and not finished and _same_command(out, cfg, kind):
         _delete_run(out, "starting over: this command's run stopped before its first checkpoint "
                          "(nothing to resume; its metrics rows are redone)")
         return

@@ -23,7 +23,6 @@ ARGS = ["train.prompts_per_step=2", "algo.num_generations=4", "algo.max_new_toke
         "data.max_pixels=3136", "rewards.lenreward:length=1.0", "rewards.format=0.5",
         "train.max_steps=6", "sft.format_warmup_steps=2", "checkpoint.every=1",
         "checkpoint.keep=2", "eval.every=3", "algo.beta=0.05", "algo.num_iterations=2"]
-NO_CHECKPOINT = "holds a run with no complete checkpoint"
 # dynamic sampling with a reward that is 0 for every completion of a red or green question (those
 # groups have zero variance) and the completion's length otherwise: steps draw 1 to 3 batches
 DYNAMIC = ["algo.dynamic_sampling=true", "algo.max_resample_batches=3", "rewards.accuracy=0",
@@ -52,13 +51,10 @@ def stderr(proc: subprocess.Popen) -> str:
 
 
 def finish(out: Path, plugins: Path, *extra: str) -> None:
-    """Rerun the command until the run completes; a run killed before its first checkpoint is
-    refused (never silently restarted) and then started over explicitly."""
+    """Rerun the command until the run completes (a run killed before its first checkpoint
+    starts over by itself, saying so)."""
     proc = start(out, plugins, *extra)
     proc.wait(timeout=600)
-    if proc.returncode == 2 and NO_CHECKPOINT in stderr(proc):
-        proc = start(out, plugins, *extra, "train.overwrite=true")
-        proc.wait(timeout=600)
     assert proc.returncode == 0, stderr(proc)[-2000:]
 
 
@@ -101,10 +97,6 @@ def kill_at_random_rows(out: Path, plugins: Path, straight: Path, training: floa
         k, seconds = rng.randint(low, high), rng.uniform(0.0, 0.5) * per_row
         proc = start(out, plugins, *extra)
         killed = kill_when(proc, after_rows(proc, out, k, seconds))
-        if not killed and proc.returncode == 2 and NO_CHECKPOINT in stderr(proc):
-            # the previous kill came after the first metrics row but before any checkpoint
-            proc = start(out, plugins, *extra, "train.overwrite=true")
-            killed = kill_when(proc, after_rows(proc, out, k, seconds))
         saved = sorted(p.name for p in out.glob("checkpoint-*"))
         print(f"kill at row {k} + {seconds:.2f} s (of {rows} rows, {training:.1f} s in all): "
               f"killed={killed}, on disk: {saved}")

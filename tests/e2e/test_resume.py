@@ -374,6 +374,7 @@ def test_a_run_killed_before_its_first_checkpoint_starts_over_with_the_same_comm
     assert run("train", f"train.output_dir={killed}", *args, "algo.beta=0.3") == 2
     assert "holds a run with no complete checkpoint (it was stopped before its first " \
         "checkpoint)" in capsys.readouterr().err
+    (killed / "checkpoint-2.partial").mkdir()  # killed while writing its first one
     assert run("train", f"train.output_dir={killed}", *args) == 0
     same_run(straight, killed)
     assert "starting over: this command's run stopped before its first checkpoint" in \
