@@ -135,6 +135,10 @@ class DataConfig:
         "default", "Accuracy method of rows that do not name one: one for every source, or one per "
         "data.train source (VLM-R1's --reward_method). Methods: default, mcq, yes_no, numeric, "
         "math, fuzzy, iou (see docs/rewards.md).")
+    eval_reward_method: str | tuple[str, ...] | None = opt(
+        None, "data.reward_method for the data.eval sources: one for every source, or one per "
+        "source. null: an eval source that is also a data.train source takes that source's "
+        "method; any other, the method given for all sources, else 'default'.")
     reward_method_key: str = opt("accu_reward_method", "Column a row names its own accuracy "
                                  "method in (VLM-R1's); it wins over data.reward_method.")
     focus_key: str = opt("focus", "Column of a row's focus box [x1, y1, x2, y2] on its first "
@@ -781,6 +785,10 @@ def _check_not_empty(cfg: Config) -> None:
         # every row would be bad, blamed on the rows
         raise ConfigError(f"data.reward_method: got {methods!r}, expected a method name (or one "
                           "per data.train source)")
+    methods = cfg.data.eval_reward_method
+    if methods is not None and (not methods or (not isinstance(methods, str) and not all(methods))):
+        raise ConfigError(f"data.eval_reward_method: got {methods!r}, expected a method name (or "
+                          "one per data.eval source), or null")
     if not cfg.train.output_dir.strip():  # "" would write the run into the current folder
         raise ConfigError("train.output_dir: got an empty value, expected a folder")
 

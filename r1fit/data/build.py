@@ -59,11 +59,13 @@ def _common(cfg: Config) -> tuple[dict[str, Any], list[str]]:
                             image_key=d.image_key, conversations_key=d.conversations_key,
                             reward_method_key=d.reward_method_key, focus_key=d.focus_key)
     methods = _as_list(d.reward_method)
-    for method in methods:  # a misspelt method in the config is the config's error, not a row's
-        try:
-            check_method(method)
-        except ValueError as exc:
-            raise DataError(f"data.reward_method: {exc}") from None
+    for key, given in (("data.reward_method", methods),
+                       ("data.eval_reward_method", _as_list(d.eval_reward_method))):
+        for method in given:  # a misspelt method in the config is its error, not a row's
+            try:
+                check_method(method)
+            except ValueError as exc:
+                raise DataError(f"{key}: {exc}") from None
     common: dict[str, Any] = dict(min_pixels=d.min_pixels, max_pixels=d.max_pixels,
                                   max_images=d.max_images, max_bad_fraction=d.max_bad_fraction,
                                   seed=cfg.train.seed, shapes=shapes, options=options,
@@ -74,12 +76,34 @@ def _common(cfg: Config) -> tuple[dict[str, Any], list[str]]:
 
 
 def _eval_set(cfg: Config, common: dict[str, Any], methods: list[str]) -> PromptDataset:
-    # per-source methods belong to the training sources; eval rows name their own or take the
-    # one method given for all
     d = cfg.data
-    return load_dataset(_as_list(d.eval), split="eval", size=d.eval_size,
+    sources = _as_list(d.eval)
+    return load_dataset(sources, split="eval", size=d.eval_size,
                         image_folders=_as_list(d.eval_image_folder),
-                        reward_methods=methods if len(methods) == 1 else ["default"], **common)
+                        reward_methods=eval_methods(cfg, sources, methods), **common)
+
+
+def eval_methods(cfg: Config, sources: list[str], methods: list[str]) -> list[str]:
+    """The accuracy method of each ``data.eval`` source's rows that name none:
+    ``data.eval_reward_method`` where set; else, with one method per training source, an eval
+    source that is also a training source takes that source's (VLM-R1's eval files are its
+    training files' held-out rows, scored alike), any other 'default' (said); else the one
+    method given for all."""
+    given = _as_list(cfg.data.eval_reward_method)
+    if given:
+        return given
+    if len(methods) <= 1:
+        return methods
+    train = _as_list(cfg.data.train)
+    by_source = dict(zip(train, methods, strict=False))
+    chosen = [by_source.get(source, "default") for source in sources]
+    others = [source for source in sources if source not in by_source]
+    if others:
+        log.info("data.eval: %s %s no data.train source, so %s rows that name no method are "
+                 "scored by 'default' (data.eval_reward_method sets a method per eval source)",
+                 ", ".join(others), "is" if len(others) == 1 else "are",
+                 "its" if len(others) == 1 else "their")
+    return chosen
 
 
 class BadRowCounter:

@@ -299,10 +299,18 @@ def _place_images(turns: list[Turn], images: list[ImageRef], named: dict[str, in
     (images reordered as they appear), and a row without placeholders gets its images before the
     text of its first user turn."""
     if named:
+        plain = sum(text.count(IMAGE_TOKEN) for _, text in turns)
+        if plain:  # which image each would show is unknown (it crashed the processor)
+            raise BadRowError(f"mixes named placeholders {sorted(named)} with {plain} plain "
+                              f"'{IMAGE_TOKEN}'")
         order: list[int] = []
         placed = []
         for role, text in turns:
-            order.extend(named[m] for m in _NAMED_PLACEHOLDER.findall(text) if m in named)
+            found = _NAMED_PLACEHOLDER.findall(text)
+            if unknown := sorted(set(found) - set(named)):
+                raise BadRowError(f"the text names {unknown}, which the row's image mapping "
+                                  f"{sorted(named)} does not hold")
+            order.extend(named[m] for m in found)
             placed.append((role, _NAMED_PLACEHOLDER.sub(IMAGE_TOKEN, text)))
         if sorted(order) != list(range(len(images))):
             raise BadRowError(f"the text's placeholders {sorted(named)} do not name each image "

@@ -183,6 +183,16 @@ def test_each_row_is_asked_for_its_image_column() -> None:
     ({"image": {"<image_00>": "a.png"}, "conversations": [
         {"from": "human", "value": "no placeholder"}, {"from": "gpt", "value": "a"}]},
      "the text's placeholders ['<image_00>'] do not name each image once"),
+    # named and plain placeholders in one row: a processor's traceback before (2 image pads, 1
+    # image); a name the mapping lacks
+    ({"image": {"<image_00>": "a.png"}, "conversations": [
+        {"role": "user", "content": "<image_00> and <image> which?"},
+        {"role": "assistant", "content": "red"}]},
+     "mixes named placeholders ['<image_00>'] with 1 plain '<image>'"),
+    ({"image": {"<image_00>": "a.png"}, "conversations": [
+        {"from": "human", "value": "<image_00> or <image_01>?"}, {"from": "gpt", "value": "a"}]},
+     "the text names ['<image_01>'], which the row's image mapping ['<image_00>'] does not "
+     "hold"),
     ({"problem": "q", "solution": "a", "image": "a.png", "focus": [0.1, 0.2, 0.3]},
      "'focus' must be a box [x1, y1, x2, y2] of 4 numbers, got [0.1, 0.2, 0.3]"),
     ({"problem": "q", "solution": "a", "image": "a.png", "focus": [0, 0, True, 1]},

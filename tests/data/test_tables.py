@@ -241,3 +241,35 @@ def test_a_json_list_row_that_names_a_key_twice_is_bad_and_its_neighbours_are_re
     src = source(str(path))
     assert (len(src), src.bad_rows) == (2, 2)
     assert src.first_error == f"{path} row 2: key 'solution' given twice"
+
+
+def test_eval_sources_take_their_training_sources_methods(tmp_path, caplog) -> None:
+    """data.reward_method=[mcq,default] is per data.train source: an eval source that is also a
+    training source is scored by that source's method (before: 'default' for every eval row,
+    unsaid, so 'The answer is B' scored 0 in eval and 1 in training); another source takes
+    'default', said; data.eval_reward_method sets them outright."""
+    from r1fit.config import load_config
+    from r1fit.data.build import build_datasets
+
+    (tmp_path / "p.png").write_bytes(png((1, 1, 1)))
+    for name in ("a", "b", "c"):
+        rows = [{"image": "p.png", "problem": f"{name} {i}?", "solution": "B"} for i in range(4)]
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    a, b, c = (str(tmp_path / f"{n}.jsonl") for n in "abc")
+
+    def methods(*overrides: str) -> list[str]:
+        cfg = load_config(None, [f"data.train=[{a},{b}]", "data.reward_method=[mcq,numeric]",
+                                 "data.eval_size=8", *overrides])
+        _, evals = build_datasets(cfg)
+        return [evals[i].reward_method for i in range(len(evals))]
+
+    assert methods(f"data.eval=[{b},{a}]") == ["numeric"] * 4 + ["mcq"] * 4
+    with caplog.at_level(logging.INFO, logger="r1fit"):
+        assert methods(f"data.eval=[{a},{c}]") == ["mcq"] * 4 + ["default"] * 4
+    assert f"data.eval: {c} is no data.train source, so its rows that name no method are " \
+        "scored by 'default'" in caplog.text
+    assert methods(f"data.eval=[{a},{c}]", "data.eval_reward_method=yes_no") == ["yes_no"] * 8
+    assert methods(f"data.eval=[{a},{c}]", "data.eval_reward_method=[numeric,mcq]") == \
+        ["numeric"] * 4 + ["mcq"] * 4
+    with pytest.raises(DataError, match="data.eval_reward_method: "):
+        methods(f"data.eval={c}", "data.eval_reward_method=nope")
