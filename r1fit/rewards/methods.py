@@ -247,8 +247,9 @@ def read_number(answer: str) -> Decimal | None:
     """The answer as an exact decimal after :func:`normalize` ("1,000" -> 1000, "$3.50" -> 3.5,
     "three" -> 3, "1e3" -> 1000), or None when it is anything but one number ("3 apples", "1,5",
     "50%"). Exact, not a float: 20-digit numbers that differ in their last digit differ, and a
-    5,000-digit one equals itself."""
-    text = normalize(answer)
+    5,000-digit one equals itself. A LaTeX wrapper around it is read through ("\\boxed{5}",
+    "\\text{5}"), as ``mcq`` and ``default`` read it."""
+    text = normalize(_LATEX_WRAPPER.sub(r"\1", answer))
     if not _NUMBER.fullmatch(text):
         return None
     try:
@@ -261,10 +262,14 @@ def read_number(answer: str) -> Decimal | None:
 
 
 def _default(prediction: str, gold: str) -> float:
-    normalized_prediction = normalize(prediction)
+    """Equal after :func:`normalize` (LaTeX wrappers read through: "\\text{5 cm}" is "5 cm"),
+    the same number ("1000" and "1e3"), or equivalent by math-verify."""
+    normalized_prediction = normalize(_LATEX_WRAPPER.sub(r"\1", prediction))
     if not normalized_prediction:
         return 0.0
-    if normalized_prediction == normalize(gold):
+    if normalized_prediction == normalize(_LATEX_WRAPPER.sub(r"\1", gold)):
+        return 1.0
+    if (number := read_number(gold)) is not None and read_number(prediction) == number:
         return 1.0
     return 1.0 if math_equivalent(gold, prediction) else 0.0
 

@@ -150,12 +150,18 @@ class TestScoreByMethod:
             ("numeric", "4", "3", 0.0),
             ("numeric", "3 apples", "3", 0.0),
             ("numeric", "abc", "abc", 0.0),  # equal, but not numbers
+            ("numeric", "\\boxed{5}", "5", 1.0),  # a LaTeX wrapper is read through
+            ("numeric", "\\text{1,000}", "\\boxed{1000}", 1.0),
+            ("numeric", "\\boxed{5 cm}", "5", 0.0),
             ("fuzzy", "kitten", "sitting", KITTEN_SITTING),
             ("fuzzy", "New York.", "new york city", NEW_YORK_CITY),
             ("fuzzy", "Paris", "paris", 1.0),
             ("fuzzy", "...", "x", 0.0),  # nothing left after normalising
             ("default", "3.0", "3", 1.0),
             ("default", "kitten", "sitting", 0.0),  # no partial credit
+            ("default", "1000", "1e3", 1.0),  # the same number
+            ("default", "\\text{5 cm}", "5 cm", 1.0),  # a LaTeX wrapper is read through
+            ("default", "1001", "1e3", 0.0),
             # iou: [0,0,4,4] (16) and [2,0,6,4] (16) share [2,0,4,4] (8): 8 / (16 + 16 - 8)
             ("iou", "[0,0,4,4]", "[2,0,6,4]", 1 / 3),
             ("iou", '{"bbox_2d": [2, 0, 6, 4]}', "<answer>[2,0,6,4]</answer>", 1.0),
