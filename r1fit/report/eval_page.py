@@ -119,7 +119,9 @@ def build_page(summary: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str:
             + cell(a["accuracy"]) + cell(a["format"]) + cell(a["reward"])
             + "".join(cell(a["rewards"].get(n)) for n in names) + "</tr>"
             for j, a in enumerate(row["answers"]))
-        verdict = "pass" if row["pass"] > 0 else "fail"
+        # partial credit (fuzzy, iou) is a best score, not a pass
+        verdict = "pass" if row["pass"] >= 1 else "fail" if row["pass"] <= 0 else \
+            f"best {row['pass']:.3f}"
         blocks.append(
             f'<div class="prompt"><div class="images">{images}</div><div>'
             f'<p><b>row {row["index"]}</b> ({html.escape(row["id"])}, {verdict}, '
