@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 
 import pytest
 
@@ -47,18 +46,3 @@ def test_each_evaluation_is_one_log_line(caplog):
     assert caplog.messages == ["eval at step 20: accuracy 0.250, format 1.000 (40 rows)",
                                "eval at step 40: no row could be scored (0 rows, 3 skipped)"]
 
-
-def test_the_eval_page_calls_partial_credit_a_best_score_not_a_pass() -> None:
-    """A fuzzy or iou row whose best answer scored 0.5 was labelled 'pass'."""
-    from r1fit.report.eval_page import answer_record, build_page
-
-    summary = {"model": "m", "model_kind": "full", "data": "d.jsonl", "samples": 3, "size": 3}
-
-    def row(index: int, best: float) -> dict:
-        answers = [answer_record("x", best, 1.0, best, {}, None, Path("."), "a")]
-        return {"index": index, "id": str(index), "images": [], "answers": answers,
-                "pass": best, "mean": best, "question": "q", "reward_method": "fuzzy",
-                "reference": "red"}
-
-    page = build_page(summary, [row(0, 1.0), row(1, 0.5), row(2, 0.0)])
-    assert "(0, pass, mean" in page and "(1, best 0.500, mean" in page and "(2, fail, mean" in page
