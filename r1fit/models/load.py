@@ -123,6 +123,17 @@ def load_failure(what: str, path: str, err: BaseException) -> str:
     return f"{what} {path!r}: {text}"
 
 
+def first_mismatch(err: BaseException) -> str:
+    """torch's load_state_dict error on one line, with only the first of its size mismatches and
+    their count (an adapter on another base lists every adapted weight: 6 kB on one line)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    mismatches = [line for line in lines if line.startswith("size mismatch for ")]
+    if len(mismatches) < 2:
+        return one_line(err)
+    head = " ".join(line for line in lines if not line.startswith(("size mismatch for ",)))
+    return (f"{head} {mismatches[0]} (and {len(mismatches) - 1} more size mismatches)").strip()
+
+
 def _run_folder(folder: Path) -> str | None:
     """What r1fit run output ``folder`` is ("an r1fit checkpoint", "an r1fit run's output
     folder"), or None: a checkpoint holds its manifest and trainer state, a run its metrics or
@@ -304,7 +315,7 @@ def load_adapter(model: nn.Module, folder: str | os.PathLike[str]) -> PeftModel:
             adapted = PeftModel.from_pretrained(model, os.fspath(folder))
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:
         raise ModelConfigError(f"cannot load the LoRA adapter {os.fspath(folder)!r} onto its base "
-                               f"model: {one_line(err)}") from err
+                               f"model: {first_mismatch(err)}") from err
     drop_input_grad_hooks(adapted)  # peft adds them
     return adapted
 

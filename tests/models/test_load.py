@@ -571,3 +571,20 @@ def test_a_frozen_vision_tower_keeps_nothing_for_backward(tiny_dir: Path, image5
     assert grads.keys() == hooked_grads.keys() and grads
     for name, grad in grads.items():
         assert torch.equal(grad, hooked_grads[name]), name
+
+
+def test_an_adapters_size_mismatches_are_one_short_line() -> None:
+    """A LoRA adapter loaded onto another base listed every adapted weight (6 kB on one line):
+    the first mismatch and their count."""
+    from r1fit.models.load import first_mismatch
+
+    err = RuntimeError("Error(s) in loading state_dict for PeftModel:\n\tsize mismatch for "
+                       "a.lora_A.weight: copying a param with shape torch.Size([4, 8]) from "
+                       "checkpoint, the shape in current model is torch.Size([4, 16]).\n"
+                       + "".join(f"\tsize mismatch for w{i}: copying ...\n" for i in range(40)))
+    assert first_mismatch(err) == (
+        "Error(s) in loading state_dict for PeftModel: size mismatch for a.lora_A.weight: copying "
+        "a param with shape torch.Size([4, 8]) from checkpoint, the shape in current model is "
+        "torch.Size([4, 16]). (and 40 more size mismatches)")
+    assert first_mismatch(ValueError("no adapter_config.json\nhere")) == \
+        "no adapter_config.json here"
