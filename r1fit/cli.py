@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from r1fit.config import Config, ConfigError, config_reference_markdown, resolve_config
-from r1fit.errors import R1fitError
+from r1fit.errors import R1fitError, one_line
 
 
 def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -79,7 +79,7 @@ def print_sources(cfg: Config, sources: dict[str, str]) -> None:
 
 
 def _run(command: str, cfg: Config) -> None:
-    from r1fit.processes import close_distributed, world
+    from r1fit.processes import DistributedError, close_distributed, lost_peer, world
 
     finished = False
     try:
@@ -92,6 +92,14 @@ def _run(command: str, cfg: Config) -> None:
 
             train_sft(cfg)
         finished = True
+    except Exception as exc:
+        if world().distributed and not isinstance(exc, R1fitError) and lost_peer(exc):
+            # the process that failed says why; this one only lost it (a raw gloo traceback)
+            raise DistributedError(
+                f"rank {world().rank} lost another process of the run, which stopped (its own "
+                f"error is above; {exc.__class__.__name__}: {one_line(exc, 160, first_line=True)}"
+                "); rerun the same command to resume from the last checkpoint") from exc
+        raise
     finally:
         helper_rank = world().distributed and not world().main
         close_distributed(barrier=finished)

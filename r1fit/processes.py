@@ -17,6 +17,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from r1fit.config.schema import uneven_split
-from r1fit.errors import R1fitError
+from r1fit.errors import R1fitError, one_line
 
 log = logging.getLogger("r1fit.distributed")
 
@@ -99,7 +101,34 @@ def init_distributed(device_type: str) -> World:
         raise DistributedError(f"{why} but {exc.args[0]} is not set; start the processes with "
                                "torchrun") from exc
     if not dist.is_initialized():
-        timeout = datetime.timedelta(minutes=30)
+        _join_group(device_type, rank, size, local_rank)
+    _WORLD = World(rank=rank, size=size, local_rank=local_rank, grouped=grouped)
+    return _WORLD
+
+
+#: seconds a process waits for the others to join before it says it is waiting
+JOIN_NOTICE_SECONDS = 30.0
+
+
+def _join_group(device_type: str, rank: int, size: int, local_rank: int) -> None:
+    """``init_process_group`` from torchrun's environment: its failures as one line, and a
+    notice when the others are long in coming (variables left over from another launch wait for
+    processes that never come, for the group's 30-minute timeout)."""
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+    if missing:
+        raise DistributedError(f"WORLD_SIZE={size} but {' and '.join(missing)} "
+                               f"{'is' if len(missing) == 1 else 'are'} not set; start the "
+                               "processes with torchrun")
+    notice = threading.Timer(JOIN_NOTICE_SECONDS, lambda: print(
+        f"r1fit: rank {rank} has waited {JOIN_NOTICE_SECONDS:.0f} s for the other {size - 1} of "
+        f"WORLD_SIZE={size} processes at {where} (is every process started? WORLD_SIZE, RANK "
+        "and MASTER_ADDR left in the environment by another launch wait for processes that "
+        "never come)", file=sys.stderr, flush=True))
+    notice.daemon = True
+    notice.start()
+    timeout = datetime.timedelta(minutes=30)
+    try:
         if device_type == "cuda":
             torch.cuda.set_device(local_rank)
             # device_id binds the group to this GPU: NCCL's barrier then needs no guess of the
@@ -108,8 +137,54 @@ def init_distributed(device_type: str) -> World:
                                     device_id=torch.device("cuda", local_rank))
         else:
             dist.init_process_group("gloo", timeout=timeout)
-    _WORLD = World(rank=rank, size=size, local_rank=local_rank, grouped=grouped)
-    return _WORLD
+    except (ValueError, RuntimeError) as exc:  # DistError and its kinds are RuntimeErrors
+        raise DistributedError(f"rank {rank} could not join the process group of {size} "
+                               f"processes at {where}: {one_line(exc, 300, first_line=True)}"
+                               ) from exc
+    finally:
+        notice.cancel()
+
+
+def check_same_config(config: dict[str, Any]) -> None:
+    """Every process runs the same config (``config``: this process's, as a dict): each node
+    parses its own command line and files, and a setting that differs between them would hang
+    the run at its end (another step count) or train each shard differently with rank 0's
+    settings on record (another learning rate). Every rank raises the same one line."""
+    if not world().distributed:
+        return
+    configs = all_gather_objects(_flat(config))
+    for rank, other in enumerate(configs[1:], start=1):
+        keys = sorted(k for k in set(configs[0]) | set(other)
+                      if configs[0].get(k) != other.get(k))
+        if keys:
+            shown = ", ".join(f"{k}: {configs[0].get(k)!r} vs {other.get(k)!r}" for k in keys[:3])
+            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+            raise DistributedError(f"rank {rank}'s config differs from rank 0's ({shown}{more}); "
+                                   "every process must run the same command with the same "
+                                   "config files")
+
+
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(_flat(item, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: value}
+
+
+#: how a collective reports a process that went away (gloo's transport, NCCL, the store)
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "NCCL error", "NCCL communicator", "ProcessGroupGloo", "ProcessGroupNCCL",
+              "gloo/transport")
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """True when ``exc`` says another process of the run went away (it failed or was killed:
+    its own error is its own to say)."""
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in _PEER_LOST)
 
 
 def close_distributed(*, barrier: bool = False) -> None:

@@ -104,3 +104,89 @@ def test_a_failed_nccl_rank_aborts_instead_of_waiting_for_its_peers(monkeypatch)
     monkeypatch.setattr(processes, "_WORLD", World(rank=0, size=2))
     processes.close_distributed(barrier=False)  # gloo's destroy does not wait
     assert calls[-1] == "destroy"
+
+
+def test_a_launch_without_master_addr_is_one_line(monkeypatch):
+    for key, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(DistributedError, match="^WORLD_SIZE=2 but MASTER_ADDR is not set; start "
+                                               "the processes with torchrun$"):
+        init_distributed("cpu")
+
+
+def test_joining_says_when_it_waits_and_its_failure_is_one_line(monkeypatch, capsys):
+    """Variables left from another launch waited silently for the group's 30 minutes; a failed
+    join was a raw traceback."""
+    import time
+
+    import torch.distributed as dist
+
+    import r1fit.processes as processes
+
+    for key, value in (("WORLD_SIZE", "2"), ("RANK", "1"), ("LOCAL_RANK", "0"),
+                       ("MASTER_ADDR", "10.0.0.9"), ("MASTER_PORT", "29777")):
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(processes, "JOIN_NOTICE_SECONDS", 0.05)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+
+    def slow_then_refused(*args, **kwargs):
+        time.sleep(0.5)
+        raise dist.DistNetworkError("The client socket has timed out after 1800000ms\nmore")
+
+    monkeypatch.setattr(dist, "init_process_group", slow_then_refused)
+    with pytest.raises(DistributedError, match=r"^rank 1 could not join the process group of 2 "
+                                               r"processes at 10\.0\.0\.9:29777: The client "
+                                               r"socket has timed out after 1800000ms$"):
+        init_distributed("cpu")
+    err = capsys.readouterr().err
+    assert err.startswith("r1fit: rank 1 has waited 0 s for the other 1 of WORLD_SIZE=2 "
+                          "processes at 10.0.0.9:29777 (is every process started?")
+
+
+def test_processes_whose_configs_differ_are_refused(monkeypatch):
+    """Each node parses its own command line: another train.max_steps hung the run at its end,
+    another learning rate trained each shard differently with rank 0's on record."""
+    import r1fit.processes as processes
+    from r1fit.config import load_config
+
+    mine = load_config(None, ["train.max_steps=4"]).to_dict()
+    theirs = load_config(None, ["train.max_steps=6", "train.learning_rate=0.01"]).to_dict()
+    monkeypatch.setattr(processes, "_WORLD", World(rank=0, size=2))
+    monkeypatch.setattr(processes, "all_gather_objects", lambda obj: [obj, processes._flat(theirs)])
+    with pytest.raises(DistributedError, match=r"^rank 1's config differs from rank 0's "
+                                               r"\(train.learning_rate: 0.003 vs 0.01, "
+                                               r"train.max_steps: 4 vs 6\); every process must "
+                                               "run the same command"):
+        processes.check_same_config(mine)
+    monkeypatch.setattr(processes, "all_gather_objects", lambda obj: [obj, obj])
+    processes.check_same_config(mine)  # the same: nothing said
+
+
+def test_a_rank_that_lost_another_says_so_in_one_line(monkeypatch):
+    """The survivor of a failed rank printed gloo's 33-line traceback."""
+    import r1fit.cli as cli
+    import r1fit.processes as processes
+    import r1fit.train.grpo as grpo
+    from r1fit.config import load_config
+
+    def lost(cfg):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection "
+                           "closed by peer [127.0.0.1]:1234")
+
+    monkeypatch.setattr(grpo, "train_grpo", lost)
+    monkeypatch.setattr(processes, "_WORLD", World(rank=1, size=2))
+    with pytest.raises(DistributedError, match=r"^rank 1 lost another process of the run, which "
+                                               r"stopped \(its own error is above; RuntimeError: "):
+        cli._run("train", load_config(None, []))
+    assert processes.lost_peer(RuntimeError("NCCL error in: ...")) and \
+        not processes.lost_peer(RuntimeError("shape mismatch"))
+
+    def bug(cfg):
+        raise RuntimeError("shape mismatch")
+
+    monkeypatch.setattr(grpo, "train_grpo", bug)
+    monkeypatch.setattr(processes, "_WORLD", World(rank=1, size=2))
+    with pytest.raises(RuntimeError, match="^shape mismatch$"):  # a bug keeps its traceback
+        cli._run("train", load_config(None, []))

@@ -315,8 +315,11 @@ class CheckpointManager:
 
     def _request_stop(self, signum: int, frame: Any) -> None:
         self.stop_requested = True
-        log.warning("received %s: saving a checkpoint after this step, then stopping",
-                    signal.Signals(signum).name)
+        window = ("; under torchrun the step and the save must end within its shutdown timeout "
+                  "(30 s by default, torchrun --shutdown_timeout), or torchrun kills them unsaved"
+                  if world().distributed else "")
+        log.warning("received %s: saving a checkpoint after this step, then stopping%s",
+                    signal.Signals(signum).name, window)
 
     def run_seconds(self) -> float:
         """Wall-clock seconds of the run so far, over every start it resumed through (the time a
@@ -351,10 +354,10 @@ class CheckpointManager:
                 elif storage == "per_rank" and saved_world != w.size:
                     message = obj.restart(point)  # type: ignore[attr-defined]
                     if w.main:
-                        log.warning("saved by %d processes, resumed on %d: %s, so the run "
+                        log.warning("saved by %d process%s, resumed on %d: %s, so the run "
                                     "continues from the same step and optimizer state but is not "
-                                    "bit-identical to an uninterrupted one", saved_world, w.size,
-                                    message)
+                                    "bit-identical to an uninterrupted one", saved_world,
+                                    "" if saved_world == 1 else "es", w.size, message)
                 elif storage == "per_rank":
                     obj.load_state_dict(load_state(point.path, f"{name}-rank{w.rank}"))
                 elif storage == "sharded":

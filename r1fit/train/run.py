@@ -42,6 +42,7 @@ from r1fit.models.load import context_length
 from r1fit.processes import (
     World,
     broadcast_object,
+    check_same_config,
     check_split,
     device_for,
     init_distributed,
@@ -200,6 +201,7 @@ def start_run(cfg: Config, kind: str) -> Run:
     require_trackers(cfg.report.to)  # every process: a missing package stops all before starting
     requested = pick_device(cfg.train.device)
     w = init_distributed(requested.type)
+    check_same_config(cfg.to_dict())
     check_split(cfg, kind, w)
     device = device_for(requested, w)
     setup_logging(None)  # the terminal first: choosing the resume point may warn
