@@ -13,6 +13,7 @@ from r1fit.data.errors import DataError
 from r1fit.data.rows import FormatOptions
 from r1fit.data.sample import Sample
 from r1fit.data.shapes import ShapesSpec
+from r1fit.processes import all_gather_objects, world
 from r1fit.rewards.methods import check_method
 
 log = logging.getLogger("r1fit")
@@ -135,13 +136,35 @@ class BadRowCounter:
                 raise DataError(f"{dataset.name}: could not fetch {k} good rows in {FETCH_TRIES} "
                                 f"tries; {why_no_good_rows(skipped)}")
             tries += 1
-            samples, errors = dataset.fetch(sampler.next_batch(k - len(good)))
+            each = dataset.fetch_each(sampler.next_batch(k - len(good)))
+            errors = [x for x in each if isinstance(x, str)]  # why a row was skipped
+            places = [i for i, x in enumerate(each) if not isinstance(x, str)]
+            samples = [each[i] for i in places]
             prompts, refused = encode(samples)
-            good.extend(prompts)
             for message in errors + refused:
                 self.skip(message)
             skipped += errors + refused
+            good.extend(self._agreed(prompts, places, samples))
         return good
+
+    def _agreed(self, prompts: list[Prompt], places: list[int], samples: list[Sample]
+                ) -> list[Prompt]:
+        """Over several processes, the prompts every process kept (each reads the rows itself:
+        a row whose image one node cannot decode would otherwise leave the ranks training on
+        different rows, the sampler one row apart); the others' skips are counted here too, so
+        every rank's count is the same. ``places``: each sample's place in the draw."""
+        if not world().distributed:
+            return prompts
+        place = {id(sample): at for sample, at in zip(samples, places, strict=True)}
+        kept = [place[id(prompt.sample)] for prompt in prompts]
+        everyone = all_gather_objects(kept)
+        common = set(kept).intersection(*everyone)
+        for prompt, at in zip(prompts, kept, strict=True):
+            if at not in common:
+                ranks = [r for r, theirs in enumerate(everyone) if at not in theirs]
+                self.skip(f"{prompt.sample.source}: bad on rank {', '.join(map(str, ranks))} "
+                          "(its warning says why)")
+        return [p for p, at in zip(prompts, kept, strict=True) if at in common]
 
 
 #: Batches of rows :meth:`BadRowCounter.fetch` draws before it gives up on the data.

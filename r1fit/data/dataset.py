@@ -99,14 +99,19 @@ class PromptDataset(Sequence[Sample]):
         Returns ``(samples, errors)``: the good samples and one ``"<file>:<line>: <reason>"`` message
         per skipped index, for the caller to log and count.
         """
-        samples: list[Sample] = []
-        errors: list[str] = []
+        each = self.fetch_each(indices)
+        return ([x for x in each if isinstance(x, Sample)],
+                [x for x in each if not isinstance(x, Sample)])
+
+    def fetch_each(self, indices: Sequence[int]) -> list[Sample | str]:
+        """Per index (in order), its sample or why it was skipped (``fetch``'s message)."""
+        out: list[Sample | str] = []
         for index in indices:
             try:
-                samples.append(self[index])
+                out.append(self[index])
             except BadRowError as exc:
-                errors.append(str(exc))
-        return samples, errors
+                out.append(str(exc))
+        return out
 
     def __repr__(self) -> str:
         """Name and counts, e.g. for logs."""

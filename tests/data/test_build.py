@@ -23,12 +23,11 @@ def _fetch(k: int, refuse):
     stream = itertools.count()
     sampler = SimpleNamespace(next_batch=lambda n: [next(stream) for _ in range(n)])
 
-    def load(indices):
-        bad = {i: refuse(i) for i in indices}
-        return ([i for i in indices if not isinstance(bad[i], str)],
-                [f"rows.jsonl:{i + 1}: {bad[i]}" for i in indices if isinstance(bad[i], str)])
+    def load_each(indices):
+        return [f"rows.jsonl:{i + 1}: {refuse(i)}" if isinstance(refuse(i), str) else i
+                for i in indices]
 
-    dataset = SimpleNamespace(name="rows.jsonl", fetch=load)
+    dataset = SimpleNamespace(name="rows.jsonl", fetch_each=load_each)
 
     def encode(samples):
         return ([s for s in samples if refuse(s) is None],
@@ -85,3 +84,34 @@ def test_rows_bad_for_other_causes_keep_their_message():
 def test_nothing_is_refused_when_all_rows_are_good(k):
     prompts, counter = _fetch(k, lambda i: None)
     assert prompts == list(range(k)) and counter.count == 0
+
+
+def test_rows_bad_on_one_process_only_are_skipped_by_every_process(monkeypatch):
+    """Each process reads the rows itself: a row one node cannot decode (its copy of an image is
+    corrupt) left the ranks on different rows, the sampler one row apart, unsaid. Now every rank
+    keeps the rows all kept, counts the others' skips too, and draws again alike."""
+    import r1fit.data.build as build
+    from r1fit.processes import World
+
+    stream = itertools.count()
+    sampler = SimpleNamespace(next_batch=lambda n: [next(stream) for _ in range(n)])
+    dataset = SimpleNamespace(name="rows.jsonl", fetch_each=lambda indices: [
+        SimpleNamespace(index=i, source=f"rows.jsonl:{i + 1}") for i in indices])
+
+    def encode(samples):
+        return [SimpleNamespace(sample=s) for s in samples], []
+
+    # rank 0 here; rank 1 could not decode the 2nd row of the first draw
+    gathered = []
+
+    def all_gather(kept):
+        others = [at for at in kept if not (len(gathered) == 0 and at == 1)]
+        gathered.append(kept)
+        return [kept, others]
+
+    monkeypatch.setattr(build, "world", lambda: World(rank=0, size=2))
+    monkeypatch.setattr(build, "all_gather_objects", all_gather)
+    counter = BadRowCounter()
+    prompts = counter.fetch(dataset, sampler, 3, encode)
+    assert [p.sample.index for p in prompts] == [0, 2, 3] and counter.count == 1
+    assert gathered == [[0, 1, 2], [0]]  # the second draw asked one more row, on every rank
