@@ -50,6 +50,8 @@ def save_rollout(rollout: Rollout, processor: Any, folder: Path) -> Path:
             "completion": row.completion, "reward": plain(row.reward),
             "components": {k: plain(v) for k, v in row.components.items()},
             "advantage": plain(row.advantage), "images": written[group]}
+        if len(prompt.sample.turns) > 2:  # a conversation: the turns before its last question
+            record["context"] = [list(turn) for turn in prompt.sample.turns[:-2]]
         if rollout.trajectories is not None:
             record.update(trajectory_record(rollout.trajectories[i], folder,
                                             f"{stem}_r{index:04d}"))

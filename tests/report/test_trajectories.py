@@ -232,3 +232,25 @@ def test_browser_shows_a_trajectory_turn_by_turn_with_the_tools_images(tmp_path)
     assert [page.count(f'<div class="ended">ended: {e}</div>')
             for e in ("eos", "max_new_tokens", "max_turns")] == [1, 1, 1]
     assert page.count('<img src="rollouts/step_000004_g000_0.png" alt="prompt image">') == 1
+
+
+def test_a_conversations_earlier_turns_are_saved_as_its_context(tmp_path):
+    """A LLaVA-style row of several turns: its prompt is the last question, and the turns before
+    it (which the model saw) were missing from the saved rollout."""
+    from dataclasses import replace
+
+    processor = SimpleNamespace(tokenizer=SimpleNamespace(
+        batch_decode=lambda rows, skip_special_tokens: ["<answer>x</answer>" for _ in rows]))
+    rollout = scored_rollout(tools=False)
+    turns = (("user", "<image>What is it?"), ("assistant", "A circle."),
+             ("user", "What colour?"), ("assistant", "red"))
+    first = rollout.prompts[0]
+    rollout.prompts[0] = replace(first, sample=replace(first.sample, turns=turns))
+    lines = save_rollout(rollout, processor, tmp_path).read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert rows[0]["context"] == [["user", "<image>What is it?"], ["assistant", "A circle."]]
+    two = replace(first.sample, turns=(("user", "<image>What colour?"), ("assistant", "red")))
+    rollout = scored_rollout(tools=False)  # its rows are read once
+    rollout.prompts[0] = replace(first, sample=two)
+    assert "context" not in json.loads(save_rollout(rollout, processor, tmp_path)
+                                       .read_text().splitlines()[0])
