@@ -183,8 +183,7 @@ def _open_output_dir(cfg: Any, kind: str) -> tuple[Path, ResumePoint | None]:
     resume = _check_resumable(point, cfg, kind)
     same_run = point.resolve().parent == out.resolve()
     own = find_resume_point(out)[0] if not same_run and holds_run(out) else None
-    if not same_run and holds_run(out) and own is None and not list_checkpoints(out) \
-            and not (out / "final").is_dir() and _same_command(out, cfg, kind):
+    if not same_run and holds_run(out) and _never_saved(out, cfg, kind):
         _delete_run(out, f"starting over from {point}: this command's run stopped before its "
                          "first checkpoint (its metrics rows are redone)")
     if not same_run and holds_run(out):
@@ -244,15 +243,22 @@ def _same_command(out: Path, cfg: Any, kind: str) -> bool:
     return bool(saved) and saved == json.loads(json.dumps(run_config(cfg, kind)))
 
 
+def _never_saved(out: Path, cfg: Any, kind: str) -> bool:
+    """True when ``out`` holds this command's run, stopped before or while writing its first
+    checkpoint (a half-written one at most) and not finished."""
+    saves = [p for p in list_checkpoints(out) if not p.name.endswith(PARTIAL)]
+    finished = (out / "final").is_dir() or (out / "summary.json").is_file()
+    return not saves and not finished and _same_command(out, cfg, kind)
+
+
 def _refuse_or_start_over(out: Path, cfg: Any, kind: str, skipped: list[str]) -> None:
     """``out`` holds a run and no complete checkpoint. Where this very command stopped before or
     during its first save (no checkpoint but a half-written one, not finished), there is nothing
-    to lose and nothing to resume: it starts over, said (a requeued job killed early would otherwise need a hand).
-    Anything else is refused: damaged checkpoints are worth a look, and another config's run is
-    not this one's."""
+    to lose and nothing to resume: it starts over, said (a requeued job killed early would
+    otherwise need a hand). Anything else is refused: damaged checkpoints are worth a look, and
+    another config's run is not this one's."""
     finished = (out / "final").is_dir() or (out / "summary.json").is_file()
-    saves = [p for p in list_checkpoints(out) if not p.name.endswith(PARTIAL)]  # not cut short
-    if not saves and not finished and _same_command(out, cfg, kind):
+    if _never_saved(out, cfg, kind):
         _delete_run(out, "starting over: this command's run stopped before its first checkpoint "
                          "(nothing to resume; its metrics rows are redone)")
         return
