@@ -92,6 +92,12 @@ class TurnBudgets:
     max_images: int
     max_trajectory_tokens: int | None = None  # None: max_turns x max_new_tokens
 
+    @classmethod
+    def of(cls, cfg: Any, max_new_tokens: int) -> TurnBudgets:
+        """The budgets a run's config sets (``max_new_tokens`` per turn)."""
+        return cls(cfg.rollout.max_turns, cfg.rollout.max_tool_calls, max_new_tokens,
+                   cfg.data.max_images, cfg.rollout.max_trajectory_tokens)
+
     @property
     def tokens(self) -> int:
         """Tokens after the prompt one trajectory may hold."""

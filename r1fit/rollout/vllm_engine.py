@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from r1fit.config.engines import vllm_installed, vllm_share_problem
+from r1fit.config.engines import vllm_share_problem
 from r1fit.data.batch import Prompt, cut_after_eos
 from r1fit.errors import R1fitError, one_line
 from r1fit.tools import TOOL_CALL_CLOSE
@@ -65,8 +65,11 @@ def require_vllm() -> None:
     """Refuse a missing or untested vLLM before a run loads its model (vLLM itself starts at the
     first rollout): from the installed packages' metadata, without importing it."""
     import importlib.metadata
+    import importlib.util
 
-    if not vllm_installed():
+    # its own look, not r1fit.config.engines.vllm_installed (which the tests set to False for
+    # rollout.engine=auto's choice, and this module's import would have bound whichever it met)
+    if importlib.util.find_spec("vllm") is None:
         raise _missing("No module named 'vllm'")
     for distribution in importlib.metadata.packages_distributions().get("vllm", []):
         try:
@@ -163,6 +166,40 @@ def check_share(spec: EngineSpec, kv_per_token: int, total: int) -> None:
         raise RolloutEngineError(f"{problem} (a sequence: {spec.max_model_len} tokens)")
 
 
+#: tokens per block of vLLM's KV cache (its CPU backend's; CUDA's are smaller, so a pool sized
+#: by it holds a sequence there too): vLLM allocates whole blocks and keeps one of the pool back
+KV_BLOCK_TOKENS = 128
+
+
+def kv_pool_needed(spec: EngineSpec, per_token: int) -> int:
+    """The least ``kv_cache_memory`` that holds one sequence of ``spec.max_model_len`` tokens:
+    whole blocks, and the block vLLM keeps back (measured on vLLM 0.32's CPU backend: 264 tokens
+    needed 4 blocks of 128)."""
+    blocks = -(-spec.max_model_len // KV_BLOCK_TOKENS) + 1
+    return blocks * KV_BLOCK_TOKENS * per_token
+
+
+def check_kv_pool(spec: EngineSpec, text_config: Any) -> int | None:
+    """The KV pool's bytes the engine is given (``rollout.vllm.kv_cache_memory``, on the CPU its
+    default), refused in one line when it cannot hold one sequence: cheap arithmetic, run before
+    the format warm-up too. None: a share of the GPU (checked when the engine starts)."""
+    kv_bytes = spec.kv_cache_memory
+    if kv_bytes is None and spec.device.type != "cuda":
+        kv_bytes = CPU_DEFAULT_KV_BYTES
+    if kv_bytes is None:
+        return None
+    per_token = kv_bytes_per_token(text_config, spec.dtype)
+    need = kv_pool_needed(spec, per_token)
+    if kv_bytes < need:
+        raise RolloutEngineError(
+            f"rollout.vllm.kv_cache_memory={kv_bytes} ({format_bytes(kv_bytes)}) holds "
+            f"{kv_bytes // per_token} tokens, too few for one sequence of data.max_prompt_tokens "
+            f"+ algo.max_new_tokens = {spec.max_model_len} in vLLM's blocks of "
+            f"{KV_BLOCK_TOKENS}: set rollout.vllm.kv_cache_memory >= {need} or lower "
+            "data.max_prompt_tokens")
+    return kv_bytes
+
+
 class VllmEngine:
     """One vLLM ``LLM`` in this process. ``generate`` takes r1fit prompts and gives completions
     and their log-probs, ``generate_turn`` one turn of multi-turn contexts; ``load_weights`` takes
@@ -172,19 +209,8 @@ class VllmEngine:
         vllm = import_vllm()
         self.spec = spec
         on_cuda = spec.device.type == "cuda"
-        kv_bytes = spec.kv_cache_memory
-        if kv_bytes is None and not on_cuda:
-            kv_bytes = CPU_DEFAULT_KV_BYTES
-        if kv_bytes is not None:
-            per_token = kv_bytes_per_token(text_config, spec.dtype)
-            if kv_bytes // per_token < spec.max_model_len:
-                need = per_token * spec.max_model_len
-                raise RolloutEngineError(
-                    f"rollout.vllm.kv_cache_memory={kv_bytes} ({format_bytes(kv_bytes)}) holds "
-                    f"{kv_bytes // per_token} tokens, fewer than one sequence of "
-                    f"data.max_prompt_tokens + algo.max_new_tokens = {spec.max_model_len}: set "
-                    f"rollout.vllm.kv_cache_memory >= {need} or lower data.max_prompt_tokens")
-        elif on_cuda:
+        kv_bytes = check_kv_pool(spec, text_config)
+        if kv_bytes is None and on_cuda:
             check_share(spec, kv_bytes_per_token(text_config, spec.dtype),
                         torch.cuda.get_device_properties(spec.device).total_memory)
         self.sleeps = on_cuda and spec.sleep_level > 0
@@ -218,8 +244,14 @@ class VllmEngine:
         except Exception as exc:
             if self.llm is not None:
                 self.close()
+            text = one_line(exc, 300, first_line=True)
+            if kv_bytes is not None and ("kv-cache-memory" in text
+                                         or "serve at least one request" in text):
+                # vLLM names its own flag; the setting is r1fit's
+                raise RolloutEngineError(f"rollout.vllm.kv_cache_memory={kv_bytes}: vLLM cannot "
+                                         f"use it: {text}") from exc
             raise RolloutEngineError(f"vLLM cannot run {spec.folder}: {type(exc).__name__}: "
-                                     f"{one_line(exc, 300, first_line=True)}") from exc
+                                     f"{text}") from exc
         log.info("vLLM %s engine for %s on %s (%s, KV cache %s, %d torch threads)",
                  vllm.__version__, spec.folder, spec.device, kwargs["dtype"],
                  format_bytes(kv_bytes) if kv_bytes else

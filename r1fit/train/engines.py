@@ -38,8 +38,13 @@ from r1fit.rollout.generate import SamplingSettings, generate_completions, gener
 from r1fit.rollout.prefill import PrefillSharing
 from r1fit.rollout.record import Rollout, Trajectory
 from r1fit.rollout.static_engine import StaticDecoder
-from r1fit.rollout.turns import generate_trajectories, hf_generate_turn, static_generate_turn
-from r1fit.rollout.vllm_engine import EngineSpec, RolloutEngineError, VllmEngine
+from r1fit.rollout.turns import (
+    TurnBudgets,
+    generate_trajectories,
+    hf_generate_turn,
+    static_generate_turn,
+)
+from r1fit.rollout.vllm_engine import EngineSpec, RolloutEngineError, VllmEngine, check_kv_pool
 from r1fit.train.run import Run, Session
 from r1fit.train.tool_rollouts import ToolTurns
 
@@ -249,25 +254,9 @@ class VllmRollouts(Rollouts):
                  tools: ToolTurns | None = None) -> None:
         cfg = run.cfg
         self.run, self.settings, self.tools = run, settings, tools
-        model = unwrap(run.model)
-        longest = run.max_prompt_tokens if run.max_prompt_tokens is not None else context_length(model)
-        if longest is None:
-            raise RolloutEngineError("rollout.engine=vllm needs data.max_prompt_tokens (the model config "
-                             "gives no context length)")
-        # a trajectory grows its context turn by turn up to its budget after the prompt
-        max_len = longest + (cfg.algo.max_new_tokens if tools is None else tools.budgets.tokens)
-        if (context := context_length(model)) is not None:
-            max_len = min(max_len, context)
-        spec = EngineSpec(
-            folder=resolve_model_path(cfg.model.path), dtype=next(run.model.parameters()).dtype,
-            device=run.device, seed=cfg.train.seed, max_model_len=max_len,
-            kv_cache_memory=cfg.rollout.vllm.kv_cache_memory,
-            gpu_memory_utilization=cfg.rollout.vllm.gpu_memory_utilization,
-            sleep_level=cfg.rollout.vllm.sleep_level, enforce_eager=cfg.rollout.vllm.enforce_eager,
-            max_images=cfg.data.max_images,
-            image_token_id=special_token_ids(run.model, run.processor)["image_pad"],
-            distributed=run.world.distributed, weight_bytes=weight_bytes(run.model))
-        self.spec, self.text_config = spec, model.config.get_text_config()
+        self.spec = vllm_spec(run, cfg.algo.max_new_tokens if tools is None
+                              else tools.budgets.tokens)
+        self.text_config = unwrap(run.model).config.get_text_config()
         self._engine: VllmEngine | None = None
         self.stale = True  # the engine holds the checkpoint's weights, not the policy's
         if (said := nucleus_warning(settings.top_p, cfg.algo.tis_cap)) is not None:
@@ -359,6 +348,45 @@ def nucleus_warning(top_p: float, tis_cap: float | None) -> str | None:
             "engine's log-probs are of the nucleus it sampled from, so truncated importance "
             "sampling also weighs each token by its nucleus mass, which the hf engine does not "
             "(docs/vllm.md); algo.tis_cap=0 turns it off")
+
+
+def vllm_spec(run: Session, after_prompt: int) -> EngineSpec:
+    """What this run's vLLM engine is started with; ``after_prompt``: the tokens a row may add
+    to its prompt (a trajectory grows its context turn by turn up to its budget)."""
+    cfg = run.cfg
+    model = unwrap(run.model)
+    longest = run.max_prompt_tokens if run.max_prompt_tokens is not None else context_length(model)
+    if longest is None:
+        raise RolloutEngineError("rollout.engine=vllm needs data.max_prompt_tokens (the model "
+                                 "config gives no context length)")
+    max_len = longest + after_prompt
+    if (context := context_length(model)) is not None:
+        max_len = min(max_len, context)
+    return EngineSpec(
+        folder=resolve_model_path(cfg.model.path), dtype=next(run.model.parameters()).dtype,
+        device=run.device, seed=cfg.train.seed, max_model_len=max_len,
+        kv_cache_memory=cfg.rollout.vllm.kv_cache_memory,
+        gpu_memory_utilization=cfg.rollout.vllm.gpu_memory_utilization,
+        sleep_level=cfg.rollout.vllm.sleep_level, enforce_eager=cfg.rollout.vllm.enforce_eager,
+        max_images=cfg.data.max_images,
+        image_token_id=special_token_ids(run.model, run.processor)["image_pad"],
+        distributed=run.world.distributed, weight_bytes=weight_bytes(run.model))
+
+
+def check_engine_early(run: Run) -> None:
+    """What can be known of the rollout engine without starting it, checked before the format
+    warm-up trains (minutes or hours on a real model): vLLM's KV pool holds one sequence. The
+    engine itself starts after the warm-up and the restore, as it always has."""
+    cfg = run.cfg
+    name, _ = resolve_engine(cfg.rollout.engine, device_type=run.device.type,
+                             distributed=run.world.distributed,
+                             attention=cfg.model.attn_implementation,
+                             model_type=unwrap(run.model).config.model_type)
+    if name != "vllm":
+        return
+    after = cfg.algo.max_new_tokens if not cfg.tools else \
+        TurnBudgets.of(cfg, cfg.algo.max_new_tokens).tokens
+    check_kv_pool(vllm_spec(run, after), unwrap(run.model).config.get_text_config())
 
 
 def rollout_engine(run: Session, settings: SamplingSettings,

@@ -63,7 +63,7 @@ from r1fit.rollout.generate import SamplingSettings
 from r1fit.rollout.record import Rollout
 from r1fit.rollout.score import AdvantageSettings, finished_rows, kl_in_reward, loss_counts, score_rollout
 from r1fit.rollout.vllm_engine import require_vllm
-from r1fit.train.engines import RolloutEngine, rollout_engine
+from r1fit.train.engines import RolloutEngine, check_engine_early, rollout_engine
 from r1fit.train.evaluate import evaluate, log_evaluation
 from r1fit.train.forward import add_logprobs, longest_row, micro_batches, run_logprobs
 from r1fit.train.optim import SkippedUpdates, build_optimizer, build_scheduler, clip_and_step
@@ -105,6 +105,7 @@ def train_grpo(cfg: Any) -> dict[str, Any]:
     run = start_run(cfg, "grpo")
     algo = cfg.algo
     if cfg.sft.format_warmup_steps and not run.checkpoints.phase_done("warmup"):
+        check_engine_early(run)  # a vLLM pool too small fails now, not after the warm-up
         # teach the answer format so GRPO's first rewards are not all 0
         supervised_steps(run, cfg.sft.format_warmup_steps, format_only=True)
     reference = build_reference(run)

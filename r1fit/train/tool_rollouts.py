@@ -86,9 +86,7 @@ class ToolTurns:
         self.run = run
         self.runner, self.eval_runner = tool_runner(cfg), tool_runner(cfg)
         self.totals = ToolTotals(self.runner.stats)
-        self.budgets = TurnBudgets(cfg.rollout.max_turns, cfg.rollout.max_tool_calls,
-                                   max_new_tokens, cfg.data.max_images,
-                                   cfg.rollout.max_trajectory_tokens)
+        self.budgets = TurnBudgets.of(cfg, max_new_tokens)
         self.workers = cfg.rollout.tool_workers
 
     def run_rows(self, generate_turn: GenerateTurn, rows: Sequence[Prompt],

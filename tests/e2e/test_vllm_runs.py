@@ -105,14 +105,19 @@ def test_torchrun_two_processes_sample_what_one_does(hd32_dir, use_tiny_cache, v
 def test_kv_pool_too_small_is_one_line_before_training(hd32_dir, use_tiny_cache, vllm_installed,
                                                        reward_plugin, tmp_path, capsys):
     out = tmp_path / "small-kv"
+    # with the format warm-up on: refused before it trains (it ran whole first, before)
     code = main(["train", f"train.output_dir={out}", *VLLM, *SMALL,
-                 "rollout.vllm.kv_cache_memory=4096", "sft.format_warmup_steps=0"])
+                 "rollout.vllm.kv_cache_memory=4096", "sft.format_warmup_steps=2"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
-    assert err[-1].startswith("r1fit: error: rollout.vllm.kv_cache_memory=4096 (4.00 KiB) holds 8 "
-                              "tokens, fewer than one sequence of data.max_prompt_tokens + "
-                              "algo.max_new_tokens = 264: set rollout.vllm.kv_cache_memory >= ")
+    # 264 tokens: 3 blocks of 128 and the one vLLM keeps back, of 512 bytes a token (the audit
+    # found 135,168 bytes, one sequence's own, refused by vLLM itself; 262,144 ran)
+    assert err[-1] == ("r1fit: error: rollout.vllm.kv_cache_memory=4096 (4.00 KiB) holds 8 "
+                       "tokens, too few for one sequence of data.max_prompt_tokens + "
+                       "algo.max_new_tokens = 264 in vLLM's blocks of 128: set "
+                       "rollout.vllm.kv_cache_memory >= 262144 or lower data.max_prompt_tokens")
     assert not (out / "metrics.jsonl").exists() or not step_rows(out)
+    assert not list(out.glob("checkpoint-*"))  # the warm-up did not run
 
 
 def test_model_the_engine_cannot_run_is_one_line_before_training(use_tiny_cache, vllm_installed,
