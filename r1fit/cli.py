@@ -280,6 +280,9 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
     """``r1fit doctor``: the machine's facts; with ``--check`` a self-check."""
     from r1fit.doctor.command import doctor
 
+    if ns.out is not None and not ns.check:
+        raise ConfigError("r1fit doctor: --out is where --check writes its run; without --check "
+                          "nothing is written")
     return doctor(json_out=ns.json, check=ns.check, out=ns.out, calibrate=ns.calibrate)
 
 
@@ -397,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     # imported late: `r1fit config` and `--help` should not pay for importing torch/transformers,
     # nor `r1fit doctor` for peft and transformers (seconds): it stops no run
     stopped: type[BaseException] | tuple[()] = ()
-    if ns.command != "doctor":
+    if ns.command in ("train", "sft"):  # the others stop no run (and this import costs seconds)
         from r1fit.checkpoint.manager import RunStopped as stopped
 
     try:
@@ -405,6 +408,10 @@ def main(argv: list[str] | None = None) -> int:
     except R1fitError as exc:  # a cause the user can fix: one line, no traceback
         print(f"r1fit: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `r1fit config | head`: the reader has what it wanted
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's flush at exit would fail again
+        return 1
     except OSError as exc:
         if exc.errno not in MACHINE_ERRNOS:
             raise

@@ -319,3 +319,38 @@ def test_sft_says_which_grpo_overrides_it_drops(monkeypatch, capsys):
                    f"reads sft.learning_rate (now {load_config(None).sft.learning_rate})"]
     assert main(["train", "train.max_steps=1"]) == 0 and ran == ["sft", "train"]
     assert capsys.readouterr().err == ""
+
+
+def test_config_lists_a_whole_section_override_key_by_key(capsys):
+    """`r1fit config 'algo={beta: 0.1}'` was a JSON TypeError traceback."""
+    assert main(["config", "algo={beta: 0.1}", "data.shapes={}"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    beta = next(line for line in lines if line.startswith("algo.beta "))
+    assert beta.split() == ["algo.beta", "0.1", "override"]
+
+
+def test_empty_sources_and_model_are_refused_naming_the_key(capsys):
+    for override, key in (("data.train=", "data.train"), ("data.train=[]", "data.train"),
+                          ("data.train=[a.jsonl,'']", "data.train"), ("model.path=", "model.path")):
+        assert main(["config", override]) == 2
+        assert capsys.readouterr().err.startswith(f"r1fit: error: {key}: got ")
+
+
+def test_doctor_out_without_check_is_refused(capsys):
+    assert main(["doctor", "--out", "somewhere"]) == 2
+    assert "--out is where --check writes its run" in capsys.readouterr().err
+
+
+def test_config_piped_into_head_ends_quietly():
+    """`r1fit config | head` printed a BrokenPipeError traceback; the light commands import no
+    torch (about 6 s before)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(f"{sys.executable} -m r1fit config | head -1", shell=True,
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.startswith("# preset: demo") and done.stderr == ""
+    probe = subprocess.run([sys.executable, "-c", "import sys; from r1fit.cli import main; "
+                            "main(['config', '--json']); print('torch' in sys.modules, "
+                            "file=sys.stderr)"], capture_output=True, text=True, timeout=120)
+    assert probe.stderr.strip().splitlines()[-1] == "False"

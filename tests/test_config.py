@@ -345,3 +345,12 @@ def test_an_empty_output_dir_is_refused():
 def test_an_empty_reward_method_names_the_key(value):
     with pytest.raises(ConfigError, match="data.reward_method: got"):
         load_config(None, [f"data.reward_method={value}"])
+
+
+def test_an_integer_with_a_leading_zero_is_decimal(tmp_path) -> None:
+    """YAML 1.1 (PyYAML) read 010 as octal 8, in files and overrides alike."""
+    path = tmp_path / "c.yaml"
+    path.write_text("algo:\n  num_generations: 012\n")
+    assert load_config(str(path), []).algo.num_generations == 12
+    cfg = load_config(None, ["algo.num_generations=010", "train.seed=0x10"])
+    assert (cfg.algo.num_generations, cfg.train.seed) == (10, 16)  # hex stays hex

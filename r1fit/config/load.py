@@ -9,14 +9,14 @@ from typing import Any
 import yaml
 
 from r1fit.config.schema import Config
-from r1fit.config.values import ConfigError, apply, changed, parse_override
+from r1fit.config.values import ConfigError, DecimalLoader, Override, apply, changed, parse_override
 
 #: where the preset files live (package data)
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
 PRESETS = ("demo",)
 
 
-class _UniqueKeys(yaml.SafeLoader):
+class _UniqueKeys(DecimalLoader):
     """YAML's safe loader, refusing a key given twice in one mapping: PyYAML keeps the last one
     silently, and a section given twice loses every key of the first."""
 
@@ -101,6 +101,7 @@ def _override_keys(changes: list[tuple[list[str], Any]]) -> list[str]:
     for path, value in changes:
         if path[0] == "rewards":
             keys.append("rewards")
-        else:
-            keys.extend(_leaf_keys(value, ".".join(path) + "."))
+        else:  # an override's text stands for what it parses to (a section's mapping)
+            parsed = value.parsed if isinstance(value, Override) else value
+            keys.extend(_leaf_keys(parsed, ".".join(path) + "."))
     return keys

@@ -785,6 +785,15 @@ def _check_not_empty(cfg: Config) -> None:
         # every row would be bad, blamed on the rows
         raise ConfigError(f"data.reward_method: got {methods!r}, expected a method name (or one "
                           "per data.train source)")
+    train = cfg.data.train
+    sources = [train] if isinstance(train, str) else list(train)
+    if not sources or not all(str(source).strip() for source in sources):
+        # each read as a source named '' (datasets' error about a dataset name), late
+        raise ConfigError(f"data.train: got {train!r}, expected a data file, folder, hub dataset "
+                          "or builtin:shapes (or a list of them)")
+    if not cfg.model.path.strip():  # found only after the data had been read
+        raise ConfigError("model.path: got an empty value, expected a model folder, hub id or "
+                          "builtin: model")
     methods = cfg.data.eval_reward_method
     if methods is not None and (not methods or (not isinstance(methods, str) and not all(methods))):
         raise ConfigError(f"data.eval_reward_method: got {methods!r}, expected a method name (or "

@@ -71,6 +71,22 @@ def _number(value: Any, tp: type, bad: ConfigError) -> int | float:
     raise bad
 
 
+class DecimalLoader(yaml.SafeLoader):
+    """YAML's safe loader with integers written with a leading zero read in base 10: YAML 1.1
+    (PyYAML's) reads ``010`` as octal 8, which no one writing ``num_generations: 010`` means."""
+
+
+def _decimal_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = str(loader.construct_scalar(node)).replace("_", "")
+    digits = text.lstrip("+-")
+    if len(digits) > 1 and digits[0] == "0" and digits.isdigit():
+        return int(text, 10)
+    return loader.construct_yaml_int(node)
+
+
+DecimalLoader.add_constructor("tag:yaml.org,2002:int", _decimal_int)
+
+
 class Override(str):
     """A ``key=value`` override's value: its text as typed, and ``parsed``, that text read as
     YAML. A key whose type is a string takes the text (``Answer: briefly``, ``1.10``, ``007``,
@@ -84,7 +100,7 @@ class Override(str):
     def of(cls, raw: str) -> Override:
         text = raw.strip()
         try:
-            parsed = yaml.safe_load(text) if text else ""
+            parsed = yaml.load(text, Loader=DecimalLoader) if text else ""  # noqa: S506 (safe)
         except yaml.YAMLError:
             parsed = text
         quoted = text[:1] in ("'", '"') and isinstance(parsed, str)
