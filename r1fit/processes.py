@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from r1fit.config.schema import uneven_split
+from r1fit.config.values import config_changes
 from r1fit.errors import R1fitError, one_line
 
 log = logging.getLogger("r1fit.distributed")
@@ -152,25 +153,14 @@ def check_same_config(config: dict[str, Any]) -> None:
     settings on record (another learning rate). Every rank raises the same one line."""
     if not world().distributed:
         return
-    configs = all_gather_objects(_flat(config))
+    configs = all_gather_objects(config)
     for rank, other in enumerate(configs[1:], start=1):
-        keys = sorted(k for k in set(configs[0]) | set(other)
-                      if configs[0].get(k) != other.get(k))
-        if keys:
-            shown = ", ".join(f"{k}: {configs[0].get(k)!r} vs {other.get(k)!r}" for k in keys[:3])
-            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+        if changes := config_changes(configs[0], other):
+            shown = ", ".join(f"{k}: {a!r} vs {b!r}" for k, (a, b) in list(changes.items())[:3])
+            more = f" and {len(changes) - 3} more" if len(changes) > 3 else ""
             raise DistributedError(f"rank {rank}'s config differs from rank 0's ({shown}{more}); "
                                    "every process must run the same command with the same "
                                    "config files")
-
-
-def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, dict):
-        out: dict[str, Any] = {}
-        for key, item in value.items():
-            out.update(_flat(item, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: value}
 
 
 #: how a collective reports a process that went away (gloo's transport, NCCL, the store)

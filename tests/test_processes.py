@@ -154,7 +154,7 @@ def test_processes_whose_configs_differ_are_refused(monkeypatch):
     mine = load_config(None, ["train.max_steps=4"]).to_dict()
     theirs = load_config(None, ["train.max_steps=6", "train.learning_rate=0.01"]).to_dict()
     monkeypatch.setattr(processes, "_WORLD", World(rank=0, size=2))
-    monkeypatch.setattr(processes, "all_gather_objects", lambda obj: [obj, processes._flat(theirs)])
+    monkeypatch.setattr(processes, "all_gather_objects", lambda obj: [obj, theirs])
     with pytest.raises(DistributedError, match=r"^rank 1's config differs from rank 0's "
                                                r"\(train.learning_rate: 0.003 vs 0.01, "
                                                r"train.max_steps: 4 vs 6\); every process must "

@@ -152,11 +152,16 @@ def read_best(out: Path) -> dict[str, Any] | None:
     there is none, or it is unreadable (a resume forgets such a file, ``r1fit inspect`` says
     so)."""
     record = read_json_object(out / "best")
-    fields = (record.get("checkpoint"), record.get("metric"), record.get("value"))
-    if not (isinstance(fields[0], str) and fields[0] and isinstance(fields[1], str)
-            and isinstance(fields[2], int | float) and not isinstance(fields[2], bool)):
+    named, metric = record.get("checkpoint"), record.get("metric")
+    if not (isinstance(named, str) and named and isinstance(metric, str)
+            and _a_number(record.get("value"))):
         return None
     return record
+
+
+def _a_number(value: Any) -> bool:
+    """A metric's value as JSON gives it: an int or float, not a bool."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def storage_of(obj: Stateful) -> str:
@@ -250,23 +255,6 @@ def missing_for_resume(path: Path) -> list[str]:
     names = {"optimizer": "optimizer state", "scheduler": "LR scheduler state",
              "rng": "RNG states"}
     return [text for key, text in names.items() if key not in state.get("objects", [])]
-
-
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and prefix + key != "rewards":
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[prefix + key] = value
-    return out
-
-
-def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """Dotted keys whose values differ between two resolved configs: ``{key: (saved, now)}``."""
-    a, b = flatten(saved), flatten(now)
-    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
-            if a.get(k) != b.get(k) and k != "kind"}
 
 
 @dataclass
@@ -545,8 +533,7 @@ class CheckpointManager:
         for path in reversed(list_checkpoints(self.out)):
             value = read_json_object(path / TRAINER_STATE).get("metrics", {}).get(key) \
                 if not path.name.endswith(PARTIAL) else None
-            if isinstance(value, int | float) and not isinstance(value, bool) \
-                    and self._better(float(value), best):
+            if _a_number(value) and self._better(float(value), best):
                 best = {"checkpoint": path.name, "metric": key, "value": float(value)}
         if best == self.best:
             return

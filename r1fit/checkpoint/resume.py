@@ -32,8 +32,6 @@ from r1fit.checkpoint.manager import (
     checkpoint_name,
     checkpoint_order,
     command_of,
-    config_changes,
-    flatten,
     list_checkpoints,
     missing_for_resume,
     read_best,
@@ -41,6 +39,7 @@ from r1fit.checkpoint.manager import (
     run_config,
     verify,
 )
+from r1fit.config.values import config_changes, flatten
 from r1fit.errors import one_line
 from r1fit.models.load import loaded_dtype
 

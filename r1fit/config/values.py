@@ -240,3 +240,22 @@ def changed(cfg: Any, changes: list[tuple[list[str], Any]]) -> Any:
             continue
         cfg = apply(cfg, nest(keys, value), "")
     return cfg
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A resolved config (``Config.to_dict``) as dotted keys; ``rewards`` is one leaf."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and prefix + key != "rewards":
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Dotted keys whose values differ between two resolved configs: ``{key: (saved, now)}``
+    (a checkpoint's and a resume's, two processes')."""
+    a, b = flatten(saved), flatten(now)
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k) and k != "kind"}

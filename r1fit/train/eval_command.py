@@ -50,7 +50,6 @@ from r1fit.checkpoint.manager import (
     TRAINER_STATE,
     CheckpointError,
     checkpoint_order,
-    flatten,
     list_checkpoints,
     run_config,
     verify,
@@ -58,6 +57,7 @@ from r1fit.checkpoint.manager import (
 from r1fit.checkpoint.resume import EVAL_FOLDER, os_reason
 from r1fit.checkpoint.sharded import load_model_weights
 from r1fit.config import Config, ConfigError
+from r1fit.config.values import flatten
 from r1fit.data.build import build_eval_set
 from r1fit.data.errors import DataError
 from r1fit.distributed.loading import load_on_ranks
