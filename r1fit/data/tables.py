@@ -57,10 +57,8 @@ class JsonlTable(Table):
                 self._lines.append(line_no)
                 try:
                     # utf-8-sig tolerates a byte-order mark on the first line (Windows editors)
-                    self._rows.append(json.loads(raw.decode("utf-8-sig"),
-                                                 object_pairs_hook=_unique_keys))
-                except DuplicateKey as exc:
-                    self._rows.append(BadRowError(str(exc)))
+                    row = json.loads(raw.decode("utf-8-sig"), object_pairs_hook=_marked_keys)
+                    self._rows.append(_bad_inside(row) or row)
                 except UnicodeDecodeError as exc:
                     self._rows.append(BadRowError(f"not valid UTF-8 ({exc.reason} at byte "
                                                   f"{exc.start})"))
@@ -103,25 +101,11 @@ class ListTable(Table):
         return f"{self.name} row {index + 1}"
 
 
-class DuplicateKey(ValueError):
-    """A JSON object that names a key twice (Python's json keeps the last, unsaid)."""
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object's dict, refusing a key given twice: which of two answers was meant is not
-    for the reader to guess."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise DuplicateKey(f"key {key!r} given twice")
-        out[key] = value
-    return out
-
-
 def _marked_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any] | BadRowError:
-    """``_unique_keys`` for a JSON file that holds a list of rows: an object that names a key
-    twice, or holds one that does (at any depth), becomes the error itself, so that its row is
-    bad and its neighbours are read (one bad row must not stop the whole file)."""
+    """The ``object_pairs_hook`` of JSON rows: an object that names a key twice (Python's json
+    keeps the last, unsaid: which of two answers was meant is not for the reader to guess), or
+    holds one that does (at any depth), becomes the error itself, so that its row is bad and its
+    neighbours are read (in a .json list, one bad row must not stop the whole file)."""
     out: dict[str, Any] = {}
     for key, value in pairs:
         if (bad := _bad_inside(value)) is not None:
