@@ -246,8 +246,12 @@ def _never_saved(out: Path, cfg: Any, kind: str) -> bool:
     """True when ``out`` holds this command's run, stopped before or while writing its first
     checkpoint (a half-written one at most) and not finished."""
     saves = [p for p in list_checkpoints(out) if not p.name.endswith(PARTIAL)]
-    finished = (out / "final").is_dir() or (out / "summary.json").is_file()
-    return not saves and not finished and _same_command(out, cfg, kind)
+    return not saves and not _finished(out) and _same_command(out, cfg, kind)
+
+
+def _finished(out: Path) -> bool:
+    """The run in ``out`` ended (its ``final/`` or summary written)."""
+    return (out / "final").is_dir() or (out / "summary.json").is_file()
 
 
 def _refuse_or_start_over(out: Path, cfg: Any, kind: str, skipped: list[str]) -> None:
@@ -256,12 +260,11 @@ def _refuse_or_start_over(out: Path, cfg: Any, kind: str, skipped: list[str]) ->
     to lose and nothing to resume: it starts over, said (a requeued job killed early would
     otherwise need a hand). Anything else is refused: damaged checkpoints are worth a look, and
     another config's run is not this one's."""
-    finished = (out / "final").is_dir() or (out / "summary.json").is_file()
     if _never_saved(out, cfg, kind):
         _delete_run(out, "starting over: this command's run stopped before its first checkpoint "
                          "(nothing to resume; its metrics rows are redone)")
         return
-    if finished and not skipped:
+    if _finished(out) and not skipped:
         raise CheckpointError(f"{out} holds a finished run that saved no checkpoint (checkpoint."
                               "every=0): its final/ is the result; pass train.overwrite=true to run "
                               "it again, or choose another train.output_dir")
